@@ -1,0 +1,80 @@
+"""The KV-cache format in one place: window sizes, group sizes, and the byte math.
+
+Everything that needs "how many bits per element" or "bytes per token" asks this module,
+so the accuracy tables, the memory accounting of the pool and the benchmarks agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_GROUPS = (32, 64, 128)
+PARAM_BITS = 16  # scale and min are stored as bf16
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """How one side (K or V) of a (token, head) row is stored.
+
+    bits:  code width (2 for OSCAR, 4 for the INT4 baseline)
+    group: elements per (scale, min) pair, contiguous along head_dim
+    """
+
+    bits: int = 2
+    group: int = 64
+
+    def __post_init__(self) -> None:
+        if self.bits not in (2, 4):
+            raise ValueError(f"bits must be 2 or 4, got {self.bits}")
+        if self.group <= 0 or self.group & (self.group - 1):
+            raise ValueError(f"group size must be a power of two, got {self.group}")
+
+    @property
+    def bits_per_element(self) -> float:
+        """Code bits plus the amortised scale/min bits."""
+        return self.bits + 2 * PARAM_BITS / self.group
+
+    def bytes_per_row(self, head_dim: int) -> int:
+        check_head_dim(head_dim, self.group)
+        codes = head_dim * self.bits // 8
+        params = (head_dim // self.group) * 2 * (PARAM_BITS // 8)
+        return codes + params
+
+
+def check_head_dim(head_dim: int, group: int) -> None:
+    if head_dim <= 0 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    if group > head_dim:
+        raise ValueError(
+            f"group size {group} is larger than head_dim {head_dim}; use --kv-cache-quant-group-size <= {head_dim}"
+        )
+    if head_dim % group:
+        raise ValueError(f"group size {group} must divide head_dim {head_dim}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """The whole mixed-precision cache: BF16 sink [0, sink), INT2 history, BF16 recent window."""
+
+    sink: int = 64
+    recent: int = 256
+    k: QuantFormat = QuantFormat()
+    v: QuantFormat = QuantFormat()
+
+    def __post_init__(self) -> None:
+        if self.sink < 0 or self.recent < 0:
+            raise ValueError("sink and recent window sizes must be >= 0")
+
+    @property
+    def bits_per_element(self) -> float:
+        """Average over K and V of the INT2 history (windows excluded)."""
+        return (self.k.bits_per_element + self.v.bits_per_element) / 2
+
+    def quant_bytes_per_token(self, num_layers: int, kv_heads: int, head_dim: int) -> int:
+        per_head = self.k.bytes_per_row(head_dim) + self.v.bytes_per_row(head_dim)
+        return num_layers * kv_heads * per_head
+
+    @staticmethod
+    def bf16_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int) -> int:
+        return num_layers * kv_heads * head_dim * 2 * 2
