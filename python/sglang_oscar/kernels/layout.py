@@ -1,0 +1,142 @@
+"""The per-layer buffers of the OSCAR KV cache, shared by the write, gather and decode kernels.
+
+Per layer (Hkv KV heads, head_dim D, group sizes Gk / Gv):
+
+    k_codes   uint8 [num_slots, Hkv, D/4]        quarter-plane packed INT2 (quant/pack.py)
+    k_params  bf16  [num_slots, Hkv, D/Gk, 2]    (scale, min) per group
+    v_codes, v_params                            likewise with Gv
+    sink_k, sink_v  [num_sink_rows, Hkv, D]      transformed rows of positions < sink (window dtype)
+    ring_k, ring_v  [max_reqs * window, Hkv, D]  transformed rows of the recent window;
+                                                 position p of request r is row r*window + p % window
+    sink_table int32 [num_slots]                 pool slot -> sink row, -1 = none
+
+Every slot always holds the INT2 form; sink and ring rows are extra BF16 copies. All buffers
+must be contiguous (the kernels compute offsets from the shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ..config import SUPPORTED_GROUPS, SUPPORTED_HEAD_DIMS, check_head_dim
+
+PARAM_DTYPE = torch.bfloat16
+WINDOW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_shape(head_dim: int, group: int, what: str = "") -> None:
+    """Raise a clear error for a head_dim / group size the kernels do not support."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{what}head_dim {head_dim} is not supported by the OSCAR kernels (use one of {SUPPORTED_HEAD_DIMS})")
+    if group not in SUPPORTED_GROUPS:
+        raise ValueError(f"{what}group size {group} is not supported by the OSCAR kernels (use one of {SUPPORTED_GROUPS})")
+    check_head_dim(head_dim, group)
+
+
+@dataclasses.dataclass
+class LayerCache:
+    k_codes: torch.Tensor
+    k_params: torch.Tensor
+    v_codes: torch.Tensor
+    v_params: torch.Tensor
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    ring_k: torch.Tensor
+    ring_v: torch.Tensor
+    k_group: int
+    v_group: int
+    window: int = 256
+    sink: int = 64
+    sink_table: Optional[torch.Tensor] = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.k_codes.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k_codes.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_codes.shape[2] * 4
+
+    @classmethod
+    def empty(
+        cls,
+        num_slots: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        k_group: int = 64,
+        v_group: int = 64,
+        num_sink_rows: int = 0,
+        max_reqs: int = 1,
+        window: int = 256,
+        sink: int = 64,
+        window_dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        with_sink_table: bool = True,
+    ) -> "LayerCache":
+        """Uninitialised buffers (torch.empty) of the right shapes; the sink table is all -1."""
+        check_shape(head_dim, k_group, "K: ")
+        check_shape(head_dim, v_group, "V: ")
+        d, h = head_dim, kv_heads
+
+        def codes():
+            return torch.empty(num_slots, h, d // 4, dtype=torch.uint8, device=device)
+
+        def params(g):
+            return torch.empty(num_slots, h, d // g, 2, dtype=PARAM_DTYPE, device=device)
+
+        def rows(n):
+            return torch.empty(n, h, d, dtype=window_dtype, device=device)
+
+        table = torch.full((num_slots,), -1, dtype=torch.int32, device=device) if with_sink_table else None
+        return cls(
+            codes(), params(k_group), codes(), params(v_group),
+            rows(num_sink_rows), rows(num_sink_rows), rows(max_reqs * window), rows(max_reqs * window),
+            k_group, v_group, window, sink, table,
+        )
+
+    def buffers(self) -> dict:
+        names = ("k_codes", "k_params", "v_codes", "v_params", "sink_k", "sink_v", "ring_k", "ring_v", "sink_table")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def clone(self) -> "LayerCache":
+        return dataclasses.replace(self, **{n: t.clone() for n, t in self.buffers().items()})
+
+    def validate(self) -> None:
+        """Check shapes, dtypes, devices and contiguity; raise ValueError with the offending buffer."""
+        n, h, d = self.num_slots, self.kv_heads, self.head_dim
+        check_shape(d, self.k_group, "K: ")
+        check_shape(d, self.v_group, "V: ")
+        dev = self.k_codes.device
+        expect = {
+            "k_codes": ((n, h, d // 4), torch.uint8),
+            "v_codes": ((n, h, d // 4), torch.uint8),
+            "k_params": ((n, h, d // self.k_group, 2), PARAM_DTYPE),
+            "v_params": ((n, h, d // self.v_group, 2), PARAM_DTYPE),
+        }
+        for name, (shape, dtype) in expect.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(f"LayerCache.{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+        for name in ("sink_k", "sink_v", "ring_k", "ring_v"):
+            t = getattr(self, name)
+            if t.dim() != 3 or tuple(t.shape[1:]) != (h, d) or t.dtype not in WINDOW_DTYPES:
+                raise ValueError(f"LayerCache.{name}: expected [rows, {h}, {d}] of {WINDOW_DTYPES}, got {t.dtype} {tuple(t.shape)}")
+        if self.ring_k.shape[0] % max(self.window, 1):
+            raise ValueError(f"LayerCache.ring_k has {self.ring_k.shape[0]} rows, not a multiple of window {self.window}")
+        if self.sink_k.shape != self.sink_v.shape or self.ring_k.shape != self.ring_v.shape:
+            raise ValueError("LayerCache: K and V window buffers must have the same shapes")
+        if self.sink_table is not None and (self.sink_table.shape != (n,) or self.sink_table.dtype != torch.int32):
+            raise ValueError(f"LayerCache.sink_table: expected int32 [{n}], got {self.sink_table.dtype} {tuple(self.sink_table.shape)}")
+        for name, t in self.buffers().items():
+            if t.device != dev:
+                raise ValueError(f"LayerCache.{name} is on {t.device}, k_codes on {dev}")
+            if not t.is_contiguous():
+                raise ValueError(f"LayerCache.{name} must be contiguous")

@@ -1,0 +1,305 @@
+"""Cache write: transform, window copy, clip, INT2 quantize and pack K and V in one launch.
+
+For every token t and KV head h, per side (K, V):
+
+    x'   = (x − μ)·T                     fp32 (tl.dot, see PRECISION below); V: T may be absent
+    sink_dst[t] >= 0  ->  sink[sink_dst[t], h] = x'   (cast to the sink buffer dtype)
+    ring_dst[t] >= 0  ->  ring[ring_dst[t], h] = x'
+    c    = clip(x', ±τ)                  τ = (n+1)-th largest |x'| of the row, n = clip_count(ρ, D)
+    per group of G: scale = bf16((max − min)/3), min = bf16(min)
+    t    = (c − min)/scale               with the rounded values, IEEE division
+    code = #{thresholds <= t}            thresholds = midpoints of the levels (0, a, 3−a, 3): in [0, 3]
+    codes[slots[t], h] = quarter-plane packed codes, params[slots[t], h] = (scale, min)
+
+The oracle is quant/cache_ops.py:write_reference (SideQuantizer math of quant/kv.py).
+
+Grid: (cdiv(T, BLOCK_T), Hkv, 2): a program does BLOCK_T tokens of one head of one side. The
+transform is a [BLOCK_T, D] x [D, D] tl.dot accumulated over BLOCK_K-wide slices of D, so a
+D=256 fp32 matrix never has to sit in shared memory whole.
+
+PRECISION. The default input_precision is "ieee": a true fp32 product (FMA units, no TF32).
+Then x' differs from the fp32 oracle only by summation order (~1e-6 relative), window rows match
+to ~1e-6 and codes match except where t lies within ~1e-5 of a level midpoint. "tf32x3" (three
+TF32 tensor-core products) is nearly as accurate and faster on Hopper; "tf32" rounds T to 10
+mantissa bits (~5e-4 relative error in x'), which flips noticeably more codes and makes window
+rows differ from the oracle at the 1e-3 level; it is accepted but not recommended.
+There are no host syncs: all sizes come from tensor shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..quant.clip import clip_count
+from .layout import WINDOW_DTYPES, LayerCache, check_shape
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only without triton
+    HAS_TRITON = False
+
+PRECISIONS = ("ieee", "tf32x3", "tf32")
+
+
+def level_thresholds(level_a: float) -> tuple:
+    """The three INT2 decision thresholds as exact fp32 values (the same arithmetic as quant/intq.py)."""
+    if not 0.0 < level_a < 1.5:
+        raise ValueError(f"INT2 codebook parameter a must be in (0, 1.5), got {level_a}")
+    lv = torch.tensor([0.0, level_a, 3.0 - level_a, 3.0], dtype=torch.float32)
+    return tuple(float(t) for t in (lv[1:] + lv[:-1]) / 2)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _round_bf16(x):
+        """fp32 -> the fp32 value of bf16(x), round to nearest even, done on the bits.
+
+        Same result as the hardware cvt.rn.bf16.f32 for finite x; spelled out because the Triton
+        CPU interpreter truncates fp32 -> bf16 casts, which would make CPU tests meaningless.
+        """
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _to_window(x, ptr):
+        """Cast fp32 rows to the element type of `ptr` (rounded to nearest even)."""
+        if ptr.dtype.element_ty == tl.bfloat16:
+            return _round_bf16(x).to(tl.bfloat16)
+        else:
+            return x.to(ptr.dtype.element_ty)
+
+    @triton.jit
+    def _write_side(
+        x_ptr, stride_xt, stride_xh,
+        mat_ptr, stride_mh, mean_ptr, stride_meanh,
+        slots_ptr, sink_dst_ptr, ring_dst_ptr,
+        codes_ptr, params_ptr, sink_ptr, ring_ptr,
+        T, t0, h,
+        H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+        HAS_MAT: tl.constexpr, HAS_MEAN: tl.constexpr, CLIP_N: tl.constexpr,
+        TH0: tl.constexpr, TH1: tl.constexpr, TH2: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        tmask = offs_t < T
+        offs_d = tl.arange(0, D)
+        x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + h * stride_xh
+
+        # ---- x' = (x - mean) @ T, fp32 ----
+        if HAS_MAT:
+            acc = tl.zeros((BLOCK_T, D), dtype=tl.float32)
+            offs_k = tl.arange(0, BLOCK_K)
+            for k0 in tl.static_range(0, D, BLOCK_K):
+                xk = tl.load(x_rows + (k0 + offs_k)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+                if HAS_MEAN:
+                    mu = tl.load(mean_ptr + h * stride_meanh + k0 + offs_k).to(tl.float32)
+                    xk = tl.where(tmask[:, None], xk - mu[None, :], 0.0)
+                mk = tl.load(mat_ptr + h * stride_mh + (k0 + offs_k)[:, None] * D + offs_d[None, :]).to(tl.float32)
+                acc = tl.dot(xk, mk, acc, input_precision=PRECISION)
+            xt = acc
+        else:
+            xt = tl.load(x_rows + offs_d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+
+        # ---- BF16 window copies ----
+        row_off = h * D + offs_d[None, :]
+        sd = tl.load(sink_dst_ptr + offs_t, mask=tmask, other=-1).to(tl.int64)
+        tl.store(sink_ptr + sd[:, None] * (H * D) + row_off, _to_window(xt, sink_ptr), mask=(sd >= 0)[:, None])
+        rd = tl.load(ring_dst_ptr + offs_t, mask=tmask, other=-1).to(tl.int64)
+        tl.store(ring_ptr + rd[:, None] * (H * D) + row_off, _to_window(xt, ring_ptr), mask=(rd >= 0)[:, None])
+
+        # ---- per-row clip at the (CLIP_N+1)-th largest |x'| (ties counted like torch.topk) ----
+        if CLIP_N > 0:
+            a = tl.abs(xt)
+            cur = tl.full((BLOCK_T,), float("inf"), tl.float32)
+            need = tl.full((BLOCK_T,), CLIP_N + 1, tl.int32)
+            tau = tl.zeros((BLOCK_T,), dtype=tl.float32)
+            for _ in tl.static_range(CLIP_N + 1):
+                v = tl.max(tl.where(a < cur[:, None], a, -1.0), axis=1)
+                cnt = tl.sum((a == v[:, None]).to(tl.int32), axis=1)
+                tau = tl.where(need > 0, v, tau)
+                need = need - cnt
+                cur = v
+            xt = tl.minimum(tl.maximum(xt, -tau[:, None]), tau[:, None])
+
+        # ---- per-group asymmetric INT2 ----
+        NG: tl.constexpr = D // G
+        xg = tl.reshape(xt, (BLOCK_T, NG, G))
+        lo = tl.min(xg, axis=2)
+        hi = tl.max(xg, axis=2)
+        scale_r = _round_bf16(tl.math.div_rn(hi - lo, tl.full(hi.shape, 3.0, tl.float32)))  # stored values, as fp32
+        min_r = _round_bf16(lo)
+        s = scale_r[:, :, None]
+        m = min_r[:, :, None]
+        pos = s > 0.0
+        t = tl.where(pos, tl.math.div_rn(xg - m, tl.where(pos, s, 1.0)), 0.0)
+        code = (t >= TH0).to(tl.int32) + (t >= TH1).to(tl.int32) + (t >= TH2).to(tl.int32)  # in [0, 3]
+
+        slot = tl.load(slots_ptr + offs_t, mask=tmask, other=0).to(tl.int64)
+        offs_g = tl.arange(0, NG)
+        p_ptr = params_ptr + slot[:, None] * (H * NG * 2) + h * (NG * 2) + offs_g[None, :] * 2
+        pmask = tmask[:, None]
+        tl.store(p_ptr, scale_r.to(tl.bfloat16), mask=pmask)  # exact: already a bf16 value
+        tl.store(p_ptr + 1, min_r.to(tl.bfloat16), mask=pmask)
+
+        # ---- quarter-plane pack: byte j = c[j] | c[j+D/4]<<2 | c[j+D/2]<<4 | c[j+3D/4]<<6 ----
+        Q: tl.constexpr = D // 4
+        c4 = tl.reshape(code, (BLOCK_T, 4, Q))
+        shift = (tl.arange(0, 4) * 2)[None, :, None]
+        packed = tl.sum(c4 << shift, axis=1).to(tl.uint8)
+        offs_q = tl.arange(0, Q)
+        tl.store(codes_ptr + slot[:, None] * (H * Q) + h * Q + offs_q[None, :], packed, mask=pmask)
+
+    @triton.jit
+    def _oscar_write_kv_kernel(
+        k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
+        kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh, vmat_ptr, stride_vmh,
+        slots_ptr, sink_dst_ptr, ring_dst_ptr,
+        k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr,
+        sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
+        T,
+        H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+        HAS_KMEAN: tl.constexpr, HAS_VMAT: tl.constexpr,
+        K_CLIP_N: tl.constexpr, V_CLIP_N: tl.constexpr,
+        K_TH0: tl.constexpr, K_TH1: tl.constexpr, K_TH2: tl.constexpr,
+        V_TH0: tl.constexpr, V_TH1: tl.constexpr, V_TH2: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        t0 = tl.program_id(0) * BLOCK_T
+        h = tl.program_id(1)
+        if tl.program_id(2) == 0:
+            _write_side(
+                k_ptr, stride_kt, stride_kh, kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh,
+                slots_ptr, sink_dst_ptr, ring_dst_ptr, k_codes_ptr, k_params_ptr, sink_k_ptr, ring_k_ptr,
+                T, t0, h, H, D, GK, True, HAS_KMEAN, K_CLIP_N, K_TH0, K_TH1, K_TH2, BLOCK_T, BLOCK_K, PRECISION,
+            )
+        else:
+            _write_side(
+                v_ptr, stride_vt, stride_vh, vmat_ptr, stride_vmh, kmean_ptr, 0,
+                slots_ptr, sink_dst_ptr, ring_dst_ptr, v_codes_ptr, v_params_ptr, sink_v_ptr, ring_v_ptr,
+                T, t0, h, H, D, GV, HAS_VMAT, False, V_CLIP_N, V_TH0, V_TH1, V_TH2, BLOCK_T, BLOCK_K, PRECISION,
+            )
+
+
+def _check_matrix(name: str, m: torch.Tensor, h: int, d: int, device) -> tuple:
+    """Return (contiguous fp32 matrix, head stride) for a [D, D] or [H, D, D] transform."""
+    if m.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32 (the transform is applied in fp32), got {m.dtype}")
+    if m.device != device:
+        raise ValueError(f"{name} is on {m.device}, the cache on {device}")
+    if m.dim() == 3 and m.shape[0] == 1:
+        m = m[0]
+    if m.dim() == 2 and tuple(m.shape) == (d, d):
+        return m.contiguous(), 0
+    if m.dim() == 3 and tuple(m.shape) == (h, d, d):
+        return m.contiguous(), d * d
+    raise ValueError(f"{name} must have shape [{d}, {d}] or [{h}, {d}, {d}], got {tuple(m.shape)}")
+
+
+def _check_mean(mean: torch.Tensor, h: int, d: int, device) -> tuple:
+    if mean.dtype != torch.float32:
+        raise TypeError(f"k_mean must be float32, got {mean.dtype}")
+    if mean.device != device:
+        raise ValueError(f"k_mean is on {mean.device}, the cache on {device}")
+    if tuple(mean.shape) == (d,):
+        return mean.contiguous(), 0
+    if tuple(mean.shape) == (h, d):
+        return mean.contiguous(), d
+    raise ValueError(f"k_mean must have shape [{d}] or [{h}, {d}], got {tuple(mean.shape)}")
+
+
+def default_block_t(num_tokens: int, head_dim: int) -> int:
+    """Tokens per program: enough rows to feed the dot, few enough registers for the [BT, D] tile."""
+    if num_tokens <= 16:
+        return 16
+    return {64: 64, 128: 32, 256: 16}[head_dim]
+
+
+def oscar_write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    sink_dst: torch.Tensor,
+    ring_dst: torch.Tensor,
+    pool: LayerCache,
+    *,
+    k_transform: torch.Tensor,
+    k_mean: Optional[torch.Tensor] = None,
+    v_transform: Optional[torch.Tensor] = None,
+    k_clip: float = 1.0,
+    v_clip: float = 1.0,
+    k_level_a: float = 1.0,
+    v_level_a: float = 1.0,
+    precision: str = "ieee",
+    block_t: Optional[int] = None,
+    num_warps: int = 4,
+    validate: bool = True,
+) -> None:
+    """Write T tokens of one layer into `pool` (in place). See the module docstring.
+
+    k, v: [T, Hkv, D] post-RoPE rows (bf16/fp16/fp32; last dim contiguous, any token/head stride).
+    slots: int64 [T] pool slots (INT2 form, always written). sink_dst / ring_dst: int32 [T] rows of
+    the sink / ring buffers, −1 = do not write. k_transform: fp32 [D, D] or [Hkv, D, D]; k_mean: fp32
+    [D] or [Hkv, D]; v_transform None = V already in its basis. Clip ratios ρ in (0, 1], ρ = 1 no clip.
+    validate=False skips the (host-only, sync-free) shape checks of the pool for hot loops.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("oscar_write_kv needs triton")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if validate:
+        pool.validate()
+    h, d = pool.kv_heads, pool.head_dim
+    dev = pool.k_codes.device
+    for name, x in (("k", k), ("v", v)):
+        if x.dim() != 3 or tuple(x.shape[1:]) != (h, d):
+            raise ValueError(f"{name} must have shape [T, {h}, {d}], got {tuple(x.shape)}")
+        if x.dtype not in WINDOW_DTYPES:
+            raise TypeError(f"{name} must be bf16, fp16 or fp32, got {x.dtype}")
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim")
+        if x.device != dev:
+            raise ValueError(f"{name} is on {x.device}, the cache on {dev}")
+    n = k.shape[0]
+    if v.shape[0] != n:
+        raise ValueError(f"k has {n} tokens, v has {v.shape[0]}")
+    for name, idx, dtype in (("slots", slots, torch.int64), ("sink_dst", sink_dst, torch.int32), ("ring_dst", ring_dst, torch.int32)):
+        if idx.dtype != dtype or tuple(idx.shape) != (n,) or idx.device != dev:
+            raise ValueError(f"{name} must be {dtype} [{n}] on {dev}, got {idx.dtype} {tuple(idx.shape)} on {idx.device}")
+    check_shape(d, pool.k_group, "K: ")
+    check_shape(d, pool.v_group, "V: ")
+    kmat, s_kmh = _check_matrix("k_transform", k_transform, h, d, dev)
+    if v_transform is not None:
+        vmat, s_vmh = _check_matrix("v_transform", v_transform, h, d, dev)
+    else:
+        vmat, s_vmh = kmat, 0  # never read
+    if k_mean is not None:
+        kmean, s_kmeanh = _check_mean(k_mean, h, d, dev)
+    else:
+        kmean, s_kmeanh = kmat, 0  # never read
+    kth, vth = level_thresholds(k_level_a), level_thresholds(v_level_a)
+    k_n, v_n = clip_count(k_clip, d), clip_count(v_clip, d)
+    if n == 0:
+        return
+    bt = block_t or default_block_t(n, d)
+    bk = min(d, 64)
+    grid = (triton.cdiv(n, bt), h, 2)
+    _oscar_write_kv_kernel[grid](
+        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+        kmat, s_kmh, kmean, s_kmeanh, vmat, s_vmh,
+        slots, sink_dst, ring_dst,
+        pool.k_codes, pool.k_params, pool.v_codes, pool.v_params,
+        pool.sink_k, pool.sink_v, pool.ring_k, pool.ring_v,
+        n,
+        H=h, D=d, GK=pool.k_group, GV=pool.v_group,
+        HAS_KMEAN=k_mean is not None, HAS_VMAT=v_transform is not None,
+        K_CLIP_N=k_n, V_CLIP_N=v_n,
+        K_TH0=kth[0], K_TH1=kth[1], K_TH2=kth[2], V_TH0=vth[0], V_TH1=vth[1], V_TH2=vth[2],
+        BLOCK_T=bt, BLOCK_K=bk, PRECISION=precision, num_warps=num_warps,
+    )
