@@ -1,0 +1,158 @@
+"""Offline calibration CLI: capture statistics once, fit rotations and clip ratios, write a bundle.
+
+    python -m sglang_oscar.calibrate --model smollm2 --out bundle.safetensors
+
+Statistics windows and held-out windows (clip calibration) are cut from the same text but are
+disjoint: held-out tokens are the last --heldout-tokens of the text, statistics windows are spread
+over what precedes them. `calibrate_many` is the Python entry point that fits several variants
+from one capture (the capture is the slow part).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from .models import attention_shape
+from .rotation.bundle import save_bundle
+from .rotation.capture import CalibrationStats, capture_statistics
+from .rotation.fit import COMPOSITIONS, METHODS, bundle_orthogonality, fit_bundle
+
+
+class _ByteTokenizer:
+    """Stand-in tokenizer for the hidden `--model tiny` test model (ids = UTF-8 bytes)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode("utf-8"))}
+
+
+def split_windows(ids: list[int], *, tokens: int, seq_len: int, heldout_tokens: int):
+    """(statistics windows, held-out windows): held-out from the end, statistics spread before it."""
+    if seq_len <= 0 or tokens <= 0 or heldout_tokens < 0:
+        raise ValueError("--tokens and --seq-len must be positive and --heldout-tokens >= 0")
+    need = tokens + heldout_tokens
+    if len(ids) < need:
+        raise ValueError(f"calibration text has {len(ids)} tokens but --tokens {tokens} + --heldout-tokens "
+                         f"{heldout_tokens} = {need} are needed; lower them or pass a longer --text-file")
+    head = ids[: len(ids) - heldout_tokens]
+    tail = ids[len(ids) - heldout_tokens:]
+    length = min(seq_len, tokens)
+    count = max(1, tokens // length)
+    stride = len(head) // count
+    windows = [head[i * stride: i * stride + length] for i in range(count)]
+    heldout = [tail[i: i + seq_len] for i in range(0, len(tail), seq_len)]
+    heldout = [w for w in heldout if len(w) > 0]
+    return windows, heldout
+
+
+def calibrate_many(model, tokenizer, variants: dict[str, dict], *, tokens: int, seq_len: int, heldout_tokens: int,
+                   text: Optional[str] = None, progress: bool = True, source: Optional[str] = None,
+                   model_id: str = ""):
+    """Capture once, fit every variant. variants: name -> kwargs of fit_bundle (method required)."""
+    from . import data
+
+    if text is None:
+        text, source = data.calibration_text(), source or data.CALIBRATION_SOURCE
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    windows, heldout = split_windows(ids, tokens=tokens, seq_len=seq_len, heldout_tokens=heldout_tokens)
+    stats = capture_statistics(model, windows, heldout, progress=progress)
+    calibration = dict(source=source or "user text", tokens=stats.tokens, windows=stats.windows, seq_len=stats.seq_len,
+                       heldout_tokens=stats.heldout_tokens)
+    bundles = {}
+    for name, kwargs in variants.items():
+        kw = dict(kwargs)
+        if "method" not in kw:
+            raise ValueError(f"variant {name!r} has no 'method'")
+        method = kw.pop("method")
+        kw.setdefault("calibration", dict(calibration))
+        kw.setdefault("model_id", model_id)
+        d = stats.head_dim
+        kw.setdefault("k_group", min(d, 128))
+        kw.setdefault("v_group", min(d, 128))
+        bundles[name] = fit_bundle(stats, method, progress=progress, **kw)
+    return bundles, stats
+
+
+def _load(name: str, device: str):
+    if name == "tiny":
+        from .models import tiny_llama
+
+        return tiny_llama().to(device), _ByteTokenizer(), "tiny-llama (random, tests only)"
+    from .models import load_model
+
+    return load_model(name, device=device)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sglang_oscar.calibrate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or a transformers model directory")
+    p.add_argument("--out", required=True, help="output .safetensors bundle")
+    p.add_argument("--method", default="oscar", choices=METHODS)
+    p.add_argument("--composition", default="u_h", choices=COMPOSITIONS)
+    p.add_argument("--cs", default="exact", choices=("exact", "cheap"), help="V target of oscar")
+    p.add_argument("--per-head", action="store_true", help="one transform per KV head")
+    p.add_argument("--center-k", action="store_true", help="subtract the key mean before rotating")
+    p.add_argument("--group-k", type=int, default=None, help="K quantization group (default min(head_dim, 128))")
+    p.add_argument("--group-v", type=int, default=None, help="V quantization group (default min(head_dim, 128))")
+    p.add_argument("--bits", type=int, default=2, choices=(2, 4))
+    p.add_argument("--tokens", type=int, default=16384, help="statistics tokens")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out tokens for clip calibration")
+    p.add_argument("--clip", default=None, choices=("auto",), help="per-layer clip calibration (default)")
+    p.add_argument("--clip-k", type=float, default=None, help="fixed K clip ratio for every layer")
+    p.add_argument("--clip-v", type=float, default=None, help="fixed V clip ratio for every layer")
+    p.add_argument("--level-grid", type=float, nargs="+", default=[1.0],
+                   help="INT2 codebook parameters a to try jointly with the clip (1.0 = uniform)")
+    p.add_argument("--text-file", default=None, help="calibration text (default: stdlib docstrings)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if (args.clip_k is None) != (args.clip_v is None):
+        raise SystemExit("error: give both --clip-k and --clip-v (or neither, for --clip auto)")
+    if args.clip == "auto" and args.clip_k is not None:
+        raise SystemExit("error: --clip auto and --clip-k/--clip-v are exclusive")
+    clip = "auto" if args.clip_k is None else (args.clip_k, args.clip_v)
+    text, source = None, None
+    if args.text_file:
+        try:
+            with open(args.text_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise SystemExit(f"error: cannot read --text-file: {e}")
+        source = f"file:{args.text_file}"
+    torch.set_grad_enabled(False)
+    t0 = time.time()
+    model, tok, model_id = _load(args.model, args.device)
+    d = attention_shape(model)["head_dim"]
+    variant = dict(method=args.method, composition=args.composition, per_head=args.per_head, center_k=args.center_k,
+                   cs=args.cs, k_group=args.group_k or min(d, 128), v_group=args.group_v or min(d, 128),
+                   bits=args.bits, clip=clip, level_grid=tuple(args.level_grid))
+    try:
+        bundles, _ = calibrate_many(model, tok, {"cli": variant}, tokens=args.tokens, seq_len=args.seq_len,
+                                    heldout_tokens=args.heldout_tokens if clip == "auto" else 0, text=text,
+                                    progress=not args.quiet, source=source, model_id=model_id)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    bundle = bundles["cli"]
+    path = save_bundle(bundle, args.out)
+    ortho = bundle_orthogonality(bundle)
+    print(f"{'layer':>5} {'rho_K':>6} {'rho_V':>6} {'a_K':>5} {'a_V':>5} {'ortho_err':>9}")
+    for i in range(bundle.num_layers):
+        print(f"{i:>5} {float(bundle.k_clip[i]):6.3f} {float(bundle.v_clip[i]):6.3f} "
+              f"{float(bundle.k_level_a[i]):5.2f} {float(bundle.v_level_a[i]):5.2f} {ortho[i]:9.2e}")
+    print(f"method={bundle.method} composition={bundle.composition} per_head={bundle.per_head} "
+          f"tokens={bundle.calibration.get('tokens')} time={time.time() - t0:.1f}s")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Per-layer clip ratios (ρ_K, ρ_V) and INT2 codebook parameter a, chosen on held-out windows.
+
+The objective is what the cache actually breaks: the layer's attention output. For K, keys at
+positions >= sink are replaced by their quantized reconstruction (V exact); for V, the same with
+values (K exact). The score is the relative MSE ‖O_hat − O‖² / ‖O‖² summed over held-out
+windows and a random subset of query positions (past the sink, where quantized keys exist).
+The BF16 recent window is ignored on purpose: it would hide the quantization error from the
+queries we sample and make every ρ look the same.
+
+Speed: every (ρ, a) candidate of one side is evaluated in one batched matmul; queries are
+subsampled (default 256 per window), so SmolLM2 (30 layers, 4k held-out tokens) takes about a
+minute on one core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from ..quant.clip import clip_count
+from ..quant.intq import fake_quantize
+from ..quant.kv import SideQuantizer, apply_transform
+
+DEFAULT_RHO_GRID = (1.0, 0.995, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.92, 0.90, 0.88, 0.85)
+
+
+@dataclasses.dataclass
+class ClipChoice:
+    rho_k: float
+    level_a_k: float
+    rho_v: float
+    level_a_v: float
+    k_errors: torch.Tensor  # [len(rho_grid), len(level_grid)] relative MSE, NaN if nothing to score
+    v_errors: torch.Tensor
+    candidates: list[tuple[float, float]]  # (ρ, a) in the order of the flattened error tables
+
+
+def _candidates(rho_grid: Sequence[float], level_grid: Sequence[float], bits: int) -> list[tuple[float, float]]:
+    rhos = sorted({float(r) for r in rho_grid}, reverse=True)  # ties resolve to the mildest clip
+    for r in rhos:
+        clip_count(r, 2)  # raises a clear error for ρ outside (0, 1]
+    levels_ = sorted({float(a) for a in level_grid}, key=lambda a: (a != 1.0, a))  # uniform first
+    if bits != 2 and levels_ != [1.0]:
+        raise ValueError(f"level_grid {tuple(level_grid)} only makes sense for INT2; use (1.0,) for {bits} bits")
+    for a in levels_:
+        if not 0.0 < a < 1.5:
+            raise ValueError(f"level_a {a} outside (0, 1.5)")
+    return [(r, a) for r in rhos for a in levels_]
+
+
+def _clip_many(xt: torch.Tensor, rhos: Sequence[float]) -> torch.Tensor:
+    """clip_rows for every ρ at once: [R, ...] (one topk for the largest count)."""
+    d = xt.shape[-1]
+    counts = [clip_count(r, d) for r in rhos]
+    a = xt.abs()
+    top = torch.topk(a, max(counts) + 1, dim=-1).values
+    out = []
+    for n in counts:
+        t = top[..., n : n + 1]
+        out.append(torch.maximum(torch.minimum(xt, t), -t))
+    return torch.stack(out)
+
+
+def _reconstructions(x: torch.Tensor, quant: SideQuantizer, cands, sink: int) -> torch.Tensor:
+    """[G, H, T, D]: x with positions >= sink replaced by the quantized reconstruction per candidate."""
+    xt = quant.transform(x.transpose(0, 1))  # [T, H, D] in the transformed basis
+    rhos = sorted({r for r, _ in cands}, reverse=True)
+    clipped = dict(zip(rhos, _clip_many(xt, rhos)))
+    inv = quant.inverse_matrix()
+    outs = []
+    for r, a in cands:
+        rec = apply_transform(fake_quantize(clipped[r], quant.bits, quant.group, a), inv)
+        if quant.mean is not None:
+            rec = rec + quant.mean.float()
+        rec = rec.transpose(0, 1)  # [H, T, D]
+        rec[:, :sink] = x[:, :sink]
+        outs.append(rec)
+    return torch.stack(outs)
+
+
+def _attend(q, k, v, qpos, scaling):
+    """q [..., Hq, n, D] at positions qpos; k/v [..., Hkv, T, D] -> output [..., Hq, n, D]."""
+    g = q.shape[-3] // k.shape[-3]
+    kk = k.repeat_interleave(g, dim=-3)
+    vv = v.repeat_interleave(g, dim=-3)
+    s = (q @ kk.transpose(-1, -2)) * scaling
+    mask = torch.arange(k.shape[-2])[None, :] > qpos[:, None]
+    return torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1) @ vv
+
+
+def calibrate_layer_clip(
+    qs: Sequence[torch.Tensor],
+    ks: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    k_quant: SideQuantizer,
+    v_quant: SideQuantizer,
+    *,
+    scaling: float,
+    rho_grid: Sequence[float] = DEFAULT_RHO_GRID,
+    level_grid: Sequence[float] = (1.0,),
+    sink: int = 64,
+    queries_per_window: int = 256,
+    chunk: int = 4,
+    seed: int = 0,
+) -> ClipChoice:
+    """Pick (ρ, a) for K and V of one layer. qs/ks/vs: per window q [Hq, T, D], k/v [Hkv, T, D].
+
+    k_quant / v_quant give the transform (and key mean), bits and group; their own clip_ratio and
+    level_a are ignored. Without any window longer than `sink` there is nothing to score and the
+    result is ρ = 1, a = 1.
+    """
+    if k_quant.bits != v_quant.bits:
+        raise ValueError("K and V quantizers must use the same bit width")
+    cands = _candidates(rho_grid, level_grid, k_quant.bits)
+    gen = torch.Generator().manual_seed(seed)
+    num_k = torch.zeros(len(cands), dtype=torch.float64)
+    num_v = torch.zeros(len(cands), dtype=torch.float64)
+    den = 0.0
+    for q, k, v in zip(qs, ks, vs):
+        q, k, v = q.float(), k.float(), v.float()
+        t = k.shape[-2]
+        if t <= sink:
+            continue
+        n = min(queries_per_window, t - sink)
+        qpos = (torch.randperm(t - sink, generator=gen)[:n] + sink).sort().values
+        qsel = q[:, qpos]
+        ref = _attend(qsel, k, v, qpos, scaling)
+        den += float(ref.double().pow(2).sum())
+        k_rec = _reconstructions(k, k_quant, cands, sink)
+        v_rec = _reconstructions(v, v_quant, cands, sink)
+        # V side: the probabilities do not depend on the candidate, compute them once.
+        g = q.shape[0] // k.shape[0]
+        s = (qsel @ k.repeat_interleave(g, 0).transpose(-1, -2)) * scaling
+        s = s.masked_fill(torch.arange(t)[None, :] > qpos[:, None], float("-inf"))
+        probs = torch.softmax(s, dim=-1)
+        for c0 in range(0, len(cands), chunk):
+            sl = slice(c0, c0 + chunk)
+            ok = _attend(qsel, k_rec[sl], v, qpos, scaling)
+            num_k[sl] += (ok - ref).double().pow(2).sum(dim=(1, 2, 3))
+            ov = probs @ v_rec[sl].repeat_interleave(g, dim=1)
+            num_v[sl] += (ov - ref).double().pow(2).sum(dim=(1, 2, 3))
+    shape = (len({r for r, _ in cands}), len(cands) // len({r for r, _ in cands}))
+    if den == 0.0:
+        nan = torch.full(shape, float("nan"), dtype=torch.float64)
+        return ClipChoice(1.0, 1.0, 1.0, 1.0, nan, nan.clone(), cands)
+    ek, ev = num_k / den, num_v / den
+    bk, bv = int(torch.argmin(ek)), int(torch.argmin(ev))  # first minimum = mildest clip
+    return ClipChoice(cands[bk][0], cands[bk][1], cands[bv][0], cands[bv][1], ek.view(shape), ev.view(shape), cands)

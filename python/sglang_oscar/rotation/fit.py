@@ -1,0 +1,191 @@
+"""Fit a RotationBundle from CalibrationStats.
+
+Methods (U = eigenvectors, columns sorted by descending eigenvalue, eigh in float64):
+  identity   T = I                       (no rotation; the INT2 baseline)
+  hadamard   T = H                       (QuaRot-style, data-free)
+  pca        K: U of C_K (centered if center_k), V: U of C_V, then the composition
+  oscar      K: U of C_Q (what logits are sensitive to), V: U of C_S (cheap or exact)
+Compositions of a fitted U:
+  u          T = U
+  u_h        T = U·H                     (default)
+  u_h_p      T = U·H·P                   (the seed's R·H·P; see compose() for why P is inert)
+  u_p_hg     T = U·P·blockdiag(H_G)      (spectral placement, then a Hadamard inside each group)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..quant.hadamard import block_hadamard_matrix, hadamard_matrix
+from ..quant.placement import permutation_matrix, spectral_placement
+from .bundle import RotationBundle, orthogonality_error
+from .capture import CalibrationStats
+from .clip_calibration import DEFAULT_RHO_GRID, calibrate_layer_clip
+
+METHODS = ("identity", "hadamard", "pca", "oscar")
+COMPOSITIONS = ("u", "u_h", "u_h_p", "u_p_hg")
+
+
+def sorted_eigh(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (descending) and eigenvectors (columns) of a symmetric matrix, float64."""
+    c = c.double()
+    evals, evecs = torch.linalg.eigh((c + c.transpose(-1, -2)) / 2)
+    return evals.flip(-1), evecs.flip(-1)
+
+
+def compose(u: torch.Tensor, eigenvalues: torch.Tensor, composition: str, group: int) -> torch.Tensor:
+    """T from the eigenbasis U [D, D] (columns descending) for one side.
+
+    u_h_p: the permutation P acts *after* H has mixed every eigen-direction into every coordinate.
+    For x with covariance C, coordinate j of x·U·H has variance Σ_i λ_i H_ij² = tr(C)/D for every j
+    (|H_ij| = 1/√D), so permuting coordinates cannot balance anything: P is a no-op in
+    expectation (and exactly a no-op when group = head_dim, where min-max and the clip are
+    permutation invariant). It is kept to reproduce the seed. u_p_hg is where P matters: the
+    placement spreads the spectrum evenly over groups and H_G only mixes inside a group.
+    """
+    d = u.shape[-1]
+    if composition == "u":
+        return u
+    if composition == "u_h":
+        return u @ hadamard_matrix(d)
+    p = permutation_matrix(spectral_placement(eigenvalues))
+    if composition == "u_h_p":
+        return u @ hadamard_matrix(d) @ p
+    if composition == "u_p_hg":
+        return u @ p @ block_hadamard_matrix(d, group)
+    raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
+
+
+def _side_covariances(stats: CalibrationStats, layer: int, method: str, side: str, *, per_head: bool,
+                      center_k: bool, cs: str) -> torch.Tensor:
+    """[Hk, D, D] covariance whose eigenbasis is the transform of one side (Hk = 1 per layer)."""
+    if method == "pca" and side == "k":
+        if center_k:
+            return stats.c_k(layer, centered=True) if per_head else stats.c_k_layer_centered(layer)
+        c = stats.c_k(layer)
+    elif method == "pca":
+        c = stats.c_v(layer)
+    elif side == "k":
+        c = stats.c_q(layer)
+    else:
+        c = stats.c_s(layer, cs)
+    return c if per_head else stats.layer_mean(c)
+
+
+def fit_bundle(
+    stats: CalibrationStats,
+    method: str,
+    *,
+    composition: str = "u_h",
+    per_head: bool = False,
+    center_k: bool = False,
+    cs: str = "exact",
+    k_group: int,
+    v_group: int,
+    bits: int = 2,
+    clip="auto",
+    level_grid: Sequence[float] = (1.0,),
+    model_id: str = "",
+    calibration: Optional[dict] = None,
+    rho_grid: Sequence[float] = DEFAULT_RHO_GRID,
+    progress: bool = False,
+) -> RotationBundle:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if composition not in COMPOSITIONS:
+        raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
+    if cs not in ("exact", "cheap"):
+        raise ValueError(f"cs must be 'exact' or 'cheap', got {cs!r}")
+    L, H, D = stats.num_layers, stats.kv_heads, stats.head_dim
+    for name, g in (("k_group", k_group), ("v_group", v_group)):
+        if g <= 0 or g > D or D % g or g & (g - 1):
+            raise ValueError(f"{name} {g} must be a power of two dividing head_dim {D}")
+    hk = H if per_head else 1
+    kt = torch.empty(L, hk, D, D, dtype=torch.float64)
+    vt = torch.empty_like(kt)
+    keig = vkeig = None
+    if method in ("identity", "hadamard"):
+        m = torch.eye(D, dtype=torch.float64) if method == "identity" else hadamard_matrix(D)
+        kt[:], vt[:] = m, m
+        composition_used = "none"
+    else:
+        keig = torch.empty(L, hk, D, dtype=torch.float64)
+        vkeig = torch.empty_like(keig)
+        for layer in range(L):
+            for side, out, eig, g in (("k", kt, keig, k_group), ("v", vt, vkeig, v_group)):
+                covs = _side_covariances(stats, layer, method, side, per_head=per_head, center_k=center_k, cs=cs)
+                for h in range(hk):
+                    lam, u = sorted_eigh(covs[h])
+                    eig[layer, h] = lam
+                    out[layer, h] = compose(u, lam, composition, g)
+        composition_used = composition
+    k_mean = None
+    if center_k:
+        mu = torch.stack([stats.mu_k(layer) for layer in range(L)])  # [L, H, D]
+        k_mean = mu.float() if per_head else mu.mean(1, keepdim=True).float()
+    ones = torch.ones(L)
+    bundle = RotationBundle(
+        k_transform=kt.float(),
+        v_transform=vt.float(),
+        k_clip=ones.clone(),
+        v_clip=ones.clone(),
+        k_level_a=ones.clone(),
+        v_level_a=ones.clone(),
+        k_group=k_group,
+        v_group=v_group,
+        bits=bits,
+        kv_heads=H,
+        k_mean=k_mean,
+        k_eigenvalues=None if keig is None else keig.float(),
+        v_eigenvalues=None if vkeig is None else vkeig.float(),
+        model_id=model_id,
+        method=method,
+        composition=composition_used,
+        per_head=per_head,
+        center_k=center_k,
+        orthogonal=True,
+        calibration=dict(calibration) if calibration is not None else {
+            "source": "unknown", "tokens": stats.tokens, "windows": stats.windows, "seq_len": stats.seq_len},
+    )
+    if method == "oscar":
+        bundle.calibration["cs"] = cs  # which V target was used
+    _apply_clip(bundle, stats, clip, level_grid, rho_grid, progress)
+    return bundle.validate("fitted bundle")
+
+
+def _apply_clip(bundle: RotationBundle, stats: CalibrationStats, clip, level_grid, rho_grid, progress) -> None:
+    L = bundle.num_layers
+    if clip is None:
+        return
+    if clip != "auto":
+        try:
+            rk, rv = (float(x) for x in clip)
+        except (TypeError, ValueError):
+            raise ValueError(f"clip must be 'auto', None or a pair (rho_k, rho_v), got {clip!r}") from None
+        for r in (rk, rv):
+            if not 0.0 < r <= 1.0:
+                raise ValueError(f"clip ratio {r} outside (0, 1]")
+        bundle.k_clip[:] = rk
+        bundle.v_clip[:] = rv
+        return
+    if not stats.heldout_q or not any(stats.heldout_q):
+        raise ValueError("clip='auto' needs held-out windows in the statistics (capture_statistics(..., heldout=...)); "
+                         "pass heldout windows or a fixed clip=(rho_k, rho_v)")
+    for layer in tqdm(range(L), desc="clip", disable=not progress, unit="layer"):
+        kq, vq = bundle.layer_quantizers(layer)
+        choice = calibrate_layer_clip(stats.heldout_q[layer], stats.heldout_k[layer], stats.heldout_v[layer], kq, vq,
+                                      scaling=stats.scaling[layer], rho_grid=rho_grid, level_grid=level_grid,
+                                      seed=layer)
+        bundle.k_clip[layer] = choice.rho_k
+        bundle.v_clip[layer] = choice.rho_v
+        bundle.k_level_a[layer] = choice.level_a_k
+        bundle.v_level_a[layer] = choice.level_a_v
+
+
+def bundle_orthogonality(bundle: RotationBundle) -> list[float]:
+    """Per-layer max|T·Tᵀ − I| over both sides (for the CLI summary)."""
+    return [max(orthogonality_error(bundle.k_transform[i]), orthogonality_error(bundle.v_transform[i]))
+            for i in range(bundle.num_layers)]
