@@ -1,0 +1,388 @@
+"""Rotation pipeline: capture statistics, fit, clip calibration, bundle I/O, seed reader, CLI.
+
+Tolerances: float64 statistics vs brute force 1e-9 relative; orthogonality 1e-5 (fp32 storage);
+model logits under our capture attention vs eager 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sglang_oscar.quant import group_shares, hadamard_matrix, spectral_placement
+from sglang_oscar.rotation import (
+    BundleError,
+    RotationBundle,
+    calibrate_layer_clip,
+    capture_statistics,
+    compose,
+    data_free_bundle,
+    fit_bundle,
+    load_bundle,
+    load_seed_pt,
+    orthogonality_error,
+    save_bundle,
+)
+from sglang_oscar.rotation.capture import LayerSums, accumulate_window
+from sglang_oscar.rotation.fit import sorted_eigh
+from sglang_oscar.quant.kv import SideQuantizer
+
+torch.set_num_threads(1)
+
+
+def _random_cov(d, gen):
+    a = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    scales = torch.logspace(0, -3, d, dtype=torch.float64)  # strongly anisotropic spectrum
+    q, _ = torch.linalg.qr(a)
+    return (q * scales) @ q.T
+
+
+# ---------------------------------------------------------------- compositions and placement
+
+
+@pytest.mark.parametrize("composition", ["u", "u_h", "u_h_p", "u_p_hg"])
+def test_compositions_are_orthogonal(composition):
+    gen = torch.Generator().manual_seed(1)
+    assert orthogonality_error(hadamard_matrix(64)) < 1e-12
+    lam, u = sorted_eigh(_random_cov(64, gen))
+    assert bool((lam[:-1] >= lam[1:]).all()), "eigenvalues must come out descending"
+    t = compose(u, lam, composition, 16)
+    assert orthogonality_error(t) < 1e-10
+
+
+def test_spectral_placement_even_share_and_u_h_p_is_inert():
+    gen = torch.Generator().manual_seed(2)
+    d, g = 64, 16
+    c = _random_cov(d, gen)
+    lam, u = sorted_eigh(c)
+    perm = spectral_placement(lam)
+    pos_of_rank = torch.empty(d, dtype=torch.long)
+    pos_of_rank[perm] = torch.arange(d)  # eigh order is descending, so index = rank
+    run = d // g
+    for r0 in range(0, d, run):
+        groups = (pos_of_rank[r0 : r0 + run] // g).tolist()
+        assert sorted(groups) == list(range(d // g)), f"ranks {r0}..{r0 + run - 1} land in groups {groups}"
+    # u_h and u_h_p: every coordinate has variance tr(C)/D, so P only relabels equal variances.
+    for comp in ("u_h", "u_h_p"):
+        var = torch.diagonal(compose(u, lam, comp, g).T @ c @ compose(u, lam, comp, g))
+        torch.testing.assert_close(var, torch.full_like(var, float(torch.trace(c)) / d), rtol=1e-9, atol=1e-12)
+    # u_p_hg: H_G keeps each group's energy, which is exactly the placed spectrum share.
+    t = compose(u, lam, "u_p_hg", g)
+    var = torch.diagonal(t.T @ c @ t).view(-1, g).sum(-1)
+    torch.testing.assert_close(var, group_shares(lam, perm, g), rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------- statistics vs brute force
+
+
+def _causal(q, k, v, scaling):
+    g = q.shape[0] // k.shape[0]
+    kk, vv = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    s = (q @ kk.transpose(-1, -2)) * scaling
+    t = q.shape[1]
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ vv
+
+
+def test_statistics_match_brute_force_with_gqa():
+    gen = torch.Generator().manual_seed(3)
+    hq, hkv, d = 6, 2, 16
+    g = hq // hkv
+    sums = LayerSums.zeros(hkv, d)
+    wins = []
+    for t in (40, 25):
+        q = torch.randn(hq, t, d, generator=gen, dtype=torch.float64)
+        k = torch.randn(hkv, t, d, generator=gen, dtype=torch.float64) + 0.5
+        v = torch.randn(hkv, t, d, generator=gen, dtype=torch.float64)
+        o = _causal(q, k, v, d**-0.5)
+        accumulate_window(sums, q, k, v, o)
+        wins.append((q, k, v, o))
+    n = sum(w[1].shape[1] for w in wins)
+    for h in range(hkv):
+        heads = range(h * g, (h + 1) * g)  # GQA: query head j belongs to kv head j // g
+        qs = torch.cat([w[0][j] for w in wins for j in heads])
+        os_ = torch.cat([w[3][j] for w in wins for j in heads])
+        ks = torch.cat([w[1][h] for w in wins])
+        vs = torch.cat([w[2][h] for w in wins])
+        torch.testing.assert_close(sums.q2[h] / sums.queries, qs.T @ qs / qs.shape[0], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(sums.k2[h] / sums.tokens, ks.T @ ks / n, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(sums.v2[h] / sums.tokens, vs.T @ vs / n, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(sums.k1[h] / sums.tokens, ks.mean(0), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(sums.s_exact[h] / sums.queries, os_.T @ os_ / os_.shape[0], rtol=1e-9, atol=1e-12)
+        num, den = 0, 0
+        for q, k, v, _ in wins:  # cheap C_S: weights from the window's own query second moment
+            qw = torch.cat([q[j] for j in heads])
+            cq = qw.T @ qw / qw.shape[0]
+            w = torch.stack([k[h, i] @ cq @ k[h, i] for i in range(k.shape[1])])
+            num = num + (v[h].T * w) @ v[h]
+            den = den + w.sum()
+        torch.testing.assert_close(sums.s_cheap[h] / sums.w_sum[h], num / den, rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------- end to end on the tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny_stats():
+    from sglang_oscar.models import tiny_llama
+
+    model = tiny_llama(num_layers=2, q_heads=4, kv_heads=2, head_dim=64)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 512, (3, 160), generator=gen).tolist()
+    stats = capture_statistics(model, ids[:2], ids[2:], progress=False)
+    return model, ids, stats
+
+
+def test_capture_attention_is_exact_and_counts(tiny_stats):
+    from sglang_oscar.hf_attention import attention_override
+    from sglang_oscar.rotation.capture import _run_windows
+
+    model, ids, stats = tiny_stats
+    assert stats.tokens == 320 and stats.windows == 2 and stats.heldout_tokens == 160
+    assert all(s.tokens == 320 and s.queries == 640 for s in stats.sums)
+    assert stats.heldout_q[1][0].shape == (4, 160, 64) and stats.heldout_k[1][0].shape == (2, 160, 64)
+    x = torch.tensor([ids[0]])
+    with torch.inference_mode():
+        ref = model(input_ids=x).logits
+        seen = []
+        out = {}
+
+        def grab(layer, q, k, v, o, scaling):
+            seen.append(layer)
+
+        _run_windows(model, [ids[0]], grab, False, "")
+        with attention_override(model, lambda m, q, k, v, scaling: _causal(q[0], k[0], v[0], scaling).transpose(0, 1)[None]):
+            out["brute"] = model(input_ids=x).logits
+    assert seen == [0, 1]
+    torch.testing.assert_close(out["brute"], ref, rtol=1e-4, atol=1e-4)
+    # the captured C_K of layer 0 must equal a brute-force capture of the same keys
+    keys = []
+    with attention_override(model, lambda m, q, k, v, scaling: (keys.append(k[0].double()) if m.layer_idx == 0 else None)
+                            or _causal(q[0], k[0], v[0], scaling).transpose(0, 1)[None]):
+        with torch.inference_mode():
+            for w in ids[:2]:
+                model(input_ids=torch.tensor([w]))
+    kk = torch.cat(keys, dim=1)  # [Hkv, 320, D]
+    torch.testing.assert_close(stats.c_k(0), kk.transpose(1, 2) @ kk / 320, rtol=1e-6, atol=1e-8)
+
+
+def test_fit_save_load_quantize(tiny_stats, tmp_path):
+    _, _, stats = tiny_stats
+    b = fit_bundle(stats, "oscar", composition="u_p_hg", per_head=True, center_k=True, cs="cheap",
+                   k_group=32, v_group=64, clip="auto", level_grid=(1.0, 0.8), model_id="tiny")
+    assert b.k_transform.shape == (2, 2, 64, 64) and b.k_mean.shape == (2, 2, 64)
+    assert orthogonality_error(b.k_transform) < 1e-5 and orthogonality_error(b.v_transform) < 1e-5
+    assert bool(((b.k_clip > 0) & (b.k_clip <= 1)).all())
+    path = save_bundle(b, tmp_path / "b.safetensors")
+    b2 = load_bundle(path, expect_layers=2, expect_kv_heads=2, expect_head_dim=64)
+    torch.testing.assert_close(b2.k_transform, b.k_transform)
+    torch.testing.assert_close(b2.k_level_a, b.k_level_a)
+    assert b2.method == "oscar" and b2.calibration["cs"] == "cheap" and b2.per_head and b2.center_k
+    kq, vq = b2.layer_quantizers(1)
+    assert kq.matrix.shape == (2, 64, 64) and kq.group == 32 and vq.group == 64
+    k = stats.heldout_k[1][0].transpose(0, 1)  # [T, H, D]
+    rec = SideQuantizer.fake_transformed(kq, kq.transform(k))
+    back = torch.einsum("thd,hed->the", rec, kq.matrix) + kq.mean  # T orthogonal: inverse = Tᵀ
+    rel = float((back - k).pow(2).sum() / (k - k.mean(0)).pow(2).sum())
+    assert rel < 0.5, f"INT2 reconstruction relative error {rel}"
+    kq4, _ = b2.layer_quantizers(0, bits=4)
+    assert kq4.bits == 4 and kq4.level_a == 1.0
+    sh = b2.shard(1, 2)
+    assert sh.kv_heads == 1 and sh.k_transform.shape == (2, 1, 64, 64)
+    torch.testing.assert_close(sh.k_transform[:, 0], b2.k_transform[:, 1])
+
+
+@pytest.mark.parametrize("method,composition", [("identity", "u_h"), ("hadamard", "u_h"), ("pca", "u"),
+                                                ("pca", "u_h_p"), ("oscar", "u_h")])
+def test_every_method_orthogonal(tiny_stats, method, composition):
+    _, _, stats = tiny_stats
+    b = fit_bundle(stats, method, composition=composition, k_group=64, v_group=64, clip=(0.96, 0.92),
+                   center_k=(method == "pca"))
+    assert b.k_transform.shape == (2, 1, 64, 64)
+    assert orthogonality_error(b.k_transform) < 1e-5 and orthogonality_error(b.v_transform) < 1e-5
+    assert torch.allclose(b.k_clip, torch.full((2,), 0.96)) and torch.allclose(b.v_clip, torch.full((2,), 0.92))
+    if method == "identity":
+        assert torch.equal(b.k_transform[0, 0], torch.eye(64))
+    sh = b.shard(0, 1)  # per-layer transforms are shared by every TP rank
+    assert torch.equal(sh.k_transform, b.k_transform)
+
+
+def test_fit_rejects_bad_arguments(tiny_stats):
+    _, _, stats = tiny_stats
+    with pytest.raises(ValueError, match="method"):
+        fit_bundle(stats, "svd", k_group=64, v_group=64)
+    with pytest.raises(ValueError, match="divid"):
+        fit_bundle(stats, "oscar", k_group=48, v_group=64, clip=None)
+    with pytest.raises(ValueError, match="clip"):
+        fit_bundle(stats, "oscar", k_group=64, v_group=64, clip=(1.2, 0.9))
+
+
+def test_cli_on_tiny_model(tmp_path, capsys):
+    from sglang_oscar.calibrate import main
+
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    out = tmp_path / "cli.safetensors"
+    assert main(["--model", "tiny", "--out", str(out), "--tokens", "512", "--seq-len", "256",
+                 "--heldout-tokens", "256", "--text-file", str(text), "--group-k", "32", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "rho_K" in printed and str(out) in printed
+    b = load_bundle(out, expect_layers=2)
+    assert b.k_group == 32 and b.v_group == 64 and b.calibration["tokens"] == 512
+    assert b.calibration["source"].startswith("file:")
+    with pytest.raises(SystemExit, match="tokens"):
+        main(["--model", "tiny", "--out", str(out), "--tokens", "100000", "--text-file", str(text), "--quiet"])
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _good(layers=2, d=64, heads=2):
+    return data_free_bundle("hadamard", layers, heads, d, 32, 64)
+
+
+def _write_raw(path, tensors, meta):
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
+              metadata=None if meta is None else {"sglang_oscar": meta})
+
+
+def test_validation_errors(tmp_path):
+    b = _good()
+    path = save_bundle(b, tmp_path / "ok.safetensors")
+    meta, tensors = b.metadata(), b.tensors()
+
+    with pytest.raises(BundleError, match="not found"):
+        load_bundle(tmp_path / "missing.safetensors")
+    with pytest.raises(BundleError, match="2 layers but the model has 30.*sglang_oscar.calibrate"):
+        load_bundle(path, expect_layers=30)
+    with pytest.raises(BundleError, match="KV heads"):
+        load_bundle(path, expect_kv_heads=3)
+    with pytest.raises(BundleError, match="head_dim"):
+        load_bundle(path, expect_head_dim=128)
+
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x00\x01 this is not safetensors")
+    with pytest.raises(BundleError, match="not a readable safetensors"):
+        load_bundle(garbage)
+
+    def bad(name, tensors_=None, meta_=..., match=""):
+        p = tmp_path / f"{name}.safetensors"
+        m = json.dumps(meta) if meta_ is ... else meta_
+        _write_raw(p, tensors_ if tensors_ is not None else tensors, m)
+        with pytest.raises(BundleError, match=match) as e:
+            load_bundle(p)
+        assert str(p) in str(e.value), "the message must name the file"
+
+    bad("nometa", meta_=None, match="not an sglang-oscar rotation bundle")
+    bad("corrupt", meta_="{not json", match="corrupted")
+    bad("format", meta_=json.dumps({**meta, "format": "other"}), match="format")
+    bad("version", meta_=json.dumps({**meta, "version": 7}), match="version 7")
+    bad("missing", tensors_={k: v for k, v in tensors.items() if k != "v_clip"}, match="v_clip")
+    bad("layers", meta_=json.dumps({**meta, "num_layers": 3}), match="metadata says 3 layers")
+    bad("shape", tensors_={**tensors, "k_clip": torch.ones(3)}, match=r"k_clip has shape \(3,\)")
+    bad("heads", tensors_={**tensors, "k_transform": tensors["k_transform"].expand(2, 3, 64, 64)},
+        match="k_transform has shape")
+    nonortho = tensors["k_transform"].clone()
+    nonortho[1, 0] *= 1.01
+    bad("ortho", tensors_={**tensors, "k_transform": nonortho}, match=r"max\|T·Tᵀ − I\| = 0.0201")
+    bad("clip", tensors_={**tensors, "v_clip": torch.tensor([1.0, 1.2])}, match=r"v_clip\[1\] = 1.2")
+    bad("clip0", tensors_={**tensors, "k_clip": torch.tensor([0.0, 1.0])}, match=r"outside \(0, 1\]")
+    bad("levela", tensors_={**tensors, "k_level_a": torch.tensor([1.0, 1.6])}, match="level_a")
+    bad("group", meta_=json.dumps({**meta, "k_group": 48}), match="does not divide head_dim")
+    eye48 = torch.eye(48).expand(2, 1, 48, 48)
+    bad("pow2", tensors_={**tensors, "k_transform": eye48, "v_transform": eye48},
+        meta_=json.dumps({**meta, "head_dim": 48, "k_group": 16, "v_group": 16}), match="power of two")
+    with pytest.raises(ValueError, match="identity' or 'hadamard"):
+        data_free_bundle("oscar", 2, 2, 64, 64, 64)
+
+
+# ---------------------------------------------------------------- seed .pt reader
+
+
+def _rand_orth(d, gen):
+    return torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0].float()
+
+
+def _seed_file(path, rots, keys=None):
+    keys = keys or list(range(len(rots)))
+    layers = {key: {"layer_id": int(key), "rotation": r, "eigenvalues": torch.arange(r.shape[0]).float()}
+              for key, r in zip(keys, rots)}
+    torch.save({"format_version": 1, "objective": "qqt_r_h_pbr", "source_grouping": "layer", "layers": layers}, path)
+
+
+def test_seed_reader(tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    kr = [_rand_orth(32, gen) for _ in range(3)]
+    vr = [_rand_orth(32, gen) for _ in range(3)]
+    _seed_file(tmp_path / "k.pt", kr, keys=[0, "1", 2])  # the seed writes int keys; str keys also occur
+    _seed_file(tmp_path / "v.pt", vr)
+    b = load_seed_pt(tmp_path / "k.pt", tmp_path / "v.pt", k_group=32, v_group=16, clip_k=0.96, clip_v=0.92)
+    torch.testing.assert_close(b.k_transform[:, 0], torch.stack(kr))
+    torch.testing.assert_close(b.v_transform[:, 0], torch.stack(vr))
+    assert torch.equal(b.k_eigenvalues[0, 0], torch.arange(32).flip(0).float())  # stored descending
+    assert float(b.v_clip[2]) == pytest.approx(0.92)
+    save_bundle(b, tmp_path / "seed.safetensors")
+    assert load_bundle(tmp_path / "seed.safetensors", expect_kv_heads=8).num_layers == 3
+
+    _seed_file(tmp_path / "gap.pt", kr, keys=[0, 1, 3])
+    with pytest.raises(BundleError, match="contiguous"):
+        load_seed_pt(tmp_path / "gap.pt", tmp_path / "v.pt", k_group=32, v_group=32)
+    _seed_file(tmp_path / "rect.pt", [torch.zeros(32, 16)])
+    with pytest.raises(BundleError, match="square"):
+        load_seed_pt(tmp_path / "rect.pt", tmp_path / "v.pt", k_group=32, v_group=32)
+    _seed_file(tmp_path / "skew.pt", [kr[0] * 1.1, kr[1], kr[2]])
+    with pytest.raises(BundleError, match="layer 0 rotation is not orthogonal"):
+        load_seed_pt(tmp_path / "skew.pt", tmp_path / "v.pt", k_group=32, v_group=32)
+    _seed_file(tmp_path / "short.pt", vr[:2])
+    with pytest.raises(BundleError, match="different models"):
+        load_seed_pt(tmp_path / "k.pt", tmp_path / "short.pt", k_group=32, v_group=32)
+    with pytest.raises(BundleError, match="not found"):
+        load_seed_pt(tmp_path / "nope.pt", tmp_path / "v.pt", k_group=32, v_group=32)
+    torch.save({"hello": 1}, tmp_path / "other.pt")
+    with pytest.raises(BundleError, match="'layers'"):
+        load_seed_pt(tmp_path / "other.pt", tmp_path / "v.pt", k_group=32, v_group=32)
+
+
+# ---------------------------------------------------------------- clip calibration
+
+
+def _clip_case(values_k, values_v, gen, hq=4, hkv=2, t=192, d=64):
+    q = torch.randn(hq, t, d, generator=gen) * 0.3
+    ident = SideQuantizer(torch.eye(d), None, 2, d)
+    return calibrate_layer_clip([q], [values_k], [values_v], ident, ident, scaling=d**-0.5,
+                                queries_per_window=64, seed=0)
+
+
+def test_clip_calibration_prefers_clipping_outliers():
+    gen = torch.Generator().manual_seed(6)
+    hkv, t, d = 2, 192, 64
+
+    def heavy():
+        x = torch.randn(hkv, t, d, generator=gen)
+        spike = torch.randint(0, d, (hkv, t, 1), generator=gen)
+        # one 8σ outlier per row stretches the INT2 range; clipping it costs less than it saves
+        # (a 25σ key outlier is different: it dominates the logits, and clipping it loses more)
+        return x.scatter(-1, spike, 8.0)
+
+    c = _clip_case(heavy(), heavy(), gen)
+    assert c.rho_k < 1.0 and c.rho_v < 1.0, (c.rho_k, c.rho_v)
+    assert float(c.k_errors.min()) < 0.7 * float(c.k_errors[0, 0])  # row 0 = ρ 1.0
+    assert float(c.v_errors.min()) < 0.9 * float(c.v_errors[0, 0])
+
+    def no_outliers():
+        # every entry already on the INT2 grid of its row (both extremes present): min-max is exact
+        # at ρ = 1, so any clip can only add error. (For continuous data a mild clip often wins.)
+        x = torch.randint(0, 4, (hkv, t, d), generator=gen).float() - 1.5
+        x[..., 0], x[..., 1] = -1.5, 1.5
+        return x
+
+    c = _clip_case(no_outliers(), no_outliers(), gen)
+    assert c.rho_k == 1.0 and c.rho_v == 1.0
+    assert float(c.k_errors[0, 0]) < 1e-10 and float(c.v_errors[0, 0]) < 1e-10
+    with pytest.raises(ValueError, match="only makes sense for INT2"):
+        calibrate_layer_clip([], [], [], SideQuantizer(torch.eye(8), bits=4, group=8),
+                             SideQuantizer(torch.eye(8), bits=4, group=8), scaling=1.0, level_grid=(0.8,))
