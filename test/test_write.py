@@ -1,0 +1,222 @@
+"""oscar_write_kv (kernels/write.py) against its oracle quant/cache_ops.py:write_reference.
+
+On CPU the kernel runs under TRITON_INTERPRET=1 with fp32 activations and fp32 window buffers
+(plus one bf16-window case); with CUDA the same comparisons run with bf16 activations and windows.
+
+Tolerances: window rows within 1e-5 of the row's max |x'| (plus one bf16 ulp for bf16 buffers);
+scale/min within one bf16 ulp; codes equal except boundary cases (float64 t within 1e-4 of a
+decision threshold, off by one); every slot/row the call must not touch keeps its poison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import (
+    ACT_DTYPE,
+    DEVICE,
+    HAS_CUDA,
+    assert_codes_match,
+    assert_rows_close,
+    assert_within_bf16_ulp,
+    gen,
+    poison_,
+    random_invertible,
+    random_orthogonal,
+    randn,
+    requires_cuda,
+    requires_triton,
+    same_or_both_nan,
+)
+
+from sglang_oscar.quant.cache_ops import write_reference
+from sglang_oscar.quant.clip import clip_rows
+from sglang_oscar.quant.pack import unpack_int2
+
+pytestmark = requires_triton
+
+
+def _imports():
+    from sglang_oscar.kernels.layout import LayerCache
+    from sglang_oscar.kernels.write import level_thresholds, oscar_write_kv
+
+    return LayerCache, level_thresholds, oscar_write_kv
+
+
+def t_exact64(x, mat, mean, clip, group, params):
+    """float64 t = (clip(x') − min)/scale with the given stored params: [T, H, D]."""
+    xt = x.double()
+    if mean is not None:
+        xt = xt - mean.double()
+    if mat is not None:
+        m = mat.double()
+        xt = xt @ m if m.dim() == 2 else torch.einsum("thd,hde->the", xt, m)
+    xt = clip_rows(xt, clip)
+    t, h, d = xt.shape
+    xg = xt.reshape(t, h, d // group, group)
+    s = params[..., 0].double().unsqueeze(-1)
+    mn = params[..., 1].double().unsqueeze(-1)
+    tt = torch.where(s > 0, (xg - mn) / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xg))
+    return tt.reshape(t, h, d)
+
+
+def make_case(T, D, H, gk, gv, *, per_head, mean, v_absorbed, seed, window_dtype=ACT_DTYPE, act_dtype=ACT_DTYPE):
+    LayerCache, _, _ = _imports()
+    g = gen(seed)
+    num_slots, sink_rows, max_reqs, window = T + 5, T + 2, 2, max(T, 4)
+    cache = LayerCache.empty(
+        num_slots, H, D, k_group=gk, v_group=gv, num_sink_rows=sink_rows, max_reqs=max_reqs,
+        window=window, sink=64, window_dtype=window_dtype, device=DEVICE,
+    )
+    for t in cache.buffers().values():
+        poison_(t)
+    k = randn(T, H, D, g=g, dtype=act_dtype, scale=2.0)
+    v = randn(T, H, D, g=g, dtype=act_dtype)
+    # a few outlier channels so that clipping matters
+    k[:, :, 3] *= 8
+    shape = (H, D) if per_head else (D,)
+    kmat = random_invertible(*shape, g=g) if per_head else random_orthogonal(D, g=g)
+    vmat = None if v_absorbed else random_orthogonal(*shape, g=g)
+    kmean = randn(*((H, D) if per_head else (D,)), g=g) if mean else None
+    perm = torch.randperm(num_slots, generator=g)
+    slots = perm[:T].to(DEVICE)
+    sink_dst = torch.full((T,), -1, dtype=torch.int32)
+    ring_dst = torch.full((T,), -1, dtype=torch.int32)
+    sel = torch.rand(T, generator=g) < 0.5
+    sink_dst[sel] = torch.randperm(sink_rows, generator=g)[: int(sel.sum())].int()
+    sel = torch.rand(T, generator=g) < 0.7
+    ring_dst[sel] = torch.randperm(max_reqs * window, generator=g)[: int(sel.sum())].int()
+    return cache, k, v, slots, sink_dst.to(DEVICE), ring_dst.to(DEVICE), kmat, kmean, vmat
+
+
+def run_and_check(cache, k, v, slots, sink_dst, ring_dst, kmat, kmean, vmat, *, k_clip, v_clip, ka, va, **kw):
+    _, level_thresholds, oscar_write_kv = _imports()
+    before = cache.clone()
+    ref = cache.clone()
+    write_reference(k, v, slots, sink_dst, ring_dst, ref, k_transform=kmat, k_mean=kmean, v_transform=vmat,
+                    k_clip=k_clip, v_clip=v_clip, k_level_a=ka, v_level_a=va)
+    oscar_write_kv(k, v, slots, sink_dst, ring_dst, cache, k_transform=kmat, k_mean=kmean, v_transform=vmat,
+                   k_clip=k_clip, v_clip=v_clip, k_level_a=ka, v_level_a=va, **kw)
+
+    written = torch.zeros(cache.num_slots, dtype=torch.bool, device=DEVICE)
+    written[slots] = True
+    for side, x, mat, mean, clip, a, group in (
+        ("k", k, kmat, kmean, k_clip, ka, cache.k_group),
+        ("v", v, vmat, None, v_clip, va, cache.v_group),
+    ):
+        codes, params = getattr(cache, f"{side}_codes"), getattr(cache, f"{side}_params")
+        rcodes, rparams = getattr(ref, f"{side}_codes"), getattr(ref, f"{side}_params")
+        # untouched slots keep the poison
+        assert same_or_both_nan(codes[~written], getattr(before, f"{side}_codes")[~written]).all(), f"{side}: stray code writes"
+        assert same_or_both_nan(params[~written], getattr(before, f"{side}_params")[~written]).all(), f"{side}: stray param writes"
+        got_p, want_p = params[slots], rparams[slots]
+        assert not got_p.isnan().any(), f"{side}: params not written"
+        assert_within_bf16_ulp(got_p, want_p, f"{side} params")
+        same_group = (got_p == want_p).all(-1)  # [T, H, NG]
+        n_diff = int((~same_group).sum())
+        assert n_diff <= max(1, same_group.numel() // 1000), f"{side}: {n_diff} groups have different params"
+        t64 = t_exact64(x, mat, mean, clip, group, want_p)
+        got_c, want_c = unpack_int2(codes[slots]), unpack_int2(rcodes[slots])
+        excused = (~same_group).repeat_interleave(group, dim=-1)
+        assert_codes_match(torch.where(excused, want_c, got_c), want_c, t64, level_thresholds(a), f"{side} codes")
+        # window rows: equal to the transform; rows not asked for keep the poison
+        for win, dst in (("sink", sink_dst), ("ring", ring_dst)):
+            buf, rbuf, old = (getattr(o, f"{win}_{side}") for o in (cache, ref, before))
+            hit = dst >= 0
+            rows = dst[hit].long()
+            assert_rows_close(buf[rows], rbuf[rows], f"{side} {win} rows", rel=1e-5)
+            mask = torch.ones(buf.shape[0], dtype=torch.bool, device=DEVICE)
+            mask[rows] = False
+            assert same_or_both_nan(buf[mask], old[mask]).all(), f"{side} {win}: stray row writes"
+    assert same_or_both_nan(cache.sink_table, before.sink_table).all()
+
+
+CASES = [
+    # T, D, H, Gk, Gv, per_head, mean, v_absorbed, k_clip, v_clip, k_a, v_a
+    (1, 64, 2, 64, 64, False, False, True, 1.0, 1.0, 1.0, 1.0),
+    (7, 64, 3, 32, 64, True, True, False, 0.9, 0.95, 0.8, 1.0),
+    (33, 64, 2, 32, 32, False, True, False, 0.8, 1.0, 1.0, 0.5),
+    (1, 128, 2, 128, 32, True, True, True, 0.96, 1.0, 1.0, 1.2),
+    (7, 128, 2, 32, 128, False, False, False, 1.0, 0.92, 0.6, 0.6),
+    (33, 128, 1, 64, 64, True, True, False, 0.9, 0.9, 1.0, 1.0),
+    (5, 256, 2, 128, 64, False, True, True, 0.95, 1.0, 1.0, 0.9),
+]
+
+
+@pytest.mark.parametrize("T,D,H,gk,gv,per_head,mean,v_abs,k_clip,v_clip,ka,va", CASES)
+def test_write_matches_oracle(T, D, H, gk, gv, per_head, mean, v_abs, k_clip, v_clip, ka, va):
+    case = make_case(T, D, H, gk, gv, per_head=per_head, mean=mean, v_absorbed=v_abs, seed=T * 1000 + D + gk + gv)
+    run_and_check(*case, k_clip=k_clip, v_clip=v_clip, ka=ka, va=va)
+
+
+def test_write_small_block_tail():
+    """Several token tiles with a ragged tail (block_t=16, T=21)."""
+    case = make_case(21, 64, 2, 64, 32, per_head=True, mean=True, v_absorbed=False, seed=5)
+    run_and_check(*case, k_clip=0.9, v_clip=1.0, ka=1.0, va=1.0, block_t=16)
+
+
+def test_write_bf16_windows():
+    """bf16 window buffers (fp32 activations): rows rounded to nearest even, scale/min too."""
+    case = make_case(7, 64, 2, 32, 64, per_head=False, mean=True, v_absorbed=False, seed=11, window_dtype=torch.bfloat16)
+    run_and_check(*case, k_clip=0.95, v_clip=1.0, ka=1.0, va=1.0)
+
+
+def test_write_clip_ties_and_constant_groups():
+    """Integer-valued V (absorbed: x' = v) has exact ties at the clip threshold; a constant row has scale 0."""
+    cache, k, v, slots, sd, rd, kmat, kmean, vmat = make_case(7, 64, 2, 32, 32, per_head=False, mean=False, v_absorbed=True, seed=3)
+    g = gen(4)
+    v = torch.randint(-3, 4, v.shape, generator=g).to(device=DEVICE, dtype=v.dtype)
+    v[2, 1] = 1.5  # constant row: every group has scale 0, codes 0
+    run_and_check(cache, k, v, slots, sd, rd, kmat, kmean, vmat, k_clip=1.0, v_clip=0.9, ka=1.0, va=0.7)
+    _ = cache.v_params[slots[2], 1]
+    assert (cache.v_params[slots[2], 1, :, 0] == 0).all() and (unpack_int2(cache.v_codes[slots[2], 1]) == 0).all()
+
+
+def test_write_strided_inputs():
+    """k and v as views into a fused [T, 2, H, D] buffer (token stride != H*D)."""
+    cache, k, v, slots, sd, rd, kmat, kmean, vmat = make_case(7, 64, 2, 64, 64, per_head=False, mean=True, v_absorbed=False, seed=9)
+    kv = torch.stack((k, v), dim=1)
+    run_and_check(cache, kv[:, 0], kv[:, 1], slots, sd, rd, kmat, kmean, vmat, k_clip=0.9, v_clip=0.9, ka=1.0, va=1.0)
+
+
+def test_write_errors():
+    LayerCache, _, oscar_write_kv = _imports()
+    cache, k, v, slots, sd, rd, kmat, kmean, vmat = make_case(1, 64, 2, 64, 64, per_head=False, mean=False, v_absorbed=True, seed=1)
+    kw = dict(k_transform=kmat)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        LayerCache.empty(4, 2, 96, device=DEVICE)
+    with pytest.raises(ValueError, match="group size 16"):
+        LayerCache.empty(4, 2, 64, k_group=16, device=DEVICE)
+    with pytest.raises(ValueError, match="group size 128 is larger"):
+        LayerCache.empty(4, 2, 64, v_group=128, device=DEVICE)
+    with pytest.raises(TypeError, match="float32"):
+        oscar_write_kv(k, v, slots, sd, rd, cache, k_transform=kmat.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="k_transform must have shape"):
+        oscar_write_kv(k, v, slots, sd, rd, cache, k_transform=kmat[:32, :32].contiguous())
+    with pytest.raises(ValueError, match="k must have shape"):
+        oscar_write_kv(k[:, :1], v, slots, sd, rd, cache, **kw)
+    with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
+        oscar_write_kv(k.double(), v, slots, sd, rd, cache, **kw)
+    with pytest.raises(ValueError, match="slots must be"):
+        oscar_write_kv(k, v, slots.int(), sd, rd, cache, **kw)
+    with pytest.raises(ValueError, match="clip ratio"):
+        oscar_write_kv(k, v, slots, sd, rd, cache, k_clip=0.0, **kw)
+    with pytest.raises(ValueError, match="codebook"):
+        oscar_write_kv(k, v, slots, sd, rd, cache, v_level_a=1.5, **kw)
+    with pytest.raises(ValueError, match="precision"):
+        oscar_write_kv(k, v, slots, sd, rd, cache, precision="bf16", **kw)
+    cache.k_params = cache.k_params.float()
+    with pytest.raises(ValueError, match="k_params"):
+        oscar_write_kv(k, v, slots, sd, rd, cache, **kw)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_write_gpu_prefill_bf16(precision):
+    """GPU only: a larger bf16 prefill (T=1000, Qwen3-8B head shape) against the oracle."""
+    case = make_case(1000, 128, 8, 64, 64, per_head=False, mean=True, v_absorbed=False, seed=77)
+    run_and_check(*case, k_clip=0.96, v_clip=1.0, ka=1.0, va=1.0, precision=precision)
+
+
+assert HAS_CUDA or ACT_DTYPE == torch.float32
