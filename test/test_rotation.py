@@ -7,7 +7,6 @@ model logits under our capture attention vs eager 1e-4.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from safetensors.torch import save_file
 from sglang_oscar.quant import group_shares, hadamard_matrix, spectral_placement
 from sglang_oscar.rotation import (
     BundleError,
-    RotationBundle,
     calibrate_layer_clip,
     capture_statistics,
     compose,
@@ -146,26 +144,26 @@ def test_capture_attention_is_exact_and_counts(tiny_stats):
     assert all(s.tokens == 320 and s.queries == 640 for s in stats.sums)
     assert stats.heldout_q[1][0].shape == (4, 160, 64) and stats.heldout_k[1][0].shape == (2, 160, 64)
     x = torch.tensor([ids[0]])
+    seen, keys = [], []
+
+    def brute(module, q, k, v, scaling):
+        if module.layer_idx == 0:
+            keys.append(k[0].double())
+        return _causal(q[0], k[0], v[0], scaling).transpose(0, 1)[None]
+
     with torch.inference_mode():
         ref = model(input_ids=x).logits
-        seen = []
-        out = {}
-
-        def grab(layer, q, k, v, o, scaling):
-            seen.append(layer)
-
-        _run_windows(model, [ids[0]], grab, False, "")
-        with attention_override(model, lambda m, q, k, v, scaling: _causal(q[0], k[0], v[0], scaling).transpose(0, 1)[None]):
-            out["brute"] = model(input_ids=x).logits
-    assert seen == [0, 1]
-    torch.testing.assert_close(out["brute"], ref, rtol=1e-4, atol=1e-4)
-    # the captured C_K of layer 0 must equal a brute-force capture of the same keys
-    keys = []
-    with attention_override(model, lambda m, q, k, v, scaling: (keys.append(k[0].double()) if m.layer_idx == 0 else None)
-                            or _causal(q[0], k[0], v[0], scaling).transpose(0, 1)[None]):
-        with torch.inference_mode():
+        _run_windows(model, [ids[0]], lambda *args: seen.append(args), False, "")
+        with attention_override(model, brute):
+            mine = model(input_ids=x).logits  # same attention math as the capture path
+            keys.clear()
             for w in ids[:2]:
                 model(input_ids=torch.tensor([w]))
+    assert [a[0] for a in seen] == [0, 1]
+    for _, q, k, v, o, scaling in seen:  # the capture's own attention output is causal softmax attention
+        torch.testing.assert_close(o, _causal(q, k, v, scaling), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4)
+    # the captured C_K of layer 0 must equal a brute-force capture of the same keys
     kk = torch.cat(keys, dim=1)  # [Hkv, 320, D]
     torch.testing.assert_close(stats.c_k(0), kk.transpose(1, 2) @ kk / 320, rtol=1e-6, atol=1e-8)
 

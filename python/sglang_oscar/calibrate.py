@@ -19,7 +19,7 @@ import torch
 
 from .models import attention_shape
 from .rotation.bundle import save_bundle
-from .rotation.capture import CalibrationStats, capture_statistics
+from .rotation.capture import capture_statistics
 from .rotation.fit import COMPOSITIONS, METHODS, bundle_orthogonality, fit_bundle
 
 
