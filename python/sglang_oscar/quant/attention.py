@@ -1,0 +1,98 @@
+"""Pure-PyTorch oracle of kernels/decode.py: decode attention over the mixed OSCAR cache.
+
+Per request of length L (current token already written), in the transformed basis:
+    sink     [0, min(S, L))                   rows sink_k/v[sink_table[req_to_token[r, pos]]]
+    history  [S, R)                           INT2 at slot req_to_token[r, pos], dequantized
+    recent   [R, L), R = max(S, L − W, ring_start[r])   rows ring_k/v[r·W + pos % W]
+Everything is gathered and computed in float64, one request at a time; speed is irrelevant.
+Works on any object with LayerCache's fields (duck-typed).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .intq import levels
+from .pack import unpack_int2
+
+
+def dequantize_rows(codes: torch.Tensor, params: torch.Tensor, level_a: Optional[float] = None) -> torch.Tensor:
+    """Packed INT2 rows [..., D/4] + (scale, min) [..., D/G, 2] → float64 [..., D]."""
+    c = unpack_int2(codes)
+    d = c.shape[-1]
+    group = d // params.shape[-2]
+    a = 1.0 if level_a is None else float(level_a)
+    lv = levels(2, a, dtype=torch.float64)
+    lv_c = lv[c.long()].reshape(*c.shape[:-1], d // group, group)
+    x = params[..., 1].double().unsqueeze(-1) + params[..., 0].double().unsqueeze(-1) * lv_c
+    return x.reshape(c.shape)
+
+
+def segments(length: int, ring_start: int, sink: int, window: int):
+    """(sink_end, hist_lo, hist_hi, recent_lo) of a request of `length` tokens."""
+    recent_lo = max(sink, length - window, ring_start)
+    return min(sink, length), sink, max(sink, min(recent_lo, length)), recent_lo
+
+
+def gather_kv(cache, req_to_token, r: int, length: int, ring_start: int, sink: int, window: int,
+              k_level_a: Optional[float] = None, v_level_a: Optional[float] = None):
+    """K, V float64 [L, Hkv, D] of one request, each position from where decode reads it."""
+    sink_end, hist_lo, hist_hi, recent_lo = segments(length, ring_start, sink, window)
+    slots = req_to_token[r, :length].long().cpu()
+    ks, vs = [], []
+    if sink_end > 0:
+        rows = cache.sink_table.cpu()[slots[:sink_end]].long()
+        if (rows < 0).any():
+            raise ValueError(f"request {r}: a sink position has no sink row")
+        ks.append(cache.sink_k.cpu()[rows].double())
+        vs.append(cache.sink_v.cpu()[rows].double())
+    if hist_hi > hist_lo:
+        s = slots[hist_lo:hist_hi]
+        ks.append(dequantize_rows(cache.k_codes.cpu()[s], cache.k_params.cpu()[s], k_level_a))
+        vs.append(dequantize_rows(cache.v_codes.cpu()[s], cache.v_params.cpu()[s], v_level_a))
+    if length > recent_lo:
+        pos = torch.arange(recent_lo, length)
+        rows = r * window + pos % window
+        ks.append(cache.ring_k.cpu()[rows].double())
+        vs.append(cache.ring_v.cpu()[rows].double())
+    return torch.cat(ks), torch.cat(vs)
+
+
+def mixed_decode_reference(
+    q: torch.Tensor,
+    cache,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ring_start: torch.Tensor,
+    *,
+    sink: int,
+    window: int,
+    sm_scale: float,
+    q_transform: Optional[torch.Tensor] = None,
+    k_level_a: Optional[float] = None,
+    v_level_a: Optional[float] = None,
+) -> torch.Tensor:
+    """o [B, Hq, D] float64 in the V-transformed basis (what oscar_decode returns)."""
+    b, hq, d = q.shape
+    hkv = cache.k_codes.shape[1]
+    qd = q.detach().cpu().double()
+    if q_transform is not None:
+        t = q_transform.detach().cpu().double()
+        if t.dim() == 2:
+            qd = qd @ t
+        else:
+            qd = torch.einsum("bhgd,hde->bhge", qd.reshape(b, hkv, hq // hkv, d), t).reshape(b, hq, d)
+    out = torch.empty(b, hq, d, dtype=torch.float64)
+    group = hq // hkv
+    for i in range(b):
+        r = int(req_pool_indices[i])
+        k, v = gather_kv(cache, req_to_token, r, int(seq_lens[i]), int(ring_start[r]), sink, window, k_level_a, v_level_a)
+        kh = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        vh = v.repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,lhd->hl", qd[i], kh) * sm_scale
+        p = torch.softmax(s, dim=-1)
+        out[i] = torch.einsum("hl,lhd->hd", p, vh)
+    return out

@@ -1,0 +1,241 @@
+"""oscar_decode (kernels/decode.py) against mixed_decode_reference (quant/attention.py).
+
+On CPU the kernel runs in the Triton interpreter (TRITON_INTERPRET=1, set before triton is
+imported) with fp32 inputs: ‖o − ref‖/‖ref‖ < 1e-4. On CUDA: bf16 inputs, < 1e-2.
+Caches are random (codes, params, window rows); rows decode must NOT read are NaN, and the
+output is poisoned (NaN) before each call, so a wrong row or an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # numpy >= 2 refuses int() of a 1-element array, and the interpreter holds its scalars as such
+    # arrays: a runtime loop bound (range(lo, hi) from seq_lens) needs __index__ to take the item.
+    from triton.runtime import interpreter as _interp
+
+    _orig_patch_tensor = _interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _orig_patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interp._patch_lang_tensor = _patch_lang_tensor
+
+from sglang_oscar.kernels.decode import oscar_decode
+from sglang_oscar.kernels.layout import LayerCache
+from sglang_oscar.quant.attention import dequantize_rows, mixed_decode_reference
+from sglang_oscar.quant.intq import quantize
+from sglang_oscar.quant.pack import pack_int2
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+TOL = 1e-2 if CUDA else 1e-4
+PAGE = 16
+
+
+def make_case(lens, *, hkv=2, gqa=2, d=64, gk=64, gv=64, sink=8, window=16, ring_starts=None,
+              dtype=None, device=DEV, seed=0, extra_reqs=1):
+    """A random mixed cache holding len(lens) requests, and the decode inputs."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    b = len(lens)
+    max_reqs = b + extra_reqs
+    max_ctx = max(lens) + 5
+    # pool slots in pages of PAGE, pages shuffled: consecutive positions cross page boundaries
+    pages_per_req = math.ceil(max_ctx / PAGE)
+    num_slots = max_reqs * pages_per_req * PAGE + PAGE
+    perm = torch.randperm(max_reqs * pages_per_req, generator=g) + 1  # page 0 unused
+    req_to_token = torch.zeros(max_reqs, max_ctx, dtype=torch.int32)
+    for r in range(max_reqs):
+        pages = perm[r * pages_per_req:(r + 1) * pages_per_req]
+        slots = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()[:max_ctx]
+        req_to_token[r] = slots.int()
+    # requests sit at shuffled pool indices
+    req_idx = torch.randperm(max_reqs, generator=g)[:b].int()
+    if ring_starts is None:
+        ring_starts = [0] * b
+    ring_start = torch.zeros(max_reqs, dtype=torch.int32)
+    for i, rs in enumerate(ring_starts):
+        ring_start[req_idx[i]] = rs
+    num_sink_rows = b * sink + 3
+    cache = LayerCache.empty(num_slots, hkv, d, k_group=gk, v_group=gv, num_sink_rows=num_sink_rows,
+                             max_reqs=max_reqs, window=window, sink=sink, window_dtype=dtype, device="cpu")
+    cache.k_codes.copy_(torch.randint(0, 256, cache.k_codes.shape, generator=g, dtype=torch.uint8))
+    cache.v_codes.copy_(torch.randint(0, 256, cache.v_codes.shape, generator=g, dtype=torch.uint8))
+    for prm in (cache.k_params, cache.v_params):
+        prm[..., 0] = (torch.rand(prm.shape[:-1], generator=g) * 0.6 + 0.05).to(prm.dtype)
+        prm[..., 1] = (-1.5 * torch.rand(prm.shape[:-1], generator=g) - 0.2).to(prm.dtype)
+    nan = float("nan")
+    cache.sink_k.fill_(nan)
+    cache.sink_v.fill_(nan)
+    cache.ring_k.fill_(nan)
+    cache.ring_v.fill_(nan)
+    cache.sink_table.fill_(-1)
+    next_row = 1  # row 0 stays NaN
+    for i, L in enumerate(lens):
+        r = int(req_idx[i])
+        for p in range(min(sink, L)):
+            cache.sink_table[req_to_token[r, p]] = next_row
+            cache.sink_k[next_row] = torch.randn(hkv, d, generator=g).to(dtype)
+            cache.sink_v[next_row] = torch.randn(hkv, d, generator=g).to(dtype)
+            next_row += 1
+        for p in range(max(ring_starts[i], L - window, 0), L):
+            cache.ring_k[r * window + p % window] = torch.randn(hkv, d, generator=g).to(dtype)
+            cache.ring_v[r * window + p % window] = torch.randn(hkv, d, generator=g).to(dtype)
+    q = (torch.randn(b, hkv * gqa, d, generator=g) * 0.5).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    if device != "cpu":
+        cache = LayerCache(**{**cache.__dict__, **{n: t.to(device) for n, t in cache.buffers().items()}})
+        q, req_to_token, req_idx, seq_lens, ring_start = (
+            t.to(device) for t in (q, req_to_token, req_idx, seq_lens, ring_start))
+    return dict(q=q, cache=cache, req_to_token=req_to_token, req_pool_indices=req_idx, seq_lens=seq_lens,
+                ring_start=ring_start, sink=sink, window=window, sm_scale=1.0 / math.sqrt(d))
+
+
+def run_and_check(case, tol=TOL, **kw):
+    ref = mixed_decode_reference(**case, k_level_a=kw.get("k_level_a"), v_level_a=kw.get("v_level_a"),
+                                 q_transform=kw.get("q_transform"))
+    assert torch.isfinite(ref).all()
+    out = torch.full_like(case["q"], float("nan"))
+    res = oscar_decode(**case, out=out, **kw)
+    assert res is out
+    assert torch.isfinite(out).all(), "unwritten or NaN output elements"
+    err = (out.double().cpu() - ref).norm() / ref.norm()
+    assert err < tol, f"relative error {err:.3e} >= {tol}"
+    return err
+
+
+# ---------------------------------------------------------------------------- the oracle itself
+
+
+def test_reference_matches_direct_attention_all_bf16():
+    """With every position in the sink or the ring the oracle is plain softmax attention."""
+    torch.manual_seed(1)
+    hkv, gqa, d, S, W, L = 2, 3, 64, 4, 32, 30
+    case = make_case([L], hkv=hkv, gqa=gqa, d=d, sink=S, window=W, device="cpu", dtype=torch.float32)
+    c, r = case["cache"], int(case["req_pool_indices"][0])
+    k = torch.stack([c.sink_k[c.sink_table[case["req_to_token"][r, p]]] if p < S else c.ring_k[r * W + p % W]
+                     for p in range(L)]).double()
+    v = torch.stack([c.sink_v[c.sink_table[case["req_to_token"][r, p]]] if p < S else c.ring_v[r * W + p % W]
+                     for p in range(L)]).double()
+    q = case["q"][0].double()
+    s = torch.einsum("hd,lhd->hl", q, k.repeat_interleave(gqa, 1)) / math.sqrt(d)
+    direct = torch.einsum("hl,lhd->hd", s.softmax(-1), v.repeat_interleave(gqa, 1))
+    ref = mixed_decode_reference(**case)
+    assert torch.allclose(ref[0], direct, atol=1e-12)
+
+
+def test_reference_history_is_dequantized_int2():
+    """Rows written with quant.intq + pack read back as intq's dequantized values."""
+    torch.manual_seed(2)
+    x = torch.randn(5, 2, 64)
+    qr = quantize(x, 2, 32)
+    got = dequantize_rows(pack_int2(qr.codes), qr.params())
+    from sglang_oscar.quant.intq import dequantize
+    assert torch.allclose(got.float(), dequantize(qr), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- kernel vs oracle
+
+EDGE_LENS = [5, 8, 9, 24, 25, 77]  # L < S, L = S, S < L < S+W, L = S+W, L = S+W+1, L >> S+W
+
+
+@pytest.mark.parametrize("d,gk,gv,gqa", [
+    (64, 64, 32, 1),
+    (64, 32, 64, 2),
+    (128, 128, 64, 4),
+    (128, 32, 128, 3),
+    (256, 32, 64, 8),
+    (256, 128, 128, 5),
+])
+def test_decode_edge_lengths(d, gk, gv, gqa):
+    run_and_check(make_case(EDGE_LENS, hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, seed=d + gk + gqa))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_splits_and_ring_start(num_splits):
+    # ring_start > 0: positions before it (and after L - W) read INT2; also ring_start > L - W
+    lens = [70, 41, 90, 33]
+    case = make_case(lens, gqa=2, ring_starts=[60, 30, 10, 40], seed=num_splits)
+    run_and_check(case, num_splits=num_splits, block_n=16)
+
+
+def test_decode_default_windows_long():
+    # the real S=64, W=256 with L >> S + W, odd length, ring_start inside the window
+    case = make_case([701, 333], hkv=1, gqa=2, d=64, gk=32, gv=64, sink=64, window=256,
+                     ring_starts=[500, 0], seed=7)
+    run_and_check(case)
+
+
+def test_decode_large_batch_short_contexts():
+    lens = [int(x) for x in torch.randint(1, 40, (64,), generator=torch.Generator().manual_seed(3))]
+    run_and_check(make_case(lens, hkv=1, gqa=2, d=64, seed=3), num_splits=2)
+
+
+def test_decode_codebook():
+    case = make_case([50, 19], gqa=2, d=64, gk=32, gv=64, seed=11)
+    run_and_check(case, k_level_a=0.8, v_level_a=1.2)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_decode_q_transform(per_head):
+    case = make_case([45], hkv=2, gqa=2, d=64, seed=13)
+    g = torch.Generator().manual_seed(5)
+    shape = (2, 64, 64) if per_head else (64, 64)
+    t = (torch.randn(shape, generator=g) / 8 + torch.eye(64)).to(case["q"].device)
+    run_and_check(case, q_transform=t)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_raise_clear_errors():
+    case = make_case([20], hkv=1, gqa=2, d=64, seed=0)
+    with pytest.raises(ValueError, match="dtype"):
+        oscar_decode(**{**case, "q": case["q"].to(torch.int32)})
+    with pytest.raises(ValueError, match="head_dim"):
+        oscar_decode(**{**case, "q": case["q"][..., :32].contiguous()})
+    with pytest.raises(ValueError, match="GQA group"):
+        oscar_decode(**{**case, "q": case["q"].repeat(1, 8, 1)})
+    with pytest.raises(ValueError, match="seq_lens"):
+        oscar_decode(**{**case, "seq_lens": case["seq_lens"].long()})
+    bad = LayerCache.empty(8, 1, 64, k_group=64, v_group=64, device="cpu")
+    bad.k_params = torch.empty(8, 1, 4, 2, dtype=torch.bfloat16)  # G = 16: unsupported
+    with pytest.raises(ValueError, match="group size"):
+        oscar_decode(**{**case, "cache": bad})
+
+
+# ---------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("gqa,d", [(4, 128), (3, 64), (8, 256)])
+def test_gpu_bf16_long(gqa, d):
+    case = make_case([4000, 1333, 70, 9000], hkv=2, gqa=gqa, d=d, gk=64, gv=64, sink=64, window=256,
+                     ring_starts=[0, 1200, 0, 8900], seed=gqa)
+    run_and_check(case, tol=1e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_cuda_graph_capture():
+    case = make_case([3000, 500], hkv=2, gqa=4, d=128, sink=64, window=256, seed=21)
+    out = torch.full_like(case["q"], float("nan"))
+    oscar_decode(**case, out=out)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        oscar_decode(**case, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = mixed_decode_reference(**case)
+    err = (out.double().cpu() - ref).norm() / ref.norm()
+    assert err < 1e-2
