@@ -1,0 +1,165 @@
+"""oscar_gather_prefixes / oscar_gather_prefix (kernels/gather.py) against quant/cache_ops.py:gather_reference.
+
+The cache is filled the way the engine fills it (oscar_write_kv with sink rows for positions < S
+and ring rows for the last W positions), or with random bytes. Tolerance: 1e-6 of the row's max
+(the dequantization min + scale·level is the same fp32 arithmetic; a GPU may fuse it into one
+FMA) plus one ulp for 16-bit outputs. Rows past kv_indptr[-1] keep their poison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import ACT_DTYPE, DEVICE, assert_rows_close, gen, poison_, random_orthogonal, randn, requires_triton
+
+from sglang_oscar.quant.cache_ops import gather_reference
+
+pytestmark = requires_triton
+
+I32 = dict(dtype=torch.int32, device=DEVICE)
+
+
+def _kernels():
+    from sglang_oscar.kernels.gather import oscar_gather_prefix, oscar_gather_prefixes
+    from sglang_oscar.kernels.layout import LayerCache
+    from sglang_oscar.kernels.write import oscar_write_kv
+
+    return LayerCache, oscar_write_kv, oscar_gather_prefixes, oscar_gather_prefix
+
+
+def engine_cache(lengths, ring_starts, *, D=64, H=2, gk=32, gv=64, S=4, W=6, ka=1.0, va=1.0, seed=0, drop_sink=()):
+    """Write every request's tokens [0, L) like the engine: INT2 always, sink rows for p < S,
+    ring rows for p in [max(ring_start, L − W), L). Returns cache, req_to_token, pool indices."""
+    LayerCache, oscar_write_kv, _, _ = _kernels()
+    g = gen(seed)
+    b = len(lengths)
+    max_len = max(max(lengths), 1)
+    num_slots = sum(lengths) + 8
+    cache = LayerCache.empty(num_slots, H, D, k_group=gk, v_group=gv, num_sink_rows=S * b, max_reqs=b + 1,
+                             window=W, sink=S, window_dtype=ACT_DTYPE, device=DEVICE)
+    for t in cache.buffers().values():
+        poison_(t)
+    cache.sink_table.fill_(-1)
+    pool_idx = torch.randperm(b + 1, generator=g)[:b]
+    req_to_token = torch.full((b + 1, max_len + 3), -1, dtype=torch.int32)
+    slots_all = torch.randperm(num_slots, generator=g)
+    kmat, vmat = random_orthogonal(D, g=g), random_orthogonal(H, D, g=g)
+    kmean = randn(D, g=g)
+    used = 0
+    ks, vs, slots, sdst, rdst = [], [], [], [], []
+    sink_row = 0
+    for i, (L, rs) in enumerate(zip(lengths, ring_starts)):
+        r = int(pool_idx[i])
+        sl = slots_all[used: used + L]
+        used += L
+        req_to_token[r, :L] = sl.int()
+        for p in range(L):
+            if p < S and (i, p) not in drop_sink:
+                cache.sink_table[sl[p]] = sink_row
+                sdst.append(sink_row)
+                sink_row += 1
+            else:
+                sdst.append(-1)
+            rdst.append(r * W + p % W if p >= max(rs, L - W) else -1)
+        slots.append(sl)
+        ks.append(randn(L, H, D, g=g, dtype=ACT_DTYPE))
+        vs.append(randn(L, H, D, g=g, dtype=ACT_DTYPE))
+    k, v = torch.cat(ks), torch.cat(vs)
+    oscar_write_kv(k, v, torch.cat(slots).to(DEVICE), torch.tensor(sdst, **I32), torch.tensor(rdst, **I32), cache,
+                   k_transform=kmat, k_mean=kmean, v_transform=vmat, k_clip=0.95, k_level_a=ka, v_level_a=va)
+    return cache, req_to_token.to(DEVICE), pool_idx.to(DEVICE)
+
+
+def check(cache, req_to_token, pool_idx, prefix_lens, ring_starts, ring_ends=None, *, ka=1.0, va=1.0,
+          out_dtype=ACT_DTYPE, extra_rows=3, block_n=32):
+    _, _, oscar_gather_prefixes, _ = _kernels()
+    n = sum(prefix_lens)
+    out_k = poison_(torch.empty(n + extra_rows, cache.kv_heads, cache.head_dim, dtype=out_dtype, device=DEVICE))
+    out_v = poison_(torch.empty_like(out_k))
+    indptr = torch.tensor([0] + torch.tensor(prefix_lens).cumsum(0).tolist(), **I32)
+    oscar_gather_prefixes(cache, req_to_token, pool_idx, indptr, torch.tensor(ring_starts, **I32), out_k, out_v,
+                          ring_ends=None if ring_ends is None else torch.tensor(ring_ends, **I32),
+                          k_level_a=ka, v_level_a=va, block_n=block_n)
+    rk, rv = gather_reference(cache, req_to_token, pool_idx.tolist(), prefix_lens, ring_starts, ring_ends=ring_ends,
+                              k_level_a=ka, v_level_a=va, dtype=out_dtype)
+    assert not rk.isnan().any() and not rv.isnan().any(), "reference read a poisoned row: bad test setup"
+    assert_rows_close(out_k[:n], rk, "gathered K", rel=1e-6)
+    assert_rows_close(out_v[:n], rv, "gathered V", rel=1e-6)
+    assert out_k[n:].isnan().all() and out_v[n:].isnan().all(), "rows past kv_indptr[-1] were written"
+    return out_k[:n], out_v[:n]
+
+
+def test_gather_engine_written():
+    """Lengths around S and S + W, a request with a radix-hit ring_start, an empty request."""
+    lengths = [3, 17, 0, 10, 25]
+    ring_starts = [0, 0, 0, 8, 21]
+    cache, r2t, idx = engine_cache(lengths, ring_starts, drop_sink={(1, 2)})
+    check(cache, r2t, idx, lengths, ring_starts)
+
+
+def test_gather_chunk_already_in_ring_and_levels():
+    """ring_end > prefix_len: the chunk [prefix, L) is in the ring, so fewer prefix rows come from it."""
+    lengths, ring_starts = [20, 13], [0, 5]
+    cache, r2t, idx = engine_cache(lengths, ring_starts, D=128, gk=128, gv=32, ka=0.7, va=1.2, seed=1)
+    prefix = [16, 9]
+    check(cache, r2t, idx, prefix, ring_starts, ring_ends=lengths, ka=0.7, va=1.2, block_n=16)
+
+
+def test_gather_bf16_out_and_d256():
+    lengths, ring_starts = [12], [0]
+    cache, r2t, idx = engine_cache(lengths, ring_starts, D=256, gk=64, gv=128, W=4, S=2, seed=2)
+    check(cache, r2t, idx, lengths, ring_starts, out_dtype=torch.bfloat16)
+
+
+def test_gather_matches_write_semantics():
+    """Sink/ring positions return the exact transformed rows; history positions the INT2 reconstruction."""
+    lengths, ring_starts = [15], [0]
+    cache, r2t, idx = engine_cache(lengths, ring_starts, S=4, W=6, seed=3)
+    k, _ = check(cache, r2t, idx, lengths, ring_starts)
+    slots = r2t[idx[0], :15].long()
+    sink_rows = cache.sink_table[slots[:4]].long()
+    assert torch.equal(k[:4], cache.sink_k[sink_rows].to(k.dtype))
+    assert torch.equal(k[9:], cache.ring_k[int(idx[0]) * 6 + torch.arange(9, 15, device=DEVICE) % 6].to(k.dtype))
+
+
+def test_gather_single_request_wrapper():
+    _, _, _, oscar_gather_prefix = _kernels()
+    lengths, ring_starts = [2, 14], [0, 3]
+    cache, r2t, idx = engine_cache(lengths, ring_starts, seed=4)
+    out_k = poison_(torch.empty(16, cache.kv_heads, cache.head_dim, dtype=ACT_DTYPE, device=DEVICE))
+    out_v = poison_(torch.empty_like(out_k))
+    oscar_gather_prefix(cache, r2t, int(idx[1]), 14, 3, out_k, out_v)
+    rk, rv = gather_reference(cache, r2t, [int(idx[1])], [14], [3], dtype=ACT_DTYPE)
+    assert_rows_close(out_k[:14], rk, "K", rel=1e-6)
+    assert_rows_close(out_v[:14], rv, "V", rel=1e-6)
+    assert out_k[14:].isnan().all()
+
+
+def test_gather_random_bytes_no_sink_table():
+    """Arbitrary pool contents (all 256 byte values), no sink table: every prefix position below the ring is INT2."""
+    LayerCache, _, _, _ = _kernels()
+    g = gen(5)
+    cache = LayerCache.empty(40, 3, 64, k_group=32, v_group=64, num_sink_rows=0, max_reqs=2, window=5, sink=3,
+                             window_dtype=ACT_DTYPE, device=DEVICE, with_sink_table=False)
+    cache.k_codes.copy_(torch.randint(0, 256, cache.k_codes.shape, generator=g, dtype=torch.uint8))
+    cache.v_codes.copy_(torch.randint(0, 256, cache.v_codes.shape, generator=g, dtype=torch.uint8))
+    for t in (cache.k_params, cache.v_params, cache.ring_k, cache.ring_v):
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    r2t = torch.randperm(40, generator=g).int().view(2, 20).to(DEVICE)
+    check(cache, r2t, torch.tensor([1, 0], device=DEVICE), [20, 7], [0, 2], ka=0.5, va=1.0)
+
+
+def test_gather_errors():
+    _, _, oscar_gather_prefixes, _ = _kernels()
+    cache, r2t, idx = engine_cache([5], [0], seed=6)
+    out = torch.empty(5, cache.kv_heads, cache.head_dim, dtype=ACT_DTYPE, device=DEVICE)
+    ind = torch.tensor([0, 5], **I32)
+    rs = torch.tensor([0], **I32)
+    with pytest.raises(ValueError, match="kv_indptr"):
+        oscar_gather_prefixes(cache, r2t, idx, ind.long(), rs, out, out.clone())
+    with pytest.raises(ValueError, match="out_k must be"):
+        oscar_gather_prefixes(cache, r2t, idx, ind, rs, out[:, :1], out.clone())
+    with pytest.raises(ValueError, match="ring_starts"):
+        oscar_gather_prefixes(cache, r2t, idx, ind, rs.long(), out, out.clone())
+    with pytest.raises(ValueError, match="req_to_token"):
+        oscar_gather_prefixes(cache, r2t.float(), idx, ind, rs, out, out.clone())
