@@ -1,0 +1,260 @@
+"""Needle-in-a-haystack retrieval in the style of RULER, generated offline by our own code.
+
+Tasks
+  niah_single_1   haystack: the five noise sentences "The grass is green. ... There and back again."
+                  repeated; one needle "One of the special magic numbers for {key} is: {value}."
+                  (key: one common English word, value: a random 7-digit number) inserted at a
+                  random depth, at a sentence boundary.
+  niah_multikey_2 the haystack is itself made of needles with other keys and numbers (one per
+                  line); the query asks for one of them. Hundreds of distinct keys are needed at
+                  8k tokens, so in this task every key is a pair of words, "word-word".
+
+Prompt (RULER's template), then the answer prefix, so the model only has to write the number:
+  "Some special magic numbers are hidden ... afterwards.\n{context}\nWhat is the special magic
+   number for {query} mentioned in the provided text?" + " The special magic number for {query}
+   mentioned in the provided text is"
+With chat=True the question goes in a user turn of the tokenizer's chat template and the answer
+prefix opens the assistant turn. The default (chat=False: raw text) is what scored better with
+the exact SmolLM2-135M-Instruct in our check (see run_niah's report in the eval notes).
+
+The prompt is length − 32 tokens (±a few: the haystack is cut at unit boundaries), so
+max_new_tokens generation stays within a model's context of `length`. Samples are deterministic
+in (seed, task, length, index): random.Random seeded with a string is stable across processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import random
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from .simulator import MixedCacheSimulator
+
+TASKS = ("niah_single_1", "niah_multikey_2")
+GENERATION_RESERVE = 32
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+TEMPLATE = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.\n{context}\n"
+    "What is the special magic number for {query} mentioned in the provided text?"
+)
+ANSWER_PREFIX = " The special magic number for {query} mentioned in the provided text is"
+
+# Common English nouns and adjectives used as needle keys (no downloads).
+WORDS = tuple("""
+apple river mountain garden window bottle candle pencil rabbit tiger forest ocean island desert
+valley castle bridge tower market village harbor meadow canyon glacier volcano jungle prairie
+orchard cottage palace temple library museum theater stadium factory office kitchen bedroom
+basement balcony chimney ladder hammer wrench shovel bucket basket blanket pillow mirror curtain
+carpet jacket sweater scarf glove helmet boots wallet ticket letter parcel camera guitar violin
+piano trumpet drum flute anchor compass lantern rocket engine wagon bicycle sailboat airplane
+tractor subway tunnel highway station airport ferry canoe saddle blossom cactus clover daisy
+tulip violet maple willow cedar pine acorn pebble boulder crystal marble copper silver golden
+bronze velvet cotton leather paper plastic wooden purple orange yellow scarlet crimson amber
+ivory silent gentle brave clever happy lucky quiet bright swift calm eager fancy jolly kind
+proud shy witty zealous ancient modern rapid sturdy tiny giant narrow wide shallow deep frozen
+sunny windy cloudy stormy misty dusty sandy rocky muddy salty sweet bitter spicy crunchy smooth
+rough shiny fluffy hollow heavy light noble humble loyal honest polite rural urban coastal
+northern southern eastern western winter summer autumn spring morning evening midnight dawn
+falcon eagle sparrow pelican penguin dolphin whale shark turtle lizard beaver badger otter
+walrus donkey camel zebra giraffe panda koala lemon cherry peach plum mango melon grape olive
+onion pepper carrot potato tomato walnut almond butter cheese bread honey cookie muffin pretzel
+noodle pickle sugar coffee doctor farmer sailor artist author singer dancer pilot baker
+""".split())
+
+if len(set(WORDS)) != len(WORDS) or len(WORDS) < 200:
+    raise RuntimeError("WORDS must hold at least 200 distinct words")
+
+
+@dataclasses.dataclass
+class NiahSample:
+    prompt_ids: list[int]
+    answers: list[str]
+    task: str
+    length: int  # the context budget the sample was built for (prompt + generation)
+    depth: float  # needle position in the haystack, 0 = start, 1 = end
+    query: str = ""
+
+
+# ------------------------------------------------------------------------------- generation
+def _encode(tokenizer, text: str, chat: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=not chat)["input_ids"])
+
+
+def _prompt_text(tokenizer, context: str, query: str, chat: bool) -> str:
+    body = TEMPLATE.format(context=context, query=query)
+    prefix = ANSWER_PREFIX.format(query=query)
+    if not chat:
+        return body + prefix
+    turn = tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True,
+                                         tokenize=False)
+    return turn + prefix.lstrip()
+
+
+def _noise_units(n: int) -> list[str]:
+    sentences = [s.strip() + "." for s in NOISE.split(".") if s.strip()]
+    return [sentences[i % len(sentences)] for i in range(n)]
+
+
+def _seven_digits(rng: random.Random, avoid: set) -> str:
+    while True:
+        v = str(rng.randint(1_000_000, 9_999_999))
+        if v not in avoid:
+            avoid.add(v)
+            return v
+
+
+def _build_one(tokenizer, task: str, length: int, rng: random.Random, chat: bool) -> NiahSample:
+    used: set = set()
+    value = _seven_digits(rng, used)
+    if task == "niah_single_1":
+        key = rng.choice(WORDS)
+    else:
+        a, b = rng.sample(WORDS, 2)
+        key = f"{a}-{b}"
+    needle = NEEDLE.format(key=key, value=value)
+    depth = rng.random()
+    target = length - GENERATION_RESERVE
+    base = len(_encode(tokenizer, _prompt_text(tokenizer, needle, key, chat), chat))
+    if base > target:
+        raise ValueError(f"length {length} is too short for the {task} template ({base} tokens + "
+                         f"{GENERATION_RESERVE} reserved)")
+
+    # Haystack units (sentences or distractor needles), generated lazily up to the largest n tried.
+    units: list[str] = []
+    sep = " " if task == "niah_single_1" else "\n"
+
+    seen_keys = {key}
+
+    def grow(n: int) -> None:
+        if n <= len(units):
+            return
+        if task == "niah_single_1":
+            units[:] = _noise_units(n)
+            return
+        while len(units) < n:
+            a, b = rng.sample(WORDS, 2)
+            k = f"{a}-{b}"
+            if k not in seen_keys:
+                seen_keys.add(k)
+                units.append(NEEDLE.format(key=k, value=_seven_digits(rng, used)))
+
+    def prompt_ids(n: int):
+        grow(n)
+        at = round(depth * n)
+        hay = units[:at] + [needle] + units[at:n]
+        return _encode(tokenizer, _prompt_text(tokenizer, sep.join(hay), key, chat), chat), at
+
+    # Largest n with len(prompt) <= target: grow an upper bound, then bisect.
+    lo, hi = 0, 16
+    while len(prompt_ids(hi)[0]) <= target:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if len(prompt_ids(mid)[0]) <= target:
+            lo = mid
+        else:
+            hi = mid
+    ids, at = prompt_ids(lo)
+    return NiahSample(prompt_ids=ids, answers=[value], task=task, length=length,
+                      depth=at / lo if lo else 0.0, query=key)
+
+
+def make_samples(tokenizer, task: str, length: int, n: int, seed: int = 0, *, chat: bool = False) -> list[NiahSample]:
+    """n samples of `task` whose prompts fill `length` − 32 tokens (deterministic in seed)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown NIAH task {task!r}; choose from {TASKS}")
+    if n < 1 or length < 1:
+        raise ValueError(f"need n >= 1 and length >= 1, got n={n} length={length}")
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat=True but the tokenizer has no chat template")
+    return [_build_one(tokenizer, task, length, random.Random(f"{task}|{length}|{seed}|{i}"), chat)
+            for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------- scoring
+def string_match_all(prediction: str, references: list[str]) -> float:
+    """100 × the fraction of references that occur in the prediction (case-insensitive)."""
+    if not references:
+        raise ValueError("string_match_all needs at least one reference")
+    p = prediction.lower()
+    return 100.0 * sum(r.lower() in p for r in references) / len(references)
+
+
+# ------------------------------------------------------------------------------- generation
+def _step(model, token: int, cache):
+    dev = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([[token]], device=dev), past_key_values=cache, use_cache=True)
+    return int(out.logits[0, -1].argmax()), out.past_key_values
+
+
+def _greedy(model, tokenizer, first: int, cache, max_new_tokens: int) -> str:
+    """Greedy continuation from `first` (already chosen); stops at EOS or a newline."""
+    eos = tokenizer.eos_token_id
+    eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    toks = [first]
+    while len(toks) < max_new_tokens and toks[-1] not in eos and "\n" not in tokenizer.decode(toks):
+        nxt, cache = _step(model, toks[-1], cache)
+        toks.append(nxt)
+    toks = [t for t in toks if t not in eos]
+    return tokenizer.decode(toks, skip_special_tokens=True).split("\n")[0]
+
+
+@contextlib.contextmanager
+def _with_mode(sim: Optional[MixedCacheSimulator], model, mode):
+    if sim is None:
+        yield
+        return
+    saved = sim.mode
+    sim.mode = mode
+    try:
+        with sim.attach(model):
+            yield
+    finally:
+        sim.mode = saved
+
+
+@torch.no_grad()
+def run_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, Optional[MixedCacheSimulator]],
+             max_new_tokens: int = 12, progress: bool = True, prompt_mode: str = "prefill") -> dict:
+    """Greedy NIAH under each method: {name: dict(score, per_sample, predictions)}.
+
+    prompt_mode="prefill" (server semantics, default): the whole prompt is prefilled once with the
+    exact model (a one-chunk server prefill reads exact K/V), which also fixes the first answer
+    token for every method; each method then decodes from its own copy of that cache, with its
+    simulator quantizing the history beyond the sink and recent windows.
+    prompt_mode="decode" (stress): each method also runs the prompt through its simulator in
+    "decode" semantics (every prompt position sees a quantized history), then decodes.
+    """
+    if prompt_mode not in ("prefill", "decode"):
+        raise ValueError(f'prompt_mode must be "prefill" or "decode", got {prompt_mode!r}')
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    dev = next(model.parameters()).device
+    res = {name: dict(score=0.0, per_sample=[], predictions=[]) for name in methods}
+    for s in tqdm(samples, desc="niah", disable=not progress):
+        ids = torch.tensor([s.prompt_ids], device=dev)
+        if prompt_mode == "prefill":
+            shared = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            first = int(shared.logits[0, -1].argmax())
+        for name, sim in methods.items():
+            if prompt_mode == "prefill":
+                with _with_mode(sim, model, "prefill"):
+                    pred = _greedy(model, tokenizer, first, copy.deepcopy(shared.past_key_values), max_new_tokens)
+            else:
+                with _with_mode(sim, model, "decode"):
+                    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                    pred = _greedy(model, tokenizer, int(out.logits[0, -1].argmax()), out.past_key_values,
+                                   max_new_tokens)
+            res[name]["predictions"].append(pred)
+            res[name]["per_sample"].append(string_match_all(pred, s.answers))
+    for r in res.values():
+        r["score"] = sum(r["per_sample"]) / len(r["per_sample"]) if r["per_sample"] else 0.0
+    return res
