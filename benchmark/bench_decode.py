@@ -1,0 +1,298 @@
+"""Decode attention per layer-call on CUDA: OSCAR mixed INT2/BF16 vs FlashInfer BF16 / FP8 and
+SGLang's Triton BF16 decode kernel, same shapes, same run.
+
+Rows {impl, model, context, batch, head_dim, ms, bytes, gbps, pct_copy_bw} plus device, versions
+and git commit → $OUT/decode_kernel_<device>.json, and a PNG plot. Bytes are what each kernel must
+read (+ write q/o): KV payload, params, window rows and the int32 token indices.
+
+    python benchmark/bench_decode.py [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+from sglang_oscar.kernels.decode import oscar_decode  # noqa: E402
+from sglang_oscar.kernels.layout import LayerCache  # noqa: E402
+
+MODELS = {"qwen3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
+SINK, WINDOW, GK, GV = 64, 256, 64, 64
+L2_BYTES = 50 * 2**20
+MEM_CAP = 24 * 2**30  # per implementation's KV buffers
+
+
+def copy_bandwidth():
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    return 2 * x.numel() / (ms * 1e-3)
+
+
+def n_copies(bytes_one):
+    return max(1, min(8, math.ceil(4 * L2_BYTES / max(bytes_one, 1))))
+
+
+def bench(fns):
+    """Median ms of one call, rotating over the copies in fns."""
+    def run_all():
+        for f in fns:
+            f()
+    ms = triton.testing.do_bench(run_all, warmup=30, rep=200, return_mode="median")
+    return ms / len(fns)
+
+
+# ------------------------------------------------------------------------------------ OSCAR
+
+
+def oscar_bytes(b, hq, hkv, d, ctx):
+    hist = max(ctx - SINK - WINDOW, 0)
+    per_tok_head = 2 * (d // 4) + (d // GK) * 4 + (d // GV) * 4  # K+V codes, (scale, min) bf16
+    win = min(ctx, SINK + WINDOW) * d * 2 * 2
+    idx = ctx * 4 + SINK * 4  # req_to_token + sink table
+    return b * (hkv * (hist * per_tok_head + win) + idx) + 2 * b * hq * d * 2
+
+
+def make_oscar(b, hkv, d, ctx, copies):
+    tokens = b * ctx
+    cache = LayerCache.empty(tokens * copies, hkv, d, k_group=GK, v_group=GV, num_sink_rows=b * SINK * copies,
+                             max_reqs=b * copies, window=WINDOW, sink=SINK, device="cuda")
+    for t in (cache.k_codes, cache.v_codes):
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device="cuda"))
+    for p in (cache.k_params, cache.v_params):
+        p[..., 0].copy_(torch.rand(p.shape[:-1], device="cuda") * 0.3 + 0.05)
+        p[..., 1].copy_(-torch.rand(p.shape[:-1], device="cuda"))
+    for t in (cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v):
+        t.normal_()
+    # every request: contiguous slots (the page order does not change the bytes read)
+    r2t = torch.arange(tokens * copies, dtype=torch.int32, device="cuda").view(b * copies, ctx)
+    cache.sink_table.copy_(-1 * torch.ones_like(cache.sink_table))
+    cache.sink_table.view(b * copies, ctx)[:, :SINK] = torch.arange(b * copies * SINK, dtype=torch.int32,
+                                                                     device="cuda").view(b * copies, SINK)
+    seq = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    ring_start = torch.zeros(b * copies, dtype=torch.int32, device="cuda")
+    return cache, r2t, seq, ring_start
+
+
+def oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, **kw):
+    fns = []
+    out = torch.empty_like(q)
+    for c in range(copies):
+        idx = torch.arange(c * b, (c + 1) * b, dtype=torch.int32, device="cuda")
+        fns.append(lambda idx=idx: oscar_decode(q, cache, r2t, idx, seq, ring_start, sink=SINK, window=WINDOW,
+                                                sm_scale=1 / math.sqrt(d), out=out, **kw))
+    return fns
+
+
+# ------------------------------------------------------------------------------- FlashInfer
+
+
+def flashinfer_fns(q, b, hq, hkv, d, ctx, kv_dtype, page, copies):
+    import flashinfer
+
+    pages_per = ctx // page
+    npages = b * pages_per * copies
+    shape = (npages, page, hkv, d)
+    k = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_().to(kv_dtype)
+    v = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_().to(kv_dtype)
+    fns = []
+    for c in range(copies):
+        ws = torch.empty(128 * 2**20, dtype=torch.uint8, device="cuda")
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        indptr = torch.arange(b + 1, dtype=torch.int32, device="cuda") * pages_per
+        indices = torch.arange(c * b * pages_per, (c + 1) * b * pages_per, dtype=torch.int32, device="cuda")
+        last = torch.full((b,), page, dtype=torch.int32, device="cuda")
+        w.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
+               sm_scale=1 / math.sqrt(d))
+        kw = dict(k_scale=1.0, v_scale=1.0) if kv_dtype != torch.bfloat16 else {}
+        fns.append(lambda w=w, kw=kw: w.run(q, (k, v), **kw))
+    return fns, (k, v)
+
+
+def fi_bytes(b, hq, hkv, d, ctx, elt, page):
+    return b * (hkv * ctx * d * 2 * elt + (ctx // page) * 4) + 2 * b * hq * d * 2
+
+
+# ------------------------------------------------------------------------------ SGLang Triton
+
+
+def sglang_triton_fns(q, b, hq, hkv, d, ctx, copies):
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    k = torch.empty(b * ctx * copies, hkv, d, dtype=torch.bfloat16, device="cuda").normal_()
+    v = torch.empty_like(k).normal_()
+    max_splits = 16
+    logits = torch.empty(b, hq, max_splits, d, dtype=torch.float32, device="cuda")
+    lse = torch.empty(b, hq, max_splits, dtype=torch.float32, device="cuda")
+    nsplit = torch.full((b,), max_splits, dtype=torch.int32, device="cuda")
+    o = torch.empty_like(q)
+    indptr = torch.arange(b + 1, dtype=torch.int32, device="cuda") * ctx
+    fns = []
+    for c in range(copies):
+        indices = torch.arange(c * b * ctx, (c + 1) * b * ctx, dtype=torch.int32, device="cuda")
+        fns.append(lambda indices=indices: decode_attention_fwd(q, k, v, o, indptr, indices, logits, lse, nsplit,
+                                                                max_splits, 1 / math.sqrt(d), 1.0, 1.0))
+    return fns, (k, v)
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def correctness_check():
+    """A small case against the float64 oracle (bf16 on GPU)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "test"))
+    from test_decode import make_case
+    from sglang_oscar.quant.attention import mixed_decode_reference
+
+    errs = {}
+    for gqa, d in ((4, 128), (3, 64)):
+        case = make_case([3000, 777, 40], hkv=2, gqa=gqa, d=d, sink=SINK, window=WINDOW, ring_starts=[0, 700, 0])
+        out = oscar_decode(**case)
+        ref = mixed_decode_reference(**case)
+        errs[f"gqa{gqa}_d{d}"] = float((out.double().cpu() - ref).norm() / ref.norm())
+    return errs
+
+
+def versions():
+    v = {"torch": torch.__version__, "triton": triton.__version__}
+    for name in ("flashinfer", "sglang"):
+        try:
+            v[name] = __import__(name).__version__
+        except Exception as e:  # noqa: BLE001
+            v[name] = f"unavailable: {type(e).__name__}: {e}"[:200]
+    try:
+        v["git_commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except Exception:  # noqa: BLE001
+        v["git_commit"] = "unknown"
+    return v
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--contexts", default="8192,32768,65536,131072")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--models", default="qwen3-8b,smollm2")
+    ap.add_argument("--impls", default="oscar,flashinfer_bf16,flashinfer_fp8,sglang_triton_bf16")
+    ap.add_argument("--oscar-configs", default="64:4:2")
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_name()
+    t0 = time.time()
+    copy_bw = copy_bandwidth()
+    print(f"device {dev}, copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+    errs = correctness_check()
+    print("correctness (rel err vs float64 oracle):", errs, flush=True)
+    rows = []
+    impls = args.impls.split(",")
+    cfgs = [tuple(int(x) for x in c.split(":")) for c in args.oscar_configs.split(",")]
+    for model in args.models.split(","):
+        hq, hkv, d = MODELS[model]
+        for ctx in (int(x) for x in args.contexts.split(",")):
+            for b in (int(x) for x in args.batches.split(",")):
+                q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
+                for impl in impls:
+                    try:
+                        if impl == "oscar":
+                            nbytes = oscar_bytes(b, hq, hkv, d, ctx)
+                            if nbytes > MEM_CAP:
+                                continue
+                            copies = n_copies(nbytes)
+                            cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies)
+                            best = None
+                            for bn, nw, st in cfgs:
+                                ms = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, block_n=bn,
+                                                     num_warps=nw, num_stages=st))
+                                if len(cfgs) > 1:
+                                    print(f"  oscar cfg bn={bn} w={nw} st={st}: {ms:.4f} ms", flush=True)
+                                if best is None or ms < best[0]:
+                                    best = (ms, f"{bn}:{nw}:{st}")
+                            ms, cfg = best
+                            del cache, r2t
+                        elif impl.startswith("flashinfer"):
+                            fp8 = impl.endswith("fp8")
+                            elt = 1 if fp8 else 2
+                            page = 16
+                            nbytes = fi_bytes(b, hq, hkv, d, ctx, elt, page)
+                            if nbytes > MEM_CAP:
+                                continue
+                            copies = n_copies(nbytes)
+                            fns, keep = flashinfer_fns(q, b, hq, hkv, d, ctx,
+                                                       torch.float8_e4m3fn if fp8 else torch.bfloat16, page, copies)
+                            ms, cfg = bench(fns), f"page{page},tc"
+                            del fns, keep
+                        else:
+                            nbytes = fi_bytes(b, hq, hkv, d, ctx, 2, 1)
+                            if nbytes > MEM_CAP:
+                                continue
+                            copies = n_copies(nbytes)
+                            fns, keep = sglang_triton_fns(q, b, hq, hkv, d, ctx, copies)
+                            ms, cfg = bench(fns), "splits16"
+                            del fns, keep
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{impl} {model} ctx={ctx} b={b}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                        continue
+                    torch.cuda.empty_cache()
+                    gbps = nbytes / (ms * 1e-3) / 1e9
+                    row = dict(impl=impl, model=model, context=ctx, batch=b, head_dim=d, q_heads=hq, kv_heads=hkv,
+                               ms=ms, bytes=nbytes, gbps=gbps, pct_copy_bw=100 * gbps * 1e9 / copy_bw, config=cfg)
+                    rows.append(row)
+                    print(f"{impl:20s} {model:9s} ctx={ctx:6d} b={b:3d}  {ms:8.4f} ms  {gbps:7.0f} GB/s  "
+                          f"{row['pct_copy_bw']:5.1f}% copy", flush=True)
+    tag = dev.replace(" ", "_").replace("/", "_")
+    res = dict(device=dev, copy_bandwidth_gbps=copy_bw / 1e9, versions=versions(), correctness_rel_err=errs,
+               sink=SINK, window=WINDOW, k_group=GK, v_group=GV, rows=rows, wall_s=time.time() - t0)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"decode_kernel_{tag}.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote", path)
+    try:
+        plot(res, os.path.join(args.out, f"decode_kernel_{tag}.png"))
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", e)
+    # summary table
+    print("\nimpl                 model     ctx     b      ms   %copy")
+    for r in rows:
+        print(f"{r['impl']:20s} {r['model']:9s} {r['context']:6d} {r['batch']:3d} {r['ms']:8.4f} {r['pct_copy_bw']:5.1f}")
+
+
+def plot(res, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    models = sorted({r["model"] for r in rows})
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(len(models), len(batches), figsize=(4 * len(batches), 3.5 * len(models)), squeeze=False)
+    for i, m in enumerate(models):
+        for j, b in enumerate(batches):
+            ax = axes[i][j]
+            for impl in sorted({r["impl"] for r in rows}):
+                pts = sorted((r["context"], r["ms"]) for r in rows if r["model"] == m and r["batch"] == b and r["impl"] == impl)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{m}, batch {b}")
+            ax.set_xlabel("context")
+            ax.set_ylabel("ms / layer-call")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"decode attention, {res['device']} (copy {res['copy_bandwidth_gbps']:.0f} GB/s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
