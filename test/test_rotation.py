@@ -384,3 +384,35 @@ def test_clip_calibration_prefers_clipping_outliers():
     with pytest.raises(ValueError, match="only makes sense for INT2"):
         calibrate_layer_clip([], [], [], SideQuantizer(torch.eye(8), bits=4, group=8),
                              SideQuantizer(torch.eye(8), bits=4, group=8), scaling=1.0, level_grid=(0.8,))
+
+
+def test_clip_errors_match_brute_force():
+    """The batched/deduplicated path must equal quantize-then-attend done the plain way."""
+    gen = torch.Generator().manual_seed(8)
+    hq, hkv, t, d, sink = 4, 2, 96, 32, 64
+    q = torch.randn(hq, t, d, generator=gen)
+    k = torch.randn(hkv, t, d, generator=gen) * torch.linspace(0.2, 3, d) + 0.3
+    v = torch.randn(hkv, t, d, generator=gen)
+    rot = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0].float()
+    mean = torch.randn(d, generator=gen) * 0.1
+    kq, vq = SideQuantizer(rot, mean, 2, 16), SideQuantizer(rot.T.contiguous(), None, 2, 32)
+    rhos, levels = (1.0, 0.95, 0.9), (1.0, 0.7)
+    c = calibrate_layer_clip([q], [k], [v], kq, vq, scaling=d**-0.5, rho_grid=rhos, level_grid=levels,
+                             sink=sink, queries_per_window=t)  # every query past the sink: no sampling
+
+    def recon(x, quant, rho, a):
+        sq = SideQuantizer(quant.matrix, quant.mean, 2, quant.group, rho, a)
+        xt = sq.transform(x.transpose(0, 1))
+        r = sq.fake_transformed(xt) @ torch.linalg.inv(sq.matrix.double()).float()
+        r = (r + (0 if sq.mean is None else sq.mean)).transpose(0, 1)
+        return torch.cat([x[:, :sink], r[:, sink:]], dim=1)
+
+    ref = _causal(q, k, v, d**-0.5)[:, sink:]
+    for i, rho in enumerate(rhos):
+        for j, a in enumerate(levels):
+            ek = (_causal(q, recon(k, kq, rho, a), v, d**-0.5)[:, sink:] - ref).pow(2).sum() / ref.pow(2).sum()
+            ev = (_causal(q, k, recon(v, vq, rho, a), d**-0.5)[:, sink:] - ref).pow(2).sum() / ref.pow(2).sum()
+            assert float(c.k_errors[i, j]) == pytest.approx(float(ek), rel=1e-3)
+            assert float(c.v_errors[i, j]) == pytest.approx(float(ev), rel=1e-3)
+    best = divmod(int(torch.argmin(c.k_errors)), len(levels))
+    assert (c.rho_k, c.level_a_k) == (rhos[best[0]], levels[best[1]])
