@@ -92,7 +92,14 @@ def fit_bundle(
     calibration: Optional[dict] = None,
     rho_grid: Sequence[float] = DEFAULT_RHO_GRID,
     progress: bool = False,
+    clip_queries: int = 256,
 ) -> RotationBundle:
+    """Fit transforms (and clip ratios) for every layer; see the module docstring for methods.
+
+    clip: "auto" (per-layer calibration on the held-out windows of `stats`), (rho_k, rho_v) for
+    every layer, or None (= 1.0). level_grid: INT2 codebook parameters tried jointly with ρ.
+    clip_queries: query positions sampled per held-out window for "auto" (cost is linear in it).
+    """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if composition not in COMPOSITIONS:
@@ -152,11 +159,12 @@ def fit_bundle(
     )
     if method == "oscar":
         bundle.calibration["cs"] = cs  # which V target was used
-    _apply_clip(bundle, stats, clip, level_grid, rho_grid, progress)
+    _apply_clip(bundle, stats, clip, level_grid, rho_grid, progress, clip_queries)
     return bundle.validate("fitted bundle")
 
 
-def _apply_clip(bundle: RotationBundle, stats: CalibrationStats, clip, level_grid, rho_grid, progress) -> None:
+def _apply_clip(bundle: RotationBundle, stats: CalibrationStats, clip, level_grid, rho_grid, progress,
+                queries: int) -> None:
     L = bundle.num_layers
     if clip is None:
         return
@@ -178,7 +186,7 @@ def _apply_clip(bundle: RotationBundle, stats: CalibrationStats, clip, level_gri
         kq, vq = bundle.layer_quantizers(layer)
         choice = calibrate_layer_clip(stats.heldout_q[layer], stats.heldout_k[layer], stats.heldout_v[layer], kq, vq,
                                       scaling=stats.scaling[layer], rho_grid=rho_grid, level_grid=level_grid,
-                                      seed=layer)
+                                      queries_per_window=queries, seed=layer)
         bundle.k_clip[layer] = choice.rho_k
         bundle.v_clip[layer] = choice.rho_v
         bundle.k_level_a[layer] = choice.level_a_k
