@@ -56,7 +56,7 @@ if HAS_TRITON:
         xr = tl.load(ring_ptr + rrow[:, None] * (H * D) + row_off, mask=use_ring[:, None], other=0.0).to(tl.float32)
         x = tl.where(use_sink[:, None], xs, tl.where(use_ring[:, None], xr, x))
         valid = use_sink | use_ring | use_q
-        tl.store(out_ptr + rows[:, None] * stride_on + row_off, _to_window(x, out_ptr), mask=valid[:, None])
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + row_off, _to_window(x, out_ptr), mask=valid[:, None])
 
     @triton.jit
     def _oscar_gather_kernel(

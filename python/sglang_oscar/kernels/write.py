@@ -24,6 +24,10 @@ TF32 tensor-core products) is nearly as accurate and faster on Hopper; "tf32" ro
 mantissa bits (~5e-4 relative error in x'), which flips noticeably more codes and makes window
 rows differ from the oracle at the 1e-3 level; it is accepted but not recommended.
 There are no host syncs: all sizes come from tensor shapes.
+
+Callers must keep destinations unique within one call: two tokens with the same slot, sink row or
+ring row race (no order is defined). For a prefill longer than the window, pass ring rows only for
+its last W positions. Tokens of padded batches (CUDA graphs) can point at a scratch slot and -1 rows.
 """
 
 from __future__ import annotations

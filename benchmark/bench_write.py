@@ -1,0 +1,185 @@
+"""Benchmark of oscar_write_kv (kernels/write.py): one launch per layer call, K and V together.
+
+Cases, for SmolLM2-135M (Hkv 3, D 64, 30 layers) and Qwen3-8B (Hkv 8, D 128, 36 layers) shapes:
+  decode  batch 1/8/32/64, one token per request (ring row per token, no sink rows)
+  prefill 8k and 100k tokens (sink rows for the first 64 positions, ring rows for the last 256)
+Each row reports the median time of one layer call (triton.testing.do_bench), the bytes the
+call must move, the achieved GB/s, and, for prefill, the write time of all layers next to an
+estimate of the prefill itself: model FLOPs (dense GEMMs + causal attention) / a measured BF16
+GEMM rate, an optimistic (short) estimate, so the ratio is an upper bound. Target: <= 10 %.
+A device-to-device copy is timed in the same run as the bandwidth reference.
+
+    python benchmark/bench_write.py            # full
+    python benchmark/bench_write.py --quick    # a few cases
+    python benchmark/bench_write.py --sweep    # plus block_t x num_warps variants of prefill
+Writes $OUT/write_kernel_<device>.json (default ./bench_out). Needs torch + triton only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+MODELS = {
+    # name: kv_heads, head_dim, layers, hidden, q_heads, intermediate, vocab
+    "SmolLM2-135M": dict(kv_heads=3, head_dim=64, layers=30, hidden=576, q_heads=9, inter=1536, vocab=49152),
+    "Qwen3-8B": dict(kv_heads=8, head_dim=128, layers=36, hidden=4096, q_heads=32, inter=12288, vocab=151936),
+}
+SINK, WINDOW = 64, 256
+
+
+def git_commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.check_output(["git", "-C", here, "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def prefill_flops(m: dict, n: int) -> float:
+    """Dense GEMM FLOPs (q,k,v,o projections, SwiGLU MLP, LM head on the last token) + causal attention."""
+    h, d, hq, hkv = m["hidden"], m["head_dim"], m["q_heads"], m["kv_heads"]
+    per_layer_params = h * (hq * d) * 2 + h * (hkv * d) * 2 + 3 * h * m["inter"]
+    dense = 2.0 * n * per_layer_params * m["layers"] + 2.0 * h * m["vocab"]
+    attn = 2.0 * 2.0 * (n * n / 2) * hq * d * m["layers"]  # QK^T and PV, causal half
+    return dense + attn
+
+
+def bench(fn, quick: bool) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median")  # ms
+
+
+def gemm_tflops(quick: bool) -> float:
+    n = 4096 if quick else 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: a @ b, quick)
+    return 2.0 * n**3 / (ms * 1e-3) / 1e12
+
+
+def copy_gbps(quick: bool) -> float:
+    nbytes = (256 if quick else 1024) * 2**20
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), quick)
+    return 2.0 * nbytes / (ms * 1e-3) / 1e9
+
+
+def make_inputs(m: dict, tokens: int, decode: bool, *, gk: int, gv: int, v_absorbed: bool, seed: int = 0, device="cuda"):
+    from sglang_oscar.kernels.layout import LayerCache
+
+    torch.manual_seed(seed)
+    h, d = m["kv_heads"], m["head_dim"]
+    batch = tokens if decode else 1
+    num_slots = tokens + 64
+    cache = LayerCache.empty(num_slots, h, d, k_group=gk, v_group=gv, num_sink_rows=SINK * batch, max_reqs=batch,
+                             window=WINDOW, sink=SINK, window_dtype=torch.bfloat16, device=device)
+    for t in cache.buffers().values():
+        t.zero_()
+    k = torch.randn(tokens, h, d, device=device, dtype=torch.bfloat16)
+    v = torch.randn(tokens, h, d, device=device, dtype=torch.bfloat16)
+    slots = torch.randperm(num_slots, device=device)[:tokens].contiguous()
+    pos = torch.arange(tokens, device=device)
+    if decode:  # request r at position 1000 + r: ring row only
+        sink_dst = torch.full((tokens,), -1, dtype=torch.int32, device=device)
+        ring_dst = (pos * WINDOW + (1000 + pos) % WINDOW).int()
+    else:
+        sink_dst = torch.where(pos < SINK, pos, -1).int()
+        ring_dst = torch.where(pos >= tokens - WINDOW, pos % WINDOW, -1).int()
+    q, _ = torch.linalg.qr(torch.randn(d, d, device=device))
+    kw = dict(k_transform=q.contiguous(), k_mean=torch.randn(d, device=device),
+              v_transform=None if v_absorbed else torch.linalg.qr(torch.randn(d, d, device=device))[0].contiguous(),
+              k_clip=0.96, v_clip=1.0)
+    window_rows = int((sink_dst >= 0).sum() + (ring_dst >= 0).sum())  # one host sync, outside the timing
+    nbytes = (
+        2 * tokens * h * d * 2  # read k, v (bf16)
+        + 2 * tokens * h * d // 4  # write codes
+        + tokens * h * (d // gk + d // gv) * 2 * 2  # write (scale, min) bf16
+        + 2 * window_rows * h * d * 2  # write window rows K and V (bf16)
+        + tokens * (8 + 4 + 4)  # slots, sink_dst, ring_dst
+        + d * d * 4 * (1 if v_absorbed else 2) + d * 4  # transforms, mean
+    )
+    return (k, v, slots, sink_dst, ring_dst, cache), kw, nbytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="few cases, short timing")
+    ap.add_argument("--out", default=os.environ.get("OUT", "./bench_out"))
+    ap.add_argument("--sweep", action="store_true", help="also time block_t x num_warps variants of the prefill cases")
+    ap.add_argument("--precisions", default="ieee,tf32x3", help="tl.dot input precisions to time for prefill")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_write.py needs a CUDA device; nothing to do")
+        return
+    import triton
+
+    from sglang_oscar.kernels.write import oscar_write_kv
+
+    dev_name = torch.cuda.get_device_name()
+    meta = dict(device=dev_name, torch=torch.__version__, triton=triton.__version__, git_commit=git_commit(),
+                date=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    tflops = gemm_tflops(args.quick)
+    d2d = copy_gbps(args.quick)
+    print(f"{dev_name}: bf16 GEMM {tflops:.0f} TFLOP/s, D2D copy {d2d:.0f} GB/s (read+write)")
+    rows = [dict(meta, kind="reference", bf16_gemm_tflops=tflops, d2d_copy_gbps=d2d)]
+
+    decode_batches = [1, 64] if args.quick else [1, 8, 32, 64]
+    prefill_tokens = [8192] if args.quick else [8192, 100_000]
+    precisions = ["ieee"] if args.quick else args.precisions.split(",")
+    for model, m in MODELS.items():
+        cases = [("decode", b, "ieee") for b in decode_batches]
+        cases += [("prefill", n, p) for n in prefill_tokens for p in precisions]
+        for kind, tokens, precision in cases:
+            for v_absorbed in (False, True):
+                inputs, kw, nbytes = make_inputs(m, tokens, kind == "decode", gk=64, gv=64, v_absorbed=v_absorbed)
+                oscar_write_kv(*inputs, **kw, precision=precision)  # compile + check it runs
+                torch.cuda.synchronize()
+                ms = bench(lambda: oscar_write_kv(*inputs, **kw, precision=precision, validate=False), args.quick)
+                row = dict(meta, kind=kind, model=model, tokens=tokens, kv_heads=m["kv_heads"], head_dim=m["head_dim"],
+                           layers=m["layers"], k_group=64, v_group=64, k_clip=0.96, v_absorbed=v_absorbed,
+                           precision=precision, layer_call_us=ms * 1e3, bytes_moved=nbytes,
+                           gbps=nbytes / (ms * 1e-3) / 1e9, frac_of_d2d=nbytes / (ms * 1e-3) / 1e9 / d2d)
+                if kind == "prefill":
+                    est_s = prefill_flops(m, tokens) / (tflops * 1e12)
+                    row.update(all_layers_ms=ms * m["layers"], prefill_estimate_ms=est_s * 1e3,
+                               write_over_prefill=ms * m["layers"] * 1e-3 / est_s)
+                if args.sweep and kind == "prefill" and not v_absorbed:
+                    sweep = {}
+                    for bt in (16, 32, 64, 128):
+                        for nw in (4, 8):
+                            try:
+                                t = bench(lambda: oscar_write_kv(*inputs, **kw, precision=precision, validate=False,
+                                                                 block_t=bt, num_warps=nw), args.quick)
+                                sweep[f"bt{bt}_w{nw}"] = t * 1e3
+                            except Exception as e:  # e.g. out of shared memory / registers
+                                sweep[f"bt{bt}_w{nw}"] = f"failed: {type(e).__name__}"
+                    row["sweep_us"] = sweep
+                    print("   sweep (us):", {k: (round(x, 1) if isinstance(x, float) else x) for k, x in sweep.items()})
+                rows.append(row)
+                extra = f"  all layers {row['all_layers_ms']:.2f} ms = {100 * row['write_over_prefill']:.2f}% of est. prefill {row['prefill_estimate_ms']:.0f} ms" if kind == "prefill" else ""
+                print(f"{model:13s} {kind:7s} T={tokens:6d} v_abs={int(v_absorbed)} {precision:6s} "
+                      f"{ms * 1e3:9.1f} us  {row['gbps']:7.1f} GB/s{extra}")
+                del inputs
+                torch.cuda.empty_cache()
+
+    os.makedirs(args.out, exist_ok=True)
+    safe = "".join(c if c.isalnum() else "_" for c in dev_name)
+    path = os.path.join(args.out, f"write_kernel_{safe}.json")
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
