@@ -330,3 +330,38 @@ def test_run_niah_end_to_end(model):
     assert methods["int2"].mode == "decode"  # the stress run restores the simulator's own mode
     with pytest.raises(ValueError):
         run_niah(model, tok, samples, methods, prompt_mode="sideways")
+
+
+def test_attention_errors_match_brute_force(model):
+    """Layer 0 metrics vs a dense, independent computation from the captured q/k/v (identity T, no mean)."""
+    from sglang_oscar.hf_attention import attention_override, causal_attention
+
+    w = ids_of(40, seed=9)[0].tolist()
+    sink, recent = 3, 6
+    lay = layers_for("identity", bits=2, clip=1.0)
+    got = attention_errors(model, [w], {"m": lay}, sink=sink, recent=recent, max_queries=None, progress=False)["m"]
+    seen = {}
+
+    def capture(module, q, k, v, scaling=None):
+        seen.setdefault(module.layer_idx, (q.float(), k.float(), v.float(), scaling))
+        return causal_attention(q, k, v, scaling, module.num_key_value_groups)
+
+    with torch.no_grad(), attention_override(model, capture):
+        model(torch.tensor([w]))
+    q, k, v, scaling = seen[0]
+    kq, vq = lay[0][0].fake_transformed(k), lay[0][1].fake_transformed(v)
+    G = q.shape[1] // k.shape[1]
+    kl_vals, num, den = [], 0.0, 0.0
+    for i in range(sink + recent, len(w)):
+        for h in range(q.shape[1]):
+            kv = h // G
+            kk = torch.stack([kq[0, kv, j] if (j >= sink and i - j >= recent) else k[0, kv, j] for j in range(i + 1)])
+            vv = torch.stack([vq[0, kv, j] if (j >= sink and i - j >= recent) else v[0, kv, j] for j in range(i + 1)])
+            pe = torch.softmax(q[0, h, i] @ k[0, kv, : i + 1].T * scaling, -1)
+            pm = torch.softmax(q[0, h, i] @ kk.T * scaling, -1)
+            kl_vals.append(float((pe * (pe.log() - pm.log())).sum()))
+            oe, om = pe @ v[0, kv, : i + 1], pm @ vv
+            num += float(((om - oe) ** 2).sum())
+            den += float((oe**2).sum())
+    assert got["kl_per_layer"][0] == pytest.approx(sum(kl_vals) / len(kl_vals), rel=1e-3)
+    assert got["relmse_per_layer"][0] == pytest.approx(num / den, rel=1e-3)

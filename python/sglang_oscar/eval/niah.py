@@ -14,8 +14,10 @@ Prompt (RULER's template), then the answer prefix, so the model only has to writ
    number for {query} mentioned in the provided text?" + " The special magic number for {query}
    mentioned in the provided text is"
 With chat=True the question goes in a user turn of the tokenizer's chat template and the answer
-prefix opens the assistant turn. The default (chat=False: raw text) is what scored better with
-the exact SmolLM2-135M-Instruct in our check (see run_niah's report in the eval notes).
+prefix opens the assistant turn. Check with the exact SmolLM2-135M-Instruct (3 niah_single_1
+samples at 2048, seed 0): raw text 100, chat template 100 (same three answers). Both are usable;
+the default is raw text (chat=False), RULER's base-model format, which spends no tokens on the
+template's system prompt. Re-check at longer contexts before relying on either.
 
 The prompt is length − 32 tokens (±a few: the haystack is cut at unit boundaries), so
 max_new_tokens generation stays within a model's context of `length`. Samples are deterministic
