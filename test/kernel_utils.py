@@ -8,7 +8,6 @@ loads/stores are fine) and small sizes (it is slow).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -18,7 +17,12 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+try:  # after TRITON_INTERPRET is set
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # dtype of activations / window buffers the kernels see: bf16 on GPU, fp32 under the interpreter
