@@ -219,6 +219,7 @@ def test_fit_rejects_bad_arguments(tiny_stats):
         fit_bundle(stats, "oscar", k_group=64, v_group=64, clip=(1.2, 0.9))
 
 
+@pytest.mark.filterwarnings("ignore:.*smallest grid value")  # a 2-value grid hits its floor often
 def test_cli_on_tiny_model(tmp_path, capsys):
     from sglang_oscar.calibrate import main
 
@@ -226,12 +227,14 @@ def test_cli_on_tiny_model(tmp_path, capsys):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
     out = tmp_path / "cli.safetensors"
     assert main(["--model", "tiny", "--out", str(out), "--tokens", "512", "--seq-len", "256",
-                 "--heldout-tokens", "256", "--text-file", str(text), "--group-k", "32", "--quiet"]) == 0
+                 "--heldout-tokens", "256", "--text-file", str(text), "--group-k", "32", "--quiet",
+                 "--rho-grid", "1.0", "0.9"]) == 0
     printed = capsys.readouterr().out
     assert "rho_K" in printed and str(out) in printed
     b = load_bundle(out, expect_layers=2)
     assert b.k_group == 32 and b.v_group == 64 and b.calibration["tokens"] == 512
     assert b.calibration["source"].startswith("file:")
+    assert all(r in (1.0, pytest.approx(0.9)) for r in b.k_clip.tolist() + b.v_clip.tolist())
     with pytest.raises(SystemExit, match="tokens"):
         main(["--model", "tiny", "--out", str(out), "--tokens", "100000", "--text-file", str(text), "--quiet"])
 
@@ -416,3 +419,9 @@ def test_clip_errors_match_brute_force():
             assert float(c.v_errors[i, j]) == pytest.approx(float(ev), rel=1e-3)
     best = divmod(int(torch.argmin(c.k_errors)), len(levels))
     assert (c.rho_k, c.level_a_k) == (rhos[best[0]], levels[best[1]])
+
+
+def test_clip_at_grid_floor_warns(tiny_stats):
+    _, _, stats = tiny_stats
+    with pytest.warns(UserWarning, match="smallest grid value"):
+        fit_bundle(stats, "identity", k_group=64, v_group=64, clip="auto", rho_grid=(0.5,))

@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-v", type=float, default=None, help="fixed V clip ratio for every layer")
     p.add_argument("--level-grid", type=float, nargs="+", default=[1.0],
                    help="INT2 codebook parameters a to try jointly with the clip (1.0 = uniform)")
+    p.add_argument("--rho-grid", type=float, nargs="+", default=None,
+                   help="clip ratios tried by --clip auto (default: 1.0 down to 0.85)")
     p.add_argument("--text-file", default=None, help="calibration text (default: stdlib docstrings)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -135,6 +137,8 @@ def main(argv=None) -> int:
     variant = dict(method=args.method, composition=args.composition, per_head=args.per_head, center_k=args.center_k,
                    cs=args.cs, k_group=args.group_k or min(d, 128), v_group=args.group_v or min(d, 128),
                    bits=args.bits, clip=clip, level_grid=tuple(args.level_grid))
+    if args.rho_grid:
+        variant["rho_grid"] = tuple(args.rho_grid)
     try:
         bundles, _ = calibrate_many(model, tok, {"cli": variant}, tokens=args.tokens, seq_len=args.seq_len,
                                     heldout_tokens=args.heldout_tokens if clip == "auto" else 0, text=text,

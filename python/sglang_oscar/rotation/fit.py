@@ -14,6 +14,7 @@ Compositions of a fitted U:
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -191,6 +192,15 @@ def _apply_clip(bundle: RotationBundle, stats: CalibrationStats, clip, level_gri
         bundle.v_clip[layer] = choice.rho_v
         bundle.k_level_a[layer] = choice.level_a_k
         bundle.v_level_a[layer] = choice.level_a_v
+    # A choice on the smallest ρ of the grid means the optimum may lie below it: say so, because
+    # silently clamped clip ratios look like a calibrated result.
+    floor = min(rho_grid)
+    for side, t in (("K", bundle.k_clip), ("V", bundle.v_clip)):
+        at_floor = [i for i in range(L) if float(t[i]) <= floor + 1e-9]
+        if at_floor:
+            warnings.warn(f"{side} clip ratio hit the smallest grid value {floor} in {len(at_floor)}/{L} layers "
+                          f"({at_floor[:8]}{'...' if len(at_floor) > 8 else ''}); extend rho_grid below {floor}",
+                          stacklevel=3)
 
 
 def bundle_orthogonality(bundle: RotationBundle) -> list[float]:
