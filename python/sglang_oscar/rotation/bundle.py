@@ -337,7 +337,8 @@ def data_free_bundle(method: str, num_layers: int, kv_heads: int, head_dim: int,
     return b.validate(f"{method} bundle")
 
 
-def _read_seed_side(path, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_seed_side(path, side: str) -> tuple[torch.Tensor, Optional[torch.Tensor], str]:
+    """(rotations [L, 1, D, D], eigenvalues [L, 1, D] descending or None, objective) of one seed file."""
     where = str(path)
     if not Path(path).is_file():
         _fail(where, f"seed {side} rotation file not found")
