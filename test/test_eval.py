@@ -365,3 +365,20 @@ def test_attention_errors_match_brute_force(model):
             den += float((oe**2).sum())
     assert got["kl_per_layer"][0] == pytest.approx(sum(kl_vals) / len(kl_vals), rel=1e-3)
     assert got["relmse_per_layer"][0] == pytest.approx(num / den, rel=1e-3)
+
+
+def test_decode_fast_path_equals_blocked_mixed_attention():
+    """The flash-attention fast path (whole sequence, decode semantics) == the generic blocked path."""
+    from sglang_oscar.eval.simulator import chunk_starts, decode_full_sequence, mixed_attention, quantized_mask
+
+    torch.manual_seed(7)
+    B, Hkv, G, T, D, sink, recent = 1, 2, 3, 301, 16, 5, 37
+    qt = torch.randn(B, Hkv, G, T, D)
+    ke, ve = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    kq, vq = ke + 0.3 * torch.randn_like(ke), ve + 0.3 * torch.randn_like(ve)
+    qpos = torch.arange(T)
+    quant = quantized_mask(qpos, T, sink, recent, chunk_starts(qpos, "decode", 0))
+    ref = mixed_attention(qt, ke, ve, kq, vq, qpos, quant, 0.25)
+    rep = lambda x: x.repeat_interleave(G, dim=1)  # noqa: E731
+    fast = decode_full_sequence(qt.reshape(B, Hkv * G, T, D), rep(ke), rep(ve), rep(kq), rep(vq), sink, recent, 0.25)
+    assert torch.allclose(fast.reshape(B, Hkv, G, T, D), ref, atol=2e-5)

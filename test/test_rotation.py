@@ -425,3 +425,47 @@ def test_clip_at_grid_floor_warns(tiny_stats):
     _, _, stats = tiny_stats
     with pytest.warns(UserWarning, match="smallest grid value"):
         fit_bundle(stats, "identity", k_group=64, v_group=64, clip="auto", rho_grid=(0.5,))
+
+
+def test_balanced_basis_keeps_logits_and_beats_rotations_on_misaligned_spectra():
+    from sglang_oscar.quant import SideQuantizer
+    from sglang_oscar.rotation.fit import balanced_basis
+
+    torch.manual_seed(3)
+    d = 64
+    u = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0]
+    lam = torch.logspace(0, 3, d, dtype=torch.float64)
+    c_q = u @ torch.diag(lam) @ u.T
+    c_k = u @ torch.diag(lam.flip(0)) @ u.T  # keys large exactly where queries are small
+    m, w = balanced_basis(c_q, c_k)
+    assert torch.all(w[:-1] >= w[1:])
+    # both sides diagonal and equal: M^{-1} C_Q M^{-T} == Mᵀ C_K M
+    mi = torch.linalg.inv(m)
+    a, b = mi @ c_q @ mi.T, m.T @ c_k @ m
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-6 * float(a.abs().max()))
+    # the proxy tr(M^-1 C_Q M^-T)·tr(Mᵀ C_K M) beats any rotation's tr(C_Q)·tr(C_K)
+    assert float(torch.trace(a) * torch.trace(b)) < 0.5 * float(torch.trace(c_q) * torch.trace(c_k))
+    sq = SideQuantizer(matrix=m.float())
+    q, k = torch.randn(4, d), torch.randn(6, d)
+    assert torch.allclose((q @ sq.query_matrix()) @ sq.transform(k).T, q @ k.T, atol=1e-3)
+
+
+def test_fit_balanced_bundle_is_marked_non_orthogonal_and_round_trips(tmp_path):
+    from sglang_oscar.models import tiny_llama
+    from sglang_oscar.rotation import capture_statistics, fit_bundle, load_bundle, save_bundle
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    windows = [torch.randint(0, 512, (96,)).tolist() for _ in range(2)]
+    stats = capture_statistics(model, windows, [torch.randint(0, 512, (96,)).tolist()], progress=False)
+    b = fit_bundle(stats, "balanced", center_k=True, k_group=32, v_group=64, clip=None)
+    assert not b.orthogonal and b.k_mean.shape == (2, 2, 64)  # per-head mean with a per-layer transform
+    path = tmp_path / "bal.safetensors"
+    save_bundle(b, path)
+    b2 = load_bundle(path, expect_layers=2, expect_kv_heads=2, expect_head_dim=64)
+    kq, _ = b2.layer_quantizers(0)
+    q, k = torch.randn(5, 2, 64), torch.randn(7, 2, 64)
+    qt = torch.einsum("qhd,de->qhe", q, kq.query_matrix())
+    logits = torch.einsum("qhd,khd->hqk", qt, kq.transform(k))
+    ref = torch.einsum("qhd,khd->hqk", q, k)
+    assert torch.allclose(logits.softmax(-1), ref.softmax(-1), atol=1e-4)

@@ -3,7 +3,8 @@
 File: safetensors, tensors
   k_transform f32 [L, Hk, D, D]   Hk = 1 (one transform per layer) or kv_heads (per KV head)
   v_transform f32 [L, Hv, D, D]
-  k_mean      f32 [L, Hk, D]      optional (center_k): keys are stored as (k − μ)·T
+  k_mean      f32 [L, Hm, D]      optional (center_k): keys are stored as (k − μ)·T; Hm = 1 or kv_heads
+                                  (a per-layer transform may still subtract a per-head mean)
   k_clip, v_clip, k_level_a, v_level_a  f32 [L]
   k_eigenvalues, v_eigenvalues f32 [L, Hk, D]  optional, descending (diagnostics only)
 and __metadata__ {"sglang_oscar": json} (format, version, model identity and shape, how it was
@@ -62,7 +63,7 @@ class RotationBundle:
     v_group: int
     bits: int = 2
     kv_heads: int = 1  # 0 = unknown (seed files; only per-layer transforms then)
-    k_mean: Optional[torch.Tensor] = None  # [L, Hk, D]
+    k_mean: Optional[torch.Tensor] = None  # [L, 1 or kv_heads, D]
     k_eigenvalues: Optional[torch.Tensor] = None
     v_eigenvalues: Optional[torch.Tensor] = None
     model_id: str = ""
@@ -136,7 +137,8 @@ class RotationBundle:
         mean = None if self.k_mean is None else self.k_mean[layer].float()
         if kt.shape[0] == 1:
             kt = kt[0]
-            mean = None if mean is None else mean[0]
+        if mean is not None and mean.shape[0] == 1:
+            mean = mean[0]
         if vt.shape[0] == 1:
             vt = vt[0]
         kq = SideQuantizer(kt, mean, bits, self.k_group, float(self.k_clip[layer]), ka)
@@ -154,7 +156,7 @@ class RotationBundle:
             raise ValueError(f"KV head range [{kv_start}, {kv_end}) not inside [0, {self.kv_heads})")
 
         def cut(t):
-            if t is None or t.shape[1] == 1:
+            if t is None or t.shape[1] == 1 or self.kv_heads == 0:
                 return t  # one transform per layer: every rank uses the same one
             return t[:, kv_start:kv_end].clone()
 
@@ -209,8 +211,9 @@ def validate_bundle(b: RotationBundle, where: str = "rotation bundle") -> None:
         if bad.any():
             i = int(bad.nonzero()[0])
             _fail(where, f"{name}[{i}] = {float(t[i])} is outside (0, 1.5) (INT2 codebook 0, a, 3−a, 3)")
-    if b.k_mean is not None and tuple(b.k_mean.shape) != (L, hk, d):
-        _fail(where, f"k_mean has shape {tuple(b.k_mean.shape)}, expected [{L}, {hk}, {d}]")
+    if b.k_mean is not None and (b.k_mean.dim() != 3 or b.k_mean.shape[0] != L or b.k_mean.shape[2] != d
+                                 or b.k_mean.shape[1] not in {1, hk, b.kv_heads}):
+        _fail(where, f"k_mean has shape {tuple(b.k_mean.shape)}, expected [{L}, 1 or {max(hk, b.kv_heads)}, {d}]")
     for name, h in (("k_eigenvalues", hk), ("v_eigenvalues", b.v_transform.shape[1])):
         t = getattr(b, name)
         if t is not None and tuple(t.shape) != (L, h, d):
@@ -224,8 +227,10 @@ def validate_bundle(b: RotationBundle, where: str = "rotation bundle") -> None:
     else:
         for name in ("k_transform", "v_transform"):
             t = getattr(b, name).double()
-            if (torch.linalg.matrix_rank(t) < d).any():
-                _fail(where, f"{name} is singular; {RECOMPUTE}")
+            cond = torch.linalg.cond(t)
+            if not bool(torch.isfinite(cond).all()) or float(cond.max()) > 1e6:
+                _fail(where, f"{name} is singular or ill-conditioned (condition number {float(cond.max()):.3g} > 1e6); "
+                      f"{RECOMPUTE}")
 
 
 def check_expectations(b: RotationBundle, where: str, *, expect_layers=None, expect_kv_heads=None,

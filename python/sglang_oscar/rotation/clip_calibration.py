@@ -23,7 +23,8 @@ from ..quant.clip import clip_count
 from ..quant.intq import fake_quantize
 from ..quant.kv import SideQuantizer, apply_transform
 
-DEFAULT_RHO_GRID = (1.0, 0.995, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.92, 0.90, 0.88, 0.85)
+# Keys of small models want heavy clipping (SmolLM2 picks 0.75-0.85 for K), so the grid goes low.
+DEFAULT_RHO_GRID = (1.0, 0.995, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80, 0.75, 0.70)
 
 
 @dataclasses.dataclass

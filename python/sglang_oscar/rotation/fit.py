@@ -5,6 +5,16 @@ Methods (U = eigenvectors, columns sorted by descending eigenvalue, eigh in floa
   hadamard   T = H                       (QuaRot-style, data-free)
   pca        K: U of C_K (centered if center_k), V: U of C_V, then the composition
   oscar      K: U of C_Q (what logits are sensitive to), V: U of C_S (cheap or exact)
+  balanced   K: the non-orthogonal transform that balances logit sensitivity against key energy
+             (below), V: as oscar. Queries use T^{-T}, so logits are unchanged; T is not orthogonal.
+
+Why "balanced". Quantizing k' = k·M adds noise e' of about equal size in every coordinate (after
+the Hadamard), and the logit error (q·M^{-T})·e'ᵀ has variance tr(M^{-1} C_Q M^{-T})·σ²(e'), where
+σ²(e') grows with the energy of k', tr(Mᵀ C_K M)/D. An orthogonal M (all rotations) leaves the product tr(C_Q)·tr(C_K)/D fixed; the
+best invertible M makes both matrices diagonal and equal: with A = C_Q^{1/2} and
+A·C_K·A = U_B Λ_B U_Bᵀ, M = A·U_B·Λ_B^{-1/4} gives the product (Σ λ_B^{1/2})²/D <= tr(C_Q)tr(C_K)/D
+(Cauchy–Schwarz), a strict gain whenever query and key spectra are not aligned. The decode
+kernel multiplies q by T^{-T} anyway, so this costs nothing at serving time.
 Compositions of a fitted U:
   u          T = U
   u_h        T = U·H                     (default)
@@ -26,7 +36,7 @@ from .bundle import RotationBundle, orthogonality_error
 from .capture import CalibrationStats
 from .clip_calibration import DEFAULT_RHO_GRID, calibrate_layer_clip
 
-METHODS = ("identity", "hadamard", "pca", "oscar")
+METHODS = ("identity", "hadamard", "pca", "oscar", "balanced")
 COMPOSITIONS = ("u", "u_h", "u_h_p", "u_p_hg")
 
 
@@ -58,6 +68,20 @@ def compose(u: torch.Tensor, eigenvalues: torch.Tensor, composition: str, group:
     if composition == "u_p_hg":
         return u @ p @ block_hadamard_matrix(d, group)
     raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
+
+
+def balanced_basis(c_q: torch.Tensor, c_k: torch.Tensor, floor: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, weights) with M = C_Q^{1/2}·U_B·Λ_B^{-1/4}; weights = Λ_B^{1/2} (descending) for placement.
+
+    Eigenvalues of C_Q below floor·max are raised to it so M stays well conditioned (directions
+    no query ever reads would otherwise get an unbounded key scale).
+    """
+    lq, uq = sorted_eigh(c_q)
+    lq = lq.clamp_min(float(lq.max()) * floor)
+    a = uq @ torch.diag(lq.sqrt()) @ uq.T
+    lb, ub = sorted_eigh(a @ c_k.double() @ a)
+    lb = lb.clamp_min(float(lb.max()) * floor)
+    return a @ ub @ torch.diag(lb ** -0.25), lb.sqrt()
 
 
 def _side_covariances(stats: CalibrationStats, layer: int, method: str, side: str, *, per_head: bool,
@@ -124,7 +148,16 @@ def fit_bundle(
         vkeig = torch.empty_like(keig)
         for layer in range(L):
             for side, out, eig, g in (("k", kt, keig, k_group), ("v", vt, vkeig, v_group)):
-                covs = _side_covariances(stats, layer, method, side, per_head=per_head, center_k=center_k, cs=cs)
+                if method == "balanced" and side == "k":
+                    cq = _side_covariances(stats, layer, "oscar", "k", per_head=per_head, center_k=center_k, cs=cs)
+                    ck = _side_covariances(stats, layer, "pca", "k", per_head=per_head, center_k=center_k, cs=cs)
+                    for h in range(hk):
+                        m, w = balanced_basis(cq[h], ck[h])
+                        eig[layer, h] = w
+                        out[layer, h] = compose(m, w, composition, g)
+                    continue
+                covs = _side_covariances(stats, layer, "oscar" if method == "balanced" else method, side,
+                                         per_head=per_head, center_k=center_k, cs=cs)
                 for h in range(hk):
                     lam, u = sorted_eigh(covs[h])
                     eig[layer, h] = lam
@@ -133,7 +166,7 @@ def fit_bundle(
     k_mean = None
     if center_k:
         mu = torch.stack([stats.mu_k(layer) for layer in range(L)])  # [L, H, D]
-        k_mean = mu.float() if per_head else mu.mean(1, keepdim=True).float()
+        k_mean = mu.float()  # per KV head even for a per-layer transform: means differ by head
     ones = torch.ones(L)
     bundle = RotationBundle(
         k_transform=kt.float(),
@@ -154,11 +187,11 @@ def fit_bundle(
         composition=composition_used,
         per_head=per_head,
         center_k=center_k,
-        orthogonal=True,
+        orthogonal=method != "balanced",
         calibration=dict(calibration) if calibration is not None else {
             "source": "unknown", "tokens": stats.tokens, "windows": stats.windows, "seq_len": stats.seq_len},
     )
-    if method == "oscar":
+    if method in ("oscar", "balanced"):
         bundle.calibration["cs"] = cs  # which V target was used
     _apply_clip(bundle, stats, clip, level_grid, rho_grid, progress, clip_queries)
     return bundle.validate("fitted bundle")
