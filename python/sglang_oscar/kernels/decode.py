@@ -414,10 +414,10 @@ def oscar_decode(
     out: Optional[torch.Tensor] = None,
     k_level_a: Optional[float] = None,
     v_level_a: Optional[float] = None,
-    block_n: int = 64,
+    block_n: int = 128,
     block_w: int = 64,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
