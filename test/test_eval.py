@@ -382,3 +382,16 @@ def test_decode_fast_path_equals_blocked_mixed_attention():
     rep = lambda x: x.repeat_interleave(G, dim=1)  # noqa: E731
     fast = decode_full_sequence(qt.reshape(B, Hkv * G, T, D), rep(ke), rep(ve), rep(kq), rep(vq), sink, recent, 0.25)
     assert torch.allclose(fast.reshape(B, Hkv, G, T, D), ref, atol=2e-5)
+
+
+def test_perplexity_prefix_equals_shorter_window():
+    """PPL of a window's first n tokens (same forward) == PPL of the n-token window (causality)."""
+    from sglang_oscar.eval.ppl import perplexity
+    from sglang_oscar.models import tiny_llama
+
+    torch.manual_seed(5)
+    model = tiny_llama()
+    w = torch.randint(0, 512, (80,)).tolist()
+    r = perplexity(model, [w], progress=False, prefixes=(33,))
+    short = perplexity(model, [w[:33]], progress=False)
+    assert abs(r["prefix"][33]["mean"] - short["mean"]) < 1e-4 * short["mean"]

@@ -118,15 +118,21 @@ def fit_bundle(
     rho_grid: Sequence[float] = DEFAULT_RHO_GRID,
     progress: bool = False,
     clip_queries: int = 256,
+    v_method: Optional[str] = None,
 ) -> RotationBundle:
     """Fit transforms (and clip ratios) for every layer; see the module docstring for methods.
 
     clip: "auto" (per-layer calibration on the held-out windows of `stats`), (rho_k, rho_v) for
     every layer, or None (= 1.0). level_grid: INT2 codebook parameters tried jointly with ρ.
     clip_queries: query positions sampled per held-out window for "auto" (cost is linear in it).
+    v_method: fit V with another method than K ("identity", "hadamard", "pca", "oscar"); default:
+    the V side of `method` (balanced uses oscar's V).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    v_method = v_method or ("oscar" if method == "balanced" else method)
+    if v_method not in METHODS or v_method == "balanced":
+        raise ValueError(f"v_method must be one of {METHODS[:-1]}, got {v_method!r}")
     if composition not in COMPOSITIONS:
         raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
     if cs not in ("exact", "cheap"):
@@ -139,16 +145,20 @@ def fit_bundle(
     kt = torch.empty(L, hk, D, D, dtype=torch.float64)
     vt = torch.empty_like(kt)
     keig = vkeig = None
-    if method in ("identity", "hadamard"):
-        m = torch.eye(D, dtype=torch.float64) if method == "identity" else hadamard_matrix(D)
-        kt[:], vt[:] = m, m
-        composition_used = "none"
-    else:
-        keig = torch.empty(L, hk, D, dtype=torch.float64)
-        vkeig = torch.empty_like(keig)
+    data_free = {"identity": torch.eye(D, dtype=torch.float64), "hadamard": hadamard_matrix(D)}
+    composition_used = "none" if method in data_free and v_method in data_free else composition
+    keig = None if method in data_free else torch.empty(L, hk, D, dtype=torch.float64)
+    vkeig = None if v_method in data_free else torch.empty(L, hk, D, dtype=torch.float64)
+    if method in data_free:
+        kt[:] = data_free[method]
+    if v_method in data_free:
+        vt[:] = data_free[v_method]
+    if keig is not None or vkeig is not None:
         for layer in range(L):
-            for side, out, eig, g in (("k", kt, keig, k_group), ("v", vt, vkeig, v_group)):
-                if method == "balanced" and side == "k":
+            for side, out, eig, g, meth in (("k", kt, keig, k_group, method), ("v", vt, vkeig, v_group, v_method)):
+                if meth in data_free:
+                    continue
+                if meth == "balanced":
                     cq = _side_covariances(stats, layer, "oscar", "k", per_head=per_head, center_k=center_k, cs=cs)
                     ck = _side_covariances(stats, layer, "pca", "k", per_head=per_head, center_k=center_k, cs=cs)
                     for h in range(hk):
@@ -156,13 +166,11 @@ def fit_bundle(
                         eig[layer, h] = w
                         out[layer, h] = compose(m, w, composition, g)
                     continue
-                covs = _side_covariances(stats, layer, "oscar" if method == "balanced" else method, side,
-                                         per_head=per_head, center_k=center_k, cs=cs)
+                covs = _side_covariances(stats, layer, meth, side, per_head=per_head, center_k=center_k, cs=cs)
                 for h in range(hk):
                     lam, u = sorted_eigh(covs[h])
                     eig[layer, h] = lam
                     out[layer, h] = compose(u, lam, composition, g)
-        composition_used = composition
     k_mean = None
     if center_k:
         mu = torch.stack([stats.mu_k(layer) for layer in range(L)])  # [L, H, D]
@@ -191,8 +199,10 @@ def fit_bundle(
         calibration=dict(calibration) if calibration is not None else {
             "source": "unknown", "tokens": stats.tokens, "windows": stats.windows, "seq_len": stats.seq_len},
     )
-    if method in ("oscar", "balanced"):
-        bundle.calibration["cs"] = cs  # which V target was used
+    if v_method == "oscar":
+        bundle.calibration["cs"] = cs
+    if v_method != method:
+        bundle.calibration["v_method"] = v_method  # which V target was used
     _apply_clip(bundle, stats, clip, level_grid, rho_grid, progress, clip_queries)
     return bundle.validate("fitted bundle")
 

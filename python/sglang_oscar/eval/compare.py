@@ -1,0 +1,346 @@
+"""The accuracy comparison: calibrate every method once, then PPL, NIAH and attention KL.
+
+    python -m sglang_oscar.eval.compare --quick            # the README's main job: minutes on CPU
+    python -m sglang_oscar.eval.compare --stage all        # the full table (about an hour on 2 cores)
+
+Stages (so the slow ones can run in parallel processes, see scripts/accuracy_smollm2.sh):
+    calibrate  capture Q/K/V once on the calibration text, fit every method's bundle
+    ppl        teacher-forced perplexity (decode semantics) + per-layer attention KL
+    niah       RULER-style NIAH (exact single-chunk prefill, INT2 decode), shared prefills
+    report     merge into the JSON / markdown / PNG and print the table
+PPL at 2k and at 4k come from the same 4k windows: under causal attention the first 2048
+positions of a 4096-token window are exactly a 2048-token window, so one forward gives both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .. import __version__
+from ..config import QuantFormat
+
+SINK, RECENT = 64, 256
+
+
+def method_specs(head_dim: int) -> dict[str, dict]:
+    """name -> dict(variant = fit_bundle kwargs (None: exact bf16), bits, desc)."""
+    g = min(64, head_dim)  # 2.5 bits/element on head_dim 64 (the budget of the targets)
+    gp = 32 if head_dim > 32 else head_dim  # a group size below head_dim, where P can matter
+    S = {}
+
+    def add(name, desc, bits=2, **variant):
+        S[name] = dict(desc=desc, bits=bits, variant=variant or None)
+
+    S["bf16"] = dict(desc="exact KV (the model's own precision)", bits=16, variant=None)
+    for clip, sfx in ((None, ""), ("auto", "_clip")):
+        c = " + per-layer clip" if clip else ""
+        add(f"int2_naive{sfx}", "INT2, no rotation" + c, method="identity", clip=clip, k_group=g, v_group=g)
+        add(f"int2_hadamard{sfx}", "INT2, Hadamard (QuaRot-style)" + c, method="hadamard", clip=clip, k_group=g, v_group=g)
+        add(f"int2_pca{sfx}", "INT2, KᵀK / VᵀV eigenbasis · H" + c, method="pca", clip=clip, k_group=g, v_group=g)
+        add(f"int2_oscar{sfx}", "INT2, OSCAR U_Q·H / U_S·H (per layer)" + c, method="oscar", clip=clip,
+            k_group=g, v_group=g)
+        add(f"int2_oscar_g{gp}_p{sfx}", f"INT2 G={gp}, OSCAR U·P·H_G (spectral placement)" + c, method="oscar",
+            composition="u_p_hg", clip=clip, k_group=gp, v_group=gp)
+        add(f"int2_oscar_perhead{sfx}", "INT2, OSCAR per (layer, KV head)" + c, method="oscar", per_head=True,
+            clip=clip, k_group=g, v_group=g)
+    add(f"int2_oscar_g{gp}_nop_clip", f"INT2 G={gp}, OSCAR U·H (no P) + per-layer clip", method="oscar",
+        clip="auto", k_group=gp, v_group=gp)
+    add("int4_hadamard", "INT4, Hadamard (SAW-INT4-style), per-layer clip", bits=4, method="hadamard", clip="auto",
+        k_group=g, v_group=g)
+    add("int2_balanced_clip", "INT2, balanced K transform C_Q^½·U_B·Λ^-¼·H, OSCAR V, per-layer clip",
+        method="balanced", clip="auto", k_group=g, v_group=g)
+    add("int2_best", "INT2, ours: balanced K transform + K mean removal + per-layer clip", method="balanced",
+        center_k=True, clip="auto", k_group=g, v_group=g)
+    return S
+
+
+QUICK_METHODS = ("bf16", "int2_naive", "int2_hadamard_clip", "int2_oscar_clip", "int2_best")
+
+
+def settings(quick: bool) -> dict:
+    if quick:
+        return dict(calib_tokens=6144, seq_len=2048, heldout_tokens=2048, ppl_len=2048, ppl_windows=2,
+                    niah_lengths=[2048], niah_per_task=2, kl_windows=1, kl_len=2048)
+    return dict(calib_tokens=16384, seq_len=2048, heldout_tokens=4096, ppl_len=4096, ppl_windows=4,
+                niah_lengths=[2048, 4096, 8192], niah_per_task=10, kl_windows=1, kl_len=4096)
+
+
+NIAH_TASKS = ("niah_single_1", "niah_multikey_2")
+
+
+def bits_per_element(spec: dict, bundle=None) -> float:
+    if spec["variant"] is None:
+        return 16.0
+    kg, vg = spec["variant"]["k_group"], spec["variant"]["v_group"]
+    return (QuantFormat(spec["bits"], kg).bits_per_element + QuantFormat(spec["bits"], vg).bits_per_element) / 2
+
+
+def layers_of(bundle, bits: int):
+    return [bundle.layer_quantizers(i, bits=bits) for i in range(bundle.num_layers)]
+
+
+# ------------------------------------------------------------------------------------------ stages
+def stage_calibrate(model, tok, model_id, specs, cfg, out_dir: Path, progress: bool) -> None:
+    from ..calibrate import calibrate_many
+    from ..rotation import save_bundle
+
+    variants = {n: dict(s["variant"], bits=s["bits"]) for n, s in specs.items() if s["variant"] is not None}
+    t = time.time()
+    bundles, stats = calibrate_many(model, tok, variants, tokens=cfg["calib_tokens"], seq_len=cfg["seq_len"],
+                                    heldout_tokens=cfg["heldout_tokens"], progress=progress, model_id=model_id)
+    (out_dir / "bundles").mkdir(parents=True, exist_ok=True)
+    for name, b in bundles.items():
+        save_bundle(b, out_dir / "bundles" / f"{name}.safetensors")
+    info = dict(seconds=time.time() - t, tokens=stats.tokens, heldout_tokens=stats.heldout_tokens)
+    (out_dir / "calibrate.json").write_text(json.dumps(info, indent=1))
+
+
+def _bundles(out_dir: Path, names):
+    from ..rotation import load_bundle
+
+    return {n: load_bundle(out_dir / "bundles" / f"{n}.safetensors") for n in names}
+
+
+def _sims(specs, bundles, mode):
+    from .simulator import MixedCacheSimulator
+
+    return {n: (None if specs[n]["variant"] is None else
+                MixedCacheSimulator(layers_of(bundles[n], specs[n]["bits"]), sink=SINK, recent=RECENT, mode=mode))
+            for n in specs}
+
+
+def stage_ppl(model, tok, specs, cfg, out_dir: Path, progress: bool) -> None:
+    from ..data import eval_text, token_windows
+    from .attention_metrics import attention_errors
+    from .ppl import perplexity
+
+    bundles = _bundles(out_dir, [n for n in specs if specs[n]["variant"] is not None])
+    text = eval_text()
+    windows = token_windows(tok, text, cfg["ppl_len"], cfg["ppl_windows"])
+    sims = _sims(specs, bundles, "decode")
+    prefixes = (2048,) if cfg["ppl_len"] > 2048 else ()
+    res = {}
+    for name, sim in sims.items():
+        t = time.time()
+        r = perplexity(model, windows, sim=sim, progress=progress, prefixes=prefixes)
+        entry = {str(cfg["ppl_len"]): {k: v for k, v in r.items() if k != "prefix"}}
+        for n in prefixes:
+            entry[str(n)] = r["prefix"][n]
+        res[name] = dict(ppl=entry, seconds=time.time() - t)
+        print(f"[ppl] {name}: " + " ".join(f"@{k}={v['mean']:.3f}" for k, v in entry.items())
+              + f" ({time.time() - t:.0f} s)", flush=True)
+    kl_windows = token_windows(tok, text, cfg["kl_len"], cfg["kl_windows"], offset=cfg["ppl_len"] // 2)
+    quantized = {n: layers_of(bundles[n], specs[n]["bits"]) for n in specs if specs[n]["variant"] is not None}
+    kl = attention_errors(model, kl_windows, quantized, sink=SINK, recent=RECENT, progress=progress)
+    for name in specs:
+        res[name]["attn"] = kl.get(name, dict(kl_mean=0.0, relmse_mean=0.0, kl_per_layer=None, relmse_per_layer=None))
+    (out_dir / "ppl.json").write_text(json.dumps(res, indent=1, default=_jsonable))
+
+
+def stage_niah(model, tok, specs, cfg, out_dir: Path, progress: bool) -> None:
+    from .niah import make_samples, run_niah
+
+    bundles = _bundles(out_dir, [n for n in specs if specs[n]["variant"] is not None])
+    sims = _sims(specs, bundles, "prefill")
+    res: dict = {n: {} for n in specs}
+    for length in cfg["niah_lengths"]:
+        for task in NIAH_TASKS:
+            t = time.time()
+            samples = make_samples(tok, task, length, cfg["niah_per_task"], seed=length)
+            out = run_niah(model, tok, samples, sims, progress=progress)
+            for name in specs:
+                res[name].setdefault(str(length), {})[task] = out[name]
+            print(f"[niah] {task} @ {length}: " + " ".join(f"{n}={out[n]['score']:.0f}" for n in specs)
+                  + f" ({time.time() - t:.0f} s)", flush=True)
+    (out_dir / "niah.json").write_text(json.dumps(res, indent=1, default=_jsonable))
+
+
+def _jsonable(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    raise TypeError(type(x))
+
+
+# ------------------------------------------------------------------------------------------ report
+def _git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
+    from ..data import CALIBRATION_SOURCE, EVAL_SOURCE
+    from ..rotation import load_bundle
+
+    ppl = json.loads((out_dir / "ppl.json").read_text())
+    niah_p = out_dir / "niah.json"
+    niah = json.loads(niah_p.read_text()) if niah_p.exists() else {}
+    calib = json.loads((out_dir / "calibrate.json").read_text())
+    methods = {}
+    for name, spec in specs.items():
+        m = dict(description=spec["desc"], bits_per_element=round(bits_per_element(spec), 4),
+                 group=None if spec["variant"] is None else spec["variant"]["k_group"], code_bits=spec["bits"])
+        p = ppl[name]["ppl"]
+        m["ppl"] = {k: round(v["mean"], 4) for k, v in p.items()}
+        m["ppl_spread"] = {k: dict(std=round(v["std"], 4), min=round(v["min"], 4), max=round(v["max"], 4),
+                                   per_window=[round(x, 4) for x in v["per_window"]]) for k, v in p.items()}
+        if "bf16" in ppl:
+            # Paired: the same windows under bf16 and this method. Window difficulty varies a lot
+            # (the std above), the per-window ratio much less: this is the spread that compares methods.
+            m["ppl_delta_pct"] = {}
+            for k, v in p.items():
+                r = torch.tensor(v["per_window"], dtype=torch.float64) / torch.tensor(
+                    ppl["bf16"]["ppl"][k]["per_window"], dtype=torch.float64)
+                d = 100 * (r - 1)
+                m["ppl_delta_pct"][k] = dict(mean=round(float(d.mean()), 3), std=round(float(d.std(unbiased=False)), 3),
+                                             min=round(float(d.min()), 3), max=round(float(d.max()), 3))
+        if name in niah and niah[name]:
+            m["niah"] = {L: round(sum(t["score"] for t in v.values()) / len(v), 2) for L, v in niah[name].items()}
+            m["niah_by_task"] = {L: {t: round(r["score"], 2) for t, r in v.items()} for L, v in niah[name].items()}
+            m["niah_samples"] = cfg["niah_per_task"] * len(NIAH_TASKS)
+        a = ppl[name]["attn"]
+        m["attn_kl"] = a["kl_mean"]
+        m["attn_relmse"] = a["relmse_mean"]
+        if spec["variant"] is not None:
+            b = load_bundle(out_dir / "bundles" / f"{name}.safetensors")
+            m["clip_k"] = dict(min=float(b.k_clip.min()), max=float(b.k_clip.max()), mean=float(b.k_clip.mean()))
+            m["clip_v"] = dict(min=float(b.v_clip.min()), max=float(b.v_clip.max()), mean=float(b.v_clip.mean()))
+            m["fit"] = dict(method=b.method, composition=b.composition, per_head=b.per_head, center_k=b.center_k,
+                            k_group=b.k_group, v_group=b.v_group)
+        methods[name] = m
+    return {
+        "model": model_id,
+        "settings": dict(sink=SINK, recent=RECENT, ppl_semantics="decode (every position reads the INT2 history "
+                         "beyond sink/recent, teacher forced)", niah_semantics="exact single-chunk prefill, INT2 "
+                         "decode (server semantics)", calibration_source=CALIBRATION_SOURCE,
+                         eval_source=EVAL_SOURCE, calibration_tokens_used=calib["tokens"],
+                         heldout_tokens_used=calib["heldout_tokens"], **cfg),
+        "methods": methods,
+        "environment": dict(python=platform.python_version(), torch=torch.__version__, sglang_oscar=__version__,
+                            commit=_git_commit(), date=time.strftime("%Y-%m-%d")),
+    }
+
+
+def format_table(report: dict) -> str:
+    ms = report["methods"]
+    ppl_keys = sorted({k for m in ms.values() for k in m["ppl"]}, key=int)
+    niah_keys = sorted({k for m in ms.values() for k in m.get("niah", {})}, key=int)
+    bf = ms.get("bf16", {}).get("ppl", {})
+    head = ["method", "bits"] + [f"PPL@{int(k)//1024}k" for k in ppl_keys] + [f"Δ@{int(k)//1024}k" for k in ppl_keys] \
+        + [f"NIAH@{int(k)//1024}k" for k in niah_keys] + ["attn KL"]
+    rows = []
+    for name, m in ms.items():
+        r = [name, f"{m['bits_per_element']:.2f}"]
+        r += [f"{m['ppl'][k]:.2f}±{m['ppl_spread'][k]['std']:.2f}" for k in ppl_keys]
+        r += [f"{m['ppl_delta_pct'][k]['mean']:+.1f}±{m['ppl_delta_pct'][k]['std']:.1f}%" if "ppl_delta_pct" in m
+              else "" for k in ppl_keys]
+        r += [f"{m['niah'][k]:.0f}" if k in m.get("niah", {}) else "" for k in niah_keys]
+        r += [f"{m['attn_kl']:.4f}"]
+        rows.append(r)
+    w = [max(len(x[i]) for x in rows + [head]) for i in range(len(head))]
+    line = lambda r: "| " + " | ".join(x.ljust(w[i]) for i, x in enumerate(r)) + " |"  # noqa: E731
+    return "\n".join([line(head), "|" + "|".join("-" * (x + 2) for x in w) + "|"] + [line(r) for r in rows])
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = report["methods"]
+    names = list(ms)
+    k = max((k for k in ms["bf16"]["ppl"]), key=int)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
+    ppl = [ms[n]["ppl"][k] for n in names]
+    err = [ms[n]["ppl_spread"][k]["std"] for n in names]
+    axes[0].barh(names, ppl, xerr=err, color=["tab:green" if n == "bf16" else "tab:blue" for n in names])
+    axes[0].axvline(ms["bf16"]["ppl"][k] * 1.08, color="r", ls="--", label="bf16 + 8% (target)")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel(f"perplexity @ {int(k) // 1024}k (mean ± std over windows, log scale)")
+    axes[0].legend()
+    axes[0].invert_yaxis()
+    if all("niah" in ms[n] for n in names):
+        lengths = sorted(ms["bf16"]["niah"], key=int)
+        width = 0.8 / len(lengths)
+        for i, L in enumerate(lengths):
+            axes[1].barh([j + i * width for j in range(len(names))], [ms[n]["niah"][L] for n in names], height=width,
+                         label=f"{int(L) // 1024}k")
+        axes[1].set_yticks([j + width * (len(lengths) - 1) / 2 for j in range(len(names))], names)
+        axes[1].set_xlabel("NIAH score (string_match_all, %)")
+        axes[1].legend()
+        axes[1].invert_yaxis()
+    fig.suptitle(f"{report['model']}: INT2 KV (sink {SINK}, recent {RECENT})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# -------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help='"smollm2" (embedded default), a .gguf or an HF directory')
+    ap.add_argument("--quick", action="store_true", help="small settings and 5 methods (the README's main job)")
+    ap.add_argument("--stage", default="all", choices=("all", "calibrate", "ppl", "niah", "report"))
+    ap.add_argument("--methods", default=None, help="comma-separated subset of methods")
+    ap.add_argument("--out-dir", default=None, help="working directory (bundles, partial results)")
+    ap.add_argument("--json", default=None, help="write the report JSON here")
+    ap.add_argument("--md", default=None, help="write the markdown table here")
+    ap.add_argument("--plot", default=None, help="write the PNG plot here")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from ..models import attention_shape, load_model
+
+    cfg = settings(args.quick)
+    out_dir = Path(args.out_dir or ("runs/accuracy_quick" if args.quick else "runs/accuracy"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    progress = not args.quiet
+    model, tok, model_id = load_model(args.model)
+    specs = method_specs(attention_shape(model)["head_dim"])
+    wanted = args.methods.split(",") if args.methods else (list(QUICK_METHODS) if args.quick else list(specs))
+    unknown = [m for m in wanted if m not in specs]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from {list(specs)}")
+    specs = {n: specs[n] for n in wanted}
+    stages = ["calibrate", "ppl", "niah", "report"] if args.stage == "all" else [args.stage]
+    for st in stages:
+        t = time.time()
+        if st == "calibrate":
+            stage_calibrate(model, tok, model_id, specs, cfg, out_dir, progress)
+        elif st == "ppl":
+            stage_ppl(model, tok, specs, cfg, out_dir, progress)
+        elif st == "niah":
+            stage_niah(model, tok, specs, cfg, out_dir, progress)
+        else:
+            report = build_report(specs, cfg, out_dir, model_id)
+            table = format_table(report)
+            print(table)
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+            if args.md:
+                Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.md).write_text(table + "\n")
+            if args.plot:
+                plot(report, Path(args.plot))
+        print(f"[{st}] done in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
