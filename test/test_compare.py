@@ -1,0 +1,48 @@
+"""The comparison driver's report: JSON shape required by the accuracy issue, paired deltas, table."""
+
+import json
+
+import torch
+
+from sglang_oscar.eval import compare
+from sglang_oscar.rotation import data_free_bundle, save_bundle
+
+
+def _ppl(per_window):
+    t = torch.tensor(per_window)
+    return dict(mean=float(t.mean()), per_window=per_window, std=float(t.std(unbiased=False)),
+                min=float(t.min()), max=float(t.max()))
+
+
+def test_report_shape_and_paired_delta(tmp_path):
+    specs = {n: s for n, s in compare.method_specs(64).items() if n in ("bf16", "int2_hadamard", "int4_hadamard")}
+    assert specs["int2_hadamard"]["variant"]["k_group"] == 64
+    (tmp_path / "bundles").mkdir()
+    for name in ("int2_hadamard", "int4_hadamard"):
+        bits = specs[name]["bits"]
+        save_bundle(data_free_bundle("hadamard", 2, 1, 64, 64, 64, bits=bits), tmp_path / "bundles" / f"{name}.safetensors")
+    attn = dict(kl_mean=0.1, relmse_mean=0.2, kl_per_layer=[0.1, 0.1], relmse_per_layer=[0.2, 0.2])
+    ppl = {
+        "bf16": dict(ppl={"2048": _ppl([10.0, 20.0])}, attn=dict(attn, kl_mean=0.0, relmse_mean=0.0)),
+        "int2_hadamard": dict(ppl={"2048": _ppl([11.0, 22.0])}, attn=attn),
+        "int4_hadamard": dict(ppl={"2048": _ppl([10.1, 20.4])}, attn=attn),
+    }
+    niah = {n: {"2048": {t: dict(score=s) for t in compare.NIAH_TASKS}}
+            for n, s in (("bf16", 100.0), ("int2_hadamard", 50.0), ("int4_hadamard", 100.0))}
+    (tmp_path / "ppl.json").write_text(json.dumps(ppl))
+    (tmp_path / "niah.json").write_text(json.dumps(niah))
+    (tmp_path / "calibrate.json").write_text(json.dumps(dict(tokens=100, heldout_tokens=10)))
+    cfg = compare.settings(quick=True)
+    rep = compare.build_report(specs, cfg, tmp_path, "tiny")
+    assert rep["settings"]["sink"] == 64 and rep["settings"]["recent"] == 256
+    m = rep["methods"]["int2_hadamard"]
+    assert m["bits_per_element"] == 2.5 and m["group"] == 64
+    assert rep["methods"]["int4_hadamard"]["bits_per_element"] == 4.5
+    assert m["ppl"]["2048"] == 16.5 and m["niah"]["2048"] == 50.0 and m["niah_samples"] == 2 * cfg["niah_per_task"]
+    # paired delta: both windows +10% -> mean 10, std 0 (the unpaired std would be large)
+    assert abs(m["ppl_delta_pct"]["2048"]["mean"] - 10.0) < 1e-6 and m["ppl_delta_pct"]["2048"]["std"] < 1e-6
+    assert m["attn_kl"] == 0.1 and m["clip_k"]["max"] == 1.0
+    table = compare.format_table(rep)
+    assert "int2_hadamard" in table and "+10.0±0.0%" in table
+    compare.plot(rep, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
