@@ -38,6 +38,7 @@ from .layout import check_shape
 LOG2E = 1.4426950408889634
 SUPPORTED_QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_GQA = 8
+MIN_NP = 4  # GQA heads padded to a power of two >= this (the N of the dots)
 
 
 # --------------------------------------------------------------------------------------------
@@ -45,26 +46,65 @@ MAX_GQA = 8
 
 
 @triton.jit
-def _codes_to_dot(b, SHIFT: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, DT: tl.constexpr,
-                  FAST_CVT: tl.constexpr):
-    """Plane (b >> SHIFT) & 3 of a uint8 tile as the dot dtype; codebook levels 0, a, 3-a, 3."""
-    c = (b >> SHIFT) & 3
+def _codes_plane(b, SHIFT: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, DT: tl.constexpr,
+                 FAST_CVT: tl.constexpr):
+    """Plane (b >> SHIFT) & 3 of a uint8 tile as 1 + level/4 in the dot dtype (levels 0,1,2,3 or
+    the codebook's 0, a, 3-a, 3). The +1 offset is what makes the fast path two instructions per
+    four codes after the shift: OR-ing a code into the top mantissa bits of 1.0 (0x3C00) gives
+    1 + c/4 exactly, so no subtraction; the offset is taken out per group with the query sums."""
     if CODEBOOK:
+        c = (b >> SHIFT) & 3
         lo = (c & 1).to(tl.float32)
         hi = (c >> 1).to(tl.float32)
-        return (lo * LEVEL_A + hi * (3.0 - LEVEL_A)).to(DT)
+        return ((lo * LEVEL_A + hi * (3.0 - LEVEL_A)) * 0.25 + 1.0).to(DT)
     elif FAST_CVT:
-        # 0x6400 | c is the fp16 number 1024 + c; subtracting 1024 is exact.
-        h = (c.to(tl.int32) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        return h - 1024.0
+        # 4 codes per 32-bit word: t = ((w >> SHIFT) & 0x03030303) | 0x3C3C3C3C, then two prmt
+        # put byte k of t into the high byte of fp16 number k (low byte 0): 0x3C00 | c << 8.
+        return tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t;
+            shr.b32 t, $2, {SHIFT};
+            lop3.b32 t, t, 0x03030303, 0x3C3C3C3C, 0xEA;
+            prmt.b32 $0, t, 0, 0x1404;
+            prmt.b32 $1, t, 0, 0x3424;
+            }}""",
+            constraints="=r,=r,r", args=[b], dtype=tl.float16, is_pure=True, pack=4,
+        )
     else:
-        return c.to(DT)
+        return (((b >> SHIFT) & 3).to(tl.float32) * 0.25 + 1.0).to(DT)
 
 
 @triton.jit
-def _group_vec(t, cols, g):
-    """Column g of a [M, NGP] tile as an [M] vector."""
-    return tl.sum(tl.where(cols[None, :] == g, t, 0.0), 1)
+def _param_word(P32, P64, row, g: tl.constexpr, NG: tl.constexpr, mask):
+    """(scale, min) of group g of each row as fp32 [N] vectors, from one 4- or 8-byte load."""
+    if NG == 1:
+        w = tl.load(P32 + row, mask=mask, other=0)
+    else:
+        w64 = tl.load(P64 + row * (NG // 2) + g // 2, mask=mask, other=0)
+        if g % 2 == 0:
+            w = w64.to(tl.int32)
+        else:
+            w = (w64 >> 32).to(tl.int32)
+    scale = (w << 16).to(tl.float32, bitcast=True)
+    mn = ((w >> 16) << 16).to(tl.float32, bitcast=True)
+    return scale, mn
+
+
+@triton.jit
+def _tuple_set(t, i: tl.constexpr, v):
+    """t with element i replaced by v (Triton tuples have no item assignment)."""
+    out = []
+    for j in tl.static_range(len(t)):
+        if j == i:
+            out = out + [v]
+        else:
+            out = out + [t[j]]
+    return out
+
+
+@triton.jit
+def _tuple_add(t, i: tl.constexpr, v):
+    return _tuple_set(t, i, t[i] + v)
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,174 +113,115 @@ def _group_vec(t, cols, g):
 
 @triton.jit
 def _int2_split(
-    Q, KC, KP, VC, VP, SK, SV, RK, RV, SINK_TABLE, O_PART, LSE_PART,
-    split, b, h, r, L, recent_lo, hist_hi, r2t, q_row, out_row, lse_ptr, mask_m, qk_scale,
-    HKV: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, SINK: tl.constexpr,
-    WINDOW: tl.constexpr, NS: tl.constexpr, BLOCK_M: tl.constexpr,
+    Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
+    split, b, h, hist_hi, r2t, qk_scale,
+    HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+    SINK: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
-    NGV: tl.constexpr, PPGK: tl.constexpr, PPGV: tl.constexpr, SUBK: tl.constexpr, SUBV: tl.constexpr,
-    NGP: tl.constexpr, NGPV: tl.constexpr,
+    NGV: tl.constexpr, CH: tl.constexpr,
 ):
-    """One split of the INT2 history [SINK, hist_hi)."""
-    D4: tl.constexpr = D // 4
-    offs_m = tl.arange(0, BLOCK_M)
-    # ------------------------------------------------------------ INT2 history
+    """One split of the INT2 history [SINK, hist_hi), transposed: tokens in M, the GQA heads in N
+    (padded to NP = next power of two, not 16), so the softmax and the scale / min algebra run on
+    [BLOCK_N, NP] tiles. The codes are handled in sub-planes (plane p, byte chunk k of CH bytes):
+    each one lies inside exactly one K group and one V group.
 
+        scores  sᵀ[t, h] = Σ_g 4·ks_tg·(E_g qᵀ)[t, h] + (km_tg − 4·ks_tg)·Qsum_g[h]
+        values  oᵀ[d, h] = Σ_t E[t, d]·(4·vs_tg·p[t, h]) + Σ_t p[t, h]·(vm_tg − 4·vs_tg)
+    with E = 1 + code/4 (exact in fp16), Qsum_g = Σ_{i∈g} q_i (of the rounded q)."""
+    D4: tl.constexpr = D // 4
+    NCH: tl.constexpr = D4 // CH
+    NSP: tl.constexpr = 4 * NCH
     hist_len = tl.maximum(hist_hi - SINK, 0)
     chunk = tl.cdiv(tl.cdiv(hist_len, NS), BLOCK_N) * BLOCK_N
     lo = SINK + split * chunk
     hi = tl.minimum(lo + chunk, hist_hi)
 
-    offs_j = tl.arange(0, D4)
-    qmask = mask_m[:, None]
-    q0 = tl.load(q_row[:, None] + 0 * D4 + offs_j[None, :], mask=qmask, other=0.0).to(tl.float32) * qk_scale
-    q1 = tl.load(q_row[:, None] + 1 * D4 + offs_j[None, :], mask=qmask, other=0.0).to(tl.float32) * qk_scale
-    q2 = tl.load(q_row[:, None] + 2 * D4 + offs_j[None, :], mask=qmask, other=0.0).to(tl.float32) * qk_scale
-    q3 = tl.load(q_row[:, None] + 3 * D4 + offs_j[None, :], mask=qmask, other=0.0).to(tl.float32) * qk_scale
-    # Σ_{i∈g} q_i per K group, as an [M, NGP] tile (computed from the scaled query)
-    offs_d = tl.arange(0, D)
-    qfull = tl.load(q_row[:, None] + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32) * qk_scale
-    gcols = tl.arange(0, NGP)
-    qsum = tl.zeros([BLOCK_M, NGP], tl.float32)
-    for g in tl.static_range(NGK):
-        qs = tl.sum(tl.where((offs_d // GK)[None, :] == g, qfull, 0.0), 1)
-        qsum += tl.where(gcols[None, :] == g, qs[:, None], 0.0)
-    q0d = q0.to(DT)
-    q1d = q1.to(DT)
-    q2d = q2.to(DT)
-    q3d = q3.to(DT)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc0 = tl.zeros([BLOCK_M, D4], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, D4], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, D4], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, D4], tl.float32)
-    vcols = tl.arange(0, NGPV)
-    accmin = tl.zeros([BLOCK_M, NGPV], tl.float32)
-
+    offs_h = tl.arange(0, NP)
+    mask_h = offs_h < GQA
+    hq = h * GQA + offs_h
+    q_col = Q + (b * (HKV * GQA) + hq) * D  # [NP] pointers
+    offs_c = tl.arange(0, CH)
     offs_n = tl.arange(0, BLOCK_N)
+
+    # qᵀ per sub-plane [CH, NP] (dims p·D4 + k·CH + c), and the per-group sums of the rounded q
+    qts = []
+    qsum = []
+    for g in tl.static_range(NGK):
+        qsum = qsum + [tl.zeros([NP], tl.float32)]
+    for sp in tl.static_range(NSP):
+        qt = tl.load(q_col[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + offs_c[:, None], mask=mask_h[None, :], other=0.0).to(tl.float32)
+        qt = (qt * qk_scale).to(DT)
+        qts = qts + [qt]
+        qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt.to(tl.float32), 0))
+
+    m_i = tl.full([NP], float("-inf"), tl.float32)
+    l_i = tl.zeros([NP], tl.float32)
+    accs = []
+    for sp in tl.static_range(NSP):
+        accs = accs + [tl.zeros([CH, NP], tl.float32)]
+    accmin = []
+    for g in tl.static_range(NGV):
+        accmin = accmin + [tl.zeros([NP], tl.float32)]
+
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         mask_n = pos < hi
         slot = tl.load(r2t + pos, mask=mask_n, other=0).to(tl.int64)
         row = slot * HKV + h  # [N]
-        kb = tl.load(KC + row[:, None] * D4 + offs_j[None, :], mask=mask_n[:, None], other=0)
-        vb = tl.load(VC + row[:, None] * D4 + offs_j[None, :], mask=mask_n[:, None], other=0)
-        kprow = KP + row * (NGK * 2)
-        vprow = VP + row * (NGV * 2)
+        kbs = []
+        vbs = []
+        for k in tl.static_range(NCH):
+            kbs = kbs + [tl.load(KC + row[:, None] * D4 + (k * CH + offs_c)[None, :], mask=mask_n[:, None], other=0)]
+        for k in tl.static_range(NCH):
+            vbs = vbs + [tl.load(VC + row[:, None] * D4 + (k * CH + offs_c)[None, :], mask=mask_n[:, None], other=0)]
 
-        # ---- scores [M, N]
-        c0 = _codes_to_dot(kb, 0, K_A, K_CODEBOOK, DT, FAST_CVT)
-        c1 = _codes_to_dot(kb, 2, K_A, K_CODEBOOK, DT, FAST_CVT)
-        c2 = _codes_to_dot(kb, 4, K_A, K_CODEBOOK, DT, FAST_CVT)
-        c3 = _codes_to_dot(kb, 6, K_A, K_CODEBOOK, DT, FAST_CVT)
-        if SUBK:
-            # group smaller than a plane: scale the codes per column (only D=256, G=32)
-            gk0 = (0 * D4 + offs_j) // GK
-            gk1 = (1 * D4 + offs_j) // GK
-            gk2 = (2 * D4 + offs_j) // GK
-            gk3 = (3 * D4 + offs_j) // GK
-            sc0 = tl.load(kprow[:, None] + gk0[None, :] * 2, mask=mask_n[:, None], other=0.0).to(DT)
-            sc1 = tl.load(kprow[:, None] + gk1[None, :] * 2, mask=mask_n[:, None], other=0.0).to(DT)
-            sc2 = tl.load(kprow[:, None] + gk2[None, :] * 2, mask=mask_n[:, None], other=0.0).to(DT)
-            sc3 = tl.load(kprow[:, None] + gk3[None, :] * 2, mask=mask_n[:, None], other=0.0).to(DT)
-            s = tl.dot(q0d, tl.trans(c0 * sc0))
-            s += tl.dot(q1d, tl.trans(c1 * sc1))
-            s += tl.dot(q2d, tl.trans(c2 * sc2))
-            s += tl.dot(q3d, tl.trans(c3 * sc3))
-        else:
-            d0 = tl.dot(q0d, tl.trans(c0))
-            d1 = tl.dot(q1d, tl.trans(c1))
-            d2 = tl.dot(q2d, tl.trans(c2))
-            d3 = tl.dot(q3d, tl.trans(c3))
-            if PPGK == 1:
-                s = d0 * tl.load(kprow + 0 * 2, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                s += d1 * tl.load(kprow + 1 * 2, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                s += d2 * tl.load(kprow + 2 * 2, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                s += d3 * tl.load(kprow + 3 * 2, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            elif PPGK == 2:
-                s = (d0 + d1) * tl.load(kprow + 0 * 2, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                s += (d2 + d3) * tl.load(kprow + 1 * 2, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            else:
-                s = (d0 + d1 + d2 + d3) * tl.load(kprow, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        # ---- scores sᵀ [N, NP]
+        s = tl.zeros([BLOCK_N, NP], tl.float32)
         for g in tl.static_range(NGK):
-            mn = tl.load(kprow + g * 2 + 1, mask=mask_n, other=0.0).to(tl.float32)
-            s += _group_vec(qsum, gcols, g)[:, None] * mn[None, :]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
+            ks, km = _param_word(KP32, KP64, row, g, NGK, mask_n)
+            d = tl.zeros([BLOCK_N, NP], tl.float32)
+            for sp in tl.static_range(NSP):
+                if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
+                    e = _codes_plane(kbs[sp % NCH], 2 * (sp // NCH), K_A, K_CODEBOOK, DT, FAST_CVT)
+                    d = tl.dot(e, qts[sp], acc=d)
+            s += d * (4.0 * ks)[:, None] + (km - 4.0 * ks)[:, None] * qsum[g][None, :]
+        s = tl.where(mask_n[:, None], s, float("-inf"))
 
-        # ---- online softmax (log2 domain)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # ---- online softmax over the tokens (log2 domain)
+        m_new = tl.maximum(m_i, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p = tl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
         m_i = m_new
-        acc0 *= alpha[:, None]
-        acc1 *= alpha[:, None]
-        acc2 *= alpha[:, None]
-        acc3 *= alpha[:, None]
-        accmin *= alpha[:, None]
 
-        # ---- values
-        e0 = _codes_to_dot(vb, 0, V_A, V_CODEBOOK, DT, FAST_CVT)
-        e1 = _codes_to_dot(vb, 2, V_A, V_CODEBOOK, DT, FAST_CVT)
-        e2 = _codes_to_dot(vb, 4, V_A, V_CODEBOOK, DT, FAST_CVT)
-        e3 = _codes_to_dot(vb, 6, V_A, V_CODEBOOK, DT, FAST_CVT)
-        if SUBV:
-            gv0 = (0 * D4 + offs_j) // GV
-            gv1 = (1 * D4 + offs_j) // GV
-            gv2 = (2 * D4 + offs_j) // GV
-            gv3 = (3 * D4 + offs_j) // GV
-            pd = p.to(DT)
-            acc0 += tl.dot(pd, e0 * tl.load(vprow[:, None] + gv0[None, :] * 2, mask=mask_n[:, None], other=0.0).to(DT))
-            acc1 += tl.dot(pd, e1 * tl.load(vprow[:, None] + gv1[None, :] * 2, mask=mask_n[:, None], other=0.0).to(DT))
-            acc2 += tl.dot(pd, e2 * tl.load(vprow[:, None] + gv2[None, :] * 2, mask=mask_n[:, None], other=0.0).to(DT))
-            acc3 += tl.dot(pd, e3 * tl.load(vprow[:, None] + gv3[None, :] * 2, mask=mask_n[:, None], other=0.0).to(DT))
-        elif PPGV == 1:
-            acc0 += tl.dot((p * tl.load(vprow + 0 * 2, mask=mask_n, other=0.0).to(tl.float32)[None, :]).to(DT), e0)
-            acc1 += tl.dot((p * tl.load(vprow + 1 * 2, mask=mask_n, other=0.0).to(tl.float32)[None, :]).to(DT), e1)
-            acc2 += tl.dot((p * tl.load(vprow + 2 * 2, mask=mask_n, other=0.0).to(tl.float32)[None, :]).to(DT), e2)
-            acc3 += tl.dot((p * tl.load(vprow + 3 * 2, mask=mask_n, other=0.0).to(tl.float32)[None, :]).to(DT), e3)
-        elif PPGV == 2:
-            w01 = (p * tl.load(vprow + 0 * 2, mask=mask_n, other=0.0).to(tl.float32)[None, :]).to(DT)
-            w23 = (p * tl.load(vprow + 1 * 2, mask=mask_n, other=0.0).to(tl.float32)[None, :]).to(DT)
-            acc0 += tl.dot(w01, e0)
-            acc1 += tl.dot(w01, e1)
-            acc2 += tl.dot(w23, e2)
-            acc3 += tl.dot(w23, e3)
-        else:
-            w = (p * tl.load(vprow, mask=mask_n, other=0.0).to(tl.float32)[None, :]).to(DT)
-            acc0 += tl.dot(w, e0)
-            acc1 += tl.dot(w, e1)
-            acc2 += tl.dot(w, e2)
-            acc3 += tl.dot(w, e3)
+        # ---- values oᵀ [CH, NP] per sub-plane
         for g in tl.static_range(NGV):
-            mn = tl.load(vprow + g * 2 + 1, mask=mask_n, other=0.0).to(tl.float32)
-            accmin += tl.where(vcols[None, :] == g, tl.sum(p * mn[None, :], 1)[:, None], 0.0)
+            vs, vm = _param_word(VP32, VP64, row, g, NGV, mask_n)
+            w = (p * (4.0 * vs)[:, None]).to(DT)
+            accmin = _tuple_set(accmin, g, accmin[g] * alpha + tl.sum(p * (vm - 4.0 * vs)[:, None], 0))
+            for sp in tl.static_range(NSP):
+                if ((sp // NCH) * D4 + (sp % NCH) * CH) // GV == g:
+                    e = _codes_plane(vbs[sp % NCH], 2 * (sp // NCH), V_A, V_CODEBOOK, DT, FAST_CVT)
+                    accs = _tuple_set(accs, sp, tl.dot(tl.trans(e), w, acc=accs[sp] * alpha[None, :]))
 
-    # ---- epilogue: add the min terms, normalise, store
+    # ---- epilogue: add the min terms, normalise, store oᵀ
     inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-    for g in tl.static_range(NGV):
-        mg = _group_vec(accmin, vcols, g)[:, None]
-        acc0 += tl.where(((0 * D4 + offs_j) // GV)[None, :] == g, mg, 0.0)
-        acc1 += tl.where(((1 * D4 + offs_j) // GV)[None, :] == g, mg, 0.0)
-        acc2 += tl.where(((2 * D4 + offs_j) // GV)[None, :] == g, mg, 0.0)
-        acc3 += tl.where(((3 * D4 + offs_j) // GV)[None, :] == g, mg, 0.0)
-    tl.store(out_row[:, None] + 0 * D4 + offs_j[None, :], acc0 * inv_l[:, None], mask=qmask)
-    tl.store(out_row[:, None] + 1 * D4 + offs_j[None, :], acc1 * inv_l[:, None], mask=qmask)
-    tl.store(out_row[:, None] + 2 * D4 + offs_j[None, :], acc2 * inv_l[:, None], mask=qmask)
-    tl.store(out_row[:, None] + 3 * D4 + offs_j[None, :], acc3 * inv_l[:, None], mask=qmask)
+    NS_TOTAL: tl.constexpr = NS + 2
+    out_col = O_PART + ((b * (HKV * GQA) + hq) * NS_TOTAL + split) * D  # [NP]
+    for sp in tl.static_range(NSP):
+        o = (accs[sp] + accmin[((sp // NCH) * D4 + (sp % NCH) * CH) // GV][None, :]) * inv_l[None, :]
+        tl.store(out_col[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + offs_c[:, None], o, mask=mask_h[None, :])
     lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-    tl.store(lse_ptr, lse, mask=mask_m)
+    tl.store(LSE_PART + (b * (HKV * GQA) + hq) * NS_TOTAL + split, lse, mask=mask_h)
 
 
 @triton.jit
 def _window_split(
-    Q, KC, KP, VC, VP, SK, SV, RK, RV, SINK_TABLE, O_PART, LSE_PART,
-    split, b, h, r, L, recent_lo, hist_hi, r2t, q_row, out_row, lse_ptr, mask_m, qk_scale,
-    HKV: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, SINK: tl.constexpr,
+    Q, SK, SV, RK, RV, SINK_TABLE,
+    split, r, L, recent_lo, r2t, q_row, out_row, lse_ptr, mask_m, qk_scale, h,
+    HKV: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr,
     WINDOW: tl.constexpr, NS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_W: tl.constexpr, WDT: tl.constexpr,
 ):
@@ -290,7 +271,7 @@ def _window_split(
 @triton.jit
 def _oscar_decode_stage1(
     Q,  # [B, Hq, D] transformed, any float dtype
-    KC, KP, VC, VP,  # codes uint8 [slots, Hkv, D/4]; params bf16 [slots, Hkv, D/G, 2]
+    KC, KP32, KP64, VC, VP32, VP64,  # codes uint8 [slots, Hkv, D/4]; params as 32/64-bit words
     SK, SV, RK, RV,  # sink rows / ring rows [rows, Hkv, D]
     SINK_TABLE,  # int32 [slots]
     REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, RING_START,
@@ -302,22 +283,19 @@ def _oscar_decode_stage1(
     GK: tl.constexpr, GV: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr,
     NS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_M: tl.constexpr, NP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
     DT: tl.constexpr,  # dtype of the INT2 dots (fp16 on GPU, fp32 in the interpreter)
     WDT: tl.constexpr,  # dtype of the BF16-window dots
-    FAST_CVT: tl.constexpr,  # codes -> fp16 through the 0x6400 mantissa trick
+    FAST_CVT: tl.constexpr,  # codes -> fp16 through inline PTX (GPU, fp16 dots)
     NGK: tl.constexpr, NGV: tl.constexpr,  # groups per row
-    PPGK: tl.constexpr, PPGV: tl.constexpr,  # planes per group (1 when a group is smaller than a plane)
-    SUBK: tl.constexpr, SUBV: tl.constexpr,  # group smaller than a plane (D=256, G=32)
-    NGP: tl.constexpr, NGPV: tl.constexpr,  # NGK / NGV padded to >= 16
+    CH: tl.constexpr,  # bytes per code chunk: min(GK, GV, D/4)
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // HKV
     h = pid_bh % HKV
     NS_TOTAL: tl.constexpr = NS + 2
-    D4: tl.constexpr = D // 4
 
     L = tl.load(SEQ_LENS + b)
     r = tl.load(REQ_IDX + b).to(tl.int64)
@@ -326,26 +304,24 @@ def _oscar_decode_stage1(
     hist_hi = tl.minimum(recent_lo, L)
     r2t = REQ_TO_TOKEN + r * stride_r2t
 
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < GQA
-    hq = h * GQA + offs_m
-    q_row = Q + (b * (HKV * GQA) + hq) * D  # [M] pointers
-    out_row = O_PART + ((b * (HKV * GQA) + hq) * NS_TOTAL + split) * D
-    lse_ptr = LSE_PART + (b * (HKV * GQA) + hq) * NS_TOTAL + split
-
     if split < NS:
         _int2_split(
-            Q, KC, KP, VC, VP, SK, SV, RK, RV, SINK_TABLE, O_PART, LSE_PART,
-            split, b, h, r, L, recent_lo, hist_hi, r2t, q_row, out_row, lse_ptr, mask_m, qk_scale,
-            HKV, D, GK, GV, SINK, WINDOW, NS, BLOCK_M,
-            BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, PPGK, PPGV, SUBK, SUBV, NGP, NGPV,
+            Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
+            split, b, h, hist_hi, r2t, qk_scale,
+            HKV, GQA, D, GK, GV, SINK, NS, NP,
+            BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH,
         )
     else:
+        offs_m = tl.arange(0, BLOCK_M)
+        mask_m = offs_m < GQA
+        hq = h * GQA + offs_m
+        q_row = Q + (b * (HKV * GQA) + hq) * D  # [M] pointers
+        out_row = O_PART + ((b * (HKV * GQA) + hq) * NS_TOTAL + split) * D
+        lse_ptr = LSE_PART + (b * (HKV * GQA) + hq) * NS_TOTAL + split
         _window_split(
-            Q, KC, KP, VC, VP, SK, SV, RK, RV, SINK_TABLE, O_PART, LSE_PART,
-            split, b, h, r, L, recent_lo, hist_hi, r2t, q_row, out_row, lse_ptr, mask_m, qk_scale,
-            HKV, D, GK, GV, SINK, WINDOW, NS, BLOCK_M,
-            BLOCK_W, WDT,
+            Q, SK, SV, RK, RV, SINK_TABLE,
+            split, r, L, recent_lo, r2t, q_row, out_row, lse_ptr, mask_m, qk_scale, h,
+            HKV, D, SINK, WINDOW, NS, BLOCK_M, BLOCK_W, WDT,
         )
 
 
@@ -476,23 +452,25 @@ def oscar_decode(
     )
     block_m = max(16, triton.next_power_of_2(group))
     grid = (B * Hkv, ns_total)
+    ngk, ngv = D // gk, D // gv
+    kp32 = cache.k_params.view(torch.int32)
+    vp32 = cache.v_params.view(torch.int32)
+    kp64 = cache.k_params.reshape(-1, 4).view(torch.int64) if ngk % 2 == 0 else kp32
+    vp64 = cache.v_params.reshape(-1, 4).view(torch.int64) if ngv % 2 == 0 else vp32
     _oscar_decode_stage1[grid](
-        q, cache.k_codes, cache.k_params, cache.v_codes, cache.v_params,
+        q, cache.k_codes, kp32, kp64, cache.v_codes, vp32, vp64,
         cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v, cache.sink_table,
         req_to_token, req_pool_indices, seq_lens, ring_start,
         o_part, lse_part,
         float(sm_scale) * LOG2E,
         req_to_token.stride(0),
         HKV=Hkv, GQA=group, D=D, GK=gk, GV=gv, SINK=sink, WINDOW=window, NS=ns,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
+        BLOCK_M=block_m, NP=max(MIN_NP, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_W=block_w,
         K_A=float(k_level_a if k_level_a is not None else 1.0),
         V_A=float(v_level_a if v_level_a is not None else 1.0),
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None,
         DT=dt, WDT=wdt, FAST_CVT=not fp32,
-        NGK=D // gk, NGV=D // gv,
-        PPGK=max(1, gk // (D // 4)), PPGV=max(1, gv // (D // 4)),
-        SUBK=gk < D // 4, SUBV=gv < D // 4,
-        NGP=max(16, D // gk), NGPV=max(16, D // gv),
+        NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4),
         num_warps=num_warps, num_stages=num_stages,
     )
     _oscar_decode_merge[(B * Hq,)](
