@@ -60,8 +60,10 @@ def method_specs(head_dim: int) -> dict[str, dict]:
         k_group=g, v_group=g)
     add("int2_balanced_clip", "INT2, balanced K transform C_Q^½·U_B·Λ^-¼·H, OSCAR V, per-layer clip",
         method="balanced", clip="auto", k_group=g, v_group=g)
-    add("int2_best", "INT2, ours: balanced K transform + K mean removal + per-layer clip", method="balanced",
-        center_k=True, clip="auto", k_group=g, v_group=g)
+    add("int2_best", "INT2, ours: balanced K transform + K mean removal, OSCAR V, per-layer clip",
+        method="balanced", center_k=True, clip="auto", k_group=g, v_group=g)
+    add("int2_best_vhad", "INT2, ours: balanced K transform + K mean removal, Hadamard V, per-layer clip",
+        method="balanced", v_method="hadamard", center_k=True, clip="auto", k_group=g, v_group=g)
     return S
 
 
