@@ -1,0 +1,160 @@
+"""Memory accounting of the int2 pool, per tensor-parallel rank, in the terms SGLang sizes pools in.
+
+SGLang 0.5.17 turns a byte budget into a token count as
+`max_total_num_tokens = available_bytes // cell_size` (pool_configurator.py:
+DefaultPoolConfigurator.calculate_pool_sizes), then decides max_running_requests from that count.
+Our pool has a per-token part and a fixed part:
+
+    per token (cell):  INT2 codes + (scale, min) of K and V, every layer     2 + 32/G bits/element
+                       + one int32 sink_table entry (one table shared by all layers)
+    fixed:             BF16 ring   (R + 1) x W rows   (+1: req_to_token row 0 is the padding request
+                                                       of CUDA-graph batches; its ring rows are scratch)
+                       BF16 sink rows  num_sink_rows  (slot-keyed, shared across radix hits)
+                       ring_start int32 [R + 1]
+    where one BF16 "row" = all layers x local KV heads x head_dim x (K, V).
+
+The fixed part depends on R = max_running_requests, which SGLang only decides after the token
+count, so the plugin pins R (from --max-running-requests) before sizing and subtracts the fixed
+bytes from the budget; then max_total_num_tokens is exactly what fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from ..config import CacheLayout, QuantFormat
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+SINK_TABLE_BYTES = 4  # int32 per slot
+DEFAULT_SINK_ROW_FACTOR = 2  # sink rows for R live requests + as many cached prefixes (see docs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    kv_heads: int  # total, before tensor parallelism
+    head_dim: int
+    tp_size: int = 1
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        # QKVParallelLinear: with tp >= kv heads every rank holds one (replicated) head.
+        if self.tp_size >= self.kv_heads:
+            if self.tp_size % self.kv_heads:
+                raise ValueError(f"tp_size {self.tp_size} is not a multiple of {self.kv_heads} KV heads")
+            return 1
+        if self.kv_heads % self.tp_size:
+            raise ValueError(f"{self.kv_heads} KV heads do not split over tp_size {self.tp_size}")
+        return self.kv_heads // self.tp_size
+
+
+def layout_for(sink: int, recent: int, k_group: int, v_group: Optional[int] = None) -> CacheLayout:
+    return CacheLayout(sink, recent, QuantFormat(2, k_group), QuantFormat(2, v_group or k_group))
+
+
+def int2_cell_bytes(shape: ModelShape, layout: CacheLayout) -> int:
+    """Bytes per pool slot on one rank: what the _compute_cell_size hook returns."""
+    return layout.quant_bytes_per_token(shape.num_layers, shape.kv_heads_per_rank, shape.head_dim) + SINK_TABLE_BYTES
+
+
+def bf16_cell_bytes(shape: ModelShape) -> int:
+    """SGLang's own cell for a BF16 cache (kv heads x (D + Dv) x layers x 2 B)."""
+    return CacheLayout.bf16_bytes_per_token(shape.num_layers, shape.kv_heads_per_rank, shape.head_dim)
+
+
+def window_row_bytes(shape: ModelShape, window_dtype: str = "bfloat16") -> int:
+    """One position of one request in the windows: K and V rows of every layer."""
+    return shape.num_layers * shape.kv_heads_per_rank * shape.head_dim * 2 * _ITEMSIZE[window_dtype]
+
+
+def default_sink_rows(max_running_requests: int, sink: int, factor: int = DEFAULT_SINK_ROW_FACTOR) -> int:
+    return factor * max_running_requests * sink
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedBytes:
+    ring: int
+    sink_rows: int
+    ring_start: int
+
+    @property
+    def total(self) -> int:
+        return self.ring + self.sink_rows + self.ring_start
+
+
+def fixed_bytes(shape: ModelShape, layout: CacheLayout, max_running_requests: int, *,
+                num_sink_rows: Optional[int] = None, window_dtype: str = "bfloat16") -> FixedBytes:
+    if max_running_requests < 1:
+        raise ValueError("max_running_requests must be >= 1 (the ring is reserved per request)")
+    reqs = max_running_requests + 1  # + the padding request (row 0 of req_to_token)
+    rows = default_sink_rows(max_running_requests, layout.sink) if num_sink_rows is None else num_sink_rows
+    row = window_row_bytes(shape, window_dtype)
+    return FixedBytes(ring=reqs * layout.recent * row, sink_rows=rows * row, ring_start=reqs * 4)
+
+
+def max_total_num_tokens(available_bytes: int, shape: ModelShape, layout: CacheLayout, max_running_requests: int,
+                         *, page_size: int = 1, num_sink_rows: Optional[int] = None,
+                         window_dtype: str = "bfloat16") -> int:
+    """Pool slots that fit after the fixed window reservation, floored to page_size (as SGLang does)."""
+    fixed = fixed_bytes(shape, layout, max_running_requests, num_sink_rows=num_sink_rows,
+                        window_dtype=window_dtype).total
+    if fixed >= available_bytes:
+        raise ValueError(f"the BF16 windows of {max_running_requests} requests need {fixed / 2**30:.2f} GiB, more "
+                         f"than the {available_bytes / 2**30:.2f} GiB KV budget; lower --max-running-requests, "
+                         f"the window sizes, or raise --mem-fraction-static")
+    tokens = (available_bytes - fixed) // int2_cell_bytes(shape, layout)
+    return tokens // page_size * page_size
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityReport:
+    available_bytes: int
+    max_running_requests: int
+    int2_tokens: int
+    bf16_tokens: int
+    int2_cell: int
+    bf16_cell: int
+    fixed: FixedBytes
+
+    @property
+    def ratio(self) -> float:
+        """Tokens of the int2 pool / tokens of a BF16 pool at the same budget."""
+        return self.int2_tokens / self.bf16_tokens if self.bf16_tokens else float("inf")
+
+    def summary(self) -> str:
+        g = 2**30
+        return (f"KV budget {self.available_bytes / g:.2f} GiB/rank: int2 {self.int2_tokens:,} tokens "
+                f"({self.int2_cell:,} B/token) vs bf16 {self.bf16_tokens:,} ({self.bf16_cell:,} B/token) = "
+                f"{self.ratio:.2f}x; fixed {self.fixed.total / g:.2f} GiB for {self.max_running_requests} requests "
+                f"(ring {self.fixed.ring / g:.2f}, sink rows {self.fixed.sink_rows / g:.2f})")
+
+
+def capacity_report(available_bytes: int, shape: ModelShape, layout: CacheLayout, max_running_requests: int,
+                    *, page_size: int = 1, num_sink_rows: Optional[int] = None,
+                    window_dtype: str = "bfloat16") -> CapacityReport:
+    tokens = max_total_num_tokens(available_bytes, shape, layout, max_running_requests, page_size=page_size,
+                                  num_sink_rows=num_sink_rows, window_dtype=window_dtype)
+    bf16 = available_bytes // bf16_cell_bytes(shape) // page_size * page_size
+    return CapacityReport(available_bytes, max_running_requests, tokens, bf16, int2_cell_bytes(shape, layout),
+                          bf16_cell_bytes(shape), fixed_bytes(shape, layout, max_running_requests,
+                                                              num_sink_rows=num_sink_rows, window_dtype=window_dtype))
+
+
+def max_requests_for_ratio(target: float, available_bytes: int, shape: ModelShape, layout: CacheLayout, **kw) -> int:
+    """Largest max_running_requests whose window reservation still leaves >= target x BF16 tokens (0: none)."""
+    lo, hi = 0, 1
+    ok = lambda r: capacity_report(available_bytes, shape, layout, r, **kw).ratio >= target  # noqa: E731
+    try:
+        while ok(hi):
+            lo, hi = hi, hi * 2
+    except ValueError:  # fixed bytes exceed the budget
+        pass
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            good = ok(mid)
+        except ValueError:
+            good = False
+        lo, hi = (mid, hi) if good else (lo, mid)
+    return lo

@@ -1,0 +1,145 @@
+"""Startup checks of the int2 mode against the model and the parallel layout, before any pool exists.
+
+They run in each scheduler process (where the model config and the TP rank are known) and fail
+with one message that says what to change, instead of a shape error deep inside a kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ..kernels.layout import check_shape
+from ..rotation.bundle import BundleError, RotationBundle, check_expectations, data_free_bundle, load_bundle, load_seed_pt
+from .options import ENV_ABSORB_V, ENV_BUNDLE, GROUP_FLAG, OscarOptionError, OscarServeConfig
+
+# decode.py's MAX_GQA (query heads per KV head the decode kernel holds in one tile); copied so this
+# module imports without triton. test_srt_startup_checks.py checks the two agree where triton exists.
+MAX_GQA = 8
+
+# Architectures whose attention has qkv_proj (QKVParallelLinear, rows [q | k | v]) and o_proj
+# (RowParallelLinear over the local q heads) as in SGLang 0.5.17 models/{llama,qwen2,qwen3}.py:
+# the V-rotation absorption rewrites exactly those two weights (and the v bias of Qwen2).
+V_ABSORB_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    architecture: str
+    num_layers: int
+    num_heads: int  # query heads, total
+    kv_heads: int  # total
+    head_dim: int
+    tp_size: int = 1
+
+    @classmethod
+    def from_hf_config(cls, cfg, tp_size: int = 1) -> "ModelInfo":
+        arch = (getattr(cfg, "architectures", None) or ["?"])[0]
+        heads = cfg.num_attention_heads
+        return cls(arch, cfg.num_hidden_layers, heads, getattr(cfg, "num_key_value_heads", None) or heads,
+                   getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, tp_size)
+
+
+def kv_head_range(tp_rank: int, tp_size: int, kv_heads: int) -> tuple[int, int]:
+    """Global KV heads [start, end) held by a rank, as QKVParallelLinear shards them (0.5.17)."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
+    if tp_size >= kv_heads:
+        if tp_size % kv_heads:
+            raise OscarOptionError(f"tp_size {tp_size} is not a multiple of the {kv_heads} KV heads")
+        h = tp_rank // (tp_size // kv_heads)  # replicated: num_kv_head_replicas ranks share a head
+        return h, h + 1
+    if kv_heads % tp_size:
+        raise OscarOptionError(f"{kv_heads} KV heads do not split evenly over tp_size {tp_size}")
+    per = kv_heads // tp_size
+    return tp_rank * per, (tp_rank + 1) * per
+
+
+def check_model(model: ModelInfo) -> None:
+    check_shape(model.head_dim, 32, "model: ")  # head_dim the kernels support (group checked later)
+    if model.num_heads % model.kv_heads:
+        raise OscarOptionError(f"{model.num_heads} query heads are not a multiple of {model.kv_heads} KV heads")
+    if model.num_heads // model.kv_heads > MAX_GQA:
+        raise OscarOptionError(f"{model.architecture}: {model.num_heads // model.kv_heads} query heads per KV head; "
+                               f"the int2 decode kernel supports at most {MAX_GQA}")
+    kv_head_range(0, model.tp_size, model.kv_heads)
+
+
+def check_v_absorption(cfg: OscarServeConfig, model: ModelInfo) -> None:
+    if cfg.absorb_v_rotation and model.architecture not in V_ABSORB_ARCHITECTURES:
+        raise OscarOptionError(
+            f"V-rotation absorption knows {sorted(V_ABSORB_ARCHITECTURES)}, not {model.architecture}; set "
+            f"{ENV_ABSORB_V}=0 to rotate V at runtime instead (slower decode)")
+
+
+def load_rotation(cfg: OscarServeConfig, model: ModelInfo, group: Optional[int]) -> RotationBundle:
+    """The full (unsharded) bundle for this model, validated; group = the flag's value or None."""
+    src = cfg.rotation_source
+    if src == "builtin":
+        g = group or model.head_dim
+        return data_free_bundle(cfg.bundle_path.split(":", 1)[1], model.num_layers, model.kv_heads,
+                                model.head_dim, g, g)
+    if src == "bundle":
+        return load_bundle(cfg.bundle_path, expect_layers=model.num_layers, expect_kv_heads=model.kv_heads,
+                           expect_head_dim=model.head_dim)
+    g = group or model.head_dim  # seed files carry no group; the seed's default is one group per row
+    b = load_seed_pt(cfg.k_rotation_path, cfg.v_rotation_path, k_group=g, v_group=g)
+    check_expectations(b, f"{cfg.k_rotation_path} / {cfg.v_rotation_path}", expect_layers=model.num_layers,
+                       expect_head_dim=model.head_dim)
+    return b
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupPlan:
+    """What one rank builds: its shard of the rotations, group sizes and KV head range."""
+
+    bundle: RotationBundle  # this rank's shard, clip ratios overridden by the options if given
+    k_group: int
+    v_group: int
+    kv_start: int
+    kv_end: int
+
+    @property
+    def kv_heads_local(self) -> int:
+        return self.kv_end - self.kv_start
+
+
+def plan_rank(cfg: OscarServeConfig, model: ModelInfo, tp_rank: int = 0,
+              bundle: Optional[RotationBundle] = None) -> StartupPlan:
+    check_model(model)
+    check_v_absorption(cfg, model)
+    if cfg.group_size is not None:
+        cfg.resolve_group(model.head_dim)  # flag's group vs head_dim and the kernels
+    b = bundle if bundle is not None else load_rotation(cfg, model, cfg.group_size)
+    if cfg.group_size is not None and (b.k_group, b.v_group) != (cfg.group_size, cfg.group_size):
+        raise OscarOptionError(
+            f"{GROUP_FLAG} {cfg.group_size} but the rotation bundle was fitted for groups K={b.k_group} "
+            f"V={b.v_group} (spectral placement and clip ratios depend on it); drop the flag or recalibrate "
+            f"with that group size ({ENV_BUNDLE})")
+    for side, g in (("K", b.k_group), ("V", b.v_group)):
+        try:
+            check_shape(model.head_dim, g, f"{side}: ")
+        except ValueError as e:
+            raise OscarOptionError(f"rotation bundle: {e}") from None
+    if b.bits != 2:
+        raise OscarOptionError(f"rotation bundle was fitted for {b.bits}-bit codes; --kv-cache-dtype int2 needs 2")
+    if cfg.absorb_v_rotation and not b.orthogonal:
+        # Absorption itself works for any invertible T_V, but every path we test assumes T_V^-1 = T_V^T.
+        raise OscarOptionError(f"V absorption needs an orthogonal V transform; this bundle is marked "
+                               f"non-orthogonal; set {ENV_ABSORB_V}=0 or refit")
+    start, end = kv_head_range(tp_rank, model.tp_size, model.kv_heads)
+    shard = b.shard(start, end) if b.kv_heads else b
+    over = {}
+    if cfg.k_clip is not None:
+        over["k_clip"] = torch.full_like(shard.k_clip, cfg.k_clip)
+    if cfg.v_clip is not None:
+        over["v_clip"] = torch.full_like(shard.v_clip, cfg.v_clip)
+    if over:
+        shard = dataclasses.replace(shard, **over)
+    return StartupPlan(shard, b.k_group, b.v_group, start, end)
+
+
+__all__ = ["BundleError", "MAX_GQA", "ModelInfo", "StartupPlan", "V_ABSORB_ARCHITECTURES", "check_model",
+           "check_v_absorption", "kv_head_range", "load_rotation", "plan_rank"]

@@ -1,0 +1,84 @@
+"""srt/options.py: flags and seed env vars -> OscarServeConfig, and clear errors."""
+
+import pytest
+
+from sglang_oscar.srt import options as o
+
+
+@pytest.fixture
+def files(tmp_path):
+    paths = {}
+    for n in ("b.safetensors", "k.pt", "v.pt"):
+        p = tmp_path / n
+        p.write_bytes(b"x")
+        paths[n] = str(p)
+    return paths
+
+
+def env(**kw):
+    return {getattr(o, "ENV_" + k): str(v) for k, v in kw.items()}
+
+
+def test_defaults_with_bundle(files):
+    c = o.from_env(env(BUNDLE=files["b.safetensors"]))
+    assert (c.sink, c.recent, c.window_dtype, c.scale_dtype, c.hp_max_splits) == (64, 256, "bfloat16", "bfloat16", 8)
+    assert c.group_size is None and c.absorb_v_rotation and c.k_clip is None
+    assert c.rotation_source == "bundle" and c.resolve_group(128) == 128
+
+
+def test_seed_variables(files):
+    c = o.from_env(env(K_PATH=files["k.pt"], V_PATH=files["v.pt"], K_CLIP="0.96", V_CLIP="0", ABSORB_V="1",
+                       PREFIX=64, RECENT=256, WINDOWS=1, HP_DTYPE="bf16", SCALE_DTYPE="bfloat16", HP_SPLITS=4))
+    assert c.rotation_source == "seed" and c.k_clip == 0.96 and c.v_clip == 1.0  # seed's 0 = no clip
+    assert c.hp_max_splits == 4
+
+
+def test_flag_popped_and_roundtrip(files):
+    argv = ["--model-path", "m", "--kv-cache-quant-group-size", "64", "--kv-cache-dtype", "int2"]
+    rest, c = o.from_argv(argv, env(BUNDLE="builtin:hadamard"))
+    assert rest == ["--model-path", "m", "--kv-cache-dtype", "int2"] and c.group_size == 64
+    rest, c2 = o.from_argv(["--kv-cache-quant-group-size=32"], env(BUNDLE=files["b.safetensors"], K_CLIP=0.9))
+    assert rest == [] and c2.group_size == 32
+    assert o.from_env(c2.to_env()) == c2 and o.from_env(c.to_env()) == c
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(SCALE_DTYPE="float32"), "store scale and min as bfloat16"),
+    (dict(GROUP=16), "not supported by the OSCAR kernels"),
+    (dict(GROUP=96), "not supported by the OSCAR kernels"),
+    (dict(K_CLIP="1.5"), "outside (0, 1]"),
+    (dict(V_CLIP="-0.1"), "outside (0, 1]"),
+    (dict(K_CLIP="abc"), "not a number"),
+    (dict(WINDOWS="0"), "windows are part of the format"),
+    (dict(RECENT="0"), "must be >= 1"),
+    (dict(PREFIX="-1"), "must be >= 0"),
+    (dict(HP_DTYPE="int8"), "not a dtype"),
+    (dict(ABSORB_V="maybe"), "not a boolean"),
+    (dict(HP_SPLITS="0"), "must be >= 1"),
+])
+def test_bad_values(kw, msg):
+    with pytest.raises(o.OscarOptionError, match=__import__("re").escape(msg)):
+        o.from_env({**env(BUNDLE="builtin:identity"), **env(**kw)})
+
+
+def test_rotation_sources(files):
+    with pytest.raises(o.OscarOptionError, match="K and V pair"):
+        o.from_env(env(K_PATH=files["k.pt"]))
+    with pytest.raises(o.OscarOptionError, match="K and V pair"):
+        o.from_env(env(V_PATH=files["v.pt"]))
+    with pytest.raises(o.OscarOptionError, match="give one rotation source"):
+        o.from_env(env(BUNDLE=files["b.safetensors"], K_PATH=files["k.pt"], V_PATH=files["v.pt"]))
+    with pytest.raises(o.OscarOptionError, match="needs rotations"):
+        o.from_env({})
+    with pytest.raises(o.OscarOptionError, match="file not found"):
+        o.from_env(env(BUNDLE="/nonexistent.safetensors"))
+    with pytest.raises(o.OscarOptionError, match="unknown builtin"):
+        o.from_env(env(BUNDLE="builtin:pca"))
+
+
+def test_group_vs_head_dim():
+    c = o.from_env(env(BUNDLE="builtin:identity", GROUP=128))
+    with pytest.raises(o.OscarOptionError, match="larger than the model's head_dim 64"):
+        c.resolve_group(64)
+    with pytest.raises(o.OscarOptionError, match="needs a value"):
+        o.pop_group_flag(["--kv-cache-quant-group-size"])

@@ -1,0 +1,83 @@
+"""srt/startup_checks.py: bundle vs model / TP / group size, and which models V absorption knows."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from sglang_oscar.rotation.bundle import BundleError, data_free_bundle, save_bundle
+from sglang_oscar.srt import options as o
+from sglang_oscar.srt import startup_checks as s
+
+QWEN3 = s.ModelInfo("Qwen3ForCausalLM", num_layers=4, num_heads=32, kv_heads=8, head_dim=128)
+
+
+def cfg(**kw):
+    return dataclasses.replace(o.OscarServeConfig(bundle_path="builtin:hadamard"), **kw)
+
+
+def test_kv_head_range_matches_qkv_parallel_linear():
+    assert [s.kv_head_range(r, 2, 8) for r in range(2)] == [(0, 4), (4, 8)]
+    assert [s.kv_head_range(r, 8, 2) for r in range(8)] == [(0, 1)] * 4 + [(1, 2)] * 4  # replicas
+    with pytest.raises(o.OscarOptionError):
+        s.kv_head_range(0, 3, 8)
+
+
+def test_plan_builtin_and_tp_shard():
+    plan = s.plan_rank(cfg(k_clip=0.9), dataclasses.replace(QWEN3, tp_size=2), tp_rank=1)
+    assert (plan.kv_start, plan.kv_end, plan.k_group, plan.v_group) == (4, 8, 128, 128)
+    assert torch.all(plan.bundle.k_clip == 0.9) and torch.all(plan.bundle.v_clip == 1.0)
+
+
+def test_bundle_file_checked_against_model(tmp_path):
+    p = save_bundle(data_free_bundle("hadamard", 4, 8, 128, 64, 64), tmp_path / "b.safetensors")
+    plan = s.plan_rank(cfg(bundle_path=str(p)), QWEN3)
+    assert plan.k_group == 64
+    with pytest.raises(BundleError, match="4 layers but the model has 6"):
+        s.plan_rank(cfg(bundle_path=str(p)), dataclasses.replace(QWEN3, num_layers=6))
+    with pytest.raises(BundleError, match="KV heads"):
+        s.plan_rank(cfg(bundle_path=str(p)), dataclasses.replace(QWEN3, kv_heads=4, num_heads=16))
+    with pytest.raises(o.OscarOptionError, match="fitted for groups K=64"):
+        s.plan_rank(cfg(bundle_path=str(p), group_size=128), QWEN3)
+
+
+def test_seed_files(tmp_path):
+    h = data_free_bundle("hadamard", 4, 1, 128, 128, 128).k_transform[:, 0]
+    for side in ("k", "v"):
+        torch.save({"format_version": 1, "layers": {i: {"rotation": h[i]} for i in range(4)}}, tmp_path / f"{side}.pt")
+    c = cfg(bundle_path=None, k_rotation_path=str(tmp_path / "k.pt"), v_rotation_path=str(tmp_path / "v.pt"))
+    plan = s.plan_rank(c, dataclasses.replace(QWEN3, tp_size=4), tp_rank=3)
+    assert plan.k_group == 128 and plan.kv_heads_local == 2  # seed default group = head_dim
+    with pytest.raises(BundleError, match="layers"):
+        s.plan_rank(c, dataclasses.replace(QWEN3, num_layers=5))
+
+
+def test_group_and_shape_limits():
+    with pytest.raises(o.OscarOptionError, match="larger than the model's head_dim"):
+        s.plan_rank(cfg(group_size=128), dataclasses.replace(QWEN3, head_dim=64))
+    with pytest.raises(ValueError, match="head_dim 96"):
+        s.plan_rank(cfg(), dataclasses.replace(QWEN3, head_dim=96))
+    with pytest.raises(o.OscarOptionError, match="at most 8"):
+        s.plan_rank(cfg(), dataclasses.replace(QWEN3, num_heads=64, kv_heads=4))
+
+
+def test_v_absorption_architectures():
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        s.plan_rank(cfg(), dataclasses.replace(QWEN3, architecture=arch))
+    gemma = dataclasses.replace(QWEN3, architecture="Gemma2ForCausalLM")
+    with pytest.raises(o.OscarOptionError, match="SGLANG_OSCAR_ABSORB_V_ROTATION=0"):
+        s.plan_rank(cfg(), gemma)
+    s.plan_rank(cfg(absorb_v_rotation=False), gemma)  # runtime V rotation is allowed
+
+
+def test_model_info_from_hf_config():
+    class C:
+        architectures = ["Qwen3ForCausalLM"]
+        num_attention_heads, num_key_value_heads, num_hidden_layers, hidden_size, head_dim = 32, 8, 36, 4096, 128
+
+    assert s.ModelInfo.from_hf_config(C, tp_size=2) == s.ModelInfo("Qwen3ForCausalLM", 36, 32, 8, 128, 2)
+
+
+def test_max_gqa_matches_decode_kernel():
+    decode = pytest.importorskip("sglang_oscar.kernels.decode")
+    assert decode.MAX_GQA == s.MAX_GQA
