@@ -201,7 +201,7 @@ def main():
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--models", default="qwen3-8b,smollm2")
     ap.add_argument("--impls", default="oscar,flashinfer_bf16,flashinfer_fp8,sglang_triton_bf16")
-    ap.add_argument("--oscar-configs", default="128:4:3,128:4:4")
+    ap.add_argument("--oscar-configs", default="64:2:3,128:4:3")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     t0 = time.time()

@@ -156,13 +156,13 @@ def _int2_split(
         qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt.to(tl.float32), 0))
 
     m_i = tl.full([NP], float("-inf"), tl.float32)
-    l_i = tl.zeros([NP], tl.float32)
+    l_t = tl.zeros([BLOCK_N, NP], tl.float32)  # per token lane: reduced once, after the loop
     accs = []
     for sp in tl.static_range(NSP):
         accs = accs + [tl.zeros([CH, NP], tl.float32)]
     accmin = []
     for g in tl.static_range(NGV):
-        accmin = accmin + [tl.zeros([NP], tl.float32)]
+        accmin = accmin + [tl.zeros([BLOCK_N, NP], tl.float32)]
 
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
@@ -193,25 +193,26 @@ def _int2_split(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
+        l_t = l_t * alpha[None, :] + p
         m_i = m_new
 
         # ---- values oᵀ [CH, NP] per sub-plane
         for g in tl.static_range(NGV):
             vs, vm = _param_word(VP32, VP64, row, g, NGV, mask_n)
             w = (p * (4.0 * vs)[:, None]).to(DT)
-            accmin = _tuple_set(accmin, g, accmin[g] * alpha + tl.sum(p * (vm - 4.0 * vs)[:, None], 0))
+            accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + p * (vm - 4.0 * vs)[:, None])
             for sp in tl.static_range(NSP):
                 if ((sp // NCH) * D4 + (sp % NCH) * CH) // GV == g:
                     e = _codes_plane(vbs[sp % NCH], 2 * (sp // NCH), V_A, V_CODEBOOK, DT, FAST_CVT)
                     accs = _tuple_set(accs, sp, tl.dot(tl.trans(e), w, acc=accs[sp] * alpha[None, :]))
 
     # ---- epilogue: add the min terms, normalise, store oᵀ
+    l_i = tl.sum(l_t, 0)
     inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     NS_TOTAL: tl.constexpr = NS + 2
     out_col = O_PART + ((b * (HKV * GQA) + hq) * NS_TOTAL + split) * D  # [NP]
     for sp in tl.static_range(NSP):
-        o = (accs[sp] + accmin[((sp // NCH) * D4 + (sp % NCH) * CH) // GV][None, :]) * inv_l[None, :]
+        o = (accs[sp] + tl.sum(accmin[((sp // NCH) * D4 + (sp % NCH) * CH) // GV], 0)[None, :]) * inv_l[None, :]
         tl.store(out_col[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + offs_c[:, None], o, mask=mask_h[None, :])
     lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
     tl.store(LSE_PART + (b * (HKV * GQA) + hq) * NS_TOTAL + split, lse, mask=mask_h)
@@ -390,9 +391,9 @@ def oscar_decode(
     out: Optional[torch.Tensor] = None,
     k_level_a: Optional[float] = None,
     v_level_a: Optional[float] = None,
-    block_n: int = 128,
-    block_w: int = 64,
-    num_warps: int = 4,
+    block_n: int = 64,
+    block_w: int = 16,
+    num_warps: int = 2,
     num_stages: int = 3,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
