@@ -114,9 +114,16 @@ def test_index_errors_and_sources(tmp_path, monkeypatch):
     with pytest.raises(zoo.ZooError, match="neither a directory"):
         zoo.read_index(str(tmp_path / "missing" / "deeper" / "x"))
     # A hub repo id with no network (or no huggingface_hub) fails with a clear message, not a traceback.
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(zoo.ZooError, match="hf:nobody/nothing"):
+    hub = pytest.importorskip("huggingface_hub")
+
+    def unreachable(*a, **k):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(hub, "hf_hub_download", unreachable)
+    with pytest.raises(zoo.ZooError, match="hf:nobody/nothing: cannot download index.json.*network unreachable"):
         zoo.read_index("hf:nobody/nothing")
+    with pytest.raises(zoo.ZooError, match="cannot download"):
+        zoo.read_index("nobody/nothing")  # a bare OWNER/REPO that is not a directory
     # The repo's own zoo directory is a valid (possibly empty) zoo.
     import pathlib
 
