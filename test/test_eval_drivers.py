@@ -33,7 +33,8 @@ from sglang_oscar.eval.tasks.math500 import equivalent, normalize
     ("The answer is \\boxed{\\text{(A)}}", "A"),
     ("\\boxed{B}", "B"),
     ("lots of text\n\n(D)", "D"),
-    ("answer: a", "A"),
+    ("The answer is a bit subtle.", None),
+    ("The answer is a bit subtle.\nANSWER: B", "B"),
     ("Answer: Because of entropy", None),  # "B" of "Because" is not a choice letter
     ("I cannot decide between A and B.", None),
 ])

@@ -20,8 +20,8 @@ PROMPT = (
     "{question}\n\n{choices}"
 )
 # "Answer: C", "answer is (C)", "**Answer:** C)", "Final answer: $\boxed{C}$" -- letter not followed by a letter.
-_STATED = re.compile(r"answer\s*(?:is|:)\s*[*:\s]*(?:\$?\\boxed\{\s*)?(?:\\text\{\s*)?\(?\s*([A-Da-d])(?![A-Za-z])",
-                     re.IGNORECASE)
+# Case-insensitive keyword, upper-case letter: "the answer is a bit subtle" must not read as A.
+_STATED = re.compile(r"(?i:answer)\s*(?:(?i:is)|:)\s*[*:\s]*(?:\$?\\boxed\{\s*)?(?:\\text\{\s*)?\(?\s*([A-D])(?![A-Za-z])")
 _BARE = re.compile(r"^\W*\(?([A-D])\)?\W*$")
 
 
@@ -29,7 +29,7 @@ def extract_letter(text: str):
     body = final_text(text)
     m = list(_STATED.finditer(body))
     if m:
-        return m[-1].group(1).upper()
+        return m[-1].group(1)
     boxed = last_boxed(body)
     if boxed is not None:
         inner = re.sub(r"\\text\{([^}]*)\}", r"\1", boxed).strip().strip("()").strip()
