@@ -319,6 +319,11 @@ def test_run_niah_end_to_end(model):
         assert all(0.0 <= v <= 100.0 for v in r[name]["per_sample"]) and 0.0 <= r[name]["score"] <= 100.0
         assert all(isinstance(p, str) and "\n" not in p for p in r[name]["predictions"])
     assert r["covered"]["predictions"] == r["exact"]["predictions"]
+    # methods share one prefill cache, cut back after each: order must not matter
+    rev = run_niah(model, tok, samples, dict(reversed(list(methods.items()))), max_new_tokens=5, progress=False)
+    assert all(rev[n]["predictions"] == r[n]["predictions"] for n in methods)
+    alone = run_niah(model, tok, samples, {"int2": methods["int2"]}, max_new_tokens=5, progress=False)
+    assert alone["int2"]["predictions"] == r["int2"]["predictions"]
     # a sample whose answer the prediction contains scores 100
     fake = NiahSample(prompt_ids=samples[0].prompt_ids, answers=[r["exact"]["predictions"][0].strip() or "x"],
                       task="niah_single_1", length=400, depth=0.5)

@@ -27,9 +27,10 @@ in (seed, task, length, index): random.Random seeded with a string is stable acr
 from __future__ import annotations
 
 import contextlib
-import copy
+import inspect
 import dataclasses
 import random
+import re
 from typing import Optional
 
 import torch
@@ -197,12 +198,30 @@ def _step(model, token: int, cache):
     return int(out.logits[0, -1].argmax()), out.past_key_values
 
 
+_ANSWER_DONE = re.compile(r"\d{7}\D")
+
+
+def _truncate(cache, length: int) -> None:
+    """Cut a DynamicCache back to `length` positions (crop's argument changed across transformers versions)."""
+    cur = cache.get_seq_length()
+    if cur == length:
+        return
+    if "tokens_to_remove" in inspect.signature(cache.crop).parameters:
+        cache.crop(length - cur)  # transformers 5.x: a negative count of tokens to drop
+    else:
+        cache.crop(length)  # 4.x: the length to keep
+    if cache.get_seq_length() != length:
+        raise RuntimeError(f"cache crop to {length} left {cache.get_seq_length()} positions")
+
+
 def _greedy(model, tokenizer, first: int, cache, max_new_tokens: int) -> str:
-    """Greedy continuation from `first` (already chosen); stops at EOS or a newline."""
+    """Greedy continuation from `first` (already chosen); stops at EOS, a newline, or once a
+    7-digit answer is complete (a non-digit follows it: more tokens cannot change the score)."""
     eos = tokenizer.eos_token_id
     eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
     toks = [first]
-    while len(toks) < max_new_tokens and toks[-1] not in eos and "\n" not in tokenizer.decode(toks):
+    while (len(toks) < max_new_tokens and toks[-1] not in eos and "\n" not in (text := tokenizer.decode(toks))
+           and not _ANSWER_DONE.search(text)):
         nxt, cache = _step(model, toks[-1], cache)
         toks.append(nxt)
     toks = [t for t in toks if t not in eos]
@@ -248,8 +267,11 @@ def run_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, Opt
             first = int(shared.logits[0, -1].argmax())
         for name, sim in methods.items():
             if prompt_mode == "prefill":
+                # Every method decodes from the same exact prefill cache; cut it back afterwards
+                # instead of deep-copying it per method (hundreds of MB at 8k).
                 with _with_mode(sim, model, "prefill"):
-                    pred = _greedy(model, tokenizer, first, copy.deepcopy(shared.past_key_values), max_new_tokens)
+                    pred = _greedy(model, tokenizer, first, shared.past_key_values, max_new_tokens)
+                _truncate(shared.past_key_values, len(s.prompt_ids))
             else:
                 with _with_mode(sim, model, "decode"):
                     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)

@@ -179,17 +179,38 @@ def decode_full_sequence(qt, ke, ve, kq, vq, sink, recent, scaling):
 
 @dataclasses.dataclass
 class _LayerState:
-    """Transformed exact rows and their reconstructions for the rows seen so far in this sequence."""
+    """Transformed exact rows and their reconstructions for the rows seen so far in this sequence.
 
-    ke: torch.Tensor  # [B, Hkv, n, D]
-    kq: torch.Tensor
-    ve: torch.Tensor
-    vq: torch.Tensor
+    Rows live in buffers with spare capacity (grown geometrically), so a decode step appends one
+    row instead of copying the whole history.
+    """
+
+    bufs: list  # [ke, kq, ve, vq], each [B, Hkv, capacity, D]
+    n: int
     last_k: torch.Tensor  # raw key row n-1, to notice a different sequence / cache
 
-    @property
-    def n(self) -> int:
-        return self.ke.shape[-2]
+    def view(self, i: int) -> torch.Tensor:
+        return self.bufs[i][:, :, : self.n]
+
+    ke = property(lambda self: self.view(0))
+    kq = property(lambda self: self.view(1))
+    ve = property(lambda self: self.view(2))
+    vq = property(lambda self: self.view(3))
+
+    def append(self, parts) -> None:
+        add = parts[0].shape[-2]
+        cap = self.bufs[0].shape[-2]
+        if self.n + add > cap:
+            new_cap = max(2 * cap, self.n + add)
+            grown = []
+            for b in self.bufs:
+                g = b.new_empty(*b.shape[:-2], new_cap, b.shape[-1])
+                g[:, :, : self.n] = b[:, :, : self.n]
+                grown.append(g)
+            self.bufs = grown
+        for b, x in zip(self.bufs, parts):
+            b[:, :, self.n : self.n + add] = x
+        self.n += add
 
 
 class MixedCacheSimulator:
@@ -259,10 +280,10 @@ class MixedCacheSimulator:
             vn = transform_rows(qv, value[:, :, start:])
             parts = (kn, qk.fake_transformed(kn), vn, qv.fake_transformed(vn))
             if st is None:
-                st = _LayerState(*parts, last_k=key[:, :, S - 1].clone())
+                st = _LayerState(bufs=[p.clone() for p in parts], n=S, last_k=key[:, :, S - 1].clone())
             else:
-                st = _LayerState(*(torch.cat((old, new), dim=-2) for old, new in
-                                   zip((st.ke, st.kq, st.ve, st.vq), parts)), last_k=key[:, :, S - 1].clone())
+                st.append(parts)
+                st.last_k = key[:, :, S - 1].clone()
             self._state[idx] = st
         return st
 
