@@ -27,10 +27,14 @@ def test_report_shape_and_paired_delta(tmp_path):
         "int2_hadamard": dict(ppl={"2048": _ppl([11.0, 22.0])}, attn=attn),
         "int4_hadamard": dict(ppl={"2048": _ppl([10.1, 20.4])}, attn=attn),
     }
-    niah = {n: {"2048": {t: dict(score=s) for t in compare.NIAH_TASKS}}
+    niah = {n: {"2048": {t: dict(score=s, per_sample=[s, s]) for t in compare.NIAH_TASKS}}
             for n, s in (("bf16", 100.0), ("int2_hadamard", 50.0), ("int4_hadamard", 100.0))}
     (tmp_path / "ppl.json").write_text(json.dumps(ppl))
-    (tmp_path / "niah.json").write_text(json.dumps(niah))
+    # two NIAH result files (parallel processes) are merged
+    (tmp_path / "niah.json").write_text(json.dumps({n: {"2048": {"niah_single_1": v["2048"]["niah_single_1"]}}
+                                                    for n, v in niah.items()}))
+    (tmp_path / "niah_mk.json").write_text(json.dumps({n: {"2048": {"niah_multikey_2": v["2048"]["niah_multikey_2"]}}
+                                                       for n, v in niah.items()}))
     (tmp_path / "calibrate.json").write_text(json.dumps(dict(tokens=100, heldout_tokens=10)))
     cfg = compare.settings(quick=True)
     rep = compare.build_report(specs, cfg, tmp_path, "tiny")
@@ -38,7 +42,7 @@ def test_report_shape_and_paired_delta(tmp_path):
     m = rep["methods"]["int2_hadamard"]
     assert m["bits_per_element"] == 2.5 and m["group"] == 64
     assert rep["methods"]["int4_hadamard"]["bits_per_element"] == 4.5
-    assert m["ppl"]["2048"] == 16.5 and m["niah"]["2048"] == 50.0 and m["niah_samples"] == 2 * cfg["niah_per_task"]
+    assert m["ppl"]["2048"] == 16.5 and m["niah"]["2048"] == 50.0 and m["niah_samples"] == {"2048": 4}
     # paired delta: both windows +10% -> mean 10, std 0 (the unpaired std would be large)
     assert abs(m["ppl_delta_pct"]["2048"]["mean"] - 10.0) < 1e-6 and m["ppl_delta_pct"]["2048"]["std"] < 1e-6
     assert m["attn_kl"] == 0.1 and m["clip_k"]["max"] == 1.0

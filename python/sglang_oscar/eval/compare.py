@@ -150,14 +150,14 @@ def stage_ppl(model, tok, specs, cfg, out_dir: Path, progress: bool) -> None:
     (out_dir / "ppl.json").write_text(json.dumps(res, indent=1, default=_jsonable))
 
 
-def stage_niah(model, tok, specs, cfg, out_dir: Path, progress: bool) -> None:
+def stage_niah(model, tok, specs, cfg, out_dir: Path, progress: bool, tag: str = "") -> None:
     from .niah import make_samples, run_niah
 
     bundles = _bundles(out_dir, [n for n in specs if specs[n]["variant"] is not None])
     sims = _sims(specs, bundles, "prefill")
     res: dict = {n: {} for n in specs}
     for length in cfg["niah_lengths"]:
-        for task in NIAH_TASKS:
+        for task in cfg.get("niah_tasks", NIAH_TASKS):
             t = time.time()
             samples = make_samples(tok, task, length, cfg["niah_per_task"], seed=length)
             out = run_niah(model, tok, samples, sims, progress=progress)
@@ -165,7 +165,7 @@ def stage_niah(model, tok, specs, cfg, out_dir: Path, progress: bool) -> None:
                 res[name].setdefault(str(length), {})[task] = out[name]
             print(f"[niah] {task} @ {length}: " + " ".join(f"{n}={out[n]['score']:.0f}" for n in specs)
                   + f" ({time.time() - t:.0f} s)", flush=True)
-    (out_dir / "niah.json").write_text(json.dumps(res, indent=1, default=_jsonable))
+    (out_dir / f"niah{tag}.json").write_text(json.dumps(res, indent=1, default=_jsonable))
 
 
 def _jsonable(x):
@@ -188,8 +188,12 @@ def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
     from ..rotation import load_bundle
 
     ppl = json.loads((out_dir / "ppl.json").read_text())
-    niah_p = out_dir / "niah.json"
-    niah = json.loads(niah_p.read_text()) if niah_p.exists() else {}
+    # NIAH may come from several processes (niah*.json: e.g. one per context length)
+    niah: dict = {}
+    for f in sorted(out_dir.glob("niah*.json")):
+        for name, by_len in json.loads(f.read_text()).items():
+            for L, by_task in by_len.items():
+                niah.setdefault(name, {}).setdefault(L, {}).update(by_task)
     calib = json.loads((out_dir / "calibrate.json").read_text())
     methods = {}
     for name, spec in specs.items():
@@ -212,7 +216,7 @@ def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
         if name in niah and niah[name]:
             m["niah"] = {L: round(sum(t["score"] for t in v.values()) / len(v), 2) for L, v in niah[name].items()}
             m["niah_by_task"] = {L: {t: round(r["score"], 2) for t, r in v.items()} for L, v in niah[name].items()}
-            m["niah_samples"] = cfg["niah_per_task"] * len(NIAH_TASKS)
+            m["niah_samples"] = {L: sum(len(r["per_sample"]) for r in v.values()) for L, v in niah[name].items()}
         a = ppl[name]["attn"]
         m["attn_kl"] = a["kl_mean"]
         m["attn_relmse"] = a["relmse_mean"]
@@ -302,6 +306,10 @@ def main(argv=None) -> int:
     ap.add_argument("--md", default=None, help="write the markdown table here")
     ap.add_argument("--plot", default=None, help="write the PNG plot here")
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
+    ap.add_argument("--niah-lengths", default=None, help="comma-separated context lengths (niah stage)")
+    ap.add_argument("--niah-tasks", default=None, help=f"comma-separated subset of {NIAH_TASKS}")
+    ap.add_argument("--niah-per-task", type=int, default=None, help="samples per task and length")
+    ap.add_argument("--niah-tag", default="", help="suffix of the niah result file (parallel niah processes)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -309,6 +317,15 @@ def main(argv=None) -> int:
     from ..models import attention_shape, load_model
 
     cfg = settings(args.quick)
+    if args.niah_lengths:
+        cfg["niah_lengths"] = [int(x) for x in args.niah_lengths.split(",")]
+    if args.niah_tasks:
+        cfg["niah_tasks"] = args.niah_tasks.split(",")
+        bad = [t for t in cfg["niah_tasks"] if t not in NIAH_TASKS]
+        if bad:
+            raise SystemExit(f"unknown NIAH tasks {bad}; choose from {NIAH_TASKS}")
+    if args.niah_per_task:
+        cfg["niah_per_task"] = args.niah_per_task
     out_dir = Path(args.out_dir or ("runs/accuracy_quick" if args.quick else "runs/accuracy"))
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = not args.quiet
@@ -327,7 +344,7 @@ def main(argv=None) -> int:
         elif st == "ppl":
             stage_ppl(model, tok, specs, cfg, out_dir, progress)
         elif st == "niah":
-            stage_niah(model, tok, specs, cfg, out_dir, progress)
+            stage_niah(model, tok, specs, cfg, out_dir, progress, tag=args.niah_tag)
         else:
             report = build_report(specs, cfg, out_dir, model_id)
             table = format_table(report)
