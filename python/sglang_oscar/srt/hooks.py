@@ -1,0 +1,160 @@
+"""The HookRegistry hooks of the int2 KV mode (docs/sglang_integration.md section 2).
+
+Every hook is a no-op unless the kv cache dtype is "int2", so installing the plugin never changes
+a stock run. Signatures follow HookRegistry: AFTER fn(result, *args), AROUND fn(original, *args);
+staticmethod targets get no self, classmethod targets get cls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from . import options
+from .server_checks import INT2, check_server_args, is_int2
+
+logger = logging.getLogger(__name__)
+
+KV_DTYPE_FLAG = "--kv-cache-dtype"
+
+
+# 1. ServerArgs.add_cli_args (staticmethod), AFTER: accept int2 and our flag ----------------------
+
+def add_cli_args_after(result, parser):
+    # 0.5.17 builds a fresh Arg(choices=[...]) per get_type_hints call, so the only choices list
+    # that sticks is the one on the argparse action itself.
+    action = parser._option_string_actions.get(KV_DTYPE_FLAG)
+    if action is None:
+        raise RuntimeError(f"sglang_oscar: SGLang's parser has no {KV_DTYPE_FLAG}; this SGLang version is not "
+                           "supported (pin sglang==0.5.17)")
+    if action.choices is not None and INT2 not in action.choices:
+        action.choices = list(action.choices) + [INT2]
+    if action.help and "int2" not in action.help:
+        action.help += ' "int2": OSCAR INT2 history + BF16 sink/recent windows (sglang_oscar plugin).'
+    if options.GROUP_FLAG not in parser._option_string_actions:
+        parser.add_argument(options.GROUP_FLAG, type=int, default=None, dest="kv_cache_quant_group_size",
+                            help="int2 KV cache: elements per (scale, min) group, 32/64/128 (default: the "
+                                 "rotation bundle's groups). sglang_oscar plugin.")
+    return None
+
+
+# 2. ServerArgs.from_cli_args (classmethod), AFTER: carry our flag, fail early on bad options ------
+
+def from_cli_args_after(server_args, cls, args):
+    group = getattr(args, "kv_cache_quant_group_size", None)
+    if group is not None and not is_int2(server_args):
+        raise options.OscarOptionError(f"{options.GROUP_FLAG} only applies to --kv-cache-dtype int2")
+    if not is_int2(server_args):
+        return None
+    if group is not None:
+        options.check_group(group)
+        # ServerArgs cannot carry new fields; the env reaches every spawned scheduler process.
+        os.environ[options.ENV_GROUP] = str(group)
+    cfg = options.from_env()  # bad env / missing bundle fails here, in the main process
+    check_server_args(server_args)
+    logger.info("sglang_oscar: %s", cfg.summary())
+    return None
+
+
+# 3. configure_kv_cache_dtype, AROUND: "int2" -> ("int2", torch.uint8) ------------------------------
+
+def configure_kv_cache_dtype_around(original, *args, **kwargs):
+    if kwargs.get("server_args_kv_cache_dtype") != INT2:
+        return original(*args, **kwargs)
+    import torch
+
+    if kwargs.get("is_draft_worker"):
+        raise options.OscarOptionError("--kv-cache-dtype int2 has no draft-model cache (speculative decoding)")
+    return INT2, torch.uint8
+
+
+# 4./5. pool sizing: cell = INT2 bytes; fixed window bytes come off the budget first ---------------
+
+def compute_cell_size_around(original, self, kvc, num_layers):
+    if getattr(kvc, "kv_cache_dtype_str", None) != INT2:
+        return original(self, kvc, num_layers)
+    from .int2_setup import setup_for_kvc
+
+    if getattr(kvc, "use_mla_backend", False) or getattr(kvc, "is_hybrid_swa", False):
+        raise options.OscarOptionError("--kv-cache-dtype int2 supports dense MHA/GQA models only (not MLA or "
+                                       "hybrid sliding-window models)")
+    s = setup_for_kvc(kvc, num_layers)
+    # 0.5.17's configurator has no fixed-overhead field: remember it here for calculate_pool_sizes.
+    self._oscar_setup = s
+    return s.cell_bytes
+
+
+def calculate_pool_sizes_around(original, self, available_bytes, page_size):
+    s = getattr(self, "_oscar_setup", None)
+    if s is None:
+        return original(self, available_bytes, page_size)
+    tokens = s.max_total_num_tokens(available_bytes, page_size)  # raises if the windows do not fit
+    config = original(self, available_bytes - s.fixed.total, page_size)
+    if config.max_total_num_tokens != tokens:
+        raise RuntimeError(f"sglang_oscar: SGLang sized {config.max_total_num_tokens} tokens, capacity.py "
+                           f"{tokens}; the pool sizing of this SGLang version changed")
+    logger.info("sglang_oscar: %s", s.report(available_bytes, page_size).summary())
+    return config
+
+
+# 6. KVCacheConfigurator.resolve_max_num_reqs, AFTER: never more requests than windows reserved ----
+
+def resolve_max_num_reqs_after(result, self, token_capacity):
+    if getattr(self, "kv_cache_dtype_str", None) != INT2:
+        return None
+    from .int2_setup import setup_for_kvc
+
+    cap = setup_for_kvc(self).max_running_requests
+    if result > cap:
+        logger.info("sglang_oscar: max running requests %d -> %d (BF16 rings reserved for %d)", result, cap, cap)
+        return cap
+    return None
+
+
+def _published(read, default):
+    """A runtime-context setting; outside a server (unit tests) SGLang has not published it yet."""
+    try:
+        return read()
+    except ValueError as e:
+        if "not published" not in str(e):
+            raise
+        return default
+
+
+# 7. KVCacheConfigurator._build_mha_kv_pool, AROUND: our pool class --------------------------------
+
+def build_mha_kv_pool_around(original, self, *, max_total_num_tokens, mha_pool_class, quant_method=None):
+    if getattr(self, "kv_cache_dtype_str", None) != INT2:
+        return original(self, max_total_num_tokens=max_total_num_tokens, mha_pool_class=mha_pool_class,
+                        quant_method=quant_method)
+    from sglang.srt.mem_cache import kv_cache_configurator as kvc_mod
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from .int2_setup import setup_for_kvc
+    from .pool import OscarKVPool
+
+    if quant_method is not None:
+        raise options.OscarOptionError("--kv-cache-dtype int2 cannot be combined with a KV quant method")
+    if mha_pool_class is not MHATokenToKVPool:
+        raise options.OscarOptionError(f"--kv-cache-dtype int2 replaces MHATokenToKVPool, not "
+                                       f"{mha_pool_class.__name__} (drop --enable-page-major-kv-layout)")
+    if getattr(self, "post_capture_kv_active", False):
+        raise options.OscarOptionError("--kv-cache-dtype int2 does not support post-capture KV sizing")
+    mc = self.model_config
+    tp = self.ps.attn_tp_size
+    return OscarKVPool(
+        max_total_num_tokens,
+        page_size=self.pool_page_size,
+        dtype=self.kv_cache_dtype,
+        head_num=mc.get_num_kv_heads(tp),
+        head_dim=mc.head_dim,
+        v_head_dim=mc.v_head_dim,
+        layer_num=self.layer_info.num_effective_layers,
+        device=self.device,
+        # the same process-wide settings the stock branch reads (kv_cache_configurator.py:1422)
+        enable_memory_saver=_published(lambda: kvc_mod.get_exec().features.enable_memory_saver, False),
+        start_layer=self.layer_info.start_layer,
+        end_layer=self.layer_info.end_layer,
+        enable_alt_stream=not _published(lambda: kvc_mod.get_disagg().enable_pdmux, False),
+        setup=setup_for_kvc(self),
+    )

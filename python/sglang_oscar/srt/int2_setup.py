@@ -1,0 +1,110 @@
+"""Everything one scheduler process decides once for the int2 pool: options, rotation shard, sizes.
+
+The capacity hook (pool sizing) and the pool-build hook run at different times in the same
+process and must agree on the group sizes, R and the window rows; both ask `setup_for_kvc`, which
+computes it once per model config and caches it. Loading and validating the rotation bundle
+happens here, so a bundle that does not match the model fails before any KV memory is taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+from ..config import CacheLayout
+from . import capacity, options
+from .options import OscarOptionError, OscarServeConfig
+from .startup_checks import ModelInfo, StartupPlan, plan_rank
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int2Setup:
+    cfg: OscarServeConfig
+    plan: StartupPlan
+    shape: capacity.ModelShape  # num_layers = this rank's layers; kv_heads total (+ tp_size)
+    layout: CacheLayout
+    max_running_requests: int  # R per attention-DP worker: the ring is reserved for R (+1 padding) requests
+    num_sink_rows: int
+
+    @property
+    def cell_bytes(self) -> int:
+        return capacity.int2_cell_bytes(self.shape, self.layout)
+
+    @property
+    def fixed(self) -> capacity.FixedBytes:
+        return capacity.fixed_bytes(self.shape, self.layout, self.max_running_requests,
+                                    num_sink_rows=self.num_sink_rows, window_dtype=self.cfg.window_dtype)
+
+    def max_total_num_tokens(self, available_bytes: int, page_size: int) -> int:
+        return capacity.max_total_num_tokens(available_bytes, self.shape, self.layout, self.max_running_requests,
+                                             page_size=page_size, num_sink_rows=self.num_sink_rows,
+                                             window_dtype=self.cfg.window_dtype)
+
+    def report(self, available_bytes: int, page_size: int) -> capacity.CapacityReport:
+        return capacity.capacity_report(available_bytes, self.shape, self.layout, self.max_running_requests,
+                                        page_size=page_size, num_sink_rows=self.num_sink_rows,
+                                        window_dtype=self.cfg.window_dtype)
+
+
+def model_info(model_config, tp_size: int) -> ModelInfo:
+    """ModelInfo from SGLang's ModelConfig (text config for multimodal wrappers)."""
+    hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    info = ModelInfo.from_hf_config(hf, tp_size)
+    arch = (getattr(model_config.hf_config, "architectures", None) or [info.architecture])[0]
+    info = dataclasses.replace(info, architecture=arch)
+    # SGLang's own head_dim wins over the HF field guess; they must agree or our kernels get the wrong D.
+    sgl_head_dim = getattr(model_config, "head_dim", None)
+    if sgl_head_dim is not None and int(sgl_head_dim) != info.head_dim:
+        info = dataclasses.replace(info, head_dim=int(sgl_head_dim))
+    v_head_dim = getattr(model_config, "v_head_dim", None)
+    if v_head_dim is not None and int(v_head_dim) != info.head_dim:
+        raise OscarOptionError(f"--kv-cache-dtype int2 needs equal K and V head dims; {arch} has "
+                               f"head_dim {info.head_dim} and v_head_dim {v_head_dim}")
+    return info
+
+
+def build_setup(cfg: OscarServeConfig, info: ModelInfo, *, tp_rank: int, num_layers: int,
+                max_running_requests: int, num_sink_rows: Optional[int] = None) -> Int2Setup:
+    """Pure: the options + model + rank -> what to allocate (no SGLang objects)."""
+    if max_running_requests < 1:
+        raise OscarOptionError(f"max running requests per worker is {max_running_requests}; int2 needs >= 1 "
+                               "(raise --max-running-requests)")
+    plan = plan_rank(cfg, info, tp_rank)  # loads + validates the bundle against the model
+    shape = capacity.ModelShape(num_layers, info.kv_heads, info.head_dim, info.tp_size)
+    if shape.kv_heads_per_rank != plan.kv_heads_local:
+        raise OscarOptionError(f"KV heads per rank disagree: capacity {shape.kv_heads_per_rank}, "
+                               f"rotation shard {plan.kv_heads_local}")
+    layout = capacity.layout_for(cfg.sink, cfg.recent, plan.k_group, plan.v_group)
+    rows = capacity.default_sink_rows(max_running_requests, cfg.sink) if num_sink_rows is None else num_sink_rows
+    return Int2Setup(cfg, plan, shape, layout, max_running_requests, rows)
+
+
+_CACHE: dict = {}
+
+
+def setup_for_kvc(kvc, num_layers: Optional[int] = None) -> Int2Setup:
+    """The (cached) setup of the model a KVCacheConfigurator sizes/builds pools for."""
+    from .server_checks import check_server_args
+
+    sa = kvc.server_args
+    check_server_args(sa)  # again here: the Engine API never runs the from_cli_args hook
+    layers = kvc.layer_info.num_effective_layers if num_layers is None else num_layers
+    dp = max(int(getattr(kvc.ps, "attn_dp_size", 1) or 1), 1)
+    tp_size = int(getattr(kvc.ps, "attn_tp_size", 1) or 1)
+    tp_rank = int(getattr(kvc.ps, "attn_tp_rank", 0) or 0)
+    key = (id(kvc.model_config), layers, tp_rank, tp_size, dp, sa.max_running_requests)
+    if key not in _CACHE:
+        info = model_info(kvc.model_config, tp_size)
+        sgl_heads = kvc.model_config.get_num_kv_heads(tp_size)
+        s = build_setup(options.from_env(), info, tp_rank=tp_rank, num_layers=layers,
+                        max_running_requests=sa.max_running_requests // dp)
+        if s.shape.kv_heads_per_rank != sgl_heads:
+            raise OscarOptionError(f"SGLang puts {sgl_heads} KV heads on each rank, our sharding "
+                                   f"{s.shape.kv_heads_per_rank}; this SGLang version shards differently")
+        logger.info("%s; groups K=%d V=%d, R=%d requests/worker, %d sink rows", s.cfg.summary(),
+                    s.plan.k_group, s.plan.v_group, s.max_running_requests, s.num_sink_rows)
+        _CACHE[key] = s
+    return _CACHE[key]

@@ -1,0 +1,184 @@
+"""OscarKVPool: SGLang 0.5.17's MHATokenToKVPool with the OSCAR INT2 layout behind it.
+
+Per local layer one `kernels/layout.py:LayerCache` (INT2 codes + bf16 (scale, min) per slot, BF16
+sink rows, BF16 recent ring); one int32 sink table (slot -> sink row, -1 = none) shared by all
+layers, because whether a position has a sink row is a property of the slot, not of the layer;
+one ring_start int32 [R + 1] (row 0 = req_to_token's padding request). Memory matches
+srt/capacity.py exactly: cell bytes per slot (size + page_size slots, like SGLang) + the fixed
+window bytes.
+
+Generic SGLang code only sees uint8 tensors: `k_buffer`/`v_buffer` are the packed codes, so code
+that merely moves slot bytes keeps working on the codes, while get_key_buffer / get_value_buffer
+(how attention backends read K/V) raise a clear error instead of handing out bytes as activations. dtype = store_dtype = uint8
+also keeps SGLang's bf16-only fused writers off (models/utils.py enable_fused_set_kv_buffer).
+
+Phase 1: set_kv_buffer writes the INT2 form only (sink_dst = ring_dst = -1: correct, without
+windows); the window writes, sink-row allocation, ring_start and sink-row release on free come with
+the attention backend (docs/sglang_integration.md section 3).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+
+from ..kernels.layout import LayerCache
+from .int2_setup import Int2Setup
+
+logger = logging.getLogger(__name__)
+
+_WINDOW_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class LayerRotation:
+    """One layer's write-side parameters, on the pool's device (fp32, what oscar_write_kv takes)."""
+
+    def __init__(self, bundle, layer: int, device, v_absorbed: bool):
+        def squeeze(t):
+            return t[0] if t is not None and t.shape[0] == 1 else t
+
+        self.k_transform = squeeze(bundle.k_transform[layer]).float().contiguous().to(device)
+        self.k_mean = None if bundle.k_mean is None else squeeze(bundle.k_mean[layer]).float().contiguous().to(device)
+        # With V absorbed into qkv_proj/o_proj the model already emits V in the rotated basis.
+        self.v_transform = None if v_absorbed else squeeze(bundle.v_transform[layer]).float().contiguous().to(device)
+        self.k_clip = float(bundle.k_clip[layer])
+        self.v_clip = float(bundle.v_clip[layer])
+        self.k_level_a = float(bundle.k_level_a[layer])
+        self.v_level_a = float(bundle.v_level_a[layer])
+
+
+class OscarKVPool(MHATokenToKVPool):
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
+                 device: str, enable_memory_saver: bool, *, setup: Int2Setup, v_head_dim: Optional[int] = None,
+                 start_layer: Optional[int] = None, end_layer: Optional[int] = None, enable_alt_stream: bool = True,
+                 enable_kv_cache_copy: bool = False, post_capture_active: bool = False):
+        if dtype != torch.uint8:
+            raise ValueError(f"OscarKVPool stores packed uint8 codes; got dtype {dtype} (the configure_kv_cache_dtype "
+                             "hook maps int2 to torch.uint8)")
+        if post_capture_active:
+            raise ValueError("int2 KV cache does not support post-capture KV sizing")
+        if enable_kv_cache_copy:
+            raise ValueError("int2 KV cache does not support move_kv_cache (speculative decoding)")
+        if v_head_dim not in (None, head_dim):
+            raise ValueError(f"int2 KV cache needs v_head_dim == head_dim, got {v_head_dim} vs {head_dim}")
+        if head_num != setup.plan.kv_heads_local or head_dim != setup.shape.head_dim or layer_num != setup.shape.num_layers:
+            raise ValueError(f"pool shape (heads {head_num}, head_dim {head_dim}, layers {layer_num}) does not match "
+                             f"the int2 plan (heads {setup.plan.kv_heads_local}, head_dim {setup.shape.head_dim}, "
+                             f"layers {setup.shape.num_layers})")
+        # _create_buffers runs inside super().__init__, so everything it reads is set first.
+        self.setup = setup
+        self.num_sink_rows = setup.num_sink_rows
+        self.max_running_requests = setup.max_running_requests
+        self.window_dtype = _WINDOW_DTYPES[setup.cfg.window_dtype]
+        self._warned_no_windows = False
+        super().__init__(size, page_size, dtype, head_num, head_dim, layer_num, device, enable_memory_saver,
+                         v_head_dim=head_dim, start_layer=start_layer, end_layer=end_layer,
+                         enable_alt_stream=enable_alt_stream, enable_kv_cache_copy=False,
+                         post_capture_active=False)
+        first = self.start_layer
+        self.rotations = [LayerRotation(setup.plan.bundle, first + i, self.device, setup.cfg.absorb_v_rotation)
+                          for i in range(self.layer_num)]
+
+    # ---- buffers -------------------------------------------------------------------------------
+
+    def _create_buffers(self):
+        from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+        s = self.setup
+        slots = self.size + self.page_size  # slot 0's page absorbs padded writes, as in SGLang
+        ring_reqs = s.max_running_requests + 1  # + req_to_token row 0 (padding request of graph batches)
+        pool_ctx = (torch.cuda.use_mem_pool(self.custom_mem_pool) if self.enable_custom_mem_pool else nullcontext())
+        with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE), pool_ctx:
+            self.sink_table = torch.full((slots,), -1, dtype=torch.int32, device=self.device)
+            self.ring_start = torch.zeros(ring_reqs, dtype=torch.int32, device=self.device)
+            self.layers = []
+            for _ in range(self.layer_num):
+                lc = LayerCache.empty(slots, self.head_num, self.head_dim, k_group=s.plan.k_group,
+                                      v_group=s.plan.v_group, num_sink_rows=s.num_sink_rows, max_reqs=ring_reqs,
+                                      window=s.cfg.recent, sink=s.cfg.sink, window_dtype=self.window_dtype,
+                                      device=self.device, with_sink_table=False)
+                for t in lc.buffers().values():
+                    t.zero_()  # deterministic scratch slot 0 / ring row 0, like SGLang's zeros
+                lc.sink_table = self.sink_table  # one table for all layers
+                lc.validate()
+                self.layers.append(lc)
+        self.k_buffer = [lc.k_codes for lc in self.layers]
+        self.v_buffer = [lc.v_codes for lc in self.layers]
+        self.k_scale_buffer = self.v_scale_buffer = self.dq_k_buffer = self.dq_v_buffer = None
+        self._kv_buffer_descs = self._build_kv_buffer_descs()
+        self._init_data_ptrs_and_strides()
+
+    def _slot_move_pointer_buffers(self):
+        # A slot is its codes AND its (scale, min); the windows are keyed by sink row / request, not slot.
+        return [*self.k_buffer, *self.v_buffer, *(lc.k_params for lc in self.layers),
+                *(lc.v_params for lc in self.layers)]
+
+    def layer_cache(self, layer_id: int) -> LayerCache:
+        return self.layers[layer_id - self.start_layer]
+
+    # Attention backends read K/V through these. Returning the packed codes would let a stock
+    # backend compute on bytes (or die on an unrelated shape error), so refuse with the reason.
+    def _refuse_read(self, *args, **kwargs):
+        raise RuntimeError("the int2 KV cache holds packed INT2 codes + BF16 windows; only the oscar_int2 "
+                           "attention backend can read it (a stock backend asked for K/V buffers)")
+
+    get_key_buffer = get_value_buffer = get_kv_buffer = _refuse_read
+
+    def get_kv_size_bytes(self):
+        """(K bytes, V bytes) of everything allocated; the shared sink table and ring_start count on K."""
+        def nbytes(ts):
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        k = nbytes([t for lc in self.layers for t in (lc.k_codes, lc.k_params, lc.sink_k, lc.ring_k)])
+        v = nbytes([t for lc in self.layers for t in (lc.v_codes, lc.v_params, lc.sink_v, lc.ring_v)])
+        return k + nbytes([self.sink_table, self.ring_start]), v
+
+    # ---- writes --------------------------------------------------------------------------------
+
+    def set_kv_buffer(self, layer, loc_info, cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale=None,
+                      v_scale=None, layer_id_override: Optional[int] = None, dcp_kv_mask=None):
+        """INT2 write of T tokens (no window rows: callers other than our backend do not know them)."""
+        if dcp_kv_mask is not None:
+            raise RuntimeError("int2 KV cache does not support decode context parallelism (dcp_kv_mask)")
+        if k_scale is not None or v_scale is not None:
+            raise RuntimeError("int2 KV cache takes unscaled K/V (k_scale/v_scale are for FP8 caches)")
+        loc, _, _ = unwrap_write_loc(loc_info)
+        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        if not self._warned_no_windows:
+            logger.warning("int2 set_kv_buffer from a generic caller: INT2 only, no BF16 sink/ring rows "
+                           "(the oscar_int2 backend writes them)")
+            self._warned_no_windows = True
+        n = loc.shape[0]
+        k = cache_k.view(n, self.head_num, self.head_dim)
+        v = cache_v.view(n, self.head_num, self.head_dim)
+        none = torch.full((n,), -1, dtype=torch.int32, device=loc.device)
+        self.write_layer(layer_id, k, v, loc.to(torch.int64), none, none)
+
+    def write_layer(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                    sink_dst: torch.Tensor, ring_dst: torch.Tensor, validate: bool = False) -> None:
+        """One layer's write with precomputed destinations (see kernels/write.py)."""
+        from ..kernels.write import oscar_write_kv
+
+        r = self.rotations[layer_id - self.start_layer]
+        oscar_write_kv(k, v, slots, sink_dst, ring_dst, self.layer_cache(layer_id), k_transform=r.k_transform,
+                       k_mean=r.k_mean, v_transform=r.v_transform, k_clip=r.k_clip, v_clip=r.v_clip,
+                       k_level_a=r.k_level_a, v_level_a=r.v_level_a, validate=validate)
+
+    # ---- paths that would move only part of a slot -------------------------------------------
+
+    def move_kv_cache(self, *args, **kwargs):
+        raise NotImplementedError("int2 KV cache: move_kv_cache (speculative decoding) is not supported")
+
+    def get_cpu_copy(self, *args, **kwargs):
+        raise NotImplementedError("int2 KV cache: CPU offload of KV (PD decode retraction) is not supported")
+
+    def load_cpu_copy(self, *args, **kwargs):
+        raise NotImplementedError("int2 KV cache: CPU offload of KV (PD decode retraction) is not supported")
+
+    def get_contiguous_buf_infos(self):
+        raise NotImplementedError("int2 KV cache: PD disaggregation transfer is not supported")

@@ -1,0 +1,66 @@
+"""Which SGLang server options the int2 KV mode works with, checked on a ServerArgs object.
+
+Called from the ServerArgs.from_cli_args hook (main process, before anything is spawned, so a bad
+combination fails at the command line) and again in the scheduler before the pool is sized (the
+Engine API builds ServerArgs without from_cli_args). Only plain attribute reads: no SGLang import.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .options import OscarOptionError
+
+INT2 = "int2"
+BACKEND = "oscar_int2"
+# Phase 1 only: lets a server build and size the int2 pool behind a stock attention backend so the
+# pool/capacity wiring can be tested end to end. Requests then fail with a clear error (the stock
+# backends cannot read INT2 codes). Never set it for serving.
+ENV_POOL_ONLY = "SGLANG_OSCAR_POOL_ONLY"
+
+# (attribute, value that is fine, what to tell the user). Each of these paths moves or reads KV
+# bytes with code that does not know our layout (codes + params + windows + sink table).
+_UNSUPPORTED = (
+    ("speculative_algorithm", None, "speculative decoding (draft KV and move_kv_cache are not implemented for int2)"),
+    ("enable_hierarchical_cache", False, "--enable-hierarchical-cache (HiCache copies k/v buffers only)"),
+    ("enable_hisparse", False, "--enable-hisparse"),
+    ("disaggregation_mode", "null", "PD disaggregation (--disaggregation-mode)"),
+    ("enable_unified_memory", False, "--enable-unified-memory"),
+    ("enable_page_major_kv_layout", False, "--enable-page-major-kv-layout"),
+    ("enable_lora", False, "LoRA (--enable-lora)"),
+    ("enable_mixed_chunk", False, "--enable-mixed-chunk (one forward mixing extend and decode)"),
+)
+
+
+def pool_only() -> bool:
+    return os.environ.get(ENV_POOL_ONLY, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_int2(server_args) -> bool:
+    return getattr(server_args, "kv_cache_dtype", None) == INT2
+
+
+def check_server_args(sa) -> None:
+    """Raise OscarOptionError naming the first option that int2 cannot run with."""
+    if not is_int2(sa):
+        return
+    for attr, ok, what in _UNSUPPORTED:
+        value = getattr(sa, attr, ok)
+        if value is not None and value != ok:
+            raise OscarOptionError(f"--kv-cache-dtype int2 does not support {what}; drop that option")
+    if (getattr(sa, "dcp_size", 1) or 1) > 1:
+        raise OscarOptionError("--kv-cache-dtype int2 does not support decode context parallelism (--dcp-size > 1)")
+    if getattr(sa, "max_running_requests", None) is None:
+        raise OscarOptionError(
+            "--kv-cache-dtype int2 needs --max-running-requests: the BF16 recent window is reserved per running "
+            "request inside the KV budget before the token count is computed, so the count must be pinned "
+            "(the resulting capacity is logged at startup)")
+    if pool_only():
+        return
+    backends = {getattr(sa, n, None) for n in ("attention_backend", "prefill_attention_backend",
+                                               "decode_attention_backend")} - {None}
+    if backends != {BACKEND}:
+        raise OscarOptionError(
+            f"--kv-cache-dtype int2 is read only by --attention-backend {BACKEND} (got {sorted(backends) or 'auto'}); "
+            f"note: the {BACKEND} backend is not implemented yet in this build (phase 2), so int2 cannot serve "
+            f"requests yet. {ENV_POOL_ONLY}=1 builds the pool behind another backend for tests only")

@@ -1,0 +1,349 @@
+"""The SGLang plugin (srt/plugin.py, hooks.py, pool.py) against the real SGLang 0.5.17 modules, on CPU.
+
+Skipped when SGLang is not installed (CI does not install it yet). Runs in a venv with
+sglang==0.5.17 + `pip install -e . --no-deps`, e.g. /work/sglvenv:
+
+    /work/sglvenv/bin/python -m pytest -q test/test_srt_plugin.py
+
+SGLang is imported the way the CPU test server runs it (shared/reference/sglang-on-cpu.md, Path A):
+SGLANG_USE_CPU_ENGINE=1 and our sgl_kernel stand-in (test/sglang_cpu_shim) first on sys.path, both
+set before the first sglang import. No server is started here except in the `slow` test at the end.
+"""
+
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang is not installed (CI does not install it yet)", allow_module_level=True)
+_SHIM = str(Path(__file__).resolve().parent / "sglang_cpu_shim")
+if not torch.cuda.is_available():  # before the first sglang import: module-level `if _is_cpu:` imports
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    if _SHIM not in sys.path:
+        sys.path.insert(0, _SHIM)
+
+pytest.importorskip("sglang")
+pytest.importorskip("sglang.srt.plugins.hook_registry")
+
+from sglang_oscar.rotation.bundle import BundleError, data_free_bundle, save_bundle  # noqa: E402
+from sglang_oscar.srt import capacity, hooks, options, plugin  # noqa: E402
+from sglang_oscar.srt.int2_setup import build_setup, model_info, setup_for_kvc  # noqa: E402
+from sglang_oscar.srt.launch import plugin_env  # noqa: E402
+from sglang_oscar.srt.server_checks import ENV_POOL_ONLY  # noqa: E402
+
+TINY = dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, hidden_size=256)
+QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, hidden_size=4096)
+
+
+@pytest.fixture(scope="module")
+def registered():
+    plugin.register()
+    return plugin
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A config-only model directory: ServerArgs.__post_init__ reads the HF config, nothing more."""
+    from transformers import Qwen3Config
+
+    d = tmp_path_factory.mktemp("tiny_qwen3")
+    Qwen3Config(vocab_size=1024, intermediate_size=512, max_position_embeddings=4096,
+                **TINY).save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture
+def int2_env(monkeypatch):
+    for name in options.ALL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(options.ENV_BUNDLE, "builtin:hadamard")
+    return monkeypatch
+
+
+class FakeModelConfig:
+    """The part of SGLang's ModelConfig the int2 hooks read."""
+
+    def __init__(self, **hf):
+        self.hf_config = types.SimpleNamespace(**hf)
+        self.hf_text_config = self.hf_config
+        self.head_dim = hf["head_dim"]
+        self.v_head_dim = hf["head_dim"]
+        self.num_hidden_layers = hf["num_hidden_layers"]
+
+    def get_num_kv_heads(self, tp_size):
+        return max(1, self.hf_config.num_key_value_heads // tp_size)
+
+
+def fake_kvc(hf=TINY, max_running_requests=4, tp=1, dp=1, dtype_str="int2"):
+    layers = hf["num_hidden_layers"]
+    return types.SimpleNamespace(
+        kv_cache_dtype_str=dtype_str, kv_cache_dtype=torch.uint8, model_config=FakeModelConfig(**hf),
+        server_args=types.SimpleNamespace(kv_cache_dtype=dtype_str, max_running_requests=max_running_requests,
+                                          attention_backend="oscar_int2", dcp_size=1),
+        ps=types.SimpleNamespace(attn_tp_size=tp, attn_tp_rank=0, attn_dp_size=dp),
+        layer_info=types.SimpleNamespace(num_effective_layers=layers, start_layer=0, end_layer=layers),
+        use_mla_backend=False, is_hybrid_swa=False, post_capture_kv_active=False, pool_page_size=1, device="cpu")
+
+
+# ---- registration and self-check -----------------------------------------------------------------
+
+def test_hooks_applied_and_self_checked(registered):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    assert plugin.check_signatures() == []
+    assert plugin.missing_targets() == []
+    assert set(plugin.HOOKS) <= HookRegistry._patched
+    plugin.self_check()
+    plugin.register()  # idempotent: a second load_plugins() in the same process changes nothing
+    from sglang.srt.server_args import ServerArgs
+
+    assert getattr(ServerArgs.add_cli_args, "__wrapped__", None) is not None
+
+
+def test_self_check_names_a_missing_target(registered, monkeypatch):
+    bogus = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._no_such_method"
+    monkeypatch.setitem(plugin.HOOKS, bogus, ("AFTER", hooks.resolve_max_num_reqs_after, ("self",)))
+    with pytest.raises(plugin.OscarPluginError) as e:
+        plugin.self_check()
+    assert bogus in str(e.value) and "sglang==0.5.17" in str(e.value)
+    assert isinstance(e.value, SystemExit)  # load_plugins() swallows Exception, not SystemExit
+    with pytest.raises(plugin.OscarPluginError):
+        plugin.register()  # refuses before registering anything
+
+
+def test_self_check_catches_a_changed_signature(registered, monkeypatch):
+    target = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
+    kind, fn, _ = plugin.HOOKS[target]
+    monkeypatch.setitem(plugin.HOOKS, target, (kind, fn, ("self", "kvc", "num_layers", "renamed")))
+    assert any(target in p for p in plugin.check_signatures())
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+_MODEL = {}
+
+
+@pytest.fixture(autouse=True)
+def _model_path(model_dir):
+    _MODEL["path"] = model_dir
+
+
+def _args(*extra):
+    return ["--model-path", _MODEL["path"], "--device", "cpu", *extra]
+
+
+def test_prepare_server_args_accepts_int2(registered, int2_env):
+    from sglang.srt.server_args import prepare_server_args
+
+    int2_env.setenv(ENV_POOL_ONLY, "1")
+    sa = prepare_server_args(_args("--kv-cache-dtype", "int2", "--kv-cache-quant-group-size", "64",
+                                   "--max-running-requests", "8", "--attention-backend", "torch_native"))
+    assert sa.kv_cache_dtype == "int2"
+    assert os.environ[options.ENV_GROUP] == "64"  # carried to the scheduler through the environment
+    assert options.from_env().group_size == 64
+
+
+def test_stock_dtypes_unchanged(registered, int2_env):
+    from sglang.srt.server_args import prepare_server_args
+
+    assert prepare_server_args(_args("--kv-cache-dtype", "bf16")).kv_cache_dtype == "bf16"
+    assert prepare_server_args(_args()).kv_cache_dtype == "auto"
+    with pytest.raises(options.OscarOptionError, match="only applies to --kv-cache-dtype int2"):
+        prepare_server_args(_args("--kv-cache-quant-group-size", "64"))
+
+
+@pytest.mark.parametrize("extra,match", [
+    (("--attention-backend", "torch_native", "--max-running-requests", "8"), "oscar_int2"),
+    (("--attention-backend", "torch_native"), "--max-running-requests"),
+    (("--max-running-requests", "8", "--kv-cache-quant-group-size", "48"), "not supported"),
+    (("--max-running-requests", "8", "--enable-mixed-chunk"), "enable-mixed-chunk"),
+])
+def test_prepare_server_args_rejects(registered, int2_env, extra, match):
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(options.OscarOptionError, match=match):
+        prepare_server_args(_args("--kv-cache-dtype", "int2", *extra))
+
+
+def test_missing_rotations_fail_at_the_command_line(registered, int2_env):
+    from sglang.srt.server_args import prepare_server_args
+
+    int2_env.delenv(options.ENV_BUNDLE)
+    int2_env.setenv(ENV_POOL_ONLY, "1")
+    with pytest.raises(options.OscarOptionError, match="needs rotations"):
+        prepare_server_args(_args("--kv-cache-dtype", "int2", "--max-running-requests", "8"))
+
+
+def test_configure_kv_cache_dtype(registered):
+    from sglang.srt.mem_cache import kv_cache_dtype
+
+    kw = dict(model=None, model_dtype=torch.bfloat16, is_draft_worker=False, is_dflash=False,
+              speculative_draft_attention_backend=None)
+    assert kv_cache_dtype.configure_kv_cache_dtype(server_args_kv_cache_dtype="int2", **kw) == ("int2", torch.uint8)
+    assert kv_cache_dtype.configure_kv_cache_dtype(server_args_kv_cache_dtype="auto", **kw) == (None, torch.bfloat16)
+    with pytest.raises(options.OscarOptionError, match="draft"):
+        kv_cache_dtype.configure_kv_cache_dtype(server_args_kv_cache_dtype="int2", **{**kw, "is_draft_worker": True})
+
+
+# ---- capacity ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("group,reqs,page", [(128, 32, 1), (64, 16, 16), (32, 128, 1)])
+def test_pool_sizing_equals_capacity_model(registered, int2_env, group, reqs, page):
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+
+    int2_env.setenv(options.ENV_GROUP, str(group))
+    kvc = fake_kvc(QWEN3_8B, max_running_requests=reqs)
+    conf = object.__new__(DefaultPoolConfigurator)  # the hooks only need the instance as a stash
+    cell = DefaultPoolConfigurator._compute_cell_size(conf, kvc, 36)
+    shape = capacity.ModelShape(36, 8, 128)
+    layout = capacity.layout_for(64, 256, group)
+    assert cell == capacity.int2_cell_bytes(shape, layout)
+    conf._cell_size, conf._zero_kv_max_tokens = cell, 0
+    budget = 55 * 2**30
+    got = DefaultPoolConfigurator.calculate_pool_sizes(conf, budget, page).max_total_num_tokens
+    assert got == capacity.max_total_num_tokens(budget, shape, layout, reqs, page_size=page)
+    assert got == (budget - capacity.fixed_bytes(shape, layout, reqs).total) // cell // page * page
+    assert hooks.resolve_max_num_reqs_after(4096, kvc, got) == reqs  # never more requests than rings
+    assert hooks.resolve_max_num_reqs_after(reqs - 1, kvc, got) is None
+
+
+def test_windows_larger_than_budget_fail_clearly(registered, int2_env):
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+
+    conf = object.__new__(DefaultPoolConfigurator)
+    conf._cell_size = DefaultPoolConfigurator._compute_cell_size(conf, fake_kvc(QWEN3_8B, 256), 36)
+    with pytest.raises(ValueError, match="lower --max-running-requests"):
+        DefaultPoolConfigurator.calculate_pool_sizes(conf, 2**30, 1)
+
+
+def test_stock_cell_size_path_untouched(registered):
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+
+    conf = object.__new__(DefaultPoolConfigurator)
+    conf._cell_size, conf._zero_kv_max_tokens = 1000, 0
+    assert DefaultPoolConfigurator.calculate_pool_sizes(conf, 10_500, 1).max_total_num_tokens == 10
+
+
+# ---- pool ----------------------------------------------------------------------------------------
+
+def _tiny_setup(int2_env, reqs=3, group=64, window_dtype="bfloat16"):
+    int2_env.setenv(options.ENV_RECENT, "16")
+    int2_env.setenv(options.ENV_PREFIX, "4")
+    int2_env.setenv(options.ENV_HP_DTYPE, window_dtype)
+    int2_env.setenv(options.ENV_GROUP, str(group))
+    return build_setup(options.from_env(), model_info(FakeModelConfig(**TINY), 1), tp_rank=0, num_layers=2,
+                       max_running_requests=reqs)
+
+
+def _pool(setup, size=96, page=1):
+    from sglang_oscar.srt.pool import OscarKVPool
+
+    return OscarKVPool(size, page_size=page, dtype=torch.uint8, head_num=2, head_dim=64, layer_num=2, device="cpu",
+                       enable_memory_saver=False, v_head_dim=64, start_layer=0, end_layer=1, setup=setup)
+
+
+def test_pool_buffers_follow_layer_cache(int2_env):
+    s = _tiny_setup(int2_env)
+    pool = _pool(s, size=96)
+    slots = 97
+    assert len(pool.layers) == 2
+    for lc in pool.layers:
+        lc.validate()
+        assert lc.k_codes.shape == (slots, 2, 16) and lc.k_codes.dtype == torch.uint8
+        assert lc.k_params.shape == (slots, 2, 1, 2) and lc.v_params.shape == (slots, 2, 1, 2)
+        assert lc.sink_k.shape == (s.num_sink_rows, 2, 64) == (2 * 3 * 4, 2, 64)
+        assert lc.ring_k.shape == ((3 + 1) * 16, 2, 64) and lc.ring_k.dtype == torch.bfloat16
+        assert lc.sink_table is pool.sink_table and lc.window == 16 and lc.sink == 4
+    assert pool.sink_table.shape == (slots,) and bool((pool.sink_table == -1).all())
+    assert pool.ring_start.shape == (4,)
+    assert pool.k_buffer[1] is pool.layers[1].k_codes and pool.layer_cache(1) is pool.layers[1]
+    with pytest.raises(RuntimeError, match="only the oscar_int2 attention backend"):
+        pool.get_key_buffer(1)  # a stock backend must not read codes as K
+    assert pool.dtype == pool.store_dtype == torch.uint8
+    assert len(pool._slot_move_pointer_buffers()) == 8  # codes + params, K and V, 2 layers
+
+
+@pytest.mark.parametrize("window_dtype", ["bfloat16", "float32"])
+def test_pool_bytes_equal_capacity_model(int2_env, window_dtype):
+    s = _tiny_setup(int2_env, reqs=5, window_dtype=window_dtype)
+    pool = _pool(s, size=200)
+    k, v = pool.get_kv_size_bytes()
+    assert k + v == (200 + 1) * s.cell_bytes + s.fixed.total  # SGLang allocates size + page_size slots
+
+
+def test_pool_set_kv_buffer_writes_int2(int2_env):
+    from sglang_oscar.quant.cache_ops import write_reference
+
+    s = _tiny_setup(int2_env)
+    pool = _pool(s)
+    torch.manual_seed(0)
+    k, v = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    loc = torch.tensor([3, 9, 10, 40, 96])
+    ref = pool.layers[1].clone()
+    layer = types.SimpleNamespace(layer_id=1)
+    pool.set_kv_buffer(layer, loc, k.clone(), v.clone())
+    r = pool.rotations[1]
+    none = torch.full((5,), -1, dtype=torch.int32)
+    write_reference(k, v, loc, none, none, ref, k_transform=r.k_transform, k_mean=r.k_mean, v_transform=None,
+                    k_clip=r.k_clip, v_clip=r.v_clip, k_level_a=r.k_level_a, v_level_a=r.v_level_a)
+    got = pool.layers[1]
+    assert r.v_transform is None  # V absorbed (default): the model emits V in the rotated basis
+    torch.testing.assert_close(got.k_params[loc], ref.k_params[loc])
+    torch.testing.assert_close(got.v_params[loc], ref.v_params[loc])
+    assert (got.k_codes[loc] == ref.k_codes[loc]).float().mean() > 0.99
+    assert (got.v_codes[loc] == ref.v_codes[loc]).float().mean() > 0.99
+    assert bool((pool.layers[0].k_params == 0).all())  # other layer untouched
+    assert bool((got.ring_k == 0).all()) and bool((pool.sink_table == -1).all())  # phase 1: no windows here
+
+
+def test_pool_refuses_paths_that_move_partial_slots(int2_env):
+    pool = _pool(_tiny_setup(int2_env))
+    for call in (pool.move_kv_cache, pool.get_cpu_copy, pool.load_cpu_copy):
+        with pytest.raises(NotImplementedError, match="int2"):
+            call(None, None)
+
+
+def test_build_mha_kv_pool_hook_builds_oscar_pool(registered, int2_env):
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_oscar.srt.pool import OscarKVPool
+
+    _tiny_setup(int2_env)
+    kvc = fake_kvc(TINY, max_running_requests=3)
+    pool = KVCacheConfigurator._build_mha_kv_pool(kvc, max_total_num_tokens=64, mha_pool_class=MHATokenToKVPool)
+    assert isinstance(pool, OscarKVPool) and isinstance(pool, MHATokenToKVPool)
+    assert pool.size == 64 and pool.ring_start.shape == (4,)
+    with pytest.raises(options.OscarOptionError, match="quant method"):
+        KVCacheConfigurator._build_mha_kv_pool(kvc, max_total_num_tokens=64, mha_pool_class=MHATokenToKVPool,
+                                               quant_method=object())
+
+
+# ---- startup errors ------------------------------------------------------------------------------
+
+def test_bundle_for_another_model_fails_at_startup(registered, int2_env, tmp_path):
+    path = save_bundle(data_free_bundle("hadamard", 3, 2, 64, 64, 64), tmp_path / "other.safetensors")
+    int2_env.setenv(options.ENV_BUNDLE, str(path))
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+
+    conf = object.__new__(DefaultPoolConfigurator)
+    with pytest.raises(BundleError, match="3 layers but the model has 2"):
+        DefaultPoolConfigurator._compute_cell_size(conf, fake_kvc(TINY, max_running_requests=7), 2)
+    path = save_bundle(data_free_bundle("hadamard", 2, 2, 64, 32, 32), tmp_path / "g32.safetensors")
+    int2_env.setenv(options.ENV_BUNDLE, str(path))
+    int2_env.setenv(options.ENV_GROUP, "64")
+    with pytest.raises(options.OscarOptionError, match="fitted for groups K=32"):
+        setup_for_kvc(fake_kvc(TINY, max_running_requests=9))
+
+
+def test_launcher_selects_the_plugin():
+    assert plugin_env({}) == {"SGLANG_PLUGINS": "sglang_oscar"}
+    assert plugin_env({"SGLANG_PLUGINS": "a, sglang_oscar"}) == {"SGLANG_PLUGINS": "a,sglang_oscar"}
+    assert plugin_env({"SGLANG_PLUGINS": "other"}) == {"SGLANG_PLUGINS": "other,sglang_oscar"}
