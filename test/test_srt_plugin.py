@@ -326,6 +326,49 @@ def test_build_mha_kv_pool_hook_builds_oscar_pool(registered, int2_env):
                                                quant_method=object())
 
 
+def test_freed_slots_release_their_sink_rows(int2_env):
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    pool = _pool(_tiny_setup(int2_env), size=96)  # 24 sink rows
+    alloc = TokenToKVPoolAllocator(96, torch.uint8, "cpu", pool, need_sort=False)
+    hooks.init_pools_after(types.SimpleNamespace(token_to_kv_pool=pool, token_to_kv_pool_allocator=alloc,
+                                                 req_to_token_pool=types.SimpleNamespace()), None)
+    slots = alloc.alloc(30)
+    rows = pool.alloc_sink_rows(slots)
+    assert (rows[:24] >= 0).all() and (rows[24:] == -1).all()  # exhausted -> INT2 only
+    assert int(pool.sink_row_free[:-1].sum()) == 0
+    alloc.free(slots[:10])
+    assert (pool.sink_table[slots[:10]] == -1).all() and int(pool.sink_row_free[:-1].sum()) == 10
+    alloc.free_group_begin()  # grouped frees go through free() twice: release must be idempotent
+    alloc.free(slots[10:20])
+    alloc.free_group_end()
+    assert int(pool.sink_row_free[:-1].sum()) == 20 and not bool(pool.sink_row_free[:-1].all())
+    alloc.free_segment(slots[20:], start_pos=20)
+    assert bool(pool.sink_row_free[:-1].all()) and (pool.sink_table == -1).all()
+    pool.alloc_sink_rows(alloc.alloc(5))
+    alloc.clear()
+    assert bool(pool.sink_row_free.all()) and (pool.sink_table == -1).all()
+
+
+def test_paged_free_releases_whole_pages(int2_env):
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    pool = _pool(_tiny_setup(int2_env), size=96, page=16)
+    alloc = PagedTokenToKVPoolAllocator(96, 16, torch.uint8, "cpu", pool, need_sort=False)
+    pool.attach(types.SimpleNamespace(), alloc)
+    slots = torch.arange(16, 32)
+    pool.alloc_sink_rows(slots[:8])
+    alloc.free(slots[:1])  # SGLang may name one slot per page; the whole page is freed
+    assert (pool.sink_table == -1).all() and bool(pool.sink_row_free.all())
+
+
+def test_init_pools_hook_rejects_a_foreign_pool_for_int2():
+    res = types.SimpleNamespace(token_to_kv_pool=object(), req_to_token_pool=None, token_to_kv_pool_allocator=None)
+    with pytest.raises(RuntimeError, match="a pool path this plugin does not hook"):
+        hooks.init_pools_after(res, types.SimpleNamespace(kv_cache_dtype_str="int2"))
+    assert hooks.init_pools_after(res, types.SimpleNamespace(kv_cache_dtype_str="auto")) is None
+
+
 # ---- startup errors ------------------------------------------------------------------------------
 
 def test_bundle_for_another_model_fails_at_startup(registered, int2_env, tmp_path):
@@ -347,3 +390,111 @@ def test_launcher_selects_the_plugin():
     assert plugin_env({}) == {"SGLANG_PLUGINS": "sglang_oscar"}
     assert plugin_env({"SGLANG_PLUGINS": "a, sglang_oscar"}) == {"SGLANG_PLUGINS": "a,sglang_oscar"}
     assert plugin_env({"SGLANG_PLUGINS": "other"}) == {"SGLANG_PLUGINS": "other,sglang_oscar"}
+
+
+# ---- real server on CPU (slow: ~40 s per start on 2 cores) --------------------------------------
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """`python -m sglang_oscar.launch_server` on CPU (sglang-on-cpu.md Path A), killed at exit."""
+
+    def __init__(self, model, log_path, *extra, env=None):
+        import subprocess
+
+        self.port = _free_port()
+        self.log_path = log_path
+        e = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1", TRITON_INTERPRET="1",
+                 PYTHONPATH=os.pathsep.join([_SHIM, os.environ.get("PYTHONPATH", "")]), **(env or {}))
+        cmd = [sys.executable, "-m", "sglang_oscar.launch_server", "--model-path", str(model), "--device", "cpu",
+               "--max-total-tokens", "4096", "--sleep-on-idle", "--host", "127.0.0.1", "--port", str(self.port),
+               *extra]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=e, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(_REPO))
+
+    def text(self):
+        return Path(self.log_path).read_text(errors="ignore")
+
+    def wait_ready(self, timeout=240):
+        import time
+
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if "fired up and ready" in self.text():
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError("server exited during startup:\n" + self.text()[-3000:])
+            time.sleep(1)
+        raise AssertionError("server not ready in time:\n" + self.text()[-3000:])
+
+    def generate(self, ids, n=8, timeout=120):
+        import json
+        import urllib.request
+
+        body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/generate", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the launcher tears down its scheduler and detokenizer
+            try:
+                self.proc.wait(60)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    import runpy
+
+    make = runpy.run_path(str(_REPO / "scripts" / "make_tiny_model.py"))["make_tiny_model"]
+    return make(tmp_path_factory.mktemp("tinyq_full"))
+
+
+@pytest.mark.slow
+def test_cpu_server_stock_backend_with_plugin_loaded(tiny_model, tmp_path):
+    srv = _Server(tiny_model, tmp_path / "stock.log", "--attention-backend", "torch_native")
+    try:
+        srv.wait_ready()
+        out = srv.generate(list(range(1, 9)), n=8)
+        assert len(out["output_ids"]) == 8
+        # The plugin is loaded here too (the launcher selects it; the int2 test proves the hooks are
+        # live in both processes) and must leave a BF16 cache exactly as SGLang builds it.
+        assert "KV Cache is allocated. dtype: torch.bfloat16, #tokens: 4096" in srv.text()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_cpu_server_boots_with_int2_pool(tiny_model, tmp_path):
+    """Phase 1: the int2 pool is sized and built inside the real scheduler. There is no int2 attention
+    backend yet, so the pool sits behind torch_native (SGLANG_OSCAR_POOL_ONLY) and a request must fail
+    with our error, not produce tokens."""
+    srv = _Server(tiny_model, tmp_path / "int2.log", "--attention-backend", "torch_native", "--kv-cache-dtype",
+                  "int2", "--kv-cache-quant-group-size", "64", "--max-running-requests", "4",
+                  "--skip-server-warmup", env={ENV_POOL_ONLY: "1", options.ENV_BUNDLE: "builtin:hadamard"})
+    try:
+        srv.wait_ready()
+        log = srv.text()
+        assert "KV Cache is allocated. dtype: torch.uint8, #tokens: 4096" in log
+        assert "sglang_oscar: KV budget" in log and "(164 B/token)" in log  # 2 layers x 2 heads x (16+4)x2 + 4
+        assert "max_running_requests=4" in log
+        with pytest.raises(Exception):
+            srv.generate([1, 2, 3, 4], n=2, timeout=60)
+        srv.proc.wait(60)
+        assert "only the oscar_int2 attention backend can read it" in srv.text()
+    finally:
+        srv.stop()

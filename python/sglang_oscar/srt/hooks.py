@@ -158,3 +158,17 @@ def build_mha_kv_pool_around(original, self, *, max_total_num_tokens, mha_pool_c
         enable_alt_stream=not _published(lambda: kvc_mod.get_disagg().enable_pdmux, False),
         setup=setup_for_kvc(self),
     )
+
+
+# 8. KVCacheConfigurator._init_pools, AFTER: bind the pool to the request table and allocator ------
+
+def init_pools_after(result, self, *args, **kwargs):
+    from .pool import OscarKVPool
+
+    pool = getattr(result, "token_to_kv_pool", None)
+    if isinstance(pool, OscarKVPool):
+        pool.attach(result.req_to_token_pool, result.token_to_kv_pool_allocator)
+    elif getattr(self, "kv_cache_dtype_str", None) == INT2 and pool is not None:
+        raise RuntimeError(f"sglang_oscar: --kv-cache-dtype int2 but SGLang built {type(pool).__name__}; "
+                           "a pool path this plugin does not hook was taken")
+    return None

@@ -45,6 +45,8 @@ HOOKS = {
         ("AFTER", hooks.resolve_max_num_reqs_after, ("self", "token_capacity")),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool":
         ("AROUND", hooks.build_mha_kv_pool_around, ("self", "max_total_num_tokens", "mha_pool_class", "quant_method")),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools":
+        ("AFTER", hooks.init_pools_after, ("self", "sizes", "req_to_token_pool", "token_to_kv_pool_allocator")),
 }
 
 

@@ -12,9 +12,14 @@ that merely moves slot bytes keeps working on the codes, while get_key_buffer / 
 (how attention backends read K/V) raise a clear error instead of handing out bytes as activations. dtype = store_dtype = uint8
 also keeps SGLang's bf16-only fused writers off (models/utils.py enable_fused_set_kv_buffer).
 
+Sink rows are released when SGLang frees the slot that owns them: `attach` (called by the
+_init_pools hook) wraps free / free_segment / clear of this pool's allocator instance. The release
+is sync-free (a device-side free mask), so it adds no host sync to SGLang's free path.
+
 Phase 1: set_kv_buffer writes the INT2 form only (sink_dst = ring_dst = -1: correct, without
-windows); the window writes, sink-row allocation, ring_start and sink-row release on free come with
-the attention backend (docs/sglang_integration.md section 3).
+windows); the window writes, sink-row allocation (alloc_sink_rows, from the backend's host-side
+metadata step) and ring_start updates come with the attention backend (docs/sglang_integration.md
+section 3).
 """
 
 from __future__ import annotations
@@ -95,6 +100,10 @@ class OscarKVPool(MHATokenToKVPool):
         pool_ctx = (torch.cuda.use_mem_pool(self.custom_mem_pool) if self.enable_custom_mem_pool else nullcontext())
         with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE), pool_ctx:
             self.sink_table = torch.full((slots,), -1, dtype=torch.int32, device=self.device)
+            # True = sink row free; the extra last entry absorbs releases of slots without a row
+            # (index -1 -> num_sink_rows), which keeps the release free of data-dependent shapes.
+            # Allocator metadata like SGLang's free_pages: not counted in the KV bytes.
+            self.sink_row_free = torch.ones(s.num_sink_rows + 1, dtype=torch.bool, device=self.device)
             self.ring_start = torch.zeros(ring_reqs, dtype=torch.int32, device=self.device)
             self.layers = []
             for _ in range(self.layer_num):
@@ -137,6 +146,64 @@ class OscarKVPool(MHATokenToKVPool):
         k = nbytes([t for lc in self.layers for t in (lc.k_codes, lc.k_params, lc.sink_k, lc.ring_k)])
         v = nbytes([t for lc in self.layers for t in (lc.v_codes, lc.v_params, lc.sink_v, lc.ring_v)])
         return k + nbytes([self.sink_table, self.ring_start]), v
+
+    # ---- sink rows -----------------------------------------------------------------------------
+
+    def attach(self, req_to_token_pool, allocator) -> None:
+        """Bind to SGLang's request table and allocator (the _init_pools hook calls this once)."""
+        rows = getattr(req_to_token_pool, "req_to_token", None)
+        if rows is not None and rows.shape[0] > self.ring_start.shape[0]:
+            raise RuntimeError(f"req_to_token has {rows.shape[0]} rows but the int2 ring was reserved for "
+                               f"{self.ring_start.shape[0]} (max running requests + 1); the R cap did not apply")
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        # Wrap the instance's bound methods (not the class): only the allocator of this pool changes.
+        free, free_segment, clear = allocator.free, allocator.free_segment, allocator.clear
+
+        def free_wrapped(free_index, *a, **k):
+            self.release_sink_rows(free_index)
+            return free(free_index, *a, **k)
+
+        def free_segment_wrapped(free_index, *a, **k):
+            self.release_sink_rows(free_index)
+            return free_segment(free_index, *a, **k)
+
+        def clear_wrapped(*a, **k):
+            self.reset_sink_rows()
+            return clear(*a, **k)
+
+        allocator.free, allocator.free_segment, allocator.clear = free_wrapped, free_segment_wrapped, clear_wrapped
+
+    def _page_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every slot of the pages `slots` touch: a paged allocator frees whole pages even when given
+        only some of their slots (free_segments trims shared boundary pages)."""
+        if self.page_size == 1:
+            return slots
+        first = (slots.to(torch.int64) // self.page_size) * self.page_size
+        return (first[:, None] + torch.arange(self.page_size, device=slots.device)).reshape(-1)
+
+    def release_sink_rows(self, slots: torch.Tensor) -> None:
+        """Give back the sink rows of freed slots (idempotent; no host sync)."""
+        if slots.numel() == 0:
+            return
+        slots = self._page_slots(slots.to(self.sink_table.device))
+        rows = self.sink_table[slots].to(torch.int64)
+        self.sink_row_free[torch.where(rows >= 0, rows, self.num_sink_rows)] = True
+        self.sink_table[slots] = -1
+
+    def reset_sink_rows(self) -> None:
+        self.sink_table.fill_(-1)
+        self.sink_row_free.fill_(True)
+
+    def alloc_sink_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Give each slot a free sink row (host-side metadata step; syncs). Slots beyond the free rows
+        get -1 and stay INT2-only. Returns the rows (int32, -1 = none)."""
+        free_rows = torch.nonzero(self.sink_row_free[:-1]).flatten()[: slots.numel()]
+        rows = torch.full((slots.numel(),), -1, dtype=torch.int32, device=self.sink_table.device)
+        rows[: free_rows.numel()] = free_rows.to(torch.int32)
+        self.sink_row_free[free_rows] = False
+        self.sink_table[slots.to(self.sink_table.device)] = rows
+        return rows
 
     # ---- writes --------------------------------------------------------------------------------
 
