@@ -369,6 +369,54 @@ def test_init_pools_hook_rejects_a_foreign_pool_for_int2():
     assert hooks.init_pools_after(res, types.SimpleNamespace(kv_cache_dtype_str="auto")) is None
 
 
+def _reference_plan(rows, prefix, ext, S, W):
+    """Token-by-token statement of the rules in srt/write_plan.py."""
+    pos, ring = [], []
+    for r, p, e in zip(rows, prefix, ext):
+        for q in range(p, p + e):
+            pos.append(q)
+            ring.append(r * W + q % W if q >= S and q >= p + e - W else -1)
+    return pos, ring
+
+
+def test_write_plan_follows_the_reader_rules(int2_env):
+    from sglang_oscar.srt.write_plan import RingStartTracker, plan_writes
+
+    s = _tiny_setup(int2_env, reqs=3)  # S=4, W=16, 24 sink rows
+    pool = _pool(s, size=96)
+    tracker = RingStartTracker(4)
+    rows, prefix, ext = [1, 2, 3], [0, 2, 10], [20, 3, 1]  # fresh prompt, radix hit of 2, a decode
+    slots = torch.arange(1, 25)
+    plan = plan_writes(pool, tracker, rows, prefix, ext, slots, generations=[5, 7, 9])
+    pos, ring = _reference_plan(rows, prefix, ext, 4, 16)
+    assert plan.ring_dst.tolist() == ring
+    live = [x for x in ring if x >= 0]
+    assert len(live) == len(set(live))  # unique destinations within one call (write.py contract)
+    sink_pos = [i for i, q in enumerate(pos) if q < 4]
+    assert (plan.sink_dst[sink_pos] >= 0).all() and (plan.sink_dst[[i for i in range(24) if i not in sink_pos]] == -1).all()
+    assert (pool.sink_table[slots[sink_pos]] == plan.sink_dst[sink_pos]).all()
+    assert plan.ring_starts.tolist() == [0, 2, 10] and pool.ring_start[[1, 2, 3]].tolist() == [0, 2, 10]
+    # next step: decodes of the same requests keep ring_start; row 2 now serves a new request
+    plan = plan_writes(pool, tracker, [1, 2], [20, 0], [1, 2], torch.tensor([40, 41, 42]), generations=[5, 8])
+    assert plan.ring_starts.tolist() == [0, 0] and plan.new_requests == [2]
+    assert plan.ring_dst.tolist() == [1 * 16 + 20 % 16, -1, -1]  # positions 0, 1 of row 2 are sink positions
+    assert (plan.sink_dst[1:] >= 0).all()
+
+
+def test_write_plan_runs_out_of_sink_rows_gracefully(int2_env):
+    from sglang_oscar.srt.write_plan import RingStartTracker, plan_writes
+
+    pool = _pool(_tiny_setup(int2_env, reqs=1), size=96)  # 2 x 1 x 4 = 8 sink rows
+    tracker = RingStartTracker(2)
+    plan = plan_writes(pool, tracker, [0, 1], [0, 0], [6, 6], torch.arange(1, 13), generations=[1, 1])
+    assert (plan.sink_dst >= 0).sum() == 8  # positions 0..3 of both requests
+    plan = plan_writes(pool, tracker, [1], [0], [5], torch.arange(20, 25), generations=[2])
+    assert (plan.sink_dst == -1).all()  # no rows left (slots 1..12 still hold theirs): stays INT2
+    pool.release_sink_rows(torch.arange(1, 7))  # SGLang frees request 0's slots
+    plan = plan_writes(pool, tracker, [1], [0], [2], torch.tensor([30, 31]), generations=[3])
+    assert (plan.sink_dst >= 0).all()
+
+
 # ---- startup errors ------------------------------------------------------------------------------
 
 def test_bundle_for_another_model_fails_at_startup(registered, int2_env, tmp_path):
