@@ -150,6 +150,16 @@ def test_prepare_server_args_accepts_int2(registered, int2_env):
     assert options.from_env().group_size == 64
 
 
+def test_int2_with_its_backend_needs_runtime_v_rotation_for_now(registered, int2_env):
+    from sglang.srt.server_args import prepare_server_args
+
+    args = _args("--kv-cache-dtype", "int2", "--max-running-requests", "8", "--attention-backend", "oscar_int2")
+    with pytest.raises(options.OscarOptionError, match="absorption .* not implemented yet"):
+        prepare_server_args(args)
+    int2_env.setenv(options.ENV_ABSORB_V, "0")
+    assert prepare_server_args(args).attention_backend == "oscar_int2"
+
+
 def test_stock_dtypes_unchanged(registered, int2_env):
     from sglang.srt.server_args import prepare_server_args
 
@@ -524,6 +534,32 @@ def test_cpu_server_stock_backend_with_plugin_loaded(tiny_model, tmp_path):
         assert "KV Cache is allocated. dtype: torch.bfloat16, #tokens: 4096" in srv.text()
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_cpu_server_int2_matches_fp32_while_everything_is_in_the_windows(tiny_model, tmp_path):
+    """oscar_int2 end to end (Triton interpreter, fp32 model and windows). Prompts + outputs shorter
+    than S + W never reach the INT2 history, so greedy tokens must equal torch_native's exactly; a
+    radix hit of a prefix shorter than S reads the shared sink rows and must match too."""
+    import random
+
+    ref = _Server(tiny_model, tmp_path / "ref.log", "--attention-backend", "torch_native", "--dtype", "float32")
+    env = {options.ENV_BUNDLE: "builtin:hadamard", options.ENV_ABSORB_V: "0", options.ENV_HP_DTYPE: "float32"}
+    srv = _Server(tiny_model, tmp_path / "int2.log", "--attention-backend", "oscar_int2", "--dtype", "float32",
+                  "--kv-cache-dtype", "int2", "--kv-cache-quant-group-size", "64", "--max-running-requests", "4",
+                  env=env)
+    try:
+        ref.wait_ready(400)
+        srv.wait_ready(400)
+        rnd = random.Random(0)
+        p40 = [rnd.randrange(3, 1024) for _ in range(40)]
+        for prompt in (list(range(1, 9)), p40, [rnd.randrange(3, 1024) for _ in range(100)], p40 + [5, 6, 7]):
+            want, got = ref.generate(prompt, n=8)["output_ids"], srv.generate(prompt, n=8)
+            assert got["output_ids"] == want, (len(prompt), got["output_ids"], want)
+        assert got["meta_info"]["cached_tokens"] == 40  # the last one was a radix hit
+    finally:
+        srv.stop()
+        ref.stop()
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import logging
 import os
 
 from . import options
-from .server_checks import INT2, check_server_args, is_int2
+from .server_checks import INT2, check_server_args, is_int2, pool_only
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,10 @@ def from_cli_args_after(server_args, cls, args):
         os.environ[options.ENV_GROUP] = str(group)
     cfg = options.from_env()  # bad env / missing bundle fails here, in the main process
     check_server_args(server_args)
+    if cfg.absorb_v_rotation and not pool_only():
+        raise options.OscarOptionError(
+            f"V-rotation absorption (hook #9) is not implemented yet; set {options.ENV_ABSORB_V}=0 "
+            "(the oscar_int2 backend then rotates V at write time and un-rotates the attention output)")
     logger.info("sglang_oscar: %s", cfg.summary())
     return None
 

@@ -109,6 +109,25 @@ def _sglang_version() -> str:
         return version("sglang")
 
 
+def _create_oscar_backend(runner):
+    from .backend import OscarAttnBackend  # lazy: only scheduler processes that use it pay the import
+
+    return OscarAttnBackend(runner)
+
+
+def _register_backend() -> None:
+    """--attention-backend oscar_int2 through SGLang's official registry (hook #10)."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    from .server_checks import BACKEND
+
+    if BACKEND not in ATTENTION_BACKENDS:
+        register_attention_backend(BACKEND)(_create_oscar_backend)
+    if BACKEND not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND])
+
+
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -122,6 +141,7 @@ def register() -> None:
     for target, (kind, fn, _) in HOOKS.items():
         if target not in HookRegistry._patched:
             HookRegistry.register(target, fn, HookType[kind])
+    _register_backend()
     # Apply now (idempotent; load_plugins() applies again after all plugins) so we can verify.
     HookRegistry.apply_hooks()
     self_check()

@@ -157,6 +157,17 @@ class OscarKVPool(MHATokenToKVPool):
                                f"{self.ring_start.shape[0]} (max running requests + 1); the R cap did not apply")
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
+        from .write_plan import RingStartTracker
+
+        self.ring_tracker = RingStartTracker(self.ring_start.shape[0])
+        # ReqToTokenPool.clear() zeroes req_generation, so generations can repeat: forget ours too.
+        rclear = getattr(req_to_token_pool, "clear", None)
+        if rclear is not None:
+            def rclear_wrapped(*a, **k):
+                self.ring_tracker = RingStartTracker(self.ring_start.shape[0])
+                return rclear(*a, **k)
+
+            req_to_token_pool.clear = rclear_wrapped
         # Wrap the instance's bound methods (not the class): only the allocator of this pool changes.
         free, free_segment, clear = allocator.free, allocator.free_segment, allocator.clear
 

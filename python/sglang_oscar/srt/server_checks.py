@@ -62,5 +62,4 @@ def check_server_args(sa) -> None:
     if backends != {BACKEND}:
         raise OscarOptionError(
             f"--kv-cache-dtype int2 is read only by --attention-backend {BACKEND} (got {sorted(backends) or 'auto'}); "
-            f"note: the {BACKEND} backend is not implemented yet in this build (phase 2), so int2 cannot serve "
-            f"requests yet. {ENV_POOL_ONLY}=1 builds the pool behind another backend for tests only")
+            f"({ENV_POOL_ONLY}=1 builds the pool behind another backend, for tests only)")
