@@ -563,6 +563,43 @@ def test_cpu_server_int2_matches_fp32_while_everything_is_in_the_windows(tiny_mo
 
 
 @pytest.mark.slow
+def test_cpu_server_int2_history_matches_the_simulator(tiny_model, tmp_path):
+    """Small windows (S=4, W=16) put most of the history in INT2: the server's greedy tokens must equal
+    eval/simulator.py (HF model + fake-quantized attention, server semantics) and differ from exact."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from sglang_oscar.eval.simulator import MixedCacheSimulator
+
+    env = {options.ENV_BUNDLE: "builtin:hadamard", options.ENV_ABSORB_V: "0", options.ENV_HP_DTYPE: "float32",
+           options.ENV_PREFIX: "4", options.ENV_RECENT: "16"}
+    srv = _Server(tiny_model, tmp_path / "int2_small.log", "--attention-backend", "oscar_int2", "--dtype", "float32",
+                  "--kv-cache-dtype", "int2", "--kv-cache-quant-group-size", "64", "--max-running-requests", "4",
+                  env=env)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+        b = data_free_bundle("hadamard", 2, 2, 64, 64, 64)
+        sim = MixedCacheSimulator([b.layer_quantizers(i) for i in range(2)], sink=4, recent=16, mode="prefill")
+        rnd = random.Random(0)
+        prompts = [[rnd.randrange(3, 1024) for _ in range(n)] for n in (40, 100)]
+        kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        want, exact = [], []
+        with torch.no_grad():
+            for p in prompts:
+                with sim.attach(model):
+                    want.append(model.generate(torch.tensor([p]), **kw)[0, len(p):].tolist())
+                exact.append(model.generate(torch.tensor([p]), **kw)[0, len(p):].tolist())
+        srv.wait_ready(400)
+        for p, w, e in zip(prompts, want, exact):
+            got = srv.generate(p, n=12)["output_ids"]
+            assert got == w, (len(p), got, w)
+            assert got != e  # the INT2 history really was read
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
 def test_cpu_server_boots_with_int2_pool(tiny_model, tmp_path):
     """Phase 1: the int2 pool is sized and built inside the real scheduler. There is no int2 attention
     backend yet, so the pool sits behind torch_native (SGLANG_OSCAR_POOL_ONLY) and a request must fail
