@@ -2,7 +2,8 @@
 
 Reads the int2 pool exactly as the kernels define it:
 * decode: kernels/decode.py:oscar_decode (INT2 history + BF16 sink + BF16 ring, one launch + merge);
-* extend: kernels/gather.py rebuilds each request's cached prefix in the transformed basis, the
+* extend: kernels/gather.py rebuilds each request's cached prefix in the transformed basis (before
+  the chunk is written, so the prefix's last W positions still come from the ring), the
   chunk's own K/V are transformed in torch (exact, not quantized: a chunk attends to itself at
   full precision, as the seed does), and attention runs per request with torch SDPA. This extend
   path is simple, not fast; the GPU version goes through SGLang's extend kernel (plan section 3).
@@ -110,8 +111,6 @@ class OscarAttnBackend(AttentionBackend):
         from ..kernels.decode import transform_query
         from ..kernels.gather import oscar_gather_prefix
 
-        if save_kv_cache and k is not None:
-            self._write(layer, k, v)
         hq, d, h = layer.tp_q_head_num, layer.qk_head_dim, self.pool.head_num
         r = self.pool.rotations[layer.layer_id - self.pool.start_layer]
         lc = self.pool.layer_cache(layer.layer_id)
@@ -123,14 +122,22 @@ class OscarAttnBackend(AttentionBackend):
         vt = torch.einsum("nhd,hde->nhe", v.reshape(-1, h, d).float(), _per_q_head(r.v_transform, h, h)).to(q.dtype)
         out = torch.empty(qt.shape, dtype=q.dtype, device=q.device)
         rows, prefix, ext = self.meta
-        start = 0
-        for i, (row, p, e) in enumerate(zip(rows, prefix, ext)):
+        # Gather every prefix BEFORE this chunk is written: the chunk's ring writes would overwrite
+        # the ring rows of the prefix's last W positions (p mod W collides), which would then be read
+        # as INT2. Reading first keeps them exact, the same rule as decode and eval/simulator.py.
+        prefixes = []
+        for i, (row, p) in enumerate(zip(rows, prefix)):
             pk = torch.empty(p, h, d, dtype=q.dtype, device=q.device)
             pv = torch.empty_like(pk)
             if p:
                 oscar_gather_prefix(lc, self.req_to_token_pool.req_to_token, row, p,
-                                    int(self.plan.ring_starts[i]), pk, pv, ring_end=p + e,
+                                    int(self.plan.ring_starts[i]), pk, pv,
                                     k_level_a=r.k_level_a, v_level_a=r.v_level_a)
+            prefixes.append((pk, pv))
+        if save_kv_cache and k is not None:
+            self._write(layer, k, v)
+        start = 0
+        for (pk, pv), p, e in zip(prefixes, prefix, ext):
             keys = torch.cat([pk, kt[start:start + e]]).transpose(0, 1)  # [H, p+e, D]
             vals = torch.cat([pv, vt[start:start + e]]).transpose(0, 1)
             qi = qt[start:start + e].transpose(0, 1)  # [Hq, e, D]
