@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import torch
 
 from sglang_oscar.eval import compare
@@ -50,3 +52,24 @@ def test_report_shape_and_paired_delta(tmp_path):
     assert "int2_hadamard" in table and "+10.0±0.0%" in table
     compare.plot(rep, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_merge_niah_joins_disjoint_sample_ranges_and_rejects_overlap():
+    a = {"m": {"2048": {"niah_single_1": dict(score=100.0, per_sample=[100.0, 100.0], predictions=["1", "2"])}}}
+    b = {"m": {"2048": {"niah_single_1": dict(score=0.0, per_sample=[0.0, 0.0], predictions=["3", "4"], first=2)}}}
+    merged = compare.merge_niah([b, a])  # order of files does not matter, sample index does
+    r = merged["m"]["2048"]["niah_single_1"]
+    assert r["per_sample"] == [100.0, 100.0, 0.0, 0.0] and r["predictions"] == ["1", "2", "3", "4"]
+    assert r["score"] == 50.0
+    c = {"m": {"2048": {"niah_single_1": dict(score=0.0, per_sample=[0.0], predictions=["x"], first=1)}}}
+    with pytest.raises(ValueError, match="overlap"):
+        compare.merge_niah([a, c])
+
+
+def test_niah_score_excludes_tasks_bf16_fails():
+    r = lambda s: dict(score=s, per_sample=[s])  # noqa: E731
+    niah = {"bf16": {"2048": {"niah_single_1": r(100.0), "niah_multikey_2": r(0.0)}, "4096": {"niah_single_1": r(90.0)}},
+            "int2": {"2048": {"niah_single_1": r(60.0), "niah_multikey_2": r(0.0)}, "4096": {"niah_single_1": r(30.0)}}}
+    scored, excluded = compare.niah_scored_tasks(niah)
+    assert scored == {"2048": ["niah_single_1"], "4096": ["niah_single_1"]}
+    assert excluded == {"2048": ["niah_multikey_2"], "4096": []}

@@ -271,6 +271,11 @@ def test_niah_samples_length_needle_determinism(task):
     other = make_samples(tok, task, length, 3, seed=6)
     assert [x.prompt_ids for x in other] != [x.prompt_ids for x in s]
     assert len({x.answers[0] for x in s}) == 3
+    # a later range extends an earlier run with the samples one longer run would have made
+    tail = make_samples(tok, task, length, 2, seed=5, first=1)
+    assert [x.prompt_ids for x in tail] == [x.prompt_ids for x in s[1:]]
+    with pytest.raises(ValueError):
+        make_samples(tok, task, length, 1, seed=5, first=-1)
     with pytest.raises(ValueError):
         make_samples(tok, "niah_bogus", length, 1)
     with pytest.raises(ValueError):

@@ -75,7 +75,7 @@ def settings(quick: bool) -> dict:
         return dict(calib_tokens=6144, seq_len=2048, heldout_tokens=2048, ppl_len=2048, ppl_windows=2,
                     niah_lengths=[2048], niah_per_task=2, kl_windows=1, kl_len=2048)
     return dict(calib_tokens=16384, seq_len=2048, heldout_tokens=4096, ppl_len=4096, ppl_windows=4,
-                niah_lengths=[2048, 4096, 8192], niah_per_task=10, kl_windows=1, kl_len=4096)
+                niah_lengths=[2048, 4096, 8192], niah_per_task=20, kl_windows=1, kl_len=4096)
 
 
 NIAH_TASKS = ("niah_single_1", "niah_multikey_2")
@@ -159,10 +159,11 @@ def stage_niah(model, tok, specs, cfg, out_dir: Path, progress: bool, tag: str =
     for length in cfg["niah_lengths"]:
         for task in cfg.get("niah_tasks", NIAH_TASKS):
             t = time.time()
-            samples = make_samples(tok, task, length, cfg["niah_per_task"], seed=length)
+            first = cfg.get("niah_first", 0)
+            samples = make_samples(tok, task, length, cfg["niah_per_task"], seed=length, first=first)
             out = run_niah(model, tok, samples, sims, progress=progress)
             for name in specs:
-                res[name].setdefault(str(length), {})[task] = out[name]
+                res[name].setdefault(str(length), {})[task] = dict(out[name], first=first)
             print(f"[niah] {task} @ {length}: " + " ".join(f"{n}={out[n]['score']:.0f}" for n in specs)
                   + f" ({time.time() - t:.0f} s)", flush=True)
     (out_dir / f"niah{tag}.json").write_text(json.dumps(res, indent=1, default=_jsonable))
@@ -183,17 +184,59 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def merge_niah(parts: list[dict]) -> dict:
+    """{name: {length: {task: result}}} from several niah*.json, concatenating sample ranges.
+
+    Each result covers samples first..first+n-1 (first absent: 0, files older than the field).
+    Ranges of one (method, length, task) must not overlap; they are joined in index order and the
+    score is recomputed over all of them."""
+    runs: dict = {}
+    for part in parts:
+        for name, by_len in part.items():
+            for L, by_task in by_len.items():
+                for task, r in by_task.items():
+                    runs.setdefault((name, L, task), []).append(r)
+    niah: dict = {}
+    for (name, L, task), rs in runs.items():
+        rs = sorted(rs, key=lambda r: r.get("first", 0))
+        for a, b in zip(rs, rs[1:]):
+            if a.get("first", 0) + len(a["per_sample"]) > b.get("first", 0):
+                raise ValueError(f"NIAH results overlap for {name} {task} @ {L}: samples from "
+                                 f"{a.get('first', 0)} (n={len(a['per_sample'])}) and from {b.get('first', 0)}; "
+                                 "remove one of the niah*.json files")
+        per_sample = [x for r in rs for x in r["per_sample"]]
+        niah.setdefault(name, {}).setdefault(L, {})[task] = dict(
+            score=sum(per_sample) / len(per_sample), per_sample=per_sample,
+            predictions=[x for r in rs for x in r.get("predictions", [])], first=rs[0].get("first", 0))
+    return niah
+
+
+def niah_scored_tasks(niah: dict) -> tuple[dict, dict]:
+    """Per length, the tasks that count in the NIAH score: those bf16 solves at least once.
+
+    A task the unquantized model fails (SmolLM2-135M on niah_multikey_2: 0 at 2k) cannot show
+    quantization damage; averaging it in would only halve every method's score. Such tasks stay in
+    niah_by_task and are listed as excluded. Without a bf16 run every task counts."""
+    tasks: dict = {}
+    for by_len in niah.values():
+        for L, by_task in by_len.items():
+            tasks.setdefault(L, set()).update(by_task)
+    bf = niah.get("bf16", {})
+    scored, excluded = {}, {}
+    for L, ts in tasks.items():
+        scored[L] = sorted(t for t in ts if L not in bf or t not in bf[L] or bf[L][t]["score"] > 0)
+        excluded[L] = sorted(ts - set(scored[L]))
+    return scored, excluded
+
+
 def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
     from ..data import CALIBRATION_SOURCE, EVAL_SOURCE
     from ..rotation import load_bundle
 
     ppl = json.loads((out_dir / "ppl.json").read_text())
     # NIAH may come from several processes (niah*.json: e.g. one per context length)
-    niah: dict = {}
-    for f in sorted(out_dir.glob("niah*.json")):
-        for name, by_len in json.loads(f.read_text()).items():
-            for L, by_task in by_len.items():
-                niah.setdefault(name, {}).setdefault(L, {}).update(by_task)
+    niah = merge_niah([json.loads(f.read_text()) for f in sorted(out_dir.glob("niah*.json"))])
+    scored, excluded = niah_scored_tasks(niah)
     calib = json.loads((out_dir / "calibrate.json").read_text())
     methods = {}
     for name, spec in specs.items():
@@ -214,7 +257,8 @@ def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
                 m["ppl_delta_pct"][k] = dict(mean=round(float(d.mean()), 3), std=round(float(d.std(unbiased=False)), 3),
                                              min=round(float(d.min()), 3), max=round(float(d.max()), 3))
         if name in niah and niah[name]:
-            m["niah"] = {L: round(sum(t["score"] for t in v.values()) / len(v), 2) for L, v in niah[name].items()}
+            m["niah"] = {L: round(sum(v[t]["score"] for t in scored[L]) / len(scored[L]), 2)
+                         for L, v in niah[name].items() if scored.get(L)}
             m["niah_by_task"] = {L: {t: round(r["score"], 2) for t, r in v.items()} for L, v in niah[name].items()}
             m["niah_samples"] = {L: sum(len(r["per_sample"]) for r in v.values()) for L, v in niah[name].items()}
         a = ppl[name]["attn"]
@@ -231,7 +275,9 @@ def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
         "model": model_id,
         "settings": dict(sink=SINK, recent=RECENT, ppl_semantics="decode (every position reads the INT2 history "
                          "beyond sink/recent, teacher forced)", niah_semantics="exact single-chunk prefill, INT2 "
-                         "decode (server semantics)", calibration_source=CALIBRATION_SOURCE,
+                         "decode (server semantics)",
+                         niah_tasks_scored=scored, niah_tasks_excluded_bf16_fails=excluded,
+                         calibration_source=CALIBRATION_SOURCE,
                          eval_source=EVAL_SOURCE, calibration_tokens_used=calib["tokens"],
                          heldout_tokens_used=calib["heldout_tokens"], **cfg),
         "methods": methods,
@@ -283,8 +329,9 @@ def plot(report: dict, path: Path) -> None:
         lengths = sorted(ms["bf16"]["niah"], key=int)
         width = 0.8 / len(lengths)
         for i, L in enumerate(lengths):
-            axes[1].barh([j + i * width for j in range(len(names))], [ms[n]["niah"][L] for n in names], height=width,
-                         label=f"{int(L) // 1024}k")
+            axes[1].barh([j + i * width for j in range(len(names))],
+                         [ms[n]["niah"].get(L, float("nan")) for n in names], height=width,
+                         label=f"{int(L) // 1024}k")  # NaN (not run at this length): no bar
         axes[1].set_yticks([j + width * (len(lengths) - 1) / 2 for j in range(len(names))], names)
         axes[1].set_xlabel("NIAH score (string_match_all, %)")
         axes[1].legend()
@@ -309,6 +356,8 @@ def main(argv=None) -> int:
     ap.add_argument("--niah-lengths", default=None, help="comma-separated context lengths (niah stage)")
     ap.add_argument("--niah-tasks", default=None, help=f"comma-separated subset of {NIAH_TASKS}")
     ap.add_argument("--niah-per-task", type=int, default=None, help="samples per task and length")
+    ap.add_argument("--niah-first", type=int, default=0,
+                    help="index of the first NIAH sample (extend an earlier run with disjoint samples)")
     ap.add_argument("--niah-tag", default="", help="suffix of the niah result file (parallel niah processes)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -326,6 +375,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown NIAH tasks {bad}; choose from {NIAH_TASKS}")
     if args.niah_per_task:
         cfg["niah_per_task"] = args.niah_per_task
+    cfg["niah_first"] = args.niah_first
     out_dir = Path(args.out_dir or ("runs/accuracy_quick" if args.quick else "runs/accuracy"))
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = not args.quiet

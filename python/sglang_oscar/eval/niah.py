@@ -170,16 +170,20 @@ def _build_one(tokenizer, task: str, length: int, rng: random.Random, chat: bool
                       depth=at / lo if lo else 0.0, query=key)
 
 
-def make_samples(tokenizer, task: str, length: int, n: int, seed: int = 0, *, chat: bool = False) -> list[NiahSample]:
-    """n samples of `task` whose prompts fill `length` − 32 tokens (deterministic in seed)."""
+def make_samples(tokenizer, task: str, length: int, n: int, seed: int = 0, *, chat: bool = False,
+                 first: int = 0) -> list[NiahSample]:
+    """Samples first..first+n-1 of `task` whose prompts fill `length` − 32 tokens.
+
+    Sample i depends only on (task, length, seed, i), so runs over disjoint index ranges (several
+    processes, or more samples later) add up to the same set as one run over the union."""
     if task not in TASKS:
         raise ValueError(f"unknown NIAH task {task!r}; choose from {TASKS}")
-    if n < 1 or length < 1:
-        raise ValueError(f"need n >= 1 and length >= 1, got n={n} length={length}")
+    if n < 1 or length < 1 or first < 0:
+        raise ValueError(f"need n >= 1, length >= 1 and first >= 0, got n={n} length={length} first={first}")
     if chat and not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat=True but the tokenizer has no chat template")
     return [_build_one(tokenizer, task, length, random.Random(f"{task}|{length}|{seed}|{i}"), chat)
-            for i in range(n)]
+            for i in range(first, first + n)]
 
 
 # ---------------------------------------------------------------------------------- scoring
