@@ -25,9 +25,21 @@ def plugin_env(env=None) -> dict:
     return {"SGLANG_PLUGINS": ",".join(chosen)}
 
 
-def main(argv=None) -> None:
+def run_sglang_module(module: str, argv=None, *, load_plugins: bool = False) -> None:
+    """Run one of SGLang's command-line modules as __main__ with our plugin selected.
+
+    load_plugins: call SGLang's load_plugins() first, for entry points that never do
+    (sglang.benchmark.one_batch builds a ModelRunner in-process at TP 1); launch_server and the
+    scheduler processes call it themselves."""
     os.environ.update(plugin_env())
-    sys.argv = ["sglang.launch_server"] + list(sys.argv[1:] if argv is None else argv)
-    # Run SGLang's module as __main__ (load_plugins, prepare_server_args, run_server, cleanup):
-    # no copy of its startup logic to drift from the pinned version.
-    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    sys.argv = [module] + list(sys.argv[1:] if argv is None else argv)
+    if load_plugins:
+        from sglang.srt.plugins import load_plugins as _load
+
+        _load()
+    # SGLang's own module as __main__: no copy of its startup logic to drift from the pinned version.
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def main(argv=None) -> None:
+    run_sglang_module("sglang.launch_server", argv)
