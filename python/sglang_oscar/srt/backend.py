@@ -1,4 +1,4 @@
-"""oscar_int2 attention backend, phase 2a: eager and correctness-first (no CUDA graphs yet).
+"""oscar_int2 attention backend: eager extend, eager or CUDA-graph decode.
 
 Reads the int2 pool exactly as the kernels define it:
 * decode: kernels/decode.py:oscar_decode (INT2 history + BF16 sink + BF16 ring, one launch + merge);
@@ -13,15 +13,32 @@ Basis: keys are stored as (k − μ)·T_K and queries become q·T_K (T_K orthogo
 the μ term shifts every score of a query equally, which softmax ignores). V is stored as v·T_V, and
 the output is turned back with ·T_Vᵀ here, because V absorption into the weights (hook #9) does
 not exist yet: this backend refuses SGLANG_OSCAR_ABSORB_V_ROTATION=1 until it does.
+
+CUDA graphs (decode only; SGLang 0.5.17's 3-method contract, base_attn_backend.py). The host part
+of a step (write plan: sink-row allocation, ring_start of new requests, ring rows) runs in
+init_forward_metadata_out_graph, outside the graph, and lands in persistent buffers made by
+init_cuda_graph_state; forward_decode reads only those buffers (plus the pool, req_to_token and
+ring_start, all fixed addresses), so the captured kernels replay correctly for any batch.
+
+Padding. SGLang pads a graph batch at its tail with req_pool_indices = 0 (ReqToTokenPool keeps row 0
+as the padding row: free rows start at 1), out_cache_loc = 0 and seq_lens = the fill value
+(decode_cuda_graph_runner.py + cuda_graph_buffer_registry.py build_decode_registry, ZERO /
+FILL_SENTINEL policies); eager DP-attention padding (ForwardBatch._pad_inputs_to_size) does the same.
+This backend therefore treats every request in row 0 as padding, whatever its other fields say:
+no sink row, no ring row, no ring_start change, its token written to scratch slot 0 (INT2 only) and
+its length forced to 0 in the buffer the decode kernel reads, so the kernel reads nothing for it
+(all splits empty, output 0) and in particular never reads through sink_table[0] = -1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from .options import ENV_ABSORB_V, OscarOptionError
 from .pool import OscarKVPool
@@ -39,6 +56,47 @@ def _per_q_head(t: Optional[torch.Tensor], kv_heads: int, q_heads: int) -> Optio
     return t.repeat_interleave(q_heads // kv_heads, dim=0)
 
 
+@dataclasses.dataclass
+class DecodeMeta:
+    """What forward_decode reads. Eager: this step's own tensors. Graphs: [:bs] views of
+    GraphBuffers, so the addresses the captured kernels hold stay valid at every replay."""
+
+    req_pool_indices: torch.Tensor  # int64 [bs]; padded requests: 0
+    seq_lens: torch.Tensor  # int32 [bs]; padded requests: 0 (the decode kernel reads nothing for them)
+    slots: torch.Tensor  # int64 [bs]: INT2 slot of each new token; padded: 0 (scratch)
+    sink_dst: torch.Tensor  # int32 [bs]: sink row or -1
+    ring_dst: torch.Tensor  # int32 [bs]: ring row or -1
+
+
+@dataclasses.dataclass
+class GraphBuffers:
+    """Persistent decode inputs of the captured graphs (init_cuda_graph_state), filled outside the
+    graph each step. Our own copies rather than the runner's buffers: we choose the padding values
+    (length 0, slot 0, no window rows) and the dtypes the kernels want (int32 lengths, int64 slots)."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    slots: torch.Tensor
+    sink_dst: torch.Tensor
+    ring_dst: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_bs: int, device) -> "GraphBuffers":
+        def full(value, dtype):
+            return torch.full((max_bs,), value, dtype=dtype, device=device)
+
+        return cls(full(0, torch.int64), full(0, torch.int32), full(0, torch.int64), full(-1, torch.int32),
+                   full(-1, torch.int32))
+
+    @property
+    def max_bs(self) -> int:
+        return self.req_pool_indices.shape[0]
+
+    def view(self, bs: int) -> DecodeMeta:
+        return DecodeMeta(self.req_pool_indices[:bs], self.seq_lens[:bs], self.slots[:bs], self.sink_dst[:bs],
+                          self.ring_dst[:bs])
+
+
 class OscarAttnBackend(AttentionBackend):
     def __init__(self, model_runner):
         super().__init__()
@@ -52,29 +110,123 @@ class OscarAttnBackend(AttentionBackend):
         self.pool = pool
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.device = model_runner.device
-        self.plan = None
-        self.meta = None
+        self.plan = None  # extend: WritePlan of the step
+        self.meta = None  # extend: (rows, prefix_lens, extend_lens) on the host
+        self.decode_meta: Optional[DecodeMeta] = None
+        self.graph: Optional[GraphBuffers] = None  # set by init_cuda_graph_state
 
     # ---- metadata (host side, once per forward) -----------------------------------------------
 
-    def init_forward_metadata(self, forward_batch):
-        mode = forward_batch.forward_mode
-        if mode.is_idle() or forward_batch.req_pool_indices.numel() == 0:
-            self.plan = self.meta = None
-            return
+    @staticmethod
+    def _real_rows(forward_batch) -> list:
+        """req_to_token rows of the real requests: the leading entries != 0 (row 0 is SGLang's padding
+        row and never holds a request). Host copy of req_pool_indices: one sync, as the plan needs."""
         rows = forward_batch.req_pool_indices.tolist()
-        if mode.is_decode():
-            seq = forward_batch.seq_lens_cpu.tolist()
-            prefix, ext = [s - 1 for s in seq], [1] * len(seq)
-        elif mode.is_extend() and not mode.is_mixed():
-            prefix, ext = list(forward_batch.extend_prefix_lens_cpu), list(forward_batch.extend_seq_lens_cpu)
-        else:
-            raise NotImplementedError(f"{NAME}: forward mode {mode} is not supported")
+        n = next((i for i, r in enumerate(rows) if r == 0), len(rows))
+        if any(rows[n:]):
+            raise RuntimeError(f"{NAME}: padded requests (row 0) must come after the real ones, got rows {rows}")
+        return rows[:n]
+
+    def _plan_decode(self, forward_batch, rows: list):
+        """Write plan of one decode token for each real request (the first len(rows) of the batch)."""
+        n = len(rows)
+        seq_cpu = getattr(forward_batch, "seq_lens_cpu", None)
+        seq = (seq_cpu[:n] if seq_cpu is not None else forward_batch.seq_lens[:n]).tolist()
+        loc = forward_batch.out_cache_loc
+        if loc is None or loc.numel() < n:
+            raise RuntimeError(f"{NAME}: decode batch has {n} requests but out_cache_loc "
+                               f"{None if loc is None else loc.numel()} slots")
         gens = self.req_to_token_pool.req_generation[rows].tolist()
-        self.plan = plan_writes(self.pool, self.pool.ring_tracker, rows, prefix, ext, forward_batch.out_cache_loc, gens)
-        self.meta = (rows, prefix, ext)
+        return plan_writes(self.pool, self.pool.ring_tracker, rows, [x - 1 for x in seq], [1] * n, loc[:n], gens)
+
+    def init_forward_metadata(self, forward_batch):
+        """Eager step (no graph): decode and extend; idle / empty batches are a no-op."""
+        mode = forward_batch.forward_mode
+        self.plan = self.meta = self.decode_meta = None
+        if mode.is_idle() or forward_batch.req_pool_indices.numel() == 0:
+            return
+        if mode == ForwardMode.DECODE:
+            rows = self._real_rows(forward_batch)
+            bs, n = forward_batch.req_pool_indices.numel(), len(rows)
+            seq_lens = forward_batch.seq_lens.to(torch.int32)
+            if n:
+                p = self._plan_decode(forward_batch, rows)
+                slots, sink_dst, ring_dst = p.slots, p.sink_dst, p.ring_dst
+            else:
+                slots = sink_dst = ring_dst = seq_lens[:0]
+            if n < bs:  # DP-attention padding in eager mode: same treatment as graph padding
+                dev = seq_lens.device
+                seq_lens = seq_lens.clone()
+                seq_lens[n:] = 0
+                slots = torch.cat([slots.to(torch.int64), torch.zeros(bs - n, dtype=torch.int64, device=dev)])
+                pad = torch.full((bs - n,), -1, dtype=torch.int32, device=dev)
+                sink_dst, ring_dst = torch.cat([sink_dst.to(torch.int32), pad]), torch.cat([ring_dst.to(torch.int32), pad])
+            self.decode_meta = DecodeMeta(forward_batch.req_pool_indices, seq_lens, slots, sink_dst, ring_dst)
+        elif mode == ForwardMode.EXTEND:
+            rows = forward_batch.req_pool_indices.tolist()
+            if 0 in rows:
+                raise NotImplementedError(f"{NAME}: padded extend batches (DP attention) are not supported")
+            prefix, ext = list(forward_batch.extend_prefix_lens_cpu), list(forward_batch.extend_seq_lens_cpu)
+            gens = self.req_to_token_pool.req_generation[rows].tolist()
+            self.plan = plan_writes(self.pool, self.pool.ring_tracker, rows, prefix, ext, forward_batch.out_cache_loc,
+                                    gens)
+            self.meta = (rows, prefix, ext)
+        else:  # MIXED, TARGET_VERIFY, DRAFT_EXTEND_V2, SPLIT_PREFILL, DLLM_EXTEND, PREBUILT
+            raise NotImplementedError(f"{NAME}: forward mode {mode.name} is not supported (decode and extend only)")
+
+    # ---- CUDA graphs (decode) --------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        # Decode graphs hold one token per request (spec decode is rejected at the command line).
+        if max_num_tokens != max_bs:
+            raise OscarOptionError(f"{NAME}: CUDA graphs support one token per request (graph batch {max_bs}, "
+                                   f"{max_num_tokens} tokens): speculative decoding is not supported")
+        self.graph = GraphBuffers.allocate(max_bs, self.device)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Host work of a graph step, outside the graph: write plan of the real requests into the
+        persistent buffers; padded requests (row 0) get slot 0, no window rows and length 0.
+
+        in_capture: the batch is the runner's dummy (rows 0, or stale indices on a recapture): every
+        request is treated as padding, so capture never allocates sink rows, moves ring_start or
+        writes a window row of a real request. forward_batch is a ForwardBatch at capture and the
+        runner's replay view (build_replay_fb_view: padded req_pool_indices/seq_lens/seq_lens_cpu,
+        RAW out_cache_loc of the real tokens) at replay."""
+        g = self.graph
+        if g is None:
+            raise RuntimeError(f"{NAME}: init_forward_metadata_out_graph before init_cuda_graph_state")
+        mode = forward_batch.forward_mode
+        if not mode.is_decode_or_idle():
+            raise NotImplementedError(f"{NAME}: CUDA graphs are for decode only, got {mode.name}")
+        bs = forward_batch.batch_size
+        if bs > g.max_bs:
+            raise RuntimeError(f"{NAME}: graph batch {bs} > max_bs {g.max_bs} of init_cuda_graph_state")
+        self.plan = self.meta = None
+        rows = [] if in_capture or mode.is_idle() else self._real_rows(forward_batch)
+        n = len(rows)
+        if n:
+            p = self._plan_decode(forward_batch, rows)
+            g.slots[:n].copy_(p.slots)
+            g.sink_dst[:n].copy_(p.sink_dst)
+            g.ring_dst[:n].copy_(p.ring_dst)
+            g.req_pool_indices[:n].copy_(forward_batch.req_pool_indices[:n])
+            g.seq_lens[:n].copy_(forward_batch.seq_lens[:n])
+        # Padding tail, rewritten every step: a smaller batch must not leave the previous step's
+        # destinations there, or the replay would write those rows again.
+        g.slots[n:bs].zero_()
+        g.sink_dst[n:bs].fill_(-1)
+        g.ring_dst[n:bs].fill_(-1)
+        g.req_pool_indices[n:bs].zero_()
+        g.seq_lens[n:bs].zero_()
+        self.decode_meta = g.view(bs)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        # Nothing to record: out_graph already wrote every buffer the kernels read.
+        pass
 
     def get_cuda_graph_seq_len_fill_value(self):
+        # Only the runner sees this (seq_lens_sum, its own buffers): this backend zeroes the length of
+        # every padded request (row 0) in the buffer its decode kernel reads, whatever the fill.
         return 1
 
     # ---- per layer ----------------------------------------------------------------------------
@@ -92,16 +244,19 @@ class OscarAttnBackend(AttentionBackend):
         return torch.einsum("nhe,hde->nhd", o.float(), tv).to(o.dtype)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        """Launches kernels only, on decode_meta (graph: persistent buffers) and the pool; reads no
+        per-step field of forward_batch, so a captured replay is correct for any batch."""
         from ..kernels.decode import oscar_decode
 
+        m = self.decode_meta
+        h, hq, d = self.pool.head_num, layer.tp_q_head_num, layer.qk_head_dim
         if save_kv_cache and k is not None:
-            self._write(layer, k, v)
-        hq, d = layer.tp_q_head_num, layer.qk_head_dim
+            self.pool.write_layer(layer.layer_id, k.reshape(-1, h, d), v.reshape(-1, h, d), m.slots, m.sink_dst,
+                                  m.ring_dst)
         r = self.pool.rotations[layer.layer_id - self.pool.start_layer]
         lc = self.pool.layer_cache(layer.layer_id)
-        o = oscar_decode(q.reshape(-1, hq, d), lc, self.req_to_token_pool.req_to_token,
-                         forward_batch.req_pool_indices, forward_batch.seq_lens.to(torch.int32),
-                         self.pool.ring_start, sink=lc.sink, window=lc.window, sm_scale=layer.scaling,
+        o = oscar_decode(q.reshape(-1, hq, d), lc, self.req_to_token_pool.req_to_token, m.req_pool_indices,
+                         m.seq_lens, self.pool.ring_start, sink=lc.sink, window=lc.window, sm_scale=layer.scaling,
                          q_transform=r.k_transform,
                          k_level_a=None if r.k_level_a == 1.0 else r.k_level_a,
                          v_level_a=None if r.v_level_a == 1.0 else r.v_level_a)

@@ -1,0 +1,320 @@
+"""oscar_int2 backend: the CUDA-graph decode path (srt/backend.py) against the eager one, on CPU.
+
+No graph is captured here (no CUDA); what a graph relies on is checked instead: after
+init_forward_metadata_out_graph, forward_decode must produce the eager results while reading only
+the backend's persistent buffers. So every graph step calls forward_decode with the stale capture
+batch (rows 0, seq_lens = fill value), as a replay would, on a batch padded the way SGLang 0.5.17's
+decode runner pads it (req_pool_indices 0, seq_lens fill, raw out_cache_loc in the replay view).
+Real OscarKVPool, ReqToTokenPool, allocator and Triton kernels (interpreter); light fakes of
+ForwardBatch / model runner / layer. Skipped without sglang, like test_srt_plugin.py.
+"""
+
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang is not installed (CI does not install it yet)", allow_module_level=True)
+_SHIM = str(Path(__file__).resolve().parent / "sglang_cpu_shim")
+if not torch.cuda.is_available():  # before the first sglang import (see test_srt_plugin.py)
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    if _SHIM not in sys.path:
+        sys.path.insert(0, _SHIM)
+
+pytest.importorskip("sglang.srt.layers.attention.base_attn_backend")
+
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+
+from sglang_oscar.srt import options  # noqa: E402
+from sglang_oscar.srt.backend import OscarAttnBackend  # noqa: E402
+from sglang_oscar.srt.int2_setup import build_setup, model_info  # noqa: E402
+from sglang_oscar.srt.pool import OscarKVPool  # noqa: E402
+
+S, W, R, SIZE, CTX = 64, 16, 4, 512, 256  # CTX <= 256: one INT2 split at any batch size (same sums)
+HKV, HQ, D = 2, 4, 64
+TINY = dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=2, num_attention_heads=HQ,
+            num_key_value_heads=HKV, head_dim=D, hidden_size=256)
+LAYERS = [types.SimpleNamespace(layer_id=i, tp_q_head_num=HQ, qk_head_dim=D, scaling=D ** -0.5) for i in range(2)]
+
+
+class _ModelConfig:
+    def __init__(self, **hf):
+        self.hf_config = self.hf_text_config = types.SimpleNamespace(**hf)
+        self.head_dim = self.v_head_dim = hf["head_dim"]
+
+    def get_num_kv_heads(self, tp_size):
+        return max(1, self.hf_config.num_key_value_heads // tp_size)
+
+
+@pytest.fixture
+def setup(monkeypatch):
+    for name in options.ALL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in ((options.ENV_BUNDLE, "builtin:hadamard"), (options.ENV_ABSORB_V, "0"),
+                        (options.ENV_PREFIX, str(S)), (options.ENV_RECENT, str(W)),
+                        (options.ENV_HP_DTYPE, "float32"), (options.ENV_GROUP, "64")):
+        monkeypatch.setenv(name, value)
+    return build_setup(options.from_env(), model_info(_ModelConfig(**TINY), 1), tp_rank=0, num_layers=2,
+                       max_running_requests=R)
+
+
+class World:
+    """One scheduler's state: pool + request table + allocator + backend, driven by hand."""
+
+    def __init__(self, setup):
+        self.pool = OscarKVPool(SIZE, page_size=1, dtype=torch.uint8, head_num=HKV, head_dim=D, layer_num=2,
+                                device="cpu", enable_memory_saver=False, v_head_dim=D, start_layer=0, end_layer=1,
+                                setup=setup)
+        self.r2t = ReqToTokenPool(size=R, max_context_len=CTX, device="cpu", enable_memory_saver=False)
+        self.alloc = TokenToKVPoolAllocator(SIZE, torch.uint8, "cpu", self.pool, need_sort=False)
+        self.pool.attach(self.r2t, self.alloc)
+        runner = types.SimpleNamespace(token_to_kv_pool=self.pool, req_to_token_pool=self.r2t, device="cpu")
+        self.backend = OscarAttnBackend(runner)
+        self.lens = {}
+
+    def prefill(self, row, length, inputs, prefix_from=None, prefix=0):
+        """A new request in `row`: `prefix` positions shared with row `prefix_from` (radix hit), the rest
+        computed by one eager extend."""
+        self.r2t.req_generation[row] += 1
+        if prefix:
+            self.r2t.req_to_token[row, :prefix] = self.r2t.req_to_token[prefix_from, :prefix]
+        slots = self.alloc.alloc(length - prefix)
+        self.r2t.req_to_token[row, prefix:length] = slots.to(torch.int32)
+        self.lens[row] = length
+        fb = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1, req_pool_indices=torch.tensor([row]),
+                                   extend_prefix_lens_cpu=[prefix], extend_seq_lens_cpu=[length - prefix],
+                                   out_cache_loc=slots, seq_lens=torch.tensor([length]))
+        self.backend.init_forward_metadata(fb)
+        for layer, (q, k, v) in zip(LAYERS, inputs):
+            self.backend.forward_extend(q, k, v, layer, fb)
+
+    def finish(self, row):
+        self.alloc.free(self.r2t.req_to_token[row, :self.lens.pop(row)].to(torch.int64))
+
+    def new_tokens(self, rows):
+        """Scheduler side of a decode step: one slot per request, seq_lens include the new token."""
+        slots = self.alloc.alloc(len(rows))
+        for row, slot in zip(rows, slots.tolist()):
+            self.r2t.req_to_token[row, self.lens[row]] = slot
+            self.lens[row] += 1
+        return slots, torch.tensor([self.lens[r] for r in rows])
+
+    def decode_eager(self, rows, inputs):
+        slots, seq = self.new_tokens(rows)
+        fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=len(rows),
+                                   req_pool_indices=torch.tensor(rows), seq_lens=seq, seq_lens_cpu=seq.clone(),
+                                   out_cache_loc=slots)
+        self.backend.init_forward_metadata(fb)
+        return [self.backend.forward_decode(q, k, v, layer, fb) for layer, (q, k, v) in zip(LAYERS, inputs)]
+
+
+class GraphRunner:
+    """What DecodeCudaGraphRunner does around the backend, minus the graph itself."""
+
+    def __init__(self, world, capture_bs, fill):
+        self.world, self.fill, self.max_bs = world, fill, max(capture_bs)
+        self.backend = world.backend
+        self.backend.init_cuda_graph_state(self.max_bs, self.max_bs)
+        # the runner's own persistent buffers (decode_cuda_graph_runner / build_decode_registry)
+        self.req = torch.zeros(self.max_bs, dtype=torch.int64)
+        self.seq = torch.full((self.max_bs,), fill, dtype=torch.int64)
+        self.seq_cpu = self.seq.clone()
+        self.loc = torch.zeros(self.max_bs, dtype=torch.int64)
+        self.captured = {}
+        for bs in sorted(capture_bs, reverse=True):
+            self.capture(bs)
+
+    def capture_batch(self, bs):
+        return types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=bs, req_pool_indices=self.req[:bs],
+                                     seq_lens=self.seq[:bs], seq_lens_cpu=self.seq_cpu[:bs], out_cache_loc=self.loc[:bs])
+
+    def capture(self, bs):
+        """capture_one_shape: out_graph(in_capture=True), then the warmup forward (eager here)."""
+        fb = self.capture_batch(bs)
+        self.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        self.backend.init_forward_metadata_in_graph(fb)
+        for layer, (q, k, v) in zip(LAYERS, _inputs(bs, seed=1000 + bs, poison_from=0)):
+            self.backend.forward_decode(q, k, v, layer, fb)
+        self.captured[bs] = fb
+
+    def step(self, rows, bs, inputs):
+        """load_batch (fill_from with ZERO / FILL_SENTINEL tails + build_replay_fb_view + out_graph), then
+        the 'replay': forward_decode with the capture-time batch object."""
+        slots, seq = self.world.new_tokens(rows)
+        n = len(rows)
+        self.req[:n] = torch.tensor(rows)
+        self.req[n:bs] = 0
+        self.seq[:n], self.seq_cpu[:n] = seq, seq
+        self.seq[n:bs] = self.fill
+        self.seq_cpu[n:bs] = self.fill
+        self.loc[:n] = slots
+        self.loc[n:bs] = 0
+        view = types.SimpleNamespace(batch_size=bs, forward_mode=ForwardMode.DECODE,
+                                     actual_forward_mode=ForwardMode.DECODE, req_pool_indices=self.req[:bs],
+                                     seq_lens=self.seq[:bs], seq_lens_cpu=self.seq_cpu[:bs], num_padding=bs - n,
+                                     out_cache_loc=slots, seq_lens_sum=int(seq.sum()) + (bs - n) * self.fill)
+        self.backend.init_forward_metadata_out_graph(view)
+        fb = self.captured[bs]
+        self.backend.init_forward_metadata_in_graph(fb)
+        return [self.backend.forward_decode(q, k, v, layer, fb) for layer, (q, k, v) in zip(LAYERS, inputs)]
+
+
+def _inputs(n, seed, pad_to=None, poison_from=None):
+    """q, k, v per layer for n tokens; rows from poison_from on (padding) are NaN."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in LAYERS:
+        q, k, v = (torch.randn(n, h * D, generator=g) for h in (HQ, HKV, HKV))
+        if pad_to is not None:
+            q, k, v = (torch.cat([t, torch.full((pad_to - n, t.shape[1]), float("nan"))]) for t in (q, k, v))
+        if poison_from is not None:
+            for t in (q, k, v):
+                t[poison_from:] = float("nan")
+        out.append((q, k, v))
+    return out
+
+
+def _state(world):
+    """Everything a real request can read or own; scratch slot 0 and request row 0's ring rows left out."""
+    p = world.pool
+    st = {"sink_table": p.sink_table[1:].clone(), "sink_row_free": p.sink_row_free.clone(),
+          "ring_start": p.ring_start.clone(), "tracker_gen": list(p.ring_tracker.generation),
+          "tracker_start": list(p.ring_tracker.ring_start)}
+    for i, lc in enumerate(p.layers):
+        for name in ("k_codes", "v_codes", "k_params", "v_params"):
+            st[f"{i}.{name}"] = getattr(lc, name)[1:].clone()
+        for name in ("sink_k", "sink_v"):
+            st[f"{i}.{name}"] = getattr(lc, name).clone()
+        for name in ("ring_k", "ring_v"):
+            st[f"{i}.{name}"] = getattr(lc, name)[W:].clone()
+    return st
+
+
+def _assert_same_state(a, b):
+    sa, sb = _state(a), _state(b)
+    for name in sa:
+        if isinstance(sa[name], list):
+            assert sa[name] == sb[name], name
+        else:
+            assert torch.equal(sa[name], sb[name]), name
+
+
+def _prefill_both(worlds):
+    """Rows 1..4: crosses S during decode (61), crosses the ring wrap at 96 with INT2 history (93), short
+    (20, all sink), and a radix hit of 70 positions of row 2 + 10 new (ring_start 70: 64..69 read as INT2)."""
+    for w in worlds:
+        for row, length, seed in ((1, 61, 1), (2, 93, 2), (3, 20, 3)):
+            w.prefill(row, length, _inputs(length, seed))
+        w.prefill(4, 80, _inputs(10, 4), prefix_from=2, prefix=70)
+
+
+def test_graph_decode_equals_eager_on_padded_batches(setup):
+    eager, graph = World(setup), World(setup)
+    _prefill_both([eager, graph])
+    assert graph.pool.ring_start[1:].tolist() == [0, 0, 0, 70]
+    before = _state(graph)
+    runner = GraphRunner(graph, capture_bs=[4, 8], fill=graph.backend.get_cuda_graph_seq_len_fill_value())
+    _assert_same_state(eager, graph)  # capture with a live pool touched nothing real
+    assert _state(graph)["ring_start"].tolist() == before["ring_start"].tolist()
+    # poison the persistent buffers: out_graph must rewrite every entry a step reads
+    g = graph.backend.graph
+    g.slots.fill_(5)
+    g.sink_dst.fill_(3)
+    g.ring_dst.fill_(7)
+    g.req_pool_indices.fill_(2)
+    g.seq_lens.fill_(90)
+
+    # (rows, graph bs): padding 4 / 5 / 1 / 2, a request finishing in between (its sink rows freed)
+    steps = [([1, 2, 3, 4], 8), ([1, 2, 3, 4], 8), ([1, 2, 4], 8), ([1, 2, 4], 4), ([2, 1], 4), ([1, 2, 4], 4),
+             ([1, 2, 4], 8)]
+    for i, (rows, bs) in enumerate(steps):
+        if i == 2:
+            eager.finish(3)
+            graph.finish(3)
+        n = len(rows)
+        ins = _inputs(n, seed=100 + i)
+        want = eager.decode_eager(rows, ins)
+        got = runner.step(rows, bs, [tuple(torch.cat([t, torch.full((bs - n, t.shape[1]), float("nan"))])
+                                           for t in layer_in) for layer_in in ins])
+        for layer, (o_e, o_g) in enumerate(zip(want, got)):
+            assert o_g.shape == (bs, HQ * D)
+            assert torch.isfinite(o_e).all() and o_e.abs().sum() > 0
+            # Not bitwise: the q transform and V un-rotation are torch einsums, whose CPU GEMM blocking
+            # (hence rounding) depends on the batch size (3 vs 8 rows: ~1e-6). The kernels are per row.
+            torch.testing.assert_close(o_g[:n], o_e, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"step {i} layer {layer}: graph != eager: {m}")
+            assert (o_g[n:] == 0).all(), "padded requests must read nothing (length 0 -> output 0)"
+        _assert_same_state(eager, graph)
+        assert (graph.backend.graph.sink_dst[n:bs] == -1).all() and (graph.backend.graph.slots[n:bs] == 0).all()
+    # the window edges were crossed: row 1 went 61 -> 67 (past S), row 2 93 -> 100 (ring wrap at 96)
+    assert graph.lens[1] == 61 + len(steps) and graph.lens[2] == 93 + len(steps)
+    assert graph.pool.ring_start[1:3].tolist() == [0, 0] and graph.pool.ring_start[4] == 70
+
+
+def test_capture_on_a_live_batch_changes_no_real_request(setup):
+    """in_capture=True with stale indices of real requests (a mid-serving recapture): all padding."""
+    w = World(setup)
+    w.prefill(1, 62, _inputs(62, 1))
+    w.prefill(2, 40, _inputs(40, 2))
+    w.decode_eager([1, 2], _inputs(2, 3))
+    before = _state(w)
+    w.backend.init_cuda_graph_state(4, 4)
+    rows = torch.tensor([1, 2, 0, 0])
+    live_slots = w.r2t.req_to_token[1, 60:64].to(torch.int64)  # slots that own sink rows / ring rows
+    fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=4, req_pool_indices=rows,
+                               seq_lens=torch.tensor([64, 42, 1, 1]), seq_lens_cpu=torch.tensor([64, 42, 1, 1]),
+                               out_cache_loc=live_slots)
+    w.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    w.backend.init_forward_metadata_in_graph(fb)
+    m = w.backend.decode_meta
+    assert m.slots.tolist() == [0] * 4 and m.sink_dst.tolist() == [-1] * 4 and m.ring_dst.tolist() == [-1] * 4
+    assert m.req_pool_indices.tolist() == [0] * 4 and m.seq_lens.tolist() == [0] * 4
+    for layer, (q, k, v) in zip(LAYERS, _inputs(4, 9)):
+        out = w.backend.forward_decode(q, k, v, layer, fb)
+        assert (out == 0).all()
+    after = _state(w)
+    for name in before:
+        same = before[name] == after[name] if isinstance(before[name], list) else torch.equal(before[name], after[name])
+        assert same, f"capture changed {name}"
+
+
+def test_modes_idle_and_rejections(setup):
+    w = World(setup)
+    b = w.backend
+    empty = torch.zeros(0, dtype=torch.int64)
+    idle = types.SimpleNamespace(forward_mode=ForwardMode.IDLE, batch_size=0, req_pool_indices=empty,
+                                 seq_lens=empty, out_cache_loc=empty)
+    b.init_forward_metadata(idle)  # DP idle batch: no-op
+    assert b.decode_meta is None and b.plan is None
+    # eager DP padding (ForwardBatch._pad_inputs_to_size): decode batch of padding only
+    pad = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=2, req_pool_indices=torch.zeros(2, dtype=torch.int64),
+                                seq_lens=torch.ones(2, dtype=torch.int64), seq_lens_cpu=torch.ones(2, dtype=torch.int64),
+                                out_cache_loc=torch.zeros(2, dtype=torch.int64))
+    b.init_forward_metadata(pad)
+    assert b.decode_meta.seq_lens.tolist() == [0, 0] and b.decode_meta.ring_dst.tolist() == [-1, -1]
+    assert w.pool.ring_tracker.generation[0] == -1 and (w.pool.sink_table == -1).all()
+    for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND_V2, ForwardMode.DLLM_EXTEND):
+        fb = types.SimpleNamespace(forward_mode=mode, batch_size=1, req_pool_indices=torch.tensor([1]))
+        with pytest.raises(NotImplementedError, match=mode.name):
+            b.init_forward_metadata(fb)
+    with pytest.raises(RuntimeError, match="init_cuda_graph_state"):
+        b.init_forward_metadata_out_graph(pad)
+    b.init_cuda_graph_state(4, 4)
+    ext = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1, req_pool_indices=torch.tensor([1]))
+    with pytest.raises(NotImplementedError, match="decode only"):
+        b.init_forward_metadata_out_graph(ext)
+    # a DP idle batch replayed through the decode graph: raw batch empty, all padding
+    view = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, actual_forward_mode=ForwardMode.IDLE, batch_size=2,
+                                 req_pool_indices=torch.zeros(2, dtype=torch.int64), seq_lens=torch.ones(2, dtype=torch.int64),
+                                 seq_lens_cpu=torch.ones(2, dtype=torch.int64), out_cache_loc=empty)
+    b.init_forward_metadata_out_graph(view)
+    assert b.decode_meta.slots.tolist() == [0, 0] and b.decode_meta.seq_lens.tolist() == [0, 0]
+    with pytest.raises(options.OscarOptionError, match="one token per request"):
+        b.init_cuda_graph_state(4, 8)
