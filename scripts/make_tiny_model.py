@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Write a tiny random Llama / Qwen3 checkpoint + a trained byte-level BPE tokenizer (no downloads).
+"""Write a tiny random Llama / Qwen2 / Qwen3 checkpoint + a trained byte-level BPE tokenizer (no downloads).
 
 For CPU integration tests of the SGLang plugin: the real server needs a model directory with a
 config, weights and a tokenizer (text routes, chat template). The weights are random (seeded), so
 outputs are meaningless but deterministic; the tokenizer is trained on this repository's own
 Python sources, so it is a real BPE with merges, not a toy character map.
 
-    python scripts/make_tiny_model.py OUT_DIR [--arch qwen3|llama] [--layers 2] [--head-dim 64]
+    python scripts/make_tiny_model.py OUT_DIR [--arch qwen3|llama|qwen2] [--layers 2] [--head-dim 64]
 
 Defaults keep head_dim, GQA and layer count inside what the OSCAR kernels support (head_dim 64,
 4 query heads over 2 KV heads), and the model small enough that a CPU server starts in seconds.
@@ -70,14 +70,18 @@ def make_tiny_model(out_dir, *, arch: str = "qwen3", layers: int = 2, hidden: in
         cfg, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
     elif arch == "llama":
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif arch == "qwen2":  # q/k/v biases (the V-absorption tests need a nonzero v bias)
+        cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
     else:
-        raise ValueError(f"arch must be qwen3 or llama, got {arch!r}")
+        raise ValueError(f"arch must be qwen3, llama or qwen2, got {arch!r}")
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.bfloat16)
     with torch.no_grad():  # random init at a scale that keeps logits varied but finite
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.05)
+            elif name.endswith("_proj.bias"):  # zero by default: make them matter
+                p.normal_(0.0, 0.3)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     # SGLang reads generation defaults from here; make greedy stop on id 0 like the tokenizer.
@@ -88,7 +92,7 @@ def make_tiny_model(out_dir, *, arch: str = "qwen3", layers: int = 2, hidden: in
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
-    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "qwen2"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)

@@ -150,14 +150,17 @@ def test_prepare_server_args_accepts_int2(registered, int2_env):
     assert options.from_env().group_size == 64
 
 
-def test_int2_with_its_backend_needs_runtime_v_rotation_for_now(registered, int2_env):
+def test_int2_with_its_backend_absorbs_v_by_default(registered, int2_env):
     from sglang.srt.server_args import prepare_server_args
 
     args = _args("--kv-cache-dtype", "int2", "--max-running-requests", "8", "--attention-backend", "oscar_int2")
-    with pytest.raises(options.OscarOptionError, match="absorption .* not implemented yet"):
-        prepare_server_args(args)
-    int2_env.setenv(options.ENV_ABSORB_V, "0")
     assert prepare_server_args(args).attention_backend == "oscar_int2"
+    assert options.from_env().absorb_v_rotation  # the default: hook #9 folds T_V into the weights
+    # options under which the weights cannot be rewritten in place fail at the command line...
+    with pytest.raises(options.OscarOptionError, match="cpu-offload-gb.*SGLANG_OSCAR_ABSORB_V_ROTATION=0"):
+        prepare_server_args(args + ["--cpu-offload-gb", "1"])
+    int2_env.setenv(options.ENV_ABSORB_V, "0")  # ...and are fine with runtime V rotation
+    assert prepare_server_args(args + ["--cpu-offload-gb", "1"]).cpu_offload_gb == 1
 
 
 def test_stock_dtypes_unchanged(registered, int2_env):

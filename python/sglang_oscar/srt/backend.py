@@ -104,9 +104,11 @@ class OscarAttnBackend(AttentionBackend):
         if not isinstance(pool, OscarKVPool):
             raise OscarOptionError(f"--attention-backend {NAME} reads only the int2 KV cache; use it with "
                                    f"--kv-cache-dtype int2 (pool is {type(pool).__name__})")
-        if pool.setup.cfg.absorb_v_rotation:
-            raise OscarOptionError(f"V-rotation absorption is not implemented yet; set {ENV_ABSORB_V}=0 "
-                                   "(V is then rotated at write time and un-rotated after attention)")
+        # V must be rotated exactly once: by the weights (hook #9, SGLANG_OSCAR_ABSORB_V_ROTATION=1) or by
+        # the write kernel + _unrotate_v (=0). Refuse a model whose weights disagree with the pool.
+        from .absorb_v import check_v_basis
+
+        check_v_basis(getattr(model_runner, "model", None), pool)
         self.pool = pool
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.device = model_runner.device
@@ -238,8 +240,11 @@ class OscarAttnBackend(AttentionBackend):
                               p.ring_dst)
 
     def _unrotate_v(self, o: torch.Tensor, layer) -> torch.Tensor:
-        """o [N, Hq, D] in the V basis -> model basis (·T_Vᵀ per head)."""
+        """o [N, Hq, D] in the V basis -> model basis (·T_Vᵀ per head). With V absorbed
+        (v_transform None) o_proj takes the V basis itself: nothing to do."""
         r = self.pool.rotations[layer.layer_id - self.pool.start_layer]
+        if r.v_transform is None:
+            return o
         tv = _per_q_head(r.v_transform, self.pool.head_num, o.shape[1])
         return torch.einsum("nhe,hde->nhd", o.float(), tv).to(o.dtype)
 
@@ -274,7 +279,8 @@ class OscarAttnBackend(AttentionBackend):
         if r.k_mean is not None:
             kk = kk - r.k_mean
         kt = torch.einsum("nhd,hde->nhe", kk, _per_q_head(r.k_transform, h, h)).to(q.dtype)
-        vt = torch.einsum("nhd,hde->nhe", v.reshape(-1, h, d).float(), _per_q_head(r.v_transform, h, h)).to(q.dtype)
+        vt = (v.reshape(-1, h, d).to(q.dtype) if r.v_transform is None  # absorbed: the model emits v·T_V
+              else torch.einsum("nhd,hde->nhe", v.reshape(-1, h, d).float(), _per_q_head(r.v_transform, h, h)).to(q.dtype))
         out = torch.empty(qt.shape, dtype=q.dtype, device=q.device)
         rows, prefix, ext = self.meta
         # Gather every prefix BEFORE this chunk is written: the chunk's ring writes would overwrite

@@ -52,10 +52,10 @@ def from_cli_args_after(server_args, cls, args):
         os.environ[options.ENV_GROUP] = str(group)
     cfg = options.from_env()  # bad env / missing bundle fails here, in the main process
     check_server_args(server_args)
-    if cfg.absorb_v_rotation and not pool_only():
-        raise options.OscarOptionError(
-            f"V-rotation absorption (hook #9) is not implemented yet; set {options.ENV_ABSORB_V}=0 "
-            "(the oscar_int2 backend then rotates V at write time and un-rotates the attention output)")
+    if cfg.absorb_v_rotation:
+        from .absorb_v import check_server_args_for_absorption
+
+        check_server_args_for_absorption(server_args)
     logger.info("sglang_oscar: %s", cfg.summary())
     return None
 
@@ -176,3 +176,66 @@ def init_pools_after(result, self, *args, **kwargs):
         raise RuntimeError(f"sglang_oscar: --kv-cache-dtype int2 but SGLang built {type(pool).__name__}; "
                            "a pool path this plugin does not hook was taken")
     return None
+
+
+# 9. ModelRunner.load_model, AFTER: fold T_V into qkv_proj / o_proj (V-rotation absorption) ----------
+
+def load_model_after(result, self):
+    """After the weights are loaded and before pools, backends and graphs exist (model_runner.py
+    initialize()): rewrite this rank's qkv_proj v rows and o_proj columns so the model emits V as
+    v·T_V and consumes the attention output in that basis. The pool then stores V as it comes
+    (LayerRotation.v_transform = None) and the backend does not un-rotate (check_v_basis)."""
+    sa = self.server_args
+    if not is_int2(sa) or getattr(self, "is_draft_worker", False):
+        return None  # draft workers: int2 refuses speculative decoding; never touch a draft model
+    cfg = options.from_env()
+    if not cfg.absorb_v_rotation:
+        return None
+    from .absorb_v import absorb_model_, check_server_args_for_absorption
+    from .int2_setup import model_info
+    from .startup_checks import V_ABSORB_ARCHITECTURES, plan_rank
+
+    check_server_args_for_absorption(sa)  # again here: the Engine API never runs from_cli_args
+
+    def bundle_for_rank(tp_rank, tp_size):
+        # plan_rank also checks the HF architecture, orthogonality and the bundle/model match.
+        return plan_rank(cfg, model_info(self.model_config, tp_size), tp_rank).bundle
+
+    absorb_model_(self.model, bundle_for_rank, V_ABSORB_ARCHITECTURES)
+    return None
+
+
+# 11. weight updates and exports, AROUND: refuse while the weights carry the absorbed V rotation -----
+
+_ABSORBED_MSG = ("sglang_oscar: {op} refused: this server's qkv_proj/o_proj weights carry the absorbed V "
+                 "rotation (--kv-cache-dtype int2 with {env}=1), so {why}. Restart with {env}=0 (runtime V "
+                 "rotation) to use it.")
+_UPDATE_WHY = "new weights would be loaded without it (the pool would then store V un-rotated, or half-rotated)"
+_EXPORT_WHY = "the exported checkpoint would not be the model (v rows and o_proj columns rotated)"
+
+
+def _v_absorbed(self) -> bool:
+    from .absorb_v import ABSORB_ATTR
+
+    get_model = getattr(self, "get_model", None)
+    model = get_model() if callable(get_model) else None
+    return getattr(model, ABSORB_ATTR, None) is not None
+
+
+def weight_update_around(original, self, *args, **kwargs):
+    """WeightUpdater.update_weights_* and WeightExporter.send_weights_to_remote_instance return
+    (success, message): answer with a failure instead of silently mixing bases."""
+    if not _v_absorbed(self):
+        return original(self, *args, **kwargs)
+    why = _UPDATE_WHY if "update" in getattr(original, "__name__", "update") else _EXPORT_WHY
+    msg = _ABSORBED_MSG.format(op=getattr(original, "__name__", "weight update"), env=options.ENV_ABSORB_V, why=why)
+    logger.error(msg)
+    return False, msg
+
+
+def weight_save_around(original, self, *args, **kwargs):
+    """WeightExporter.save_*: called through the scheduler's RPC, which reports an exception."""
+    if _v_absorbed(self):
+        raise RuntimeError(_ABSORBED_MSG.format(op=getattr(original, "__name__", "saving the model"),
+                                                env=options.ENV_ABSORB_V, why=_EXPORT_WHY))
+    return original(self, *args, **kwargs)

@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_SGLANG = "0.5.17"
 
+_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
+_EXPORTER = "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter."
+
 # target -> (hook type name, hook, parameter names the target must have, in order)
 HOOKS = {
     "sglang.srt.server_args.ServerArgs.add_cli_args":
@@ -47,6 +50,17 @@ HOOKS = {
         ("AROUND", hooks.build_mha_kv_pool_around, ("self", "max_total_num_tokens", "mha_pool_class", "quant_method")),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools":
         ("AFTER", hooks.init_pools_after, ("self", "sizes", "req_to_token_pool", "token_to_kv_pool_allocator")),
+    "sglang.srt.model_executor.model_runner.ModelRunner.load_model":
+        ("AFTER", hooks.load_model_after, ("self",)),
+    _UPDATER + "update_weights_from_disk": ("AROUND", hooks.weight_update_around, ("self", "model_path", "load_format")),
+    _UPDATER + "update_weights_from_distributed":
+        ("AROUND", hooks.weight_update_around, ("self", "names", "dtypes", "shapes", "group_name")),
+    _UPDATER + "update_weights_from_tensor": ("AROUND", hooks.weight_update_around, ("self", "named_tensors")),
+    _UPDATER + "update_weights_from_ipc": ("AROUND", hooks.weight_update_around, ("self", "recv_req")),
+    _EXPORTER + "send_weights_to_remote_instance":
+        ("AROUND", hooks.weight_update_around, ("self", "master_address", "ports", "group_name")),
+    _EXPORTER + "save_remote_model": ("AROUND", hooks.weight_save_around, ("self", "url")),
+    _EXPORTER + "save_sharded_model": ("AROUND", hooks.weight_save_around, ("self", "path")),
 }
 
 
