@@ -5,14 +5,17 @@ Reads the int2 pool exactly as the kernels define it:
 * extend: kernels/gather.py rebuilds each request's cached prefix in the transformed basis (before
   the chunk is written, so the prefix's last W positions still come from the ring), the
   chunk's own K/V are transformed in torch (exact, not quantized: a chunk attends to itself at
-  full precision, as the seed does), and attention runs per request with torch SDPA. This extend
-  path is simple, not fast; the GPU version goes through SGLang's extend kernel (plan section 3).
+  full precision, as the seed does), and attention runs per request with torch SDPA (flash /
+  mem-efficient kernels only on CUDA, see _causal_attention). Simple, not fast: prefill CUDA
+  graphs are turned off for int2 (server_checks.adjust_cuda_graphs); a batched extend kernel is
+  the next step (plan section 3).
 Writes (INT2 + windows) go through srt/write_plan.py + OscarKVPool.write_layer.
 
 Basis: keys are stored as (k − μ)·T_K and queries become q·T_K (T_K orthogonal, so T_K^{−T} = T_K;
-the μ term shifts every score of a query equally, which softmax ignores). V is stored as v·T_V, and
-the output is turned back with ·T_Vᵀ here, because V absorption into the weights (hook #9) does
-not exist yet: this backend refuses SGLANG_OSCAR_ABSORB_V_ROTATION=1 until it does.
+the μ term shifts every score of a query equally, which softmax ignores). V is stored as v·T_V:
+with SGLANG_OSCAR_ABSORB_V_ROTATION=1 (default) the model's qkv_proj already emits v·T_V and its
+o_proj takes the output in that basis (hook #9, srt/absorb_v.py); with =0 the write kernel
+rotates V and _unrotate_v turns the output back with ·T_Vᵀ.
 
 CUDA graphs (decode only; SGLang 0.5.17's 3-method contract, base_attn_backend.py). The host part
 of a step (write plan: sink-row allocation, ring_start of new requests, ring rows) runs in
@@ -40,7 +43,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from .options import ENV_ABSORB_V, OscarOptionError
+from .options import OscarOptionError
 from .pool import OscarKVPool
 from .write_plan import plan_writes
 
@@ -95,6 +98,28 @@ class GraphBuffers:
     def view(self, bs: int) -> DecodeMeta:
         return DecodeMeta(self.req_pool_indices[:bs], self.seq_lens[:bs], self.slots[:bs], self.sink_dst[:bs],
                           self.ring_dst[:bs])
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
+    """q [H, e, D] after a cached prefix, k/v [H, prefix + e, D]: query j sees keys [0, prefix + j].
+
+    Batched 4-D inputs and no materialized mask, so CUDA runs a fused kernel: flash (plain causal)
+    without a prefix, mem-efficient (lower-right causal bias) with one. On CUDA only those two are
+    allowed: the math fallback would build [H, e, prefix + e] scores (128 GiB at 32k on Qwen3-8B),
+    better a clear error than an OOM or a silently slow path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    e = q.shape[2]
+    allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
+    with sdpa_kernel(allowed):
+        if prefix == 0:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(e, prefix + e),
+                                                                 scale=scale)
+    return o[0]
 
 
 class OscarAttnBackend(AttentionBackend):
@@ -302,10 +327,9 @@ class OscarAttnBackend(AttentionBackend):
             keys = torch.cat([pk, kt[start:start + e]]).transpose(0, 1)  # [H, p+e, D]
             vals = torch.cat([pv, vt[start:start + e]]).transpose(0, 1)
             qi = qt[start:start + e].transpose(0, 1)  # [Hq, e, D]
-            # causal with the chunk placed after its prefix: query j sees keys [0, p + j]
-            mask = torch.arange(p + e, device=q.device)[None, :] <= (p + torch.arange(e, device=q.device))[:, None]
-            oi = torch.nn.functional.scaled_dot_product_attention(
-                qi, keys, vals, attn_mask=mask, scale=layer.scaling, enable_gqa=hq != h)
+            if hq != h:
+                keys, vals = keys.repeat_interleave(hq // h, 0), vals.repeat_interleave(hq // h, 0)
+            oi = _causal_attention(qi, keys, vals, p, layer.scaling)
             out[start:start + e] = oi.transpose(0, 1)
             start += e
         return self._unrotate_v(out, layer).reshape(-1, hq * d)

@@ -11,7 +11,7 @@ import logging
 import os
 
 from . import options
-from .server_checks import INT2, check_server_args, is_int2, pool_only
+from .server_checks import INT2, adjust_cuda_graphs, check_server_args, is_int2, pool_only
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ def from_cli_args_after(server_args, cls, args):
         os.environ[options.ENV_GROUP] = str(group)
     cfg = options.from_env()  # bad env / missing bundle fails here, in the main process
     check_server_args(server_args)
+    msg = adjust_cuda_graphs(server_args)
+    if msg:
+        logger.info("sglang_oscar: %s", msg)
     if cfg.absorb_v_rotation:
         from .absorb_v import check_server_args_for_absorption
 

@@ -87,10 +87,13 @@ _CACHE: dict = {}
 
 def setup_for_kvc(kvc, num_layers: Optional[int] = None) -> Int2Setup:
     """The (cached) setup of the model a KVCacheConfigurator sizes/builds pools for."""
-    from .server_checks import check_server_args
+    from .server_checks import adjust_cuda_graphs, check_server_args
 
     sa = kvc.server_args
     check_server_args(sa)  # again here: the Engine API never runs the from_cli_args hook
+    msg = adjust_cuda_graphs(sa)
+    if msg:
+        logging.getLogger(__name__).info("sglang_oscar: %s", msg)
     layers = kvc.layer_info.num_effective_layers if num_layers is None else num_layers
     dp = max(int(getattr(kvc.ps, "attn_dp_size", 1) or 1), 1)
     tp_size = int(getattr(kvc.ps, "attn_tp_size", 1) or 1)

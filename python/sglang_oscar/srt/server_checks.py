@@ -63,3 +63,26 @@ def check_server_args(sa) -> None:
         raise OscarOptionError(
             f"--kv-cache-dtype int2 is read only by --attention-backend {BACKEND} (got {sorted(backends) or 'auto'}); "
             f"({ENV_POOL_ONLY}=1 builds the pool behind another backend, for tests only)")
+
+
+def adjust_cuda_graphs(sa) -> "str | None":
+    """Fit SGLang's per-phase CUDA-graph config to what the oscar_int2 backend can capture.
+
+    Decode: "full" graphs (or none); the backend's decode is capturable as one whole graph, not
+    through breakable / torch.compile piecewise capture. Prefill: turned off, because the extend
+    path is eager (per-request prefix gather + SDPA); 0.5.17 captures prefill graphs by default,
+    so refusing would make every int2 launch fail. Returns a message to log when it changed
+    something (SGLang turns graphs off the same way for its own incompatible features)."""
+    cfg = getattr(sa, "cuda_graph_config", None)
+    if not is_int2(sa) or cfg is None or pool_only():
+        return None
+    decode, prefill = cfg["decode"], cfg["prefill"]
+    if decode.backend not in ("full", "disabled"):
+        raise OscarOptionError(f"--kv-cache-dtype int2 captures decode as a full CUDA graph; the decode graph backend "
+                               f"{decode.backend!r} is not supported: use --cuda-graph-backend-decode full "
+                               "(the default) or --disable-decode-cuda-graph")
+    if prefill.backend != "disabled":
+        old, prefill.backend = prefill.backend, "disabled"
+        return (f"prefill CUDA graphs ({old}) turned off for --kv-cache-dtype int2: the oscar_int2 extend path runs "
+                "eagerly; decode graphs are unaffected")
+    return None

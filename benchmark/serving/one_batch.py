@@ -1,0 +1,154 @@
+"""bs=1 (or small-batch) prefill + decode latency per KV mode, one subprocess per (mode, context).
+
+Runs `sglang.benchmark.one_batch` (stock modes) or `python -m sglang_oscar.bench_one_batch`
+(int2) with dummy weights, parses what they print, and writes rows
+{mode, model, context, batch, metric, value, unit} to $OUT/one_batch_<device>.json.
+
+    python benchmark/serving/one_batch.py --model benchmark/serving/configs/qwen3-8b \
+        --contexts 32768,100000 --modes int2,fi_bf16,fi_fp8,triton_bf16 [--eager MODE,...]
+
+Every mode of one invocation runs on the same GPU in the same call, so the ratios compare like with
+like. A mode that fails is recorded with its error (rc and log tail), never silently dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODES = {
+    # name: (attention backend, kv-cache dtype, extra flags)
+    # int2: G = 128 (2.25 bits/element), R = 16 requests' windows reserved; rotations from
+    # $SGLANG_OSCAR_BUNDLE (default here builtin:hadamard: speed does not depend on the matrix)
+    "int2": ("oscar_int2", "int2", ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128"]),
+    "fi_bf16": ("flashinfer", "auto", []),
+    "fi_fp8": ("flashinfer", "fp8_e4m3", []),
+    "triton_bf16": ("triton", "auto", []),
+}
+
+FLOAT = r"([0-9.]+(?:e[-+]?\d+)?)"
+
+
+def parse(log: str) -> dict:
+    """Numbers one_batch prints for the measured run (the last of warmup + benchmark)."""
+    out = {}
+    pre = re.findall(r"Prefill\. latency: " + FLOAT + r" s", log)
+    dec = re.findall(r"Decode\.\s+median latency: " + FLOAT + r" s", log)
+    if pre:
+        out["prefill_latency_s"] = float(pre[-1])
+    if dec:
+        out["decode_median_latency_s"] = float(dec[-1])
+    tok = re.findall(r"#tokens: (\d+)", log)
+    if tok:
+        out["max_total_num_tokens"] = int(tok[-1])
+    m = re.search(r"int2 ([\d,]+) tokens \(([\d,]+) B/token\) vs bf16 ([\d,]+) .*?= ([0-9.]+)x", log)
+    if m:
+        out["int2_tokens_reported"] = int(m.group(1).replace(",", ""))
+        out["bf16_tokens_same_budget"] = int(m.group(3).replace(",", ""))
+        out["capacity_ratio_same_budget"] = float(m.group(4))
+    return out
+
+
+def run_one(mode: str, args, context: int, graphs: bool, log_dir: Path) -> dict:
+    backend, kv, extra = MODES[mode]
+    module = "sglang_oscar.bench_one_batch" if kv == "int2" else "sglang.benchmark.one_batch"
+    cmd = [sys.executable, "-m", module, "--model-path", args.model, "--load-format", "dummy",
+           "--skip-tokenizer-init", "--batch-size", str(args.batch), "--input-len", str(context),
+           "--output-len", str(args.output_len), "--mem-fraction-static", str(args.mem_fraction),
+           "--context-length", str(max(131072, context + args.output_len + 8)),
+           "--attention-backend", backend, "--kv-cache-dtype", kv, *extra, *args.flags.split()]
+    if not graphs:
+        cmd.append("--disable-cuda-graph")
+    env = dict(os.environ, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1")
+    if kv == "int2":
+        env.setdefault("SGLANG_OSCAR_BUNDLE", "builtin:hadamard")
+    tag = f"{mode}{'' if graphs else '_eager'}_{context}"
+    t = time.time()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        log, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        log, rc = (e.stdout or b"").decode(errors="ignore") + (e.stderr or b"").decode(errors="ignore"), "timeout"
+    (log_dir / f"{tag}.log").write_text(log)
+    res = dict(mode=mode, graphs=graphs, context=context, batch=args.batch, rc=rc, wall_s=round(time.time() - t, 1),
+               cmd=" ".join(cmd[1:]), **parse(log))
+    if rc != 0 or "decode_median_latency_s" not in res:
+        res["error_tail"] = log[-2500:]
+    print(json.dumps({k: v for k, v in res.items() if k not in ("cmd", "error_tail")}), flush=True)
+    if "error_tail" in res:
+        print(res["error_tail"][-1200:], flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="benchmark/serving/configs/qwen3-8b")
+    ap.add_argument("--contexts", default="32768,100000")
+    ap.add_argument("--modes", default="int2,fi_bf16,fi_fp8,triton_bf16")
+    ap.add_argument("--eager", default="", help="modes to run without CUDA graphs (as well as with, if also in --graph-modes)")
+    ap.add_argument("--graph-modes", default=None, help="modes to run with CUDA graphs (default: --modes)")
+    ap.add_argument("--flags", default="", help="extra SGLang flags for every mode, e.g. --disable-prefill-cuda-graph")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--mem-fraction", type=float, default=0.7)
+    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--commit", default=os.environ.get("OSCAR_COMMIT", "unknown"))
+    args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        sys.exit(f"unknown modes {bad}; choose from {list(MODES)}")
+    graph_modes = modes if args.graph_modes is None else [m for m in args.graph_modes.split(",") if m]
+    eager = [m for m in args.eager.split(",") if m]
+    out = Path(args.out)
+    log_dir = out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    runs = []
+    for ctx in [int(x) for x in args.contexts.split(",")]:
+        for mode in modes:
+            for graphs in ([True] if mode in graph_modes else []) + ([False] if mode in eager else []):
+                runs.append(run_one(mode, args, ctx, graphs, log_dir))
+                write(args, device, runs, out)  # after every run: a call cut short keeps what it measured
+
+
+def write(args, device: str, runs: list, out: Path) -> None:
+    import torch
+
+    rows = []
+    for r in runs:
+        name = r["mode"] + ("" if r["graphs"] else "_eager")
+        for metric, unit, key, scale in (("decode_latency", "ms/token", "decode_median_latency_s", 1e3),
+                                         ("prefill_latency", "s", "prefill_latency_s", 1),
+                                         ("max_total_num_tokens", "tokens", "max_total_num_tokens", 1)):
+            if key in r:
+                rows.append(dict(mode=name, model=Path(args.model).name, context=r["context"], batch=r["batch"],
+                                 metric=metric, value=round(r[key] * scale, 4), unit=unit))
+    try:
+        import sglang
+        import triton
+
+        versions = dict(torch=torch.__version__, sglang=sglang.__version__, triton=triton.__version__)
+    except Exception as e:  # noqa: BLE001
+        versions = dict(torch=torch.__version__, error=str(e))
+    doc = dict(device=device, versions=versions, commit=args.commit, date=time.strftime("%Y-%m-%d %H:%M"),
+               settings=dict(flags=args.flags, batch=args.batch, output_len=args.output_len, mem_fraction_static=args.mem_fraction,
+                             weights="dummy", int2_bundle=os.environ.get("SGLANG_OSCAR_BUNDLE", "builtin:hadamard"),
+                             int2_absorb_v=os.environ.get("SGLANG_OSCAR_ABSORB_V_ROTATION", "default")),
+               rows=rows, runs=runs)
+    name = "one_batch_" + re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_") + ".json"
+    (out / name).write_text(json.dumps(doc, indent=1) + "\n")
+    print("wrote", out / name)
+
+
+if __name__ == "__main__":
+    main()
