@@ -1,0 +1,340 @@
+"""Tensor-parallel serving check and bs=1 latency, int2 vs stock KV modes, through real servers.
+
+One `python -m sglang.launch_server` per mode (the plugin comes in through SGLang's entry point, so
+every TP rank loads it), dummy weights, CUDA graphs on. Per mode:
+
+  1. greedy:   short prompts whose prompt + output fit in sink + recent window (64 + 256), so int2
+               attends to exact BF16 rows only: its greedy tokens should equal the BF16 server's.
+               Dummy weights give nearly flat logits, so a flipped near-tie is possible; we record
+               the matching prefix and the logprob gap, not only equal/unequal.
+  2. capacity: max_total_num_tokens from /get_server_info, and the plugin's own int2-vs-bf16 line.
+  3. latency:  per context, a prefill request (timed), then the same prompt again with streaming
+               (prefix-cache hit: decode steps only), inter-token latency median = decode ms/token.
+
+Modes run concurrently on the GPU sets of --gpu-sets (8-GPU machine: TP4 on 0-3 and TP4 on 4-7), each
+set taking the next mode in --modes order when it is free. `int2_eager` (no CUDA graphs) runs the greedy
+prompts only and is compared token for token with `int2`. Rows {mode, model, tp, context, batch, metric, value,
+unit} go to $OUT/serving_tp_<device>.json after every mode, so a call cut short keeps what it measured.
+
+    python benchmark/serving/tp_serve.py --model benchmark/serving/configs/qwen3-32b --tp 4 \
+        --modes int2,fi_bf16 --gpu-sets 0,1,2,3:4,5,6,7 --contexts 32768,100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+MODES = {
+    # name: (attention backend, kv-cache dtype, extra flags)  -- as in one_batch.py
+    "int2": ("oscar_int2", "int2", ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128"]),
+    "int2_eager": ("oscar_int2", "int2", ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128",
+                                          "--disable-cuda-graph"]),  # greedy only: CUDA graph == eager check
+    "fi_bf16": ("flashinfer", "auto", []),
+    "fi_fp8": ("flashinfer", "fp8_e4m3", []),
+    "triton_bf16": ("triton", "auto", []),
+    "torch_native": ("torch_native", "auto", []),  # the CPU harness's stock backend (checks this script)
+}
+GREEDY_PROMPTS = (16, 100, 200, 250)  # + GREEDY_NEW <= 64 + 256: inside the int2 windows
+GREEDY_NEW = 32
+PLUGIN_CAPACITY = re.compile(r"int2 ([\d,]+) tokens \(([\d,]+) B/token\) vs bf16 ([\d,]+) .*?= ([0-9.]+)x")
+
+
+def post(port: int, body: dict, timeout: float):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def generate(port: int, ids: list, n: int, timeout: float = 600, logprobs: bool = False) -> dict:
+    body = {"input_ids": ids, "return_logprob": logprobs,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    with post(port, body, timeout) as r:
+        return json.loads(r.read())
+
+
+def stream_times(port: int, ids: list, n: int, timeout: float = 600) -> tuple:
+    """Arrival time of every streamed chunk and the completion-token count it reports."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    events, meta = [], {}
+    with post(port, body, timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[5:])
+            meta = d.get("meta_info", meta)
+            events.append((time.perf_counter(), meta.get("completion_tokens", len(events) + 1)))
+    return events, meta
+
+
+def find_key(obj, key):
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        obj = list(obj.values())
+    if isinstance(obj, list):
+        for v in obj:
+            r = find_key(v, key)
+            if r is not None:
+                return r
+    return None
+
+
+class Server:
+    def __init__(self, mode: str, args, gpus: str, port: int, log_path: Path, model: str):
+        backend, kv, extra = MODES[mode]
+        self.port, self.log_path = port, log_path
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
+               "--skip-tokenizer-init", "--tp", str(args.tp), "--host", "127.0.0.1", "--port", str(port),
+               "--mem-fraction-static", str(args.mem_fraction), "--context-length", str(args.context_length),
+               "--attention-backend", backend, "--kv-cache-dtype", kv, "--cuda-graph-max-bs", str(args.graph_max_bs),
+               *extra, *args.flags.split(), *(args.int2_flags.split() if kv == "int2" else [])]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1",
+                   NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+        if kv == "int2":
+            env.setdefault("SGLANG_OSCAR_BUNDLE", "builtin:hadamard")
+            for kv_pair in args.int2_env:
+                k, v = kv_pair.split("=", 1)
+                env[k] = v
+        self.cmd = " ".join(cmd[1:])
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="ignore")
+
+    def wait_ready(self, timeout: float) -> float:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if "fired up and ready" in self.text():
+                return time.time() - t0
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited during startup (rc {self.proc.returncode})")
+            time.sleep(2)
+        raise RuntimeError(f"server not ready after {timeout} s")
+
+    def info(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/get_server_info", timeout=60) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(60)
+            except Exception:  # noqa: BLE001
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def start(mode: str, args, gpus: str, port: int, log_dir: Path, res: dict) -> Server:
+    """The server of this mode, on --fallback-model if --model does not start (both recorded)."""
+    models = [args.model] + ([args.fallback_model] if args.fallback_model else [])
+    for i, model in enumerate(models):
+        srv = Server(mode, args, gpus, port + i, log_dir / f"{mode}_tp{args.tp}_{Path(model).name}.log", model)
+        res.update(cmd=srv.cmd, model=Path(model).name)
+        try:
+            res["startup_s"] = round(srv.wait_ready(args.startup_timeout), 1)
+            return srv
+        except RuntimeError as e:
+            srv.stop()
+            res.setdefault("startup_errors", []).append(dict(model=Path(model).name, error=str(e),
+                                                            log_tail=srv.text()[-3000:]))
+            print(mode, "did not start on", model, ":", e, "\n", srv.text()[-1500:], flush=True)
+    raise RuntimeError("no model started: " + "; ".join(x["error"] for x in res["startup_errors"]))
+
+
+def run_mode(mode: str, args, gpus: str, port: int, log_dir: Path) -> dict:
+    res = dict(mode=mode, tp=args.tp, gpus=gpus)
+    srv = None
+    try:
+        srv = start(mode, args, gpus, port, log_dir, res)
+        m = PLUGIN_CAPACITY.search(srv.text())
+        if m:
+            res["int2_tokens_reported"] = int(m.group(1).replace(",", ""))
+            res["bf16_tokens_same_budget"] = int(m.group(3).replace(",", ""))
+            res["capacity_ratio_same_budget"] = float(m.group(4))
+        res["max_total_num_tokens"] = find_key(srv.info(), "max_total_num_tokens")
+        rnd = random.Random(0)
+        res["greedy"] = []
+        for n in GREEDY_PROMPTS:
+            ids = [rnd.randrange(1000, args.max_id) for _ in range(n)]
+            out = generate(srv.port, ids, GREEDY_NEW, logprobs=True)
+            lps = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+            res["greedy"].append(dict(prompt_len=n, output_ids=out["output_ids"], logprobs=[round(x, 5) for x in lps]))
+        res["latency"] = []
+        for ctx in ([] if mode.endswith("_eager") else args.contexts):
+            ids = [rnd.randrange(1000, args.max_id) for _ in range(ctx)]
+            t = time.perf_counter()
+            generate(srv.port, ids, 1)
+            prefill_s = time.perf_counter() - t
+            t = time.perf_counter()
+            events, meta = stream_times(srv.port, ids, args.decode_tokens)
+            # gaps between consecutive chunks, per token (a chunk may carry more than one)
+            gaps = [(b[0] - a[0]) / max(1, b[1] - a[1]) for a, b in zip(events[1:], events[2:])]
+            row = dict(context=ctx, prefill_s=round(prefill_s, 3), cached_tokens=meta.get("cached_tokens"),
+                       ttft_cached_s=round(events[0][0] - t, 4) if events else None, tokens=len(events))
+            if gaps:
+                row.update(decode_ms_median=round(1e3 * statistics.median(gaps), 3),
+                           decode_ms_p90=round(1e3 * sorted(gaps)[int(0.9 * (len(gaps) - 1))], 3))
+            res["latency"].append(row)
+            print(json.dumps(dict(mode=mode, tp=args.tp, **row)), flush=True)
+    except Exception as e:  # noqa: BLE001  -- recorded, never dropped
+        res["error"] = f"{type(e).__name__}: {e}"
+        res["log_tail"] = srv.text()[-3000:] if srv else ""
+        print(mode, "FAILED:", res["error"], "\n", res["log_tail"][-1500:], flush=True)
+    finally:
+        if srv:
+            srv.stop()
+    return res
+
+
+def _compare(a_run: dict, b_run: dict) -> list:
+    out = []
+    for a, b in zip(a_run["greedy"], b_run["greedy"]):
+        same = 0
+        for x, y in zip(a["output_ids"], b["output_ids"]):
+            if x != y:
+                break
+            same += 1
+        gap = max(abs(x - y) for x, y in zip(a["logprobs"][:same + 1], b["logprobs"][:same + 1]))
+        out.append(dict(mode=a_run["mode"], ref=b_run["mode"], prompt_len=a["prompt_len"], tokens=len(a["output_ids"]),
+                        equal=a["output_ids"] == b["output_ids"], matching_prefix=same,
+                        max_logprob_gap_on_prefix=round(gap, 5)))
+    return out
+
+
+def compare_greedy(results: list) -> list:
+    """Every int2 mode against the first stock mode (matching prefix, max logprob gap), and the
+    eager int2 server against the CUDA-graph one (these should agree exactly)."""
+    done = {r["mode"]: r for r in results if "greedy" in r}
+    ref = next((r for r in done.values() if not r["mode"].startswith("int2")), None)
+    out = []
+    for r in done.values():
+        if ref is not None and r is not ref:
+            out += _compare(r, ref)
+    if "int2" in done and "int2_eager" in done:
+        out += _compare(done["int2_eager"], done["int2"])
+    return out
+
+
+def write(args, results: list, out: Path) -> None:
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    rows = []
+    model = Path(args.model).name
+    for r in results:
+        base = dict(mode=r["mode"], model=r.get("model", model), tp=args.tp)
+        for key, unit in (("max_total_num_tokens", "tokens"), ("startup_s", "s")):
+            if r.get(key) is not None:
+                rows.append(dict(base, context=None, batch=None, metric=key, value=r[key], unit=unit))
+        for lat in r.get("latency", []):
+            for metric, key, unit in (("decode_latency", "decode_ms_median", "ms/token"),
+                                      ("prefill_latency", "prefill_s", "s")):
+                if lat.get(key) is not None:
+                    rows.append(dict(base, context=lat["context"], batch=1, metric=metric, value=lat[key], unit=unit))
+        if r.get("max_total_num_tokens"):
+            for ctx in args.contexts:
+                fit = r["max_total_num_tokens"] // (ctx + args.decode_tokens)
+                if r["mode"].startswith("int2"):
+                    fit = min(fit, 16)  # --max-running-requests: one window slot per request
+                rows.append(dict(base, context=ctx, batch=None, metric="max_concurrency", value=fit, unit="requests"))
+    try:
+        import sglang
+        import triton
+
+        versions = dict(torch=torch.__version__, sglang=sglang.__version__, triton=triton.__version__)
+    except Exception as e:  # noqa: BLE001
+        versions = dict(torch=torch.__version__, error=str(e))
+    doc = dict(device=device, gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0, versions=versions,
+               commit=args.commit, date=time.strftime("%Y-%m-%d %H:%M"),
+               settings=dict(tp=args.tp, flags=args.flags, mem_fraction_static=args.mem_fraction, weights="dummy",
+                             graph_max_bs=args.graph_max_bs, int2_flags=args.int2_flags, decode_tokens=args.decode_tokens, int2_env=args.int2_env,
+                             int2_bundle=os.environ.get("SGLANG_OSCAR_BUNDLE", "builtin:hadamard"),
+                             decode_latency="median inter-chunk gap of a streamed request whose prompt is a "
+                                            "prefix-cache hit (HTTP streaming included, same for every mode)"),
+               greedy_vs_bf16=compare_greedy(results), rows=rows, runs=results)
+    name = f"serving_tp{args.tp}_{model}_" + re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_") + ".json"
+    (out / name).write_text(json.dumps(doc, indent=1) + "\n")
+    print("wrote", out / name, flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="benchmark/serving/configs/qwen3-32b")
+    ap.add_argument("--fallback-model", default=None, help="config dir to use for a mode whose server does not start on --model")
+    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--modes", default="int2,fi_bf16")
+    ap.add_argument("--gpu-sets", default=None, help="colon-separated GPU lists, one per concurrent mode (default: 0..tp-1, sequential)")
+    ap.add_argument("--contexts", default="32768,100000")
+    ap.add_argument("--context-length", type=int, default=131072)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--max-id", type=int, default=50000, help="prompt token ids are drawn from [1000, max-id)")
+    ap.add_argument("--graph-max-bs", type=int, default=8)
+    ap.add_argument("--mem-fraction", type=float, default=0.85)
+    ap.add_argument("--flags", default="", help="extra SGLang flags for every mode")
+    ap.add_argument("--int2-flags", default="", help="extra SGLang flags for the int2 server only")
+    ap.add_argument("--int2-env", action="append", default=[], help="KEY=VALUE for the int2 server (repeatable)")
+    ap.add_argument("--startup-timeout", type=float, default=420)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--commit", default=os.environ.get("OSCAR_COMMIT", "unknown"))
+    args = ap.parse_args()
+    args.contexts = [int(x) for x in args.contexts.split(",") if x]
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        sys.exit(f"unknown modes {bad}; choose from {list(MODES)}")
+    sets = args.gpu_sets.split(":") if args.gpu_sets else [",".join(str(i) for i in range(args.tp))]
+    for s in sets:
+        if len(s.split(",")) != args.tp:
+            sys.exit(f"GPU set {s!r} does not have --tp {args.tp} GPUs")
+    out = Path(args.out)
+    log_dir = out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results: list = []
+    lock = threading.Lock()
+
+    def job(mode, gpus, port):
+        r = run_mode(mode, args, gpus, port, log_dir)
+        with lock:
+            results.append(r)
+            write(args, results, out)
+
+    # one worker per GPU set takes the next mode from the queue (modes in --modes order)
+    todo = list(enumerate(modes))
+
+    def worker(gpus: str):
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, m = todo.pop(0)
+            job(m, gpus, 30000 + 1000 * i)
+
+    threads = [threading.Thread(target=worker, args=(g,)) for g in sets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results.sort(key=lambda r: modes.index(r["mode"]))
+    write(args, results, out)
+    for g in compare_greedy(results):
+        print(json.dumps(g), flush=True)
+
+
+if __name__ == "__main__":
+    main()
