@@ -101,9 +101,9 @@ def make_case(lens, *, hkv=2, gqa=2, d=64, gk=64, gv=64, sink=8, window=16, ring
                 ring_start=ring_start, sink=sink, window=window, sm_scale=1.0 / math.sqrt(d))
 
 
-def run_and_check(case, tol=TOL, **kw):
+def run_and_check(case, tol=TOL, missing_sink_int2=False, **kw):
     ref = mixed_decode_reference(**case, k_level_a=kw.get("k_level_a"), v_level_a=kw.get("v_level_a"),
-                                 q_transform=kw.get("q_transform"))
+                                 q_transform=kw.get("q_transform"), missing_sink_int2=missing_sink_int2)
     assert torch.isfinite(ref).all()
     out = torch.full_like(case["q"], float("nan"))
     res = oscar_decode(**case, out=out, **kw)
@@ -195,6 +195,75 @@ def test_decode_q_transform(per_head):
     run_and_check(case, q_transform=t)
 
 
+# ---------------------------------------------------------------------------- large GQA groups
+# GLM-4.x: 96 q heads / 8 KV heads = 12 per KV head (at TP8: 1 KV head, 12 q heads per rank). The
+# INT2 split pads the group to NP = 16 columns; with hkv = 2 a padded column that leaked into a load
+# or store would hit KV head 1's heads (poisoned output / wrong partials).
+
+
+@pytest.mark.parametrize("gqa,d,gk,gv,hkv", [
+    (12, 128, 64, 64, 2),
+    (12, 128, 32, 128, 1),
+    (16, 64, 32, 64, 2),
+])
+def test_decode_large_gqa(gqa, d, gk, gv, hkv):
+    # L < S, L = S + W (window edge), S + W + 1, a few hundred tokens over shuffled 16-slot pages,
+    # one ring_start inside the window
+    lens = [5, 24, 25, 203]
+    case = make_case(lens, hkv=hkv, gqa=gqa, d=d, gk=gk, gv=gv, ring_starts=[0, 0, 0, 195], seed=100 + gqa + gk)
+    run_and_check(case, num_splits=2)
+
+
+# ---------------------------------------------------------------------------- missing sink rows
+
+
+def drop_sink_rows(case, drops):
+    """sink_table[slot] = -1 for (request i, position p) in drops (rows exhausted, or INT2-only writes);
+    the row the slot had is poisoned, so reading it anyway fails."""
+    c, r2t = case["cache"], case["req_to_token"]
+    for i, p in drops:
+        slot = int(r2t[int(case["req_pool_indices"][i]), p])
+        row = int(c.sink_table[slot])
+        assert row >= 0
+        c.sink_k[row] = float("nan")
+        c.sink_v[row] = float("nan")
+        c.sink_table[slot] = -1
+    return case
+
+
+@pytest.mark.parametrize("codebook", [False, True])
+def test_decode_missing_sink_rows_read_int2(codebook):
+    """Sink positions whose slot has no sink row read the slot's INT2 form (never sink row -1)."""
+    S = 8
+    lens = [30, 5, 40, 9]
+    drops = {(0, 0), (0, 3), (0, 7),  # some rows of a request
+             *((1, p) for p in range(5)),  # L < S, all rows missing
+             *((2, p) for p in range(S)),  # the pool's sink rows were exhausted for this request
+             (3, 4)}
+    case = drop_sink_rows(make_case(lens, hkv=2, gqa=3, d=64, gk=32, gv=64, sink=S, window=16, seed=41), drops)
+    kw = dict(k_level_a=0.8, v_level_a=1.2) if codebook else {}
+    with pytest.raises(ValueError, match="no sink row"):
+        mixed_decode_reference(**case)  # the strict oracle refuses such a cache
+    run_and_check(case, missing_sink_int2=True, num_splits=2, **kw)
+
+
+def test_decode_missing_sink_rows_large_gqa_window_edge():
+    # GQA 12 (D 128) with every sink row of a request at the window edge (L = S + W) missing
+    case = make_case([24, 61], hkv=1, gqa=12, d=128, gk=64, gv=64, seed=43)
+    case = drop_sink_rows(case, {(0, p) for p in range(8)} | {(1, 2)})
+    run_and_check(case, missing_sink_int2=True)
+
+
+def test_decode_no_sink_rows_at_all():
+    """A pool without any sink row (every sink position INT2): stage 1 must not index an empty buffer."""
+    case = make_case([20, 6], hkv=2, gqa=2, d=64, seed=47)
+    c = case["cache"]
+    c.sink_table.fill_(-1)
+    c.sink_k = c.sink_k[:0].contiguous()
+    c.sink_v = c.sink_v[:0].contiguous()
+    run_and_check(case, missing_sink_int2=True)
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
@@ -205,7 +274,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="head_dim"):
         oscar_decode(**{**case, "q": case["q"][..., :32].contiguous()})
     with pytest.raises(ValueError, match="GQA group"):
-        oscar_decode(**{**case, "q": case["q"].repeat(1, 8, 1)})
+        oscar_decode(**{**case, "q": case["q"].repeat(1, 9, 1)})  # 18 query heads per KV head > 16
     with pytest.raises(ValueError, match="seq_lens"):
         oscar_decode(**{**case, "seq_lens": case["seq_lens"].long()})
     bad = LayerCache.empty(8, 1, 64, k_group=64, v_group=64, device="cpu")
@@ -218,7 +287,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("gqa,d", [(4, 128), (3, 64), (8, 256)])
+@pytest.mark.parametrize("gqa,d", [(4, 128), (3, 64), (8, 256), (12, 128), (16, 128)])
 def test_gpu_bf16_long(gqa, d):
     case = make_case([4000, 1333, 70, 9000], hkv=2, gqa=gqa, d=d, gk=64, gv=64, sink=64, window=256,
                      ring_starts=[0, 1200, 0, 8900], seed=gqa)

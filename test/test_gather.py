@@ -99,6 +99,21 @@ def test_gather_engine_written():
     check(cache, r2t, idx, lengths, ring_starts)
 
 
+def test_gather_missing_sink_rows_read_int2():
+    """Sink rows exhausted (a whole request without rows, L < S and L > S) or missing for single
+    positions: those positions read the slot's INT2 form, never sink row -1 (as decode does)."""
+    lengths, ring_starts = [3, 12, 9], [0, 0, 5]
+    drop = {(0, 0), (0, 1), (0, 2), *((1, p) for p in range(4)), (2, 1), (2, 3)}
+    cache, r2t, idx = engine_cache(lengths, ring_starts, drop_sink=drop, seed=7)
+    k, v = check(cache, r2t, idx, lengths, ring_starts, ka=1.0, va=1.0)
+    # request 1 (rows 3..14): its first S = 4 positions equal the INT2 reconstruction of their slots
+    from sglang_oscar.quant.cache_ops import dequantize_slots
+
+    slots = r2t[idx[1], :4].long()
+    want = dequantize_slots(cache.k_codes[slots], cache.k_params[slots], cache.k_group, 1.0)
+    assert_rows_close(k[3:7], want, "INT2 form of the sink positions", rel=1e-6)
+
+
 def test_gather_chunk_already_in_ring_and_levels():
     """ring_end > prefix_len: the chunk [prefix, L) is in the ring, so fewer prefix rows come from it."""
     lengths, ring_starts = [20, 13], [0, 5]

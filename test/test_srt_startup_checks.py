@@ -57,8 +57,8 @@ def test_group_and_shape_limits():
         s.plan_rank(cfg(group_size=128), dataclasses.replace(QWEN3, head_dim=64))
     with pytest.raises(ValueError, match="head_dim 96"):
         s.plan_rank(cfg(), dataclasses.replace(QWEN3, head_dim=96))
-    with pytest.raises(o.OscarOptionError, match="at most 8"):
-        s.plan_rank(cfg(), dataclasses.replace(QWEN3, num_heads=64, kv_heads=4))
+    with pytest.raises(o.OscarOptionError, match="at most 16"):
+        s.plan_rank(cfg(), dataclasses.replace(QWEN3, num_heads=72, kv_heads=4))
 
 
 def test_v_absorption_architectures():

@@ -11,6 +11,25 @@ into NS equal chunks; split NS reads the sink rows, split NS+1 the ring rows. On
 every query head of its KV head (the M dimension of the dots), so each K/V byte is read once.
 Stage 2: LSE merge of the NS + 2 partial outputs.
 
+Missing sink rows. A sink position whose slot has sink_table[slot] < 0 (the pool ran out of sink
+rows: srt/pool.py alloc_sink_rows gives -1 and the slot stays INT2-only; or the slot was written
+by a generic set_kv_buffer caller, which writes no BF16 rows) is read as its INT2 form, which
+every slot always holds (kernels/write.py writes codes and params for every token, BF16 copies
+only where sink_dst / ring_dst >= 0). Stage 1 never indexes the sink buffers with row -1 (it
+clamps the row to 0, so its sink partial is garbage for such a request); the merge probes the
+request's sink table ([S] int32) and, only where a row is missing, drops that partial and
+recomputes the sink range itself: BF16 rows where present, min + scale·level[code] (fp32) where
+not. The stage-1 code is otherwise unchanged on purpose: its register allocation (ptxas) is
+fragile, and small edits to the window branch were measured to slow the INT2 loop by 5-38% on
+H100 (benchmark/NOTES.md). Same contract as kernels/gather.py and the oracle
+(quant/attention.py, missing_sink_int2=True).
+
+GQA. All Hq/Hkv query heads of a KV head share one program: the INT2 split puts them in the N of
+its dots, padded to NP = max(4, next_pow2(group)) with the extra columns masked (loads, stores,
+softmax), the window splits in M (BLOCK_M = 16). Groups up to MAX_GQA = 16 are supported,
+powers of two or not (e.g. 12 for GLM-4.x at any TP: 96 q heads / 8 KV heads). Groups 9..16 run
+at NP = 16 (a 12-head group's [BLOCK_N, NP] tiles are 1/4 padding).
+
 INT2 inner loop (the ALU budget, see design/architecture.md): scale and min are folded out,
 
     q·k̂  = Σ_g scale_g · (q_g · c_g)  +  Σ_g min_g · Σ_{i∈g} q_i
@@ -37,7 +56,7 @@ from .layout import check_shape
 
 LOG2E = 1.4426950408889634
 SUPPORTED_QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_GQA = 8
+MAX_GQA = 16  # query heads per KV head (one [BLOCK_N, NP <= 16] tile; srt/startup_checks.py copies it)
 MIN_NP = 4  # GQA heads padded to a power of two >= this (the N of the dots)
 
 
@@ -226,7 +245,9 @@ def _window_split(
     WINDOW: tl.constexpr, NS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_W: tl.constexpr, WDT: tl.constexpr,
 ):
-    """Split NS: the BF16 sink rows [0, min(L, S)); split NS + 1: the ring rows [recent_lo, L)."""
+    """Split NS: the BF16 sink rows [0, min(L, S)); split NS + 1: the ring rows [recent_lo, L).
+    A sink position without a sink row (sink_table < 0) reads row 0 instead (in bounds; the merge
+    then discards this split's partial and recomputes the sink range)."""
     # ------------------------------------------------------------ BF16 sink / ring rows
     is_ring = split == NS + 1
     not_ring = split != NS + 1
@@ -245,7 +266,7 @@ def _window_split(
         ring_n = mask_n & is_ring
         sink_n = mask_n & (not_ring)
         slot = tl.load(r2t + pos, mask=sink_n, other=0)
-        srow = tl.load(SINK_TABLE + slot, mask=sink_n, other=0).to(tl.int64)
+        srow = tl.maximum(tl.load(SINK_TABLE + slot, mask=sink_n, other=0), 0).to(tl.int64)
         rrow = r * WINDOW + pos % WINDOW
         soff = (srow * HKV + h)[:, None] * D + offs_d[None, :]
         roff = (rrow * HKV + h)[:, None] * D + offs_d[None, :]
@@ -331,20 +352,95 @@ def _oscar_decode_stage1(
 
 
 @triton.jit
-def _oscar_decode_merge(O_PART, LSE_PART, OUT, NS_TOTAL: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
+def _dequant_rows(C, P32, row, use, D: tl.constexpr, G: tl.constexpr, LEVEL_A: tl.constexpr,
+                  CODEBOOK: tl.constexpr):
+    """INT2 rows `row` [N] (slot·Hkv + h) as fp32 [N, D]: min + scale·level[code]; 0 where ~use."""
+    D4: tl.constexpr = D // 4
+    NG: tl.constexpr = D // G
+    offs_d = tl.arange(0, D)
+    m = use[:, None]
+    byte = tl.load(C + row[:, None] * D4 + (offs_d % D4)[None, :], mask=m, other=0).to(tl.int32)
+    code = (byte >> (2 * (offs_d // D4))[None, :]) & 3
+    lvl = code.to(tl.float32)
+    if CODEBOOK:
+        lvl = tl.where(code == 1, LEVEL_A, tl.where(code == 2, 3.0 - LEVEL_A, lvl))
+    w = tl.load(P32 + row[:, None] * NG + (offs_d // G)[None, :], mask=m, other=0)
+    scale = (w << 16).to(tl.float32, bitcast=True)
+    mn = ((w >> 16) << 16).to(tl.float32, bitcast=True)
+    return tl.where(m, mn + scale * lvl, 0.0)
+
+
+@triton.jit
+def _sink_rows(C, P32, S_ROWS, slot, srow, in_sink, h, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+               LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr):
+    """fp32 [N, D] rows of sink positions: the BF16 sink row where srow >= 0, else the INT2 form."""
+    offs_d = tl.arange(0, D)
+    has = in_sink & (srow >= 0)
+    x = tl.load(S_ROWS + (srow * HKV + h)[:, None] * D + offs_d[None, :], mask=has[:, None], other=0.0)
+    return x.to(tl.float32) + _dequant_rows(C, P32, slot * HKV + h, in_sink & (srow < 0), D, G, LEVEL_A, CODEBOOK)
+
+
+@triton.jit
+def _oscar_decode_merge(
+    O_PART, LSE_PART, OUT,
+    Q, KC, KP32, VC, VP32, SK, SV, SINK_TABLE, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, qk_scale, stride_r2t,
+    HQ: tl.constexpr, GQA: tl.constexpr, HKV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+    SINK: tl.constexpr, SP: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
+    V_CODEBOOK: tl.constexpr, BLOCK_T: tl.constexpr,
+    NS: tl.constexpr, NS_TOTAL: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+):
     pid = tl.program_id(0)  # b * Hq + hq
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
     mask_s = offs_s < NS_TOTAL
     lse = tl.load(LSE_PART + pid * NS_TOTAL + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, 0)
+    b = pid // HQ
+    h = (pid % HQ) // GQA
+
+    # Sink positions without a sink row (rare): drop split NS's partial, recompute [0, min(L, S))
+    # here as one more partial (m_x, l_x, acc_x): BF16 rows where present, INT2 where not.
+    L = tl.load(SEQ_LENS + b)
+    n = tl.minimum(L, SINK)
+    r2t = REQ_TO_TOKEN + tl.load(REQ_IDX + b).to(tl.int64) * stride_r2t
+    n_missing = L * 0
+    if SINK > 0:
+        offs_p = tl.arange(0, SP)
+        pm = offs_p < n
+        srow0 = tl.load(SINK_TABLE + tl.load(r2t + offs_p, mask=pm, other=0), mask=pm, other=0)
+        n_missing = tl.sum((pm & (srow0 < 0)).to(tl.int32), 0)
+    m_x = tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), 0)
+    l_x = tl.sum(tl.zeros([BLOCK_T], tl.float32), 0)
+    acc_x = tl.zeros([D], tl.float32)
+    if n_missing > 0:
+        lse = tl.where(offs_s == NS, float("-inf"), lse)
+        q = tl.load(Q + pid * D + offs_d).to(tl.float32) * qk_scale
+        for start in range(0, n, BLOCK_T):
+            pos = start + tl.arange(0, BLOCK_T)
+            in_sink = pos < n
+            slot = tl.load(r2t + pos, mask=in_sink, other=0).to(tl.int64)
+            srow = tl.load(SINK_TABLE + slot, mask=in_sink, other=0).to(tl.int64)
+            k = _sink_rows(KC, KP32, SK, slot, srow, in_sink, h, HKV, D, GK, K_A, K_CODEBOOK)
+            s = tl.where(in_sink, tl.sum(k * q[None, :], 1), float("-inf"))
+            m_new = tl.maximum(m_x, tl.max(s, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_x - m_safe)
+            p = tl.exp2(s - m_safe)
+            v = _sink_rows(VC, VP32, SV, slot, srow, in_sink, h, HKV, D, GV, V_A, V_CODEBOOK)
+            acc_x = acc_x * alpha + tl.sum(p[:, None] * v, 0)
+            l_x = l_x * alpha + tl.sum(p, 0)
+            m_x = m_new
+    lse_x = tl.where(l_x > 0, m_x + tl.log2(l_x), float("-inf"))
+
+    m = tl.maximum(tl.max(lse, 0), lse_x)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     w = tl.where(mask_s, w, 0.0)
+    w_x = tl.exp2(lse_x - m)  # 0 without missing rows
     o = tl.load(O_PART + (pid * NS_TOTAL + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    o = tl.where(w[:, None] > 0, o, 0.0)  # empty splits: never read their (unwritten-or-zero) rows
-    den = tl.sum(w, 0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    o = tl.where(w[:, None] > 0, o, 0.0)  # empty / dropped splits: never read their rows
+    den = tl.sum(w, 0) + w_x
+    num = tl.sum(o * w[:, None], 0) + tl.where(w_x > 0, acc_x / tl.where(l_x > 0, l_x, 1.0), 0.0) * w_x
+    res = num / tl.where(den > 0, den, 1.0)
     tl.store(OUT + pid * D + offs_d, res.to(OUT.dtype.element_ty))
 
 
@@ -417,7 +513,8 @@ def oscar_decode(
         raise ValueError(f"query heads {Hq} are not a multiple of KV heads {Hkv}")
     group = Hq // Hkv
     if group > MAX_GQA:
-        raise ValueError(f"GQA group {group} is not supported (at most {MAX_GQA} query heads per KV head)")
+        raise ValueError(f"GQA group {group} ({Hq} query heads / {Hkv} KV heads) is not supported: the int2 decode "
+                         f"kernel holds at most {MAX_GQA} query heads per KV head")
     if cache.sink_table is None:
         raise ValueError("oscar_decode needs cache.sink_table")
     if window <= 0:
@@ -458,9 +555,12 @@ def oscar_decode(
     vp32 = cache.v_params.view(torch.int32)
     kp64 = cache.k_params.reshape(-1, 4).view(torch.int64) if ngk % 2 == 0 else kp32
     vp64 = cache.v_params.reshape(-1, 4).view(torch.int64) if ngv % 2 == 0 else vp32
+    sink_k, sink_v = cache.sink_k, cache.sink_v
+    if sink_k.shape[0] == 0:  # no sink rows at all: stage 1 clamps row -1 to 0, which must exist
+        sink_k = sink_v = torch.zeros(1, Hkv, D, dtype=sink_k.dtype, device=sink_k.device)
     _oscar_decode_stage1[grid](
         q, cache.k_codes, kp32, kp64, cache.v_codes, vp32, vp64,
-        cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v, cache.sink_table,
+        sink_k, sink_v, cache.ring_k, cache.ring_v, cache.sink_table,
         req_to_token, req_pool_indices, seq_lens, ring_start,
         o_part, lse_part,
         float(sm_scale) * LOG2E,
@@ -475,7 +575,14 @@ def oscar_decode(
         num_warps=num_warps, num_stages=num_stages,
     )
     _oscar_decode_merge[(B * Hq,)](
-        o_part, lse_part, out, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, num_warps=4
+        o_part, lse_part, out,
+        q, cache.k_codes, kp32, cache.v_codes, vp32, sink_k, sink_v, cache.sink_table,
+        req_to_token, req_pool_indices, seq_lens, float(sm_scale) * LOG2E, req_to_token.stride(0),
+        HQ=Hq, GQA=group, HKV=Hkv, GK=gk, GV=gv, SINK=sink, SP=triton.next_power_of_2(max(sink, 1)),
+        K_A=float(k_level_a if k_level_a is not None else 1.0),
+        V_A=float(v_level_a if v_level_a is not None else 1.0),
+        K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None, BLOCK_T=16,
+        NS=ns, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, num_warps=4,
     )
     return out
 

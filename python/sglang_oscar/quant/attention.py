@@ -2,6 +2,7 @@
 
 Per request of length L (current token already written), in the transformed basis:
     sink     [0, min(S, L))                   rows sink_k/v[sink_table[req_to_token[r, pos]]]
+                                              (missing_sink_int2: INT2 where sink_table < 0)
     history  [S, R)                           INT2 at slot req_to_token[r, pos], dequantized
     recent   [R, L), R = max(S, L − W, ring_start[r])   rows ring_k/v[r·W + pos % W]
 Everything is gathered and computed in float64, one request at a time; speed is irrelevant.
@@ -37,17 +38,28 @@ def segments(length: int, ring_start: int, sink: int, window: int):
 
 
 def gather_kv(cache, req_to_token, r: int, length: int, ring_start: int, sink: int, window: int,
-              k_level_a: Optional[float] = None, v_level_a: Optional[float] = None):
-    """K, V float64 [L, Hkv, D] of one request, each position from where decode reads it."""
+              k_level_a: Optional[float] = None, v_level_a: Optional[float] = None, missing_sink_int2: bool = False):
+    """K, V float64 [L, Hkv, D] of one request, each position from where decode reads it.
+
+    A sink position whose slot has no sink row (sink_table < 0) raises, unless missing_sink_int2:
+    then it reads the slot's INT2 form, as the decode kernel does."""
     sink_end, hist_lo, hist_hi, recent_lo = segments(length, ring_start, sink, window)
     slots = req_to_token[r, :length].long().cpu()
     ks, vs = [], []
     if sink_end > 0:
         rows = cache.sink_table.cpu()[slots[:sink_end]].long()
-        if (rows < 0).any():
+        missing = rows < 0
+        if missing.any() and not missing_sink_int2:
             raise ValueError(f"request {r}: a sink position has no sink row")
-        ks.append(cache.sink_k.cpu()[rows].double())
-        vs.append(cache.sink_v.cpu()[rows].double())
+        s, have = slots[:sink_end][missing], rows[~missing]
+        k = torch.empty(sink_end, *cache.sink_k.shape[1:], dtype=torch.float64)
+        v = torch.empty_like(k)
+        k[~missing] = cache.sink_k.cpu()[have].double()
+        v[~missing] = cache.sink_v.cpu()[have].double()
+        k[missing] = dequantize_rows(cache.k_codes.cpu()[s], cache.k_params.cpu()[s], k_level_a)
+        v[missing] = dequantize_rows(cache.v_codes.cpu()[s], cache.v_params.cpu()[s], v_level_a)
+        ks.append(k)
+        vs.append(v)
     if hist_hi > hist_lo:
         s = slots[hist_lo:hist_hi]
         ks.append(dequantize_rows(cache.k_codes.cpu()[s], cache.k_params.cpu()[s], k_level_a))
@@ -74,8 +86,11 @@ def mixed_decode_reference(
     q_transform: Optional[torch.Tensor] = None,
     k_level_a: Optional[float] = None,
     v_level_a: Optional[float] = None,
+    missing_sink_int2: bool = False,
 ) -> torch.Tensor:
-    """o [B, Hq, D] float64 in the V-transformed basis (what oscar_decode returns)."""
+    """o [B, Hq, D] float64 in the V-transformed basis (what oscar_decode returns).
+
+    missing_sink_int2: sink positions without a sink row read their INT2 form (else: ValueError)."""
     b, hq, d = q.shape
     hkv = cache.k_codes.shape[1]
     qd = q.detach().cpu().double()
@@ -89,7 +104,8 @@ def mixed_decode_reference(
     group = hq // hkv
     for i in range(b):
         r = int(req_pool_indices[i])
-        k, v = gather_kv(cache, req_to_token, r, int(seq_lens[i]), int(ring_start[r]), sink, window, k_level_a, v_level_a)
+        k, v = gather_kv(cache, req_to_token, r, int(seq_lens[i]), int(ring_start[r]), sink, window, k_level_a, v_level_a,
+                         missing_sink_int2)
         kh = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
         vh = v.repeat_interleave(group, dim=1)
         s = torch.einsum("hd,lhd->hl", qd[i], kh) * sm_scale

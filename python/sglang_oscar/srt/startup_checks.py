@@ -17,7 +17,7 @@ from .options import ENV_ABSORB_V, ENV_BUNDLE, GROUP_FLAG, OscarOptionError, Osc
 
 # decode.py's MAX_GQA (query heads per KV head the decode kernel holds in one tile); copied so this
 # module imports without triton. test_srt_startup_checks.py checks the two agree where triton exists.
-MAX_GQA = 8
+MAX_GQA = 16
 
 # Architectures whose attention has qkv_proj (QKVParallelLinear, rows [q | k | v]) and o_proj
 # (RowParallelLinear over the local q heads) as in SGLang 0.5.17 models/{llama,qwen2,qwen3}.py:
