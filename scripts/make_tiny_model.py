@@ -7,9 +7,12 @@ outputs are meaningless but deterministic; the tokenizer is trained on this repo
 Python sources, so it is a real BPE with merges, not a toy character map.
 
     python scripts/make_tiny_model.py OUT_DIR [--arch qwen3|llama|qwen2] [--layers 2] [--head-dim 64]
+                                      [--heads 4] [--kv-heads 2]
 
 Defaults keep head_dim, GQA and layer count inside what the OSCAR kernels support (head_dim 64,
 4 query heads over 2 KV heads), and the model small enough that a CPU server starts in seconds.
+--heads 8 --kv-heads 8 gives every rank of a TP=8 server one KV head (hidden stays 256: Qwen3 and
+Llama take head_dim explicitly, so heads x head_dim need not equal hidden).
 """
 
 from __future__ import annotations
@@ -95,9 +98,14 @@ def main(argv=None) -> None:
     ap.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "qwen2"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4, help="query heads")
+    ap.add_argument("--kv-heads", type=int, default=2, help="KV heads (divides --heads)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    print(make_tiny_model(a.out_dir, arch=a.arch, layers=a.layers, head_dim=a.head_dim, seed=a.seed))
+    if a.heads % a.kv_heads:
+        ap.error(f"--heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}")
+    print(make_tiny_model(a.out_dir, arch=a.arch, layers=a.layers, head_dim=a.head_dim, heads=a.heads,
+                          kv_heads=a.kv_heads, seed=a.seed))
 
 
 if __name__ == "__main__":
