@@ -11,6 +11,7 @@ read (+ write q/o): KV payload, params, window rows and the int32 token indices.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -202,6 +203,8 @@ def main():
     ap.add_argument("--models", default="qwen3-8b,smollm2")
     ap.add_argument("--impls", default="oscar,flashinfer_bf16,flashinfer_fp8,sglang_triton_bf16")
     ap.add_argument("--oscar-configs", default="64:2:3,128:4:3")
+    ap.add_argument("--oscar-splits", default="auto",
+                    help="history split counts to sweep for oscar (comma list; auto = default_num_splits)")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     t0 = time.time()
@@ -212,6 +215,7 @@ def main():
     rows = []
     impls = args.impls.split(",")
     cfgs = [tuple(int(x) for x in c.split(":")) for c in args.oscar_configs.split(",")]
+    splits = [None if x == "auto" else int(x) for x in args.oscar_splits.split(",")]
     for model in args.models.split(","):
         hq, hkv, d = MODELS[model]
         for ctx in (int(x) for x in args.contexts.split(",")):
@@ -226,13 +230,14 @@ def main():
                             copies = n_copies(nbytes)
                             cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies)
                             best = None
-                            for bn, nw, st in cfgs:
+                            for (bn, nw, st), ns in itertools.product(cfgs, splits):
                                 ms = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, block_n=bn,
-                                                     num_warps=nw, num_stages=st))
-                                if len(cfgs) > 1:
-                                    print(f"  oscar cfg bn={bn} w={nw} st={st}: {ms:.4f} ms", flush=True)
+                                                     num_warps=nw, num_stages=st, num_splits=ns))
+                                if len(cfgs) * len(splits) > 1:
+                                    print(f"  oscar cfg bn={bn} w={nw} st={st} splits={ns or 'auto'}: {ms:.4f} ms",
+                                          flush=True)
                                 if best is None or ms < best[0]:
-                                    best = (ms, f"{bn}:{nw}:{st}")
+                                    best = (ms, f"{bn}:{nw}:{st}" + (f":ns{ns}" if ns else ""))
                             ms, cfg = best
                             del cache, r2t
                         elif impl.startswith("flashinfer"):

@@ -161,12 +161,23 @@ def test_decode_edge_lengths(d, gk, gv, gqa):
     run_and_check(make_case(EDGE_LENS, hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, seed=d + gk + gqa))
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 40])  # 40: most splits empty (b=1 long-context counts)
 def test_decode_splits_and_ring_start(num_splits):
     # ring_start > 0: positions before it (and after L - W) read INT2; also ring_start > L - W
     lens = [70, 41, 90, 33]
     case = make_case(lens, gqa=2, ring_starts=[60, 30, 10, 40], seed=num_splits)
     run_and_check(case, num_splits=num_splits, block_n=16)
+
+
+def test_default_num_splits_from_shapes_only():
+    from sglang_oscar.kernels.decode import default_num_splits
+
+    assert default_num_splits(1, 8, 131072, 132) == 50  # 3 programs per SM
+    assert default_num_splits(1, 8, 131072, 132, waves=8) == 128  # 132 wanted, capped at 128
+    assert default_num_splits(64, 8, 131072, 132) == 1
+    assert default_num_splits(1, 8, 1024, 132, waves=8) == 4  # >= 256 rows per split
+    with pytest.raises(ValueError, match="waves must be >= 1"):
+        default_num_splits(1, 8, 1024, 132, waves=0)
 
 
 def test_decode_default_windows_long():

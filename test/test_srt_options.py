@@ -30,7 +30,12 @@ def test_seed_variables(files):
     c = o.from_env(env(K_PATH=files["k.pt"], V_PATH=files["v.pt"], K_CLIP="0.96", V_CLIP="0", ABSORB_V="1",
                        PREFIX=64, RECENT=256, WINDOWS=1, HP_DTYPE="bf16", SCALE_DTYPE="bfloat16", HP_SPLITS=4))
     assert c.rotation_source == "seed" and c.k_clip == 0.96 and c.v_clip == 1.0  # seed's 0 = no clip
-    assert c.hp_max_splits == 4
+    assert c.hp_max_splits == 4 and c.decode_waves == 3
+
+
+def test_decode_waves(files):
+    c = o.from_env(env(BUNDLE="builtin:hadamard", WAVES=8))
+    assert c.decode_waves == 8 and o.from_env(c.to_env()) == c
 
 
 def test_flag_popped_and_roundtrip(files):
@@ -55,6 +60,8 @@ def test_flag_popped_and_roundtrip(files):
     (dict(HP_DTYPE="int8"), "not a dtype"),
     (dict(ABSORB_V="maybe"), "not a boolean"),
     (dict(HP_SPLITS="0"), "must be >= 1"),
+    (dict(WAVES="0"), "must be >= 1"),
+    (dict(WAVES="x"), "not an integer"),
 ])
 def test_bad_values(kw, msg):
     with pytest.raises(o.OscarOptionError, match=__import__("re").escape(msg)):

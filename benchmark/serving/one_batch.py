@@ -1,14 +1,19 @@
-"""bs=1 (or small-batch) prefill + decode latency per KV mode, one subprocess per (mode, context).
+"""bs=1 (or small-batch) prefill + decode latency per KV mode: one subprocess per mode, every
+context in it (SGLang's one_batch sweeps --input-len, so model load, CUDA-graph capture and JIT are
+paid once per mode; the first, smallest context is the warmup).
 
 Runs `sglang.benchmark.one_batch` (stock modes) or `python -m sglang_oscar.bench_one_batch`
-(int2) with dummy weights, parses what they print, and writes rows
+(int2) with dummy weights, reads its result jsonl (and what it prints), and writes rows
 {mode, model, context, batch, metric, value, unit} to $OUT/one_batch_<device>.json.
 
     python benchmark/serving/one_batch.py --model benchmark/serving/configs/qwen3-8b \
-        --contexts 32768,100000 --modes int2,fi_bf16,fi_fp8,triton_bf16 [--eager MODE,...]
+        --contexts 8192,32768,65536,100000 --modes int2,fi_bf16,fi_fp8,triton_bf16 [--profile]
 
-Every mode of one invocation runs on the same GPU in the same call, so the ratios compare like with
-like. A mode that fails is recorded with its error (rc and log tail), never silently dropped.
+--profile adds a torch-profiler trace (GPU kernels only) of two decode steps per context, taken
+after half the steps (the median over the other steps is unaffected), to $OUT/traces/; summarize
+with benchmark/serving/kernel_table.py. Every mode of one invocation runs on the same GPU in the
+same call, so the ratios compare like with like. A mode that fails is recorded with its error (rc
+and log tail), never silently dropped.
 """
 
 from __future__ import annotations
@@ -22,29 +27,27 @@ import sys
 import time
 from pathlib import Path
 
+_INT2 = ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128"]
 MODES = {
-    # name: (attention backend, kv-cache dtype, extra flags)
+    # name: (attention backend, kv-cache dtype, extra flags, extra env)
     # int2: G = 128 (2.25 bits/element), R = 16 requests' windows reserved; rotations from
     # $SGLANG_OSCAR_BUNDLE (default here builtin:hadamard: speed does not depend on the matrix)
-    "int2": ("oscar_int2", "int2", ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128"]),
-    "fi_bf16": ("flashinfer", "auto", []),
-    "fi_fp8": ("flashinfer", "fp8_e4m3", []),
-    "triton_bf16": ("triton", "auto", []),
+    "int2": ("oscar_int2", "int2", _INT2, {}),
+    # the same with the INT2 history split for 8 programs per SM instead of 3 (small batches)
+    "int2_w8": ("oscar_int2", "int2", _INT2, {"SGLANG_OSCAR_DECODE_WAVES": "8"}),
+    "fi_bf16": ("flashinfer", "auto", [], {}),
+    "fi_fp8": ("flashinfer", "fp8_e4m3", [], {}),
+    "triton_bf16": ("triton", "auto", [], {}),
+    "torch_native": ("torch_native", "auto", [], {}),  # the CPU harness's stock backend (checks this script)
 }
 
 FLOAT = r"([0-9.]+(?:e[-+]?\d+)?)"
 
 
 def parse(log: str) -> dict:
-    """Numbers one_batch prints for the measured run (the last of warmup + benchmark)."""
+    """What one_batch prints outside the per-context results: capacity and the plugin's line."""
     out = {}
-    pre = re.findall(r"Prefill\. latency: " + FLOAT + r" s", log)
-    dec = re.findall(r"Decode\.\s+median latency: " + FLOAT + r" s", log)
-    if pre:
-        out["prefill_latency_s"] = float(pre[-1])
-    if dec:
-        out["decode_median_latency_s"] = float(dec[-1])
-    tok = re.findall(r"#tokens: (\d+)", log)
+    tok = re.findall(r"max_total_num_tokens=(\d+)", log) or re.findall(r"#tokens: (\d+)", log)
     if tok:
         out["max_total_num_tokens"] = int(tok[-1])
     m = re.search(r"int2 ([\d,]+) tokens \(([\d,]+) B/token\) vs bf16 ([\d,]+) .*?= ([0-9.]+)x", log)
@@ -55,35 +58,71 @@ def parse(log: str) -> dict:
     return out
 
 
-def run_one(mode: str, args, context: int, graphs: bool, log_dir: Path) -> dict:
-    backend, kv, extra = MODES[mode]
+def per_context(log: str, jsonl: Path, contexts: list) -> dict:
+    """{context: {prefill_latency_s, decode_median_latency_s}} from the result jsonl, else from the
+    printed lines (warmup first, then one block per context in order)."""
+    res = {}
+    if jsonl.exists():
+        for line in jsonl.read_text().splitlines():
+            r = json.loads(line)
+            c = int(r.get("input_len", -1))
+            res[c] = dict(prefill_latency_s=r.get("prefill_latency"), decode_median_latency_s=r.get("median_decode_latency"))
+    if res:
+        return res
+    pre = re.findall(r"Prefill\. latency: " + FLOAT + r" s", log)[1:]
+    dec = re.findall(r"Decode\.\s+median latency: " + FLOAT + r" s", log)[1:]
+    for i, c in enumerate(contexts):
+        res[c] = dict(prefill_latency_s=float(pre[i]) if i < len(pre) else None,
+                      decode_median_latency_s=float(dec[i]) if i < len(dec) else None)
+    return res
+
+
+def run_mode(mode: str, args, contexts: list, graphs: bool, log_dir: Path) -> list:
+    backend, kv, extra, extra_env = MODES[mode]
     module = "sglang_oscar.bench_one_batch" if kv == "int2" else "sglang.benchmark.one_batch"
+    tag = f"{mode}{'' if graphs else '_eager'}"
+    jsonl = log_dir / f"{tag}.jsonl"
+    jsonl.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", module, "--model-path", args.model, "--load-format", "dummy",
-           "--skip-tokenizer-init", "--batch-size", str(args.batch), "--input-len", str(context),
+           "--skip-tokenizer-init", "--batch-size", str(args.batch), "--input-len", *map(str, contexts),
            "--output-len", str(args.output_len), "--mem-fraction-static", str(args.mem_fraction),
-           "--context-length", str(max(131072, context + args.output_len + 8)),
-           "--attention-backend", backend, "--kv-cache-dtype", kv, *extra, *args.flags.split()]
+           "--context-length", str(max(131072, max(contexts) + args.output_len + 8)),
+           "--attention-backend", backend, "--kv-cache-dtype", kv, "--cuda-graph-max-bs", str(args.graph_max_bs),
+           "--result-filename", str(jsonl), *extra, *args.flags.split(),
+           *(args.int2_flags.split() if kv == "int2" else [])]
     if not graphs:
         cmd.append("--disable-cuda-graph")
-    env = dict(os.environ, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1")
+    env = dict(os.environ, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1", **extra_env)
+    if args.profile:
+        trace_dir = Path(args.out) / "traces"
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        env["SGLANG_TORCH_PROFILER_DIR"] = str(trace_dir)
+        cmd += ["--profile", "--profile-stage", "decode", "--profile-activities", "GPU", "--profile-steps", "2",
+                "--profile-prefix", tag]
     if kv == "int2":
         env.setdefault("SGLANG_OSCAR_BUNDLE", "builtin:hadamard")
-    tag = f"{mode}{'' if graphs else '_eager'}_{context}"
     t = time.time()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         log, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
-        log, rc = (e.stdout or b"").decode(errors="ignore") + (e.stderr or b"").decode(errors="ignore"), "timeout"
+        out = e.stdout.decode(errors="ignore") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode(errors="ignore") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        log, rc = out + err, "timeout"
     (log_dir / f"{tag}.log").write_text(log)
-    res = dict(mode=mode, graphs=graphs, context=context, batch=args.batch, rc=rc, wall_s=round(time.time() - t, 1),
-               cmd=" ".join(cmd[1:]), **parse(log))
-    if rc != 0 or "decode_median_latency_s" not in res:
-        res["error_tail"] = log[-2500:]
-    print(json.dumps({k: v for k, v in res.items() if k not in ("cmd", "error_tail")}), flush=True)
-    if "error_tail" in res:
-        print(res["error_tail"][-1200:], flush=True)
-    return res
+    common = dict(mode=mode, graphs=graphs, batch=args.batch, rc=rc, wall_s=round(time.time() - t, 1),
+                  cmd=" ".join(cmd[1:]), env={k: v for k, v in extra_env.items()}, **parse(log))
+    runs = []
+    got = per_context(log, jsonl, contexts)
+    for c in contexts:
+        res = dict(common, context=c, **{k: v for k, v in got.get(c, {}).items() if v is not None})
+        if "decode_median_latency_s" not in res:
+            res["error_tail"] = log[-2500:]
+        runs.append(res)
+        print(json.dumps({k: v for k, v in res.items() if k not in ("cmd", "error_tail")}), flush=True)
+    if rc != 0:
+        print(f"{tag}: rc {rc}\n" + log[-1500:], flush=True)
+    return runs
 
 
 def main() -> None:
@@ -94,10 +133,13 @@ def main() -> None:
     ap.add_argument("--eager", default="", help="modes to run without CUDA graphs (as well as with, if also in --graph-modes)")
     ap.add_argument("--graph-modes", default=None, help="modes to run with CUDA graphs (default: --modes)")
     ap.add_argument("--flags", default="", help="extra SGLang flags for every mode, e.g. --disable-prefill-cuda-graph")
+    ap.add_argument("--int2-flags", default="", help="extra flags for the int2 modes only (the last value of a flag wins)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--mem-fraction", type=float, default=0.7)
-    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--graph-max-bs", type=int, default=8, help="--cuda-graph-max-bs (startup time only)")
+    ap.add_argument("--profile", action="store_true", help="torch-profiler traces of 2 decode steps per context")
+    ap.add_argument("--timeout", type=int, default=400, help="seconds per mode (all contexts)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--commit", default=os.environ.get("OSCAR_COMMIT", "unknown"))
     args = ap.parse_args()
@@ -114,11 +156,11 @@ def main() -> None:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     runs = []
-    for ctx in [int(x) for x in args.contexts.split(",")]:
-        for mode in modes:
-            for graphs in ([True] if mode in graph_modes else []) + ([False] if mode in eager else []):
-                runs.append(run_one(mode, args, ctx, graphs, log_dir))
-                write(args, device, runs, out)  # after every run: a call cut short keeps what it measured
+    contexts = sorted(int(x) for x in args.contexts.split(","))
+    for mode in modes:
+        for graphs in ([True] if mode in graph_modes else []) + ([False] if mode in eager else []):
+            runs += run_mode(mode, args, contexts, graphs, log_dir)
+            write(args, device, runs, out)  # after every mode: a call cut short keeps what it measured
 
 
 def write(args, device: str, runs: list, out: Path) -> None:
@@ -141,7 +183,7 @@ def write(args, device: str, runs: list, out: Path) -> None:
     except Exception as e:  # noqa: BLE001
         versions = dict(torch=torch.__version__, error=str(e))
     doc = dict(device=device, versions=versions, commit=args.commit, date=time.strftime("%Y-%m-%d %H:%M"),
-               settings=dict(flags=args.flags, batch=args.batch, output_len=args.output_len, mem_fraction_static=args.mem_fraction,
+               settings=dict(flags=args.flags, int2_flags=args.int2_flags, batch=args.batch, graph_max_bs=args.graph_max_bs, profile=args.profile, output_len=args.output_len, mem_fraction_static=args.mem_fraction,
                              weights="dummy", int2_bundle=os.environ.get("SGLANG_OSCAR_BUNDLE", "builtin:hadamard"),
                              int2_absorb_v=os.environ.get("SGLANG_OSCAR_ABSORB_V_ROTATION", "default")),
                rows=rows, runs=runs)

@@ -80,6 +80,39 @@ def stream_times(port: int, ids: list, n: int, timeout: float = 600) -> tuple:
     return events, meta
 
 
+def throughput(port: int, n_in: int, n_out: int, concurrency: int, max_id: int, seed: int) -> dict:
+    """`concurrency` requests of n_in random token ids (distinct: no prefix-cache hits) and n_out
+    forced output tokens, all sent at once, each streamed. Output tok/s over the whole job (prefill
+    included) and the median per-user decode rate (tokens after the first / time after the first)."""
+    rnd = random.Random(seed)
+    prompts = [[rnd.randrange(1000, max_id) for _ in range(n_in)] for _ in range(concurrency)]
+    done = [None] * concurrency
+
+    def one(i):
+        t0 = time.perf_counter()
+        try:
+            events, _ = stream_times(port, prompts[i], n_out, timeout=3600)
+            done[i] = dict(t0=t0, first=events[0][0], last=events[-1][0], tokens=events[-1][1])
+        except Exception as e:  # noqa: BLE001
+            done[i] = dict(error=f"{type(e).__name__}: {e}")
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    ok = [d for d in done if d and "error" not in d]
+    errors = [d["error"] for d in done if d and "error" in d]
+    users = [(d["tokens"] - 1) / (d["last"] - d["first"]) for d in ok if d["tokens"] > 1 and d["last"] > d["first"]]
+    out_tokens = sum(d["tokens"] for d in ok)
+    return dict(input_len=n_in, output_len=n_out, concurrency=concurrency, completed=len(ok), errors=errors[:3],
+                wall_s=round(wall, 2), output_tok_s=round(out_tokens / wall, 2),
+                median_user_tok_s=round(statistics.median(users), 2) if users else None,
+                median_ttft_s=round(statistics.median(d["first"] - d["t0"] for d in ok), 2) if ok else None)
+
+
 def find_key(obj, key):
     if isinstance(obj, dict):
         if key in obj:
@@ -167,7 +200,9 @@ def run_mode(mode: str, args, gpus: str, port: int, log_dir: Path) -> dict:
             res["int2_tokens_reported"] = int(m.group(1).replace(",", ""))
             res["bf16_tokens_same_budget"] = int(m.group(3).replace(",", ""))
             res["capacity_ratio_same_budget"] = float(m.group(4))
-        res["max_total_num_tokens"] = find_key(srv.info(), "max_total_num_tokens")
+        info = srv.info()
+        res["max_total_num_tokens"] = find_key(info, "max_total_num_tokens")
+        res["max_running_requests"] = find_key(info, "max_running_requests")  # int2: its window slots
         rnd = random.Random(0)
         res["greedy"] = []
         for n in GREEDY_PROMPTS:
@@ -191,6 +226,19 @@ def run_mode(mode: str, args, gpus: str, port: int, log_dir: Path) -> dict:
                 row.update(decode_ms_median=round(1e3 * statistics.median(gaps), 3),
                            decode_ms_p90=round(1e3 * sorted(gaps)[int(0.9 * (len(gaps) - 1))], 3))
             res["latency"].append(row)
+            print(json.dumps(dict(mode=mode, tp=args.tp, **row)), flush=True)
+        res["throughput"] = []
+        for spec in ([] if mode.endswith("_eager") else args.throughput):
+            n_in, n_out, conc = spec
+            fit = res["max_total_num_tokens"] // (n_in + n_out)
+            if conc is None:  # the largest batch this mode fits (int2: also its window slots)
+                conc = min(fit, res["max_running_requests"] or fit)
+            if conc < 1:
+                res["throughput"].append(dict(input_len=n_in, output_len=n_out, concurrency=0, error="does not fit"))
+                continue
+            row = throughput(srv.port, n_in, n_out, conc, args.max_id, seed=n_in + conc)
+            row["fits"] = fit
+            res["throughput"].append(row)
             print(json.dumps(dict(mode=mode, tp=args.tp, **row)), flush=True)
     except Exception as e:  # noqa: BLE001  -- recorded, never dropped
         res["error"] = f"{type(e).__name__}: {e}"
@@ -247,11 +295,19 @@ def write(args, results: list, out: Path) -> None:
                                       ("prefill_latency", "prefill_s", "s")):
                 if lat.get(key) is not None:
                     rows.append(dict(base, context=lat["context"], batch=1, metric=metric, value=lat[key], unit=unit))
+        for th in r.get("throughput", []):
+            if th.get("completed"):
+                for metric, key, unit in (("job_output_throughput", "output_tok_s", "tok/s/gpu"),
+                                          ("median_user_decode_rate", "median_user_tok_s", "tok/s"),
+                                          ("median_ttft", "median_ttft_s", "s")):
+                    if th.get(key) is not None:
+                        value = th[key] / args.tp if unit == "tok/s/gpu" else th[key]
+                        rows.append(dict(base, context=th["input_len"], output_len=th["output_len"],
+                                         batch=th["concurrency"], metric=metric, value=round(value, 3), unit=unit))
         if r.get("max_total_num_tokens"):
             for ctx in args.contexts:
                 fit = r["max_total_num_tokens"] // (ctx + args.decode_tokens)
-                if r["mode"].startswith("int2"):
-                    fit = min(fit, 16)  # --max-running-requests: one window slot per request
+                fit = min(fit, r.get("max_running_requests") or fit)  # int2: one window slot per request
                 rows.append(dict(base, context=ctx, batch=None, metric="max_concurrency", value=fit, unit="requests"))
     try:
         import sglang
@@ -263,7 +319,7 @@ def write(args, results: list, out: Path) -> None:
     doc = dict(device=device, gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0, versions=versions,
                commit=args.commit, date=time.strftime("%Y-%m-%d %H:%M"),
                settings=dict(tp=args.tp, flags=args.flags, mem_fraction_static=args.mem_fraction, weights="dummy",
-                             graph_max_bs=args.graph_max_bs, int2_flags=args.int2_flags, decode_tokens=args.decode_tokens, int2_env=args.int2_env,
+                             graph_max_bs=args.graph_max_bs, int2_flags=args.int2_flags, throughput=args.throughput, decode_tokens=args.decode_tokens, int2_env=args.int2_env,
                              int2_bundle=os.environ.get("SGLANG_OSCAR_BUNDLE", "builtin:hadamard"),
                              decode_latency="median inter-chunk gap of a streamed request whose prompt is a "
                                             "prefix-cache hit (HTTP streaming included, same for every mode)"),
@@ -271,6 +327,13 @@ def write(args, results: list, out: Path) -> None:
     name = f"serving_tp{args.tp}_{model}_" + re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_") + ".json"
     (out / name).write_text(json.dumps(doc, indent=1) + "\n")
     print("wrote", out / name, flush=True)
+
+
+def parse_spec(text: str) -> tuple:
+    m = re.fullmatch(r"(\d+)x(\d+)(?:@(\d+))?", text.strip())
+    if not m:
+        sys.exit(f"--throughput {text!r}: use INxOUT or INxOUT@CONCURRENCY, e.g. 8192x1024@32")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3)) if m.group(3) else None
 
 
 def main() -> None:
@@ -283,6 +346,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="32768,100000")
     ap.add_argument("--context-length", type=int, default=131072)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--throughput", default="", help="job-throughput runs, comma list of INxOUT[@CONCURRENCY] "
+                    "(no @: the largest batch the mode fits), e.g. 100000x1024,8192x1024@32")
     ap.add_argument("--max-id", type=int, default=50000, help="prompt token ids are drawn from [1000, max-id)")
     ap.add_argument("--graph-max-bs", type=int, default=8)
     ap.add_argument("--mem-fraction", type=float, default=0.85)
@@ -294,6 +359,7 @@ def main() -> None:
     ap.add_argument("--commit", default=os.environ.get("OSCAR_COMMIT", "unknown"))
     args = ap.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",") if x]
+    args.throughput = [parse_spec(x) for x in args.throughput.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:

@@ -448,9 +448,13 @@ def _oscar_decode_merge(
 # host side
 
 
-def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int = 132, min_tokens: int = 256) -> int:
-    """History splits from shapes only: ≥ ~3 waves of programs, ≥ min_tokens INT2 rows per split."""
-    want = triton.cdiv(3 * num_sms, max(batch * kv_heads, 1))
+def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int = 132, min_tokens: int = 256,
+                       waves: int = 3) -> int:
+    """History splits from shapes only: >= `waves` programs per SM, >= min_tokens INT2 rows per split,
+    at most 128 (the merge holds all partials of a head in one tile)."""
+    if waves < 1:
+        raise ValueError(f"waves must be >= 1, got {waves}")
+    want = triton.cdiv(waves * num_sms, max(batch * kv_heads, 1))
     cap = max(1, triton.cdiv(max_context, min_tokens))
     return int(max(1, min(want, cap, 128)))
 
@@ -484,6 +488,7 @@ def oscar_decode(
     sm_scale: float,
     q_transform: Optional[torch.Tensor] = None,
     num_splits: Optional[int] = None,
+    split_waves: int = 3,
     out: Optional[torch.Tensor] = None,
     k_level_a: Optional[float] = None,
     v_level_a: Optional[float] = None,
@@ -496,6 +501,7 @@ def oscar_decode(
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
 
     k_level_a / v_level_a: INT2 codebook parameter a (levels 0, a, 3−a, 3); None = uniform.
+    num_splits: INT2 history splits per (request, KV head); None = default_num_splits(..., waves=split_waves).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -534,7 +540,8 @@ def oscar_decode(
         raise ValueError("req_to_token must have unit stride along positions")
 
     q = transform_query(q, q_transform, Hkv).contiguous()
-    ns = num_splits if num_splits is not None else default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device))
+    ns = num_splits if num_splits is not None else default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device),
+                                                                       waves=split_waves)
     ns_total = ns + 2
     o_part = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)

@@ -43,6 +43,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
+from . import options
 from .options import OscarOptionError
 from .pool import OscarKVPool
 from .write_plan import plan_writes
@@ -135,6 +136,7 @@ class OscarAttnBackend(AttentionBackend):
 
         check_v_basis(getattr(model_runner, "model", None), pool)
         self.pool = pool
+        self.split_waves = options.from_env().decode_waves  # shapes-only split count: graph-capturable
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.device = model_runner.device
         self.plan = None  # extend: WritePlan of the step
@@ -287,7 +289,7 @@ class OscarAttnBackend(AttentionBackend):
         lc = self.pool.layer_cache(layer.layer_id)
         o = oscar_decode(q.reshape(-1, hq, d), lc, self.req_to_token_pool.req_to_token, m.req_pool_indices,
                          m.seq_lens, self.pool.ring_start, sink=lc.sink, window=lc.window, sm_scale=layer.scaling,
-                         q_transform=r.k_transform,
+                         q_transform=r.k_transform, split_waves=self.split_waves,
                          k_level_a=None if r.k_level_a == 1.0 else r.k_level_a,
                          v_level_a=None if r.v_level_a == 1.0 else r.v_level_a)
         return self._unrotate_v(o, layer).reshape(-1, hq * d)

@@ -1,0 +1,21 @@
+# Sourced by the GPU session scripts: stage the SGLang 0.5.17 runtime (part b; part a was untarred
+# by the previous call, see /work/shared/device/README.md) and make sglang_oscar an SGLang plugin
+# without pip (a dist-info with its entry point next to the runtime, as `pip install` would leave).
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SITE=$HOME/sgl-site
+if [ -d .devb/b ] && ls .devb/b/*.tgz >/dev/null 2>&1 && [ ! -d "$SITE/flashinfer" ]; then
+  tar xzf .devb/b/*.tgz -C "$SITE"
+fi
+for m in sglang flashinfer; do
+  [ -d "$SITE/$m" ] || { echo "runtime not staged: $SITE/$m missing (run call 1 with .devb/a first)"; return 3 2>/dev/null || exit 3; }
+done
+DI=$SITE/sglang_oscar-0.1.0.dist-info
+mkdir -p "$DI"
+printf 'Metadata-Version: 2.1\nName: sglang-oscar\nVersion: 0.1.0\n' > "$DI/METADATA"
+printf '[sglang.srt.plugins]\nsglang_oscar = sglang_oscar.srt.plugin:register\n' > "$DI/entry_points.txt"
+export PYTHONPATH=$SITE:$PWD/python PYTHONUNBUFFERED=1
+export SGLANG_PLUGINS=sglang_oscar
+# NVLink multicast stays off on the shared multi-GPU hosts (device KINDS.md)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$OUT/gpu_state.txt"
+python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee "$OUT/versions.txt"

@@ -1,0 +1,79 @@
+"""Per-kernel GPU time of one decode step, from one_batch.py --profile traces (torch profiler,
+GPU activity only, 2 decode steps per trace): the breakdown the paper gives as its Table 8.
+
+    python benchmark/serving/kernel_table.py OUT/traces [--steps 2] [--json table.json]
+
+Kernels are summed by name, divided by the steps traced, and grouped (attention, KV write, GEMM,
+norm/rope/activation, other); the sum is GPU busy time per step, which is below the step's wall time
+by the idle gaps between kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+from pathlib import Path
+
+GROUPS = (  # first match wins; patterns are searched in the lower-cased kernel name
+    ("attention: oscar decode", r"_oscar_decode"),
+    ("kv write: oscar", r"_oscar_write|oscar_write|_write_kernel"),
+    ("attention: flashinfer", r"flashinfer|batchdecode|batchprefill|persistent"),
+    ("attention: sglang triton", r"_fwd_kernel_stage|_fwd_grouped_kernel|decode_attention"),
+    ("kv write: stock", r"store_kvcache|set_kv_buffer|copy_kv|cache_move"),
+    ("gemm", r"gemm|cutlass|sm90_xmma|nvjet|cublas|matmul|splitk"),
+    ("norm / rope / activation", r"rmsnorm|norm|rotary|rope|silu|act_and_mul|gelu"),
+    ("sampling / logits", r"argmax|softmax|sample|topk|top_k"),
+)
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for g, pat in GROUPS:
+        if re.search(pat, low):
+            return g
+    return "other"
+
+
+def summarize(path: Path, steps: int) -> dict:
+    with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    by_name = collections.Counter()
+    calls = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            by_name[e["name"]] += float(e.get("dur", 0.0))
+            calls[e["name"]] += 1
+    groups = collections.Counter()
+    for n, us in by_name.items():
+        groups[group_of(n)] += us
+    return dict(trace=path.name, steps=steps,
+                busy_ms_per_step=round(sum(by_name.values()) / steps / 1e3, 4),
+                groups_ms_per_step={g: round(us / steps / 1e3, 4) for g, us in groups.most_common()},
+                kernels=[dict(name=n[:120], group=group_of(n), calls_per_step=calls[n] / steps,
+                              ms_per_step=round(us / steps / 1e3, 4)) for n, us in by_name.most_common(25)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", type=Path, help="a trace file or a folder of *.trace.json.gz")
+    ap.add_argument("--steps", type=int, default=2, help="decode steps in each trace (one_batch.py: 2)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    files = sorted(args.traces.glob("*decode*.trace.json*")) if args.traces.is_dir() else [args.traces]
+    if not files:
+        raise SystemExit(f"no *decode*.trace.json[.gz] under {args.traces}")
+    tables = [summarize(p, args.steps) for p in files]
+    for t in tables:
+        print(f"\n{t['trace']}: GPU busy {t['busy_ms_per_step']:.3f} ms/step")
+        for g, ms in t["groups_ms_per_step"].items():
+            print(f"  {g:28s} {ms:8.3f} ms")
+    if args.json:
+        args.json.write_text(json.dumps(tables, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
