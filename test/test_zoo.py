@@ -1,6 +1,9 @@
-"""Rotation zoo: add/list/get/verify round trip, corruption and model-shape mismatches (tiny bundles)."""
+"""Rotation zoo: add/list/get/verify round trip, corruption and model-shape mismatches (tiny bundles),
+and the entries shipped in zoo/ (checksum, metadata, a corrupted copy)."""
 
 import json
+import pathlib
+import shutil
 
 import pytest
 
@@ -125,7 +128,84 @@ def test_index_errors_and_sources(tmp_path, monkeypatch):
     with pytest.raises(zoo.ZooError, match="cannot download"):
         zoo.read_index("nobody/nothing")  # a bare OWNER/REPO that is not a directory
     # The repo's own zoo directory is a valid (possibly empty) zoo.
-    import pathlib
-
     repo_zoo = pathlib.Path(__file__).resolve().parents[1] / "zoo"
     assert isinstance(zoo.read_index(str(repo_zoo)), list)
+
+
+# ------------------------------------------------------------------ the shipped zoo/ entries
+REPO_ZOO = pathlib.Path(__file__).resolve().parents[1] / "zoo"
+SMOLLM2_ENTRY = "smollm2-135m-instruct_int2_best_g64"
+# SmolLM2-135M-Instruct's attention shape, from the embedded GGUF's metadata (llama.block_count 30,
+# attention.head_count 9, attention.head_count_kv 3, embedding_length 576; what AutoConfig derives).
+SMOLLM2_CONFIG = dict(model_type="llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                      hidden_size=576, head_dim=64)
+
+
+def test_shipped_smollm2_entry_verifies(tmp_path, capsys):
+    entries = {e["name"]: e for e in zoo.read_index(str(REPO_ZOO))}
+    e = entries[SMOLLM2_ENTRY]
+    # The index records what the accuracy doc calls int2_best (balanced K, K mean removed, OSCAR V, clip, G=64).
+    assert e["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert (e["method"], e["composition"], e["center_k"], e["per_head"]) == ("balanced", "u_h", True, False)
+    assert (e["bits"], e["k_group"], e["v_group"]) == (2, 64, 64)
+    assert (e["layers"], e["kv_heads"], e["head_dim"]) == (30, 3, 64)
+    assert e["calibration"]["source"] == "python-stdlib-docstrings"  # calibration text, not the eval text
+    assert e["calibration"]["v_method"] == "oscar"
+    path = REPO_ZOO / e["file"]
+    assert path.stat().st_size == e["size"] < 1 << 20
+    assert zoo.sha256_file(path) == e["sha256"]
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SMOLLM2_CONFIG))
+    assert zoo.verify(str(REPO_ZOO), name=SMOLLM2_ENTRY) == [(SMOLLM2_ENTRY, "ok")]
+    assert zoo.verify(str(REPO_ZOO), name=SMOLLM2_ENTRY, model_config=cfg) == [(SMOLLM2_ENTRY, "ok")]
+    assert zoo.main(["verify", "--zoo", str(REPO_ZOO), "--model-config", str(cfg)]) == 0
+    assert f"{SMOLLM2_ENTRY}: ok" in capsys.readouterr().out
+    b = zoo.load_checked(path, e, str(REPO_ZOO), zoo.model_shape(cfg))
+    assert b.center_k and b.k_mean is not None and b.method == "balanced"
+
+    # Another model's config is refused, naming the mismatch.
+    other = tmp_path / "qwen3.json"
+    other.write_text(json.dumps(dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                     hidden_size=4096, head_dim=128)))
+    msg = dict(zoo.verify(str(REPO_ZOO), name=SMOLLM2_ENTRY, model_config=other))[SMOLLM2_ENTRY]
+    assert "30 layers" in msg and "has 36" in msg
+
+    (tmp_path / "out").mkdir()
+    got = zoo.get(SMOLLM2_ENTRY, tmp_path / "out", str(REPO_ZOO), model_config=cfg)
+    assert got.name == e["file"] and got.read_bytes() == path.read_bytes()
+
+
+def test_shipped_smollm2_entry_corrupted_copy_fails(tmp_path, capsys):
+    z = tmp_path / "zoo"
+    shutil.copytree(REPO_ZOO, z)
+    e = {x["name"]: x for x in zoo.read_index(str(z))}[SMOLLM2_ENTRY]
+    f = z / e["file"]
+    good = f.read_bytes()
+
+    data = bytearray(good)
+    data[len(data) // 2] ^= 0x01  # one bit inside a tensor: same size, only the hash can tell
+    f.write_bytes(bytes(data))
+    res = dict(zoo.verify(str(z)))
+    msg = res[SMOLLM2_ENTRY]
+    assert f"{e['file']} (entry {SMOLLM2_ENTRY!r}) is corrupted: sha256 mismatch" in msg
+    assert e["sha256"] in msg and zoo.sha256_file(f) in msg and "re-download" in msg
+    assert zoo.main(["verify", "--zoo", str(z)]) == 1
+    out = capsys.readouterr().out
+    assert "sha256 mismatch" in out and f"{len(res) - 1}/{len(res)} entries ok" in out
+    with pytest.raises(zoo.ZooError, match="corrupted"):
+        zoo.get(SMOLLM2_ENTRY, tmp_path / "o.safetensors", str(z))
+    assert not (tmp_path / "o.safetensors").exists()  # nothing handed out
+
+    f.write_bytes(good[:-1000])  # truncated download
+    assert f"size {len(good) - 1000} bytes, index says {e['size']}" in dict(zoo.verify(str(z)))[SMOLLM2_ENTRY]
+
+    # An index edited to match a tampered bundle still fails: the bundle's own validation runs too.
+    f.write_bytes(good)
+    assert dict(zoo.verify(str(z)))[SMOLLM2_ENTRY] == "ok"
+    idx = json.loads((z / "index.json").read_text())
+    for x in idx["entries"]:
+        if x["name"] == SMOLLM2_ENTRY:
+            x["kv_heads"] = 8
+    (z / "index.json").write_text(json.dumps(idx))
+    assert "disagrees with its bundle (kv_heads: index 8 vs bundle 3)" in dict(zoo.verify(str(z)))[SMOLLM2_ENTRY]
