@@ -180,6 +180,25 @@ def test_default_num_splits_from_shapes_only():
         default_num_splits(1, 8, 1024, 132, waves=0)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_transform_query_low_precision_path(per_head):
+    """T_q already in q's dtype (decode's cached bf16 copy): one GEMM, no casts, ~bf16 rounding away
+    from the fp32 product."""
+    from sglang_oscar.kernels.decode import transform_query
+
+    g = torch.Generator().manual_seed(2)
+    b, hkv, grp, d = 3, 2, 4, 64
+    q = torch.randn(b, hkv * grp, d, generator=g)
+    t = torch.randn(*((hkv,) if per_head else ()), d, d, generator=g) / d ** 0.5
+    ref = transform_query(q.double(), t.double(), hkv)
+    low = transform_query(q.bfloat16(), t.bfloat16(), hkv)
+    assert low.dtype == torch.bfloat16 and low.shape == q.shape
+    err = ((low.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-2, err
+    full = transform_query(q.bfloat16(), t, hkv)  # fp32 T_q: fp32 product, cast once
+    assert ((full.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
 def test_decode_default_windows_long():
     # the real S=64, W=256 with L >> S + W, odd length, ring_start inside the window
     case = make_case([701, 333], hkv=1, gqa=2, d=64, gk=32, gv=64, sink=64, window=256,

@@ -9,6 +9,7 @@ Real OscarKVPool, ReqToTokenPool, allocator and Triton kernels (interpreter); li
 ForwardBatch / model runner / layer. Skipped without sglang, like test_srt_plugin.py.
 """
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -318,3 +319,47 @@ def test_modes_idle_and_rejections(setup):
     assert b.decode_meta.slots.tolist() == [0, 0] and b.decode_meta.seq_lens.tolist() == [0, 0]
     with pytest.raises(options.OscarOptionError, match="one token per request"):
         b.init_cuda_graph_state(4, 8)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_non_orthogonal_k_transform_served_exactly(monkeypatch, tmp_path, per_head):
+    """A non-orthogonal T_K (method "balanced") must be served through T_q = T_K^{-T}: with every
+    position inside the BF16 windows (fp32 here), decode == exact attention of the raw q, k, v.
+    Passing T_K itself for the queries (what the backend once did) is off by O(1) here."""
+    from sglang_oscar.rotation.bundle import data_free_bundle, save_bundle
+
+    g = torch.Generator().manual_seed(11)
+    b = data_free_bundle("hadamard", 2, HKV, D, 64, 64)
+    nk = HKV if per_head else 1
+    diag = 0.5 + 1.5 * torch.rand(2, nk, 1, D, generator=g)  # columns scaled: invertible, not orthogonal
+    b = dataclasses.replace(b, k_transform=(b.k_transform.expand(2, nk, D, D) * diag).contiguous(), orthogonal=False)
+    path = save_bundle(b, tmp_path / "nonorth.safetensors")
+    for name in options.ALL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in ((options.ENV_BUNDLE, str(path)), (options.ENV_ABSORB_V, "0"), (options.ENV_PREFIX, str(S)),
+                        (options.ENV_RECENT, str(W)), (options.ENV_HP_DTYPE, "float32"), (options.ENV_GROUP, "64")):
+        monkeypatch.setenv(name, value)
+    st = build_setup(options.from_env(), model_info(_ModelConfig(**TINY), 1), tp_rank=0, num_layers=2,
+                     max_running_requests=R)
+    world = World(st)
+    for r in world.pool.rotations:  # T_q·T_Kᵀ = I per head
+        tq, tk = r.q_transform.double(), r.k_transform.double()
+        assert torch.allclose(tq @ tk.transpose(-1, -2), torch.eye(D, dtype=torch.float64).expand_as(tq), atol=1e-5)
+        assert not torch.allclose(tq, tk, atol=1e-2)
+    n = S + W - 1  # prompt + the decoded token fill sink + ring: no INT2 read at all
+    prompt = _inputs(n - 1, seed=5)
+    world.prefill(1, n - 1, prompt)
+    step = _inputs(1, seed=6)
+    outs = world.decode_eager([1], step)
+    for layer, (pq, pk, pv), (q, k, v), o in zip(LAYERS, prompt, step, outs):
+        ks = torch.cat([pk, k]).reshape(n, HKV, D).double()
+        vs = torch.cat([pv, v]).reshape(n, HKV, D).double()
+        qh = q.reshape(HQ, D).double()
+        kh = ks.repeat_interleave(HQ // HKV, dim=1)  # [n, HQ, D]
+        vh = vs.repeat_interleave(HQ // HKV, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", qh, kh) * layer.scaling, dim=-1)
+        ref = torch.einsum("hn,nhd->hd", p, vh)
+        got = o.reshape(HQ, D).double()
+        assert torch.isfinite(got).all()
+        err = (got - ref).abs().max().item()
+        assert err < 2e-4, f"layer {layer.layer_id}: max |decode - exact| = {err:.3g}"

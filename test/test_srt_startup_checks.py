@@ -81,3 +81,18 @@ def test_model_info_from_hf_config():
 def test_max_gqa_matches_decode_kernel():
     decode = pytest.importorskip("sglang_oscar.kernels.decode")
     assert decode.MAX_GQA == s.MAX_GQA
+
+
+def test_v_absorption_checks_only_the_v_transform(tmp_path):
+    """A bundle marked non-orthogonal because of its K transform (method "balanced") is served with V
+    absorbed (T_q = T_K^-T takes care of K); a non-orthogonal V is refused with a message naming V."""
+    b = data_free_bundle("hadamard", 4, 8, 128, 64, 64)
+    scale = torch.linspace(0.5, 2.0, 128)
+    k_bad = dataclasses.replace(b, k_transform=b.k_transform * scale, orthogonal=False)
+    plan = s.plan_rank(cfg(bundle_path=str(save_bundle(k_bad, tmp_path / "k.safetensors"))), QWEN3)
+    assert plan.k_group == 64
+    v_bad = dataclasses.replace(b, v_transform=b.v_transform * scale, orthogonal=False)
+    p = save_bundle(v_bad, tmp_path / "v.safetensors")
+    with pytest.raises(o.OscarOptionError, match="V transforms have max"):
+        s.plan_rank(cfg(bundle_path=str(p)), QWEN3)
+    assert s.plan_rank(cfg(bundle_path=str(p), absorb_v_rotation=False), QWEN3).k_group == 64

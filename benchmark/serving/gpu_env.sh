@@ -9,6 +9,12 @@ fi
 for m in sglang flashinfer; do
   [ -d "$SITE/$m" ] || { echo "runtime not staged: $SITE/$m missing (run call 1 with .devb/a first)"; return 3 2>/dev/null || exit 3; }
 done
+# Wheels the runtime bundle lacks (rpds-py: the server's jsonschema -> referencing needs it), carried
+# in .whl/ (fetched here with pip download --python-version 3.12, see the device README).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+fi
+python3 -c "import rpds" 2>/dev/null || echo "warning: rpds (rpds-py) missing: sglang.launch_server will not import; carry .whl/"
 DI=$SITE/sglang_oscar-0.1.0.dist-info
 mkdir -p "$DI"
 printf 'Metadata-Version: 2.1\nName: sglang-oscar\nVersion: 0.1.0\n' > "$DI/METADATA"

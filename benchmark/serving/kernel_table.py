@@ -20,11 +20,11 @@ from pathlib import Path
 GROUPS = (  # first match wins; patterns are searched in the lower-cased kernel name
     ("attention: oscar decode", r"_oscar_decode"),
     ("kv write: oscar", r"_oscar_write|oscar_write|_write_kernel"),
+    ("norm / rope / activation", r"rmsnorm|norm::|qknorm|rotary|rope_kernel|silu|act_and_mul|gelu"),
     ("attention: flashinfer", r"flashinfer|batchdecode|batchprefill|persistent"),
     ("attention: sglang triton", r"_fwd_kernel_stage|_fwd_grouped_kernel|decode_attention"),
     ("kv write: stock", r"store_kvcache|set_kv_buffer|copy_kv|cache_move"),
     ("gemm", r"gemm|cutlass|sm90_xmma|nvjet|cublas|matmul|splitk"),
-    ("norm / rope / activation", r"rmsnorm|norm|rotary|rope|silu|act_and_mul|gelu"),
     ("sampling / logits", r"argmax|softmax|sample|topk|top_k"),
 )
 

@@ -3,15 +3,15 @@
 # machine (each call <= 10 minutes; the machine stays warm 30 s between calls):
 #
 #   call 1 (carry .devb/a):  mkdir -p $HOME/sgl-site && tar xzf .devb/a/*.tgz -C $HOME/sgl-site
-#   call 2 (carry .devb/b):  bash benchmark/serving/serving_session.sh latency
+#   call 2 (carry .devb/b .whl):  bash benchmark/serving/serving_session.sh latency
 #   call 3:                  bash benchmark/serving/serving_session.sh latency2
 #   call 4:                  bash benchmark/serving/serving_session.sh serve
 #   call 5:                  bash benchmark/serving/serving_session.sh throughput100k
 #
-# latency:  decode split-count sweep of the kernel at b=1/8 (bench_decode.py), then bs=1 prefill +
-#           decode latency of dummy-weight Qwen3-8B at 8k/32k/64k/100k for int2, FlashInfer BF16,
-#           FlashInfer FP8 (one_batch.py, CUDA graphs, torch-profiler traces of 2 decode steps)
-# latency2: the same for int2 with 8 programs/SM of splits (int2_w8) and SGLang's Triton BF16
+# latency:  bs=1 prefill + decode latency of dummy-weight Qwen3-8B at 8k/32k/64k/100k for int2 and
+#           FlashInfer BF16 (one_batch.py, CUDA graphs,
+#           torch-profiler traces of 2 decode steps; SWEEP=1: first the kernel's split-count sweep at b=1/8)
+# latency2: the same for FlashInfer FP8, int2 with 8 programs/SM of splits (int2_w8) and SGLang's Triton BF16
 # serve:    real servers (tp_serve.py, TP 1): greedy int2 == BF16 inside the windows, int2 CUDA
 #           graph == eager, capacity, bs=1 latency at 32k/100k through HTTP, job throughput at
 #           8k in / 1k out with 32 concurrent requests
@@ -20,27 +20,36 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh" || exit 3
 M=benchmark/serving/configs/qwen3-8b
+# The device returns a few files per call: logs and traces travel as one archive.
+pack() { (cd "$OUT" && ls -d logs traces 2>/dev/null | xargs -r tar czf "$OUT/logs_traces_$1.tgz"; rm -rf logs traces); }
+filt() { grep --line-buffered -v "^\["; }
 case "${1:-}" in
   latency)
-    timeout 110 python3 benchmark/bench_decode.py --out "$OUT" --models qwen3-8b --contexts 32768,131072 \
-      --batches 1,8 --impls oscar,flashinfer_bf16 --oscar-configs 64:2:3,128:4:3 --oscar-splits auto,96,128 \
-      2>&1 | tail -40 | tee "$OUT/split_sweep.log"
-    timeout 470 python3 benchmark/serving/one_batch.py --model $M --contexts 8192,32768,65536,100000 \
-      --modes int2,fi_bf16,fi_fp8 --profile --timeout 240 --out "$OUT" 2>&1 | grep -v "^\[" | tee "$OUT/one_batch.log"
+    if [ "${SWEEP:-0}" = 1 ]; then  # the split-count sweep (first H100 session; see benchmark/NOTES.md)
+      timeout 110 python3 benchmark/bench_decode.py --out "$OUT" --models qwen3-8b --contexts 32768,131072 \
+        --batches 1,8 --impls oscar,flashinfer_bf16 --oscar-configs 64:2:3,128:4:3 --oscar-splits auto,96,128 \
+        2>&1 | tail -40 | tee "$OUT/split_sweep.log"
+    fi
+    timeout 560 python3 benchmark/serving/one_batch.py --model $M --contexts 8192,32768,65536,100000 \
+      --modes int2,fi_bf16 --profile --timeout 270 --out "$OUT" 2>&1 | filt | tee "$OUT/one_batch.log"
+    pack latency
     ;;
   latency2)
-    timeout 560 python3 benchmark/serving/one_batch.py --model $M --contexts 8192,32768,65536,100000 \
-      --modes int2_w8,triton_bf16 --profile --timeout 280 --out "$OUT" 2>&1 | grep -v "^\[" | tee "$OUT/one_batch.log"
+    timeout 540 python3 benchmark/serving/one_batch.py --model $M --contexts 8192,32768,65536,100000 \
+      --modes fi_fp8,int2_w8,triton_bf16 --profile --timeout 200 --out "$OUT" 2>&1 | filt | tee "$OUT/one_batch.log"
+    pack latency2
     ;;
   serve)
     timeout 570 python3 benchmark/serving/tp_serve.py --model $M --tp 1 --modes int2,int2_eager,fi_bf16 \
       --contexts 32768,100000 --graph-max-bs 32 --mem-fraction 0.7 --throughput 8192x1024@32 \
-      --int2-flags "--max-running-requests 32" --startup-timeout 240 --out "$OUT" 2>&1 | grep -v "^\[" | tee "$OUT/tp_serve.log"
+      --int2-flags "--max-running-requests 32" --startup-timeout 240 --out "$OUT" 2>&1 | filt | tee "$OUT/tp_serve.log"
+    pack serve
     ;;
   throughput100k)
     timeout 570 python3 benchmark/serving/tp_serve.py --model $M --tp 1 --modes int2,fi_bf16,fi_fp8 \
       --contexts "" --graph-max-bs 32 --mem-fraction 0.7 --throughput 100000x1024 --startup-timeout 240 \
-      --out "$OUT" 2>&1 | grep -v "^\[" | tee "$OUT/tp_serve.log"
+      --out "$OUT" 2>&1 | filt | tee "$OUT/tp_serve.log"
+    pack throughput100k
     ;;
   *) echo "usage: $0 latency|latency2|serve|throughput100k"; exit 2 ;;
 esac

@@ -460,17 +460,27 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
 
 
 def transform_query(q: torch.Tensor, q_transform: Optional[torch.Tensor], kv_heads: int) -> torch.Tensor:
-    """q·T_q per KV head (T_q = T_K^{-T}), one small fp32 GEMM."""
+    """q·T_q per KV head (T_q = T_K^{-T}).
+
+    T_q in fp32 (any q): fp32 product, cast back to q's dtype. T_q already in q's dtype (decode keeps a
+    bf16 copy): one GEMM in that dtype with fp32 accumulation and no casts — one kernel instead of four
+    per layer and step (measured 0.3 ms of a 100k-context Qwen3-8B decode step on H100)."""
     if q_transform is None:
         return q
-    t = q_transform.float()
     b, hq, d = q.shape
+    t = q_transform
+    low = t.dtype == q.dtype and t.dtype in (torch.bfloat16, torch.float16)
+    if not low:
+        t = t.float()
     if t.dim() == 2:
         if t.shape != (d, d):
             raise ValueError(f"q_transform must be [D, D] = [{d}, {d}], got {tuple(t.shape)}")
-        return (q.float() @ t).to(q.dtype)
+        return q @ t if low else (q.float() @ t).to(q.dtype)
     if t.shape != (kv_heads, d, d):
         raise ValueError(f"q_transform must be [Hkv, D, D] = [{kv_heads}, {d}, {d}], got {tuple(t.shape)}")
+    if low:  # [Hkv, B, G, D] @ [Hkv, D, D]: one batched GEMM
+        qg = q.reshape(b, kv_heads, hq // kv_heads, d).transpose(0, 1)
+        return torch.matmul(qg, t[:, None]).transpose(0, 1).reshape(b, hq, d)
     qg = q.float().reshape(b, kv_heads, hq // kv_heads, d)
     return torch.einsum("bhgd,hde->bhge", qg, t).reshape(b, hq, d).to(q.dtype)
 

@@ -137,6 +137,9 @@ class OscarAttnBackend(AttentionBackend):
         check_v_basis(getattr(model_runner, "model", None), pool)
         self.pool = pool
         self.split_waves = options.from_env().decode_waves  # shapes-only split count: graph-capturable
+        model_dtype = getattr(model_runner, "dtype", None)
+        for r in pool.rotations if model_dtype is not None else ():  # made here, not inside a graph capture
+            r.q_transform_as(model_dtype)
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.device = model_runner.device
         self.plan = None  # extend: WritePlan of the step
@@ -289,7 +292,7 @@ class OscarAttnBackend(AttentionBackend):
         lc = self.pool.layer_cache(layer.layer_id)
         o = oscar_decode(q.reshape(-1, hq, d), lc, self.req_to_token_pool.req_to_token, m.req_pool_indices,
                          m.seq_lens, self.pool.ring_start, sink=lc.sink, window=lc.window, sm_scale=layer.scaling,
-                         q_transform=r.k_transform, split_waves=self.split_waves,
+                         q_transform=r.q_transform_as(q.dtype), split_waves=self.split_waves,
                          k_level_a=None if r.k_level_a == 1.0 else r.k_level_a,
                          v_level_a=None if r.v_level_a == 1.0 else r.v_level_a)
         return self._unrotate_v(o, layer).reshape(-1, hq * d)
@@ -301,7 +304,7 @@ class OscarAttnBackend(AttentionBackend):
         hq, d, h = layer.tp_q_head_num, layer.qk_head_dim, self.pool.head_num
         r = self.pool.rotations[layer.layer_id - self.pool.start_layer]
         lc = self.pool.layer_cache(layer.layer_id)
-        qt = transform_query(q.reshape(-1, hq, d), r.k_transform, h)
+        qt = transform_query(q.reshape(-1, hq, d), r.q_transform, h)
         kk = k.reshape(-1, h, d).float()
         if r.k_mean is not None:
             kk = kk - r.k_mean

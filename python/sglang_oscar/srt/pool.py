@@ -47,7 +47,15 @@ class LayerRotation:
         def squeeze(t):
             return t[0] if t is not None and t.shape[0] == 1 else t
 
-        self.k_transform = squeeze(bundle.k_transform[layer]).float().contiguous().to(device)
+        tk = squeeze(bundle.k_transform[layer])
+        self.k_transform = tk.float().contiguous().to(device)
+        # Scores need q·T_q with T_q = T_K^{-T}, so that (q·T_q)·(k·T_K)ᵀ = q·kᵀ. For an orthogonal T_K
+        # that is T_K itself; a non-orthogonal one (method "balanced") needs the real inverse.
+        tq = tk if bundle.orthogonal else torch.linalg.inv(tk.double()).transpose(-1, -2)
+        self.q_transform = tq.float().contiguous().to(device)
+        # Decode applies it as one GEMM in the query's dtype (a cast of this constant per call would be
+        # another kernel in every replay): kept here once per dtype, see q_transform_as().
+        self._q_cache = {torch.float32: self.q_transform}
         self.k_mean = None if bundle.k_mean is None else squeeze(bundle.k_mean[layer]).float().contiguous().to(device)
         # With V absorbed into qkv_proj/o_proj the model already emits V in the rotated basis.
         self.v_transform = None if v_absorbed else squeeze(bundle.v_transform[layer]).float().contiguous().to(device)
@@ -55,6 +63,12 @@ class LayerRotation:
         self.v_clip = float(bundle.v_clip[layer])
         self.k_level_a = float(bundle.k_level_a[layer])
         self.v_level_a = float(bundle.v_level_a[layer])
+
+    def q_transform_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """T_q in `dtype` (bf16 rounding of T_q: ~2e-3 relative per entry, below bf16 q's own)."""
+        if dtype not in self._q_cache:
+            self._q_cache[dtype] = self.q_transform.to(dtype)
+        return self._q_cache[dtype]
 
 
 class OscarKVPool(MHATokenToKVPool):

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from ..kernels.layout import check_shape
-from ..rotation.bundle import BundleError, RotationBundle, check_expectations, data_free_bundle, load_bundle, load_seed_pt
+from ..rotation.bundle import (ORTHO_TOL, BundleError, RotationBundle, check_expectations, data_free_bundle, load_bundle,
+                               load_seed_pt, orthogonality_error)
 from .options import ENV_ABSORB_V, ENV_BUNDLE, GROUP_FLAG, OscarOptionError, OscarServeConfig
 
 # decode.py's MAX_GQA (query heads per KV head the decode kernel holds in one tile); copied so this
@@ -127,8 +128,12 @@ def plan_rank(cfg: OscarServeConfig, model: ModelInfo, tp_rank: int = 0,
         raise OscarOptionError(f"rotation bundle was fitted for {b.bits}-bit codes; --kv-cache-dtype int2 needs 2")
     if cfg.absorb_v_rotation and not b.orthogonal:
         # Absorption itself works for any invertible T_V, but every path we test assumes T_V^-1 = T_V^T.
-        raise OscarOptionError(f"V absorption needs an orthogonal V transform; this bundle is marked "
-                               f"non-orthogonal; set {ENV_ABSORB_V}=0 or refit")
+        # The bundle's flag covers K and V; only V matters here (a non-orthogonal K, e.g. method
+        # "balanced", is served through T_q = T_K^-T, srt/pool.py).
+        err = orthogonality_error(b.v_transform)
+        if err > ORTHO_TOL:
+            raise OscarOptionError(f"V absorption needs an orthogonal V transform; this bundle's V transforms have "
+                                   f"max|T·Tᵀ − I| = {err:.3g}; set {ENV_ABSORB_V}=0 or refit")
     start, end = kv_head_range(tp_rank, model.tp_size, model.kv_heads)
     shard = b.shard(start, end) if b.kv_heads else b
     over = {}
