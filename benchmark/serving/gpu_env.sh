@@ -14,13 +14,13 @@ done
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
 fi
-python3 -c "import rpds" 2>/dev/null || echo "warning: rpds (rpds-py) missing: sglang.launch_server will not import; carry .whl/"
 DI=$SITE/sglang_oscar-0.1.0.dist-info
 mkdir -p "$DI"
 printf 'Metadata-Version: 2.1\nName: sglang-oscar\nVersion: 0.1.0\n' > "$DI/METADATA"
 printf '[sglang.srt.plugins]\nsglang_oscar = sglang_oscar.srt.plugin:register\n' > "$DI/entry_points.txt"
 export PYTHONPATH=$SITE:$PWD/python PYTHONUNBUFFERED=1
 export SGLANG_PLUGINS=sglang_oscar
+python3 -c "import rpds" 2>/dev/null || echo "warning: rpds (rpds-py) missing: sglang.launch_server will not import; carry .whl/"
 # NVLink multicast stays off on the shared multi-GPU hosts (device KINDS.md)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$OUT/gpu_state.txt"
