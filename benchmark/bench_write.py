@@ -12,6 +12,9 @@ A device-to-device copy is timed in the same run as the bandwidth reference.
     python benchmark/bench_write.py            # full
     python benchmark/bench_write.py --quick    # a few cases
     python benchmark/bench_write.py --sweep    # plus block_t x num_warps variants of prefill
+    python benchmark/bench_write.py --decode-only
+Decode calls are timed as CUDA-graph replays (GPU time, as in the server's decode graphs; do_bench
+would mostly time the host launch), with block_t 1/4 (no tl.dot) vs 16 (dot tiles) side by side.
 Writes $OUT/write_kernel_<device>.json (default ./bench_out). Needs torch + triton only.
 """
 
@@ -57,6 +60,14 @@ def bench(fn, quick: bool) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median")  # ms
+
+
+def bench_graph(fn, quick: bool) -> float:
+    """GPU time of one call replayed from a CUDA graph (ms), as the server's decode graphs run it:
+    without the host launch cost that dominates do_bench for microsecond kernels."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=30 if quick else 100, return_mode="median")
 
 
 def gemm_tflops(quick: bool) -> float:
@@ -117,6 +128,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="few cases, short timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "./bench_out"))
     ap.add_argument("--sweep", action="store_true", help="also time block_t x num_warps variants of the prefill cases")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode cases (one token per request)")
     ap.add_argument("--precisions", default="ieee,tf32x3", help="tl.dot input precisions to time for prefill")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -124,7 +136,7 @@ def main() -> None:
         return
     import triton
 
-    from sglang_oscar.kernels.write import oscar_write_kv
+    from sglang_oscar.kernels.write import default_block_t, oscar_write_kv
 
     dev_name = torch.cuda.get_device_name()
     meta = dict(device=dev_name, torch=torch.__version__, triton=triton.__version__, git_commit=git_commit(),
@@ -135,7 +147,7 @@ def main() -> None:
     rows = [dict(meta, kind="reference", bf16_gemm_tflops=tflops, d2d_copy_gbps=d2d)]
 
     decode_batches = [1, 64] if args.quick else [1, 8, 32, 64]
-    prefill_tokens = [8192] if args.quick else [8192, 100_000]
+    prefill_tokens = [] if args.decode_only else [8192] if args.quick else [8192, 100_000]
     precisions = ["ieee"] if args.quick else args.precisions.split(",")
     for model, m in MODELS.items():
         cases = [("decode", b, "ieee") for b in decode_batches]
@@ -145,15 +157,23 @@ def main() -> None:
                 inputs, kw, nbytes = make_inputs(m, tokens, kind == "decode", gk=64, gv=64, v_absorbed=v_absorbed)
                 oscar_write_kv(*inputs, **kw, precision=precision)  # compile + check it runs
                 torch.cuda.synchronize()
-                ms = bench(lambda: oscar_write_kv(*inputs, **kw, precision=precision, validate=False), args.quick)
+                call = lambda: oscar_write_kv(*inputs, **kw, precision=precision, validate=False)  # noqa: E731
+                # decode: GPU time from a CUDA-graph replay (what a decode step pays); prefill: do_bench
+                ms = bench_graph(call, args.quick) if kind == "decode" else bench(call, args.quick)
                 row = dict(meta, kind=kind, model=model, tokens=tokens, kv_heads=m["kv_heads"], head_dim=m["head_dim"],
                            layers=m["layers"], k_group=64, v_group=64, k_clip=0.96, v_absorbed=v_absorbed,
-                           precision=precision, layer_call_us=ms * 1e3, bytes_moved=nbytes,
+                           precision=precision, timing="cuda_graph" if kind == "decode" else "do_bench",
+                           block_t=default_block_t(tokens, m["head_dim"]), layer_call_us=ms * 1e3, bytes_moved=nbytes,
                            gbps=nbytes / (ms * 1e-3) / 1e9, frac_of_d2d=nbytes / (ms * 1e-3) / 1e9 / d2d)
                 if kind == "prefill":
                     est_s = prefill_flops(m, tokens) / (tflops * 1e12)
                     row.update(all_layers_ms=ms * m["layers"], prefill_estimate_ms=est_s * 1e3,
                                write_over_prefill=ms * m["layers"] * 1e-3 / est_s)
+                if kind == "decode":  # the no-dot tiles (block_t < 16) against the 16-row dot tiles
+                    row["block_t_us"] = {bt: bench_graph(lambda: oscar_write_kv(*inputs, **kw, precision=precision,
+                                                                                validate=False, block_t=bt),
+                                                         args.quick) * 1e3 for bt in (1, 4, 16)}
+                    print("   decode block_t (us, graph):", {k: round(x, 2) for k, x in row["block_t_us"].items()})
                 if args.sweep and kind == "prefill" and not v_absorbed:
                     sweep = {}
                     for bt in (16, 32, 64, 128):

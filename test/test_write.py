@@ -155,6 +155,21 @@ def test_write_small_block_tail():
     run_and_check(*case, k_clip=0.9, v_clip=1.0, ka=1.0, va=1.0, block_t=16)
 
 
+@pytest.mark.parametrize("T,D,block_t", [(21, 64, 4), (3, 128, 2), (33, 128, 1), (16, 64, 1), (17, 128, 8)])
+def test_write_decode_tiles(T, D, block_t):
+    """The no-dot path for decode-sized calls (block_t < 16; the default up to SMALL_BATCH_TOKENS
+    tokens) against the oracle, with ragged tails, forced also where the default would use dot tiles."""
+    case = make_case(T, D, 3, 64, 32, per_head=True, mean=True, v_absorbed=False, seed=300 + T + block_t)
+    run_and_check(*case, k_clip=0.9, v_clip=0.95, ka=1.0, va=0.8, block_t=block_t)
+
+
+def test_default_block_t_switches_at_the_small_batch_bound():
+    from sglang_oscar.kernels.write import SMALL_BATCH_TOKENS, default_block_t
+
+    assert default_block_t(1, 128) == default_block_t(SMALL_BATCH_TOKENS, 128) == 1
+    assert default_block_t(SMALL_BATCH_TOKENS + 1, 128) >= 16
+
+
 def test_write_bf16_windows():
     """bf16 window buffers (fp32 activations): rows rounded to nearest even, scale/min too."""
     case = make_case(7, 64, 2, 32, 64, per_head=False, mean=True, v_absorbed=False, seed=11, window_dtype=torch.bfloat16)
@@ -205,6 +220,9 @@ def test_write_errors():
         oscar_write_kv(k, v, slots, sd, rd, cache, v_level_a=1.5, **kw)
     with pytest.raises(ValueError, match="precision"):
         oscar_write_kv(k, v, slots, sd, rd, cache, precision="bf16", **kw)
+    for bad in (3, 12, 24):
+        with pytest.raises(ValueError, match="block_t must be a power of two"):
+            oscar_write_kv(k, v, slots, sd, rd, cache, block_t=bad, **kw)
     cache.k_params = cache.k_params.float()
     with pytest.raises(ValueError, match="k_params"):
         oscar_write_kv(k, v, slots, sd, rd, cache, **kw)
@@ -217,6 +235,15 @@ def test_write_gpu_prefill_bf16(precision):
     """GPU only: a larger bf16 prefill (T=1000, Qwen3-8B head shape) against the oracle."""
     case = make_case(1000, 128, 8, 64, 64, per_head=False, mean=True, v_absorbed=False, seed=77)
     run_and_check(*case, k_clip=0.96, v_clip=1.0, ka=1.0, va=1.0, precision=precision)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,block_t", [(1, None), (8, None), (64, None), (64, 1)])
+def test_write_gpu_decode_bf16(T, block_t):
+    """GPU only: decode-sized bf16 calls (Qwen3-8B head shape), default and forced no-dot tiles."""
+    case = make_case(T, 128, 8, 64, 64, per_head=False, mean=True, v_absorbed=False, seed=78 + T)
+    run_and_check(*case, k_clip=0.96, v_clip=1.0, ka=1.0, va=1.0, block_t=block_t)
 
 
 assert HAS_CUDA or ACT_DTYPE == torch.float32

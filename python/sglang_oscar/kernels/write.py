@@ -15,7 +15,8 @@ The oracle is quant/cache_ops.py:write_reference (SideQuantizer math of quant/kv
 
 Grid: (cdiv(T, BLOCK_T), Hkv, 2): a program does BLOCK_T tokens of one head of one side. The
 transform is a [BLOCK_T, D] x [D, D] tl.dot accumulated over BLOCK_K-wide slices of D, so a
-D=256 fp32 matrix never has to sit in shared memory whole.
+D=256 fp32 matrix never has to sit in shared memory whole. Decode-sized calls (T <= 16 by default)
+use BLOCK_T = 1 and a broadcast-multiply-sum instead of the dot (see SMALL_BATCH_TOKENS).
 
 PRECISION. The default input_precision is "ieee": a true fp32 product (FMA units, no TF32).
 Then x' differs from the fp32 oracle only by summation order (~1e-6 relative), window rows match
@@ -106,7 +107,12 @@ if HAS_TRITON:
                     mu = tl.load(mean_ptr + h * stride_meanh + k0 + offs_k).to(tl.float32)
                     xk = tl.where(tmask[:, None], xk - mu[None, :], 0.0)
                 mk = tl.load(mat_ptr + h * stride_mh + (k0 + offs_k)[:, None] * D + offs_d[None, :]).to(tl.float32)
-                acc = tl.dot(xk, mk, acc, input_precision=PRECISION)
+                if BLOCK_T >= 16:
+                    acc = tl.dot(xk, mk, acc, input_precision=PRECISION)
+                else:
+                    # Decode-sized tiles (tl.dot needs 16 rows): an fp32 broadcast-multiply-sum, i.e.
+                    # IEEE products like PRECISION="ieee", in another summation order.
+                    acc += tl.sum(xk[:, :, None] * mk[None, :, :], axis=1)
             xt = acc
         else:
             xt = tl.load(x_rows + offs_d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
@@ -218,10 +224,18 @@ def _check_mean(mean: torch.Tensor, h: int, d: int, device) -> tuple:
     raise ValueError(f"k_mean must have shape [{d}] or [{h}, {d}], got {tuple(mean.shape)}")
 
 
+# Up to this many tokens (decode batches) a program handles one token and multiplies by T without
+# tl.dot: a 16-row dot tile would be mostly padding, and one program per (token, head, side) spreads
+# the work over more SMs. Each such program reads its head's D x D fp32 matrix (64 KiB at D 128)
+# from L2, so large batches go back to the dot tiles.
+SMALL_BATCH_TOKENS = 16
+
+
 def default_block_t(num_tokens: int, head_dim: int) -> int:
-    """Tokens per program: enough rows to feed the dot, few enough registers for the [BT, D] tile."""
-    if num_tokens <= 16:
-        return 16
+    """Tokens per program: 1 for decode-sized calls (<= SMALL_BATCH_TOKENS), else enough rows to
+    feed the dot with few enough registers for the [BT, D] tile."""
+    if num_tokens <= SMALL_BATCH_TOKENS:
+        return 1
     return {64: 64, 128: 32, 256: 16}[head_dim]
 
 
@@ -292,7 +306,9 @@ def oscar_write_kv(
     if n == 0:
         return
     bt = block_t or default_block_t(n, d)
-    bk = min(d, 64)
+    if bt not in (1, 2, 4, 8) and bt < 16 or bt & (bt - 1):
+        raise ValueError(f"block_t must be a power of two (1-8: no tl.dot, >= 16: tl.dot), got {bt}")
+    bk = min(d, 64) if bt >= 16 else min(d, 32)  # small tiles: [BT, BK, D] products stay in registers
     grid = (triton.cdiv(n, bt), h, 2)
     _oscar_write_kv_kernel[grid](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),

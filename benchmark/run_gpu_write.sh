@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# One device call, no SGLang runtime needed (torch + triton of the GPU image): the write kernel's
+# GPU tests in bf16, then bench_write.py (decode cases as CUDA-graph replays, block_t variants).
+#   bash benchmark/run_gpu_write.sh [bench_write.py args...]      (default: --decode-only)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu_state.txt"
+python3 -m pytest -q test/test_write.py -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/pytest_write_gpu.txt"
+args=("$@"); [ ${#args[@]} -eq 0 ] && args=(--decode-only)
+python3 benchmark/bench_write.py --out "$OUT" "${args[@]}" 2>&1 | tee "$OUT/bench_write.log"
