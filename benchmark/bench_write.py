@@ -40,6 +40,10 @@ SINK, WINDOW = 64, 256
 
 
 def git_commit() -> str:
+    # The device machine's copy of the tree may carry other git metadata than the commit that ran:
+    # the staging scripts pass the real one.
+    if os.environ.get("OSCAR_COMMIT"):
+        return os.environ["OSCAR_COMMIT"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         return subprocess.check_output(["git", "-C", here, "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()

@@ -8,4 +8,4 @@ export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu_state.txt"
 python3 -m pytest -q test/test_write.py -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/pytest_write_gpu.txt"
 args=("$@"); [ ${#args[@]} -eq 0 ] && args=(--decode-only)
-python3 benchmark/bench_write.py --out "$OUT" "${args[@]}" 2>&1 | tee "$OUT/bench_write.log"
+OSCAR_COMMIT=${OSCAR_COMMIT:-} python3 benchmark/bench_write.py --out "$OUT" "${args[@]}" 2>&1 | tee "$OUT/bench_write.log"

@@ -164,10 +164,11 @@ def test_write_decode_tiles(T, D, block_t):
 
 
 def test_default_block_t_switches_at_the_small_batch_bound():
-    from sglang_oscar.kernels.write import SMALL_BATCH_TOKENS, default_block_t
+    from sglang_oscar.kernels.write import MID_BATCH_TOKENS, SMALL_BATCH_TOKENS, default_block_t
 
     assert default_block_t(1, 128) == default_block_t(SMALL_BATCH_TOKENS, 128) == 1
-    assert default_block_t(SMALL_BATCH_TOKENS + 1, 128) >= 16
+    assert default_block_t(SMALL_BATCH_TOKENS + 1, 128) == default_block_t(MID_BATCH_TOKENS, 64) == 16
+    assert default_block_t(MID_BATCH_TOKENS + 1, 64) == 64 and default_block_t(100_000, 128) == 32
 
 
 def test_write_bf16_windows():

@@ -227,15 +227,22 @@ def _check_mean(mean: torch.Tensor, h: int, d: int, device) -> tuple:
 # Up to this many tokens (decode batches) a program handles one token and multiplies by T without
 # tl.dot: a 16-row dot tile would be mostly padding, and one program per (token, head, side) spreads
 # the work over more SMs. Each such program reads its head's D x D fp32 matrix (64 KiB at D 128)
-# from L2, so large batches go back to the dot tiles.
+# from L2, so larger batches go back to the dot tiles. H100, CUDA-graph replays, Qwen3-8B heads
+# (benchmark/results/write_kernel_decode_NVIDIA_H100_80GB_HBM3.json): batch 1 4.9 us (block_t 1)
+# vs 10.0 us (16); batch 8 5.1 vs 11.7; batch 64 9.7 (1) vs 8.7 (16) vs 22.6 (32).
 SMALL_BATCH_TOKENS = 16
+# Up to this many tokens, 16-row dot tiles (more programs); beyond, the prefill tiles per head_dim.
+MID_BATCH_TOKENS = 256
 
 
 def default_block_t(num_tokens: int, head_dim: int) -> int:
-    """Tokens per program: 1 for decode-sized calls (<= SMALL_BATCH_TOKENS), else enough rows to
-    feed the dot with few enough registers for the [BT, D] tile."""
+    """Tokens per program: 1 for decode-sized calls (<= SMALL_BATCH_TOKENS), 16 for larger decode
+    batches (<= MID_BATCH_TOKENS), else enough rows to feed the dot with few enough registers for
+    the [BT, D] tile (prefill)."""
     if num_tokens <= SMALL_BATCH_TOKENS:
         return 1
+    if num_tokens <= MID_BATCH_TOKENS:
+        return 16
     return {64: 64, 128: 32, 256: 16}[head_dim]
 
 
