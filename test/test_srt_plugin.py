@@ -470,17 +470,36 @@ class _Server:
     """`python -m sglang_oscar.launch_server` on CPU (sglang-on-cpu.md Path A), killed at exit."""
 
     def __init__(self, model, log_path, *extra, env=None):
+        self.log_path = log_path
+        self._spawn_args = (model, extra, env)
+        self.restarts = 0
+        self._launch()
+
+    def _launch(self):
         import subprocess
 
+        model, extra, env = self._spawn_args
         self.port = _free_port()
-        self.log_path = log_path
         e = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1", TRITON_INTERPRET="1",
                  PYTHONPATH=os.pathsep.join([_SHIM, os.environ.get("PYTHONPATH", "")]), **(env or {}))
         cmd = [sys.executable, "-m", "sglang_oscar.launch_server", "--model-path", str(model), "--device", "cpu",
                "--max-total-tokens", "4096", "--sleep-on-idle", "--host", "127.0.0.1", "--port", str(self.port),
                *extra]
-        self.log = open(log_path, "w")
+        self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, env=e, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(_REPO))
+
+    def startup_warmup_timed_out(self):
+        """SGLang's own startup warmup polls /model_info with a fixed 5 s timeout (http_server.py
+        _execute_server_warmup) and exits when it never answers: on 2 busy cores (TP ranks over gloo,
+        another server starting) that is the machine, not our code. Only this exit is retried."""
+        return self.proc.poll() is not None and "Initialization failed. warmup error" in self.text()
+
+    def restart(self):
+        """Launch again (new port), keeping the failed attempt's log next to the new one."""
+        self.stop()
+        Path(self.log_path).rename(f"{self.log_path}.attempt{self.restarts}")
+        self.restarts += 1
+        self._launch()
 
     def text(self):
         return Path(self.log_path).read_text(errors="ignore")

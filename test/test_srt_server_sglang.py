@@ -58,9 +58,12 @@ ENV = {options.ENV_BUNDLE: "builtin:hadamard", options.ENV_HP_DTYPE: "float32", 
 FLAGS = ("--attention-backend", "oscar_int2", "--dtype", "float32", "--kv-cache-dtype", "int2",
          "--context-length", "256")
 # Server vs the HF reference: both fp32, but different kernels (Triton-interpreter decode, torch
-# einsums) and different K/V rounding; measured <= 2e-5. Above 1e-3 something is read differently
-# (one INT2 element taking the other code moves a logprob by ~1e-2; a wrong window by O(0.1-1)).
-REF_TOL = 1e-3
+# einsums) and different K/V rounding: usually <= 2e-5, but a K/V element within rounding of an
+# INT2 code boundary may take the other code in one of the two, which moves a logprob by up to
+# ~1e-2 (6.2e-3 seen once in CI, on "100 unchunked"). A wrong window or segment is O(0.1-1) and
+# changes greedy ids; ids must be equal, and the hot / chunked references are asserted to differ
+# from the cold ones in ids, so the checks are not vacuous at this tolerance.
+REF_TOL = 2e-2
 # Two servers running the same code path on the same single-request batches: bitwise in practice.
 SAME_TOL = 1e-5
 
@@ -127,10 +130,19 @@ def _rand_prompt(rnd, n):
 
 
 def _start(*servers, timeout=900):
-    """Wait for servers launched together; returns seconds from launch to ready."""
+    """Wait for servers launched together; returns seconds from launch to ready. A server whose
+    startup died only in SGLang's warmup poll (5 s HTTP timeout, see _Server.startup_warmup_timed_out)
+    is launched once more; any other startup failure fails the test."""
     t0 = time.time()
     for s in servers:
-        s.wait_ready(timeout)
+        try:
+            s.wait_ready(timeout)
+        except AssertionError:
+            if s.restarts or not s.startup_warmup_timed_out():
+                raise
+            print(f"\n[startup] SGLang's warmup poll timed out ({s.log_path}); launching once more")
+            s.restart()
+            s.wait_ready(timeout)
     return time.time() - t0
 
 
@@ -400,7 +412,12 @@ def test_tp1_matches_the_reference(tiny_model_8kv, tp1_outputs):
                                                         kv_heads=8))
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
+# TP sizes to run (scripts/test.sh sets 2 for CI, issue 4's (e); 4 and 8, one KV head per rank at 8,
+# take ~4 more minutes and ~12 GiB: OSCAR_TEST_TP=2,4,8).
+TP_SIZES = [int(x) for x in os.environ.get("OSCAR_TEST_TP", "2,4,8").split(",") if x.strip()]
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
 def test_tensor_parallel_matches_tp1(tp, tiny_model_8kv, tp1_outputs, tmp_path):
     """Each rank holds 8/tp KV heads (its own pool, bundle shard and absorbed V rotation); the row-
     parallel all-reduces only reorder fp32 sums (~1e-6), so tokens must equal TP=1. Tolerance: 1e-4
@@ -575,5 +592,129 @@ def test_soak_mixed_requests_leave_no_kv_behind(tiny_model, tmp_path):
         assert end["max_total_num_tokens"] == start["max_total_num_tokens"]
         for name, x, y in zip(("probe 100", "probe 60", "probe 140"), after, before):
             _check(f"{name} after /flush_cache vs before the soak", x, y, tol=SAME_TOL)
+    finally:
+        srv.stop()
+
+
+# ---- (h) eval drivers against the int2 server -----------------------------------------------------
+
+EVAL_NEW = 8  # tokens per answer: prompts are 70-200 tokens, --context-length is 256
+
+
+def _bench_cli(srv, task, out, *args):
+    """`python -m sglang_oscar.eval.bench TASK` in a subprocess against srv, as a user runs it: the
+    served model name from /v1/models, one repeat, EVAL_NEW tokens with ignore_eos (--extra-body),
+    full responses kept. Returns (process, result JSON, the server log written meanwhile, seconds)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "sglang_oscar.eval.bench", task, "--base-url", f"http://127.0.0.1:{srv.port}",
+           "--out", str(out), "--repeats", "1", "--max-tokens", str(EVAL_NEW), "--concurrency", "4",
+           "--timeout", "600", "--save-responses", "--extra-body", '{"ignore_eos": true}', *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    before = len(srv.text())
+    t = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=str(_REPO))
+    secs = time.time() - t
+    assert proc.returncode == 0, (task, proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc, json.loads(Path(out).read_text()), srv.text()[before:], secs
+
+
+def _prefills(log):
+    """(requests, prompt tokens) the scheduler prefilled: its `Prefill batch` lines summed."""
+    import re
+
+    rows = re.findall(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+),", log)
+    return sum(int(s) for s, _, _ in rows), sum(int(n) + int(c) for _, n, c in rows)
+
+
+def _check_bench_doc(task, proc, doc, model, ids):
+    """What every driver must write: one record per item, each answered by the server (EVAL_NEW
+    tokens, finish "length" under ignore_eos, non-empty text), no API error, scores in [0, 1]."""
+    s = doc["summary"]
+    assert doc["task"] == task and doc["model"] == model, (doc["task"], doc["model"])
+    assert s["errors"] == 0 and s["repeats"] == 1 and s["n"] == len(ids), s
+    assert doc["settings"]["max_tokens"] == EVAL_NEW and doc["settings"]["ignore_eos"] is True
+    (run,) = doc["runs"]
+    recs = run["results"]
+    assert sorted(r["id"] for r in recs) == sorted(ids)
+    for r in recs:
+        assert "error" not in r, r
+        assert isinstance(r["score"], float) and 0.0 <= r["score"] <= 1.0, r
+        assert r["finish_reason"] == "length" and r["completion_tokens"] == EVAL_NEW, r
+        assert isinstance(r["text"], str) and r["text"], r
+    assert 0.0 <= s["mean"] <= 100.0 and s["scores"] == [s["mean"]]
+    assert f"| {task} | {model} |" in proc.stdout and "wrote " in proc.stdout
+    return recs
+
+
+def test_eval_drivers_run_against_the_int2_server(tiny_model, tmp_path):
+    """The accuracy drivers (eval/bench.py CLI) end to end against a real int2 server: gpqa (3
+    multiple-choice items, chat API with the tiny tokenizer's ChatML template, the paper's sampling
+    defaults: temperature 0.6, top-p 0.95, top-k 20, a seed), humaneval (2 items, greedy, answers run
+    in the sandbox) and ruler (niah_single_1 + niah_multikey_2 at 200 tokens, token ids to
+    /v1/completions, tokenizer = the served model's directory). A random model answers garbage, so
+    the scores are not the point; the plumbing is: exit code 0, one record per item each carrying a
+    server response of exactly the requested length, no API errors, scores in [0, 1], and the server's
+    log shows it prefilled exactly those requests (for ruler: exactly the prompt tokens the driver
+    built) in int2 mode."""
+    from transformers import AutoTokenizer
+
+    from sglang_oscar.eval.tasks.ruler import Ruler
+
+    srv = _Server(tiny_model, tmp_path / "eval.log", *FLAGS, "--max-running-requests", "4", env=ENV)
+    try:
+        t0 = time.time()
+        print(f"\n[eval] server ready in {_start(srv):.0f} s")
+        log = srv.text()
+        assert f"sglang_oscar: int2 KV: sink={SINK} recent={RECENT}" in log
+        assert "KV Cache is allocated. dtype: torch.uint8" in log
+        model = str(tiny_model)  # SGLang serves the model under its path; the drivers ask /v1/models
+
+        gpqa = tmp_path / "gpqa.csv"
+        gpqa.write_text("Question,Correct Answer,Incorrect Answer 1,Incorrect Answer 2,Incorrect Answer 3,Record ID\n"
+                        "What is the capital of France?,Paris,Rome,Berlin,Madrid,q1\n"
+                        "What is 2+2?,4,3,5,22,q2\n"
+                        "Which gas do plants take in?,Carbon dioxide,Oxygen,Helium,Neon,q3\n")
+        proc, doc, served, secs = _bench_cli(srv, "gpqa", tmp_path / "gpqa.json", "--data", str(gpqa))
+        recs = _check_bench_doc("gpqa", proc, doc, model, ["q1", "q2", "q3"])
+        st = doc["settings"]
+        assert (st["temperature"], st["top_p"], st["top_k"], st["seed"]) == (0.6, 0.95, 20, 0)
+        assert all(r["extracted"] in (None, "A", "B", "C", "D") for r in recs)
+        assert _prefills(served)[0] == 3
+        print(f"[eval] gpqa: 3 items in {secs:.0f} s, score {doc['summary']['mean']:.1f}; "
+              f"e.g. {recs[0]['text']!r}")
+
+        he = tmp_path / "he.jsonl"
+        he.write_text("".join(json.dumps(r) + "\n" for r in [
+            {"task_id": "t/0", "prompt": "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n", "entry_point": "add",
+             "test": "def check(f):\n    assert f(1, 2) == 3\n"},
+            {"task_id": "t/1", "prompt": "def neg(x):\n    \"\"\"Return -x.\"\"\"\n", "entry_point": "neg",
+             "test": "def check(f):\n    assert f(3) == -3\n"}]))
+        proc, doc, served, secs = _bench_cli(srv, "humaneval", tmp_path / "he.json", "--data", str(he),
+                                             "--temperature", "0")
+        recs = _check_bench_doc("humaneval", proc, doc, model, ["t/0", "t/1"])
+        assert doc["settings"]["temperature"] == 0.0
+        for r in recs:  # `extracted` is the sandbox's status: the program really ran
+            assert r["extracted"] in ("ok", "error", "timeout", "output_limit") and r["score"] == float(
+                r["extracted"] == "ok"), r
+        assert _prefills(served)[0] == 2
+        print(f"[eval] humaneval: 2 items in {secs:.0f} s, sandbox {[r['extracted'] for r in recs]}")
+
+        tasks, length = ("niah_single_1", "niah_multikey_2"), 200
+        proc, doc, served, secs = _bench_cli(srv, "ruler", tmp_path / "ruler.json", "--lengths", str(length),
+                                             "--samples", "1", "--niah-tasks", *tasks)
+        recs = _check_bench_doc("ruler", proc, doc, model, [f"{t}/{length}/0" for t in tasks])
+        assert doc["settings"]["temperature"] == 0.0 and doc["data"].startswith("generated NIAH")
+        assert set(doc["summary"]["groups"]) == {f"{t}@{length}" for t in tasks}
+        built = Ruler().build(AutoTokenizer.from_pretrained(model), [length], 1, tasks)
+        lengths = [len(ex.data["prompt_ids"]) for ex in built]
+        assert all(n + EVAL_NEW <= length for n in lengths), lengths
+        assert _prefills(served) == (2, sum(lengths)), (_prefills(served), lengths)
+        print(f"[eval] ruler: prompts of {lengths} tokens in {secs:.0f} s, answers "
+              f"{[r['extracted'] for r in recs]}")
+
+        assert srv.proc.poll() is None, "server died"
+        assert "Traceback" not in srv.text()
+        print(f"[eval] total {time.time() - t0:.0f} s")
     finally:
         srv.stop()
