@@ -1,7 +1,8 @@
 """Real SGLang 0.5.17 CPU servers in int2 mode: radix-cache hits, chunked prefill, tensor parallelism
-(gloo) and a soak. All `slow`: each test starts its own servers (30-60 s each on 2 cores; TP=2/4/8:
-56/95/150 s and 4.6/7.0/11.8 GiB RSS). Measured on 2 shared cores: radix 2.5 min, sink rows 1 min,
-chunked 1.6 min, TP=1/2/4/8 8.6 min, soak 10.8 min (500 requests in 555 s).
+(gloo), a soak and the eval drivers. All `slow`: each test starts its own servers (30-60 s each on 2
+cores; TP=2/4/8: 56/95/150 s and 4.6/7.0/11.8 GiB RSS). Measured on 2 shared cores: radix 2.5 min,
+sink rows 1 min, chunked 1.6 min, TP=1/2 ~8 min (TP=4/8 with OSCAR_TEST_TP=2,4,8: ~4 min more), soak
+10.8 min (500 requests in 555 s), eval drivers 2.2 min.
 
     /work/sglvenv/bin/python -m pytest -q -m slow -s test/test_srt_server_sglang.py
 
@@ -627,6 +628,16 @@ def _prefills(log):
     return sum(int(s) for s, _, _ in rows), sum(int(n) + int(c) for _, n, c in rows)
 
 
+def _chat_prompt_tokens(tok, task, data):
+    """Prompt lengths of a chat task's requests (repeat 0, seed 0) under the model's chat template."""
+    from sglang_oscar.eval import bench
+    from sglang_oscar.eval.datasets import load_records
+
+    t = bench.all_tasks()[task]
+    return [len(tok(tok.apply_chat_template(t.messages(ex, 0), add_generation_prompt=True, tokenize=False),
+                    add_special_tokens=False)["input_ids"]) for ex in t.examples(load_records(str(data)))]
+
+
 def _check_bench_doc(task, proc, doc, model, ids):
     """What every driver must write: one record per item, each answered by the server (EVAL_NEW
     tokens, finish "length" under ignore_eos, non-empty text), no API error, scores in [0, 1]."""
@@ -655,11 +666,14 @@ def test_eval_drivers_run_against_the_int2_server(tiny_model, tmp_path):
     /v1/completions, tokenizer = the served model's directory). A random model answers garbage, so
     the scores are not the point; the plumbing is: exit code 0, one record per item each carrying a
     server response of exactly the requested length, no API errors, scores in [0, 1], and the server's
-    log shows it prefilled exactly those requests (for ruler: exactly the prompt tokens the driver
-    built) in int2 mode."""
+    log shows it answered exactly those requests on the driver's endpoint with HTTP 200 and prefilled
+    exactly the prompt tokens the driver built (chat tasks: the messages under the model's chat
+    template; ruler: the token ids), in int2 mode (uint8 pool, the plugin's "int2 KV" line)."""
     from transformers import AutoTokenizer
 
     from sglang_oscar.eval.tasks.ruler import Ruler
+
+    chat_ok, completion_ok = '"POST /v1/chat/completions HTTP/1.1" 200 OK', '"POST /v1/completions HTTP/1.1" 200 OK'
 
     srv = _Server(tiny_model, tmp_path / "eval.log", *FLAGS, "--max-running-requests", "4", env=ENV)
     try:
@@ -669,6 +683,7 @@ def test_eval_drivers_run_against_the_int2_server(tiny_model, tmp_path):
         assert f"sglang_oscar: int2 KV: sink={SINK} recent={RECENT}" in log
         assert "KV Cache is allocated. dtype: torch.uint8" in log
         model = str(tiny_model)  # SGLang serves the model under its path; the drivers ask /v1/models
+        tok = AutoTokenizer.from_pretrained(model)
 
         gpqa = tmp_path / "gpqa.csv"
         gpqa.write_text("Question,Correct Answer,Incorrect Answer 1,Incorrect Answer 2,Incorrect Answer 3,Record ID\n"
@@ -680,8 +695,9 @@ def test_eval_drivers_run_against_the_int2_server(tiny_model, tmp_path):
         st = doc["settings"]
         assert (st["temperature"], st["top_p"], st["top_k"], st["seed"]) == (0.6, 0.95, 20, 0)
         assert all(r["extracted"] in (None, "A", "B", "C", "D") for r in recs)
-        assert _prefills(served)[0] == 3
-        print(f"[eval] gpqa: 3 items in {secs:.0f} s, score {doc['summary']['mean']:.1f}; "
+        lengths = _chat_prompt_tokens(tok, "gpqa", gpqa)
+        assert served.count(chat_ok) == 3 and _prefills(served) == (3, sum(lengths)), (_prefills(served), lengths)
+        print(f"[eval] gpqa: prompts of {lengths} tokens in {secs:.0f} s, score {doc['summary']['mean']:.1f}; "
               f"e.g. {recs[0]['text']!r}")
 
         he = tmp_path / "he.jsonl"
@@ -697,8 +713,10 @@ def test_eval_drivers_run_against_the_int2_server(tiny_model, tmp_path):
         for r in recs:  # `extracted` is the sandbox's status: the program really ran
             assert r["extracted"] in ("ok", "error", "timeout", "output_limit") and r["score"] == float(
                 r["extracted"] == "ok"), r
-        assert _prefills(served)[0] == 2
-        print(f"[eval] humaneval: 2 items in {secs:.0f} s, sandbox {[r['extracted'] for r in recs]}")
+        lengths = _chat_prompt_tokens(tok, "humaneval", he)
+        assert served.count(chat_ok) == 2 and _prefills(served) == (2, sum(lengths)), (_prefills(served), lengths)
+        print(f"[eval] humaneval: prompts of {lengths} tokens in {secs:.0f} s, sandbox "
+              f"{[r['extracted'] for r in recs]}")
 
         tasks, length = ("niah_single_1", "niah_multikey_2"), 200
         proc, doc, served, secs = _bench_cli(srv, "ruler", tmp_path / "ruler.json", "--lengths", str(length),
@@ -706,9 +724,9 @@ def test_eval_drivers_run_against_the_int2_server(tiny_model, tmp_path):
         recs = _check_bench_doc("ruler", proc, doc, model, [f"{t}/{length}/0" for t in tasks])
         assert doc["settings"]["temperature"] == 0.0 and doc["data"].startswith("generated NIAH")
         assert set(doc["summary"]["groups"]) == {f"{t}@{length}" for t in tasks}
-        built = Ruler().build(AutoTokenizer.from_pretrained(model), [length], 1, tasks)
-        lengths = [len(ex.data["prompt_ids"]) for ex in built]
+        lengths = [len(ex.data["prompt_ids"]) for ex in Ruler().build(tok, [length], 1, tasks)]
         assert all(n + EVAL_NEW <= length for n in lengths), lengths
+        assert served.count(completion_ok) == 2 and chat_ok not in served
         assert _prefills(served) == (2, sum(lengths)), (_prefills(served), lengths)
         print(f"[eval] ruler: prompts of {lengths} tokens in {secs:.0f} s, answers "
               f"{[r['extracted'] for r in recs]}")

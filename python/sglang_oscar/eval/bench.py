@@ -149,7 +149,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", default=None, help="free text stored with the results (e.g. int2-oscar, bf16)")
     p.add_argument("--out", default=None, help="results JSON (default results/<task>_<time>.json)")
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0, help="repeat r uses seed + r (server sampling seed, choice order)")
+    p.add_argument("--seed", type=int, default=0, help="repeat r uses seed + r (choice order; the request's sampling seed, which SGLang 0.5.17 applies only when the server runs with --enable-deterministic-inference)")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
