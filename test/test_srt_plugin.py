@@ -423,8 +423,10 @@ def test_write_plan_runs_out_of_sink_rows_gracefully(int2_env):
     tracker = RingStartTracker(2)
     plan = plan_writes(pool, tracker, [0, 1], [0, 0], [6, 6], torch.arange(1, 13), generations=[1, 1])
     assert (plan.sink_dst >= 0).sum() == 8  # positions 0..3 of both requests
+    assert pool.sink_rows_missing == 0
     plan = plan_writes(pool, tracker, [1], [0], [5], torch.arange(20, 25), generations=[2])
     assert (plan.sink_dst == -1).all()  # no rows left (slots 1..12 still hold theirs): stays INT2
+    assert pool.sink_rows_missing == 4  # positions 0..3 of the new request: counted (and logged)
     pool.release_sink_rows(torch.arange(1, 7))  # SGLang frees request 0's slots
     plan = plan_writes(pool, tracker, [1], [0], [2], torch.tensor([30, 31]), generations=[3])
     assert (plan.sink_dst >= 0).all()

@@ -16,10 +16,13 @@ Sink rows are released when SGLang frees the slot that owns them: `attach` (call
 _init_pools hook) wraps free / free_segment / clear of this pool's allocator instance. The release
 is sync-free (a device-side free mask), so it adds no host sync to SGLang's free path.
 
-Phase 1: set_kv_buffer writes the INT2 form only (sink_dst = ring_dst = -1: correct, without
-windows); the window writes, sink-row allocation (alloc_sink_rows, from the backend's host-side
-metadata step) and ring_start updates come with the attention backend (docs/sglang_integration.md
-section 3).
+set_kv_buffer (generic callers) writes the INT2 form only (sink_dst = ring_dst = -1: correct, without
+windows); the oscar_int2 backend writes the windows too, with sink-row allocation (alloc_sink_rows,
+from its host-side metadata step, srt/write_plan.py) and ring_start updates.
+
+Sink rows can run out (a fixed pool of 2·R·S rows; cached prefixes keep theirs until evicted): a
+position < S then stays INT2-only (read as INT2 by the kernels). That is counted in
+`sink_rows_missing` and logged (first time, then each time the count doubles), never silent.
 """
 
 from __future__ import annotations
@@ -95,6 +98,8 @@ class OscarKVPool(MHATokenToKVPool):
         self.max_running_requests = setup.max_running_requests
         self.window_dtype = _WINDOW_DTYPES[setup.cfg.window_dtype]
         self._warned_no_windows = False
+        self.sink_rows_missing = 0  # positions < S written INT2-only because no sink row was free
+        self._sink_warn_at = 1
         super().__init__(size, page_size, dtype, head_num, head_dim, layer_num, device, enable_memory_saver,
                          v_head_dim=head_dim, start_layer=start_layer, end_layer=end_layer,
                          enable_alt_stream=enable_alt_stream, enable_kv_cache_copy=False,
@@ -228,6 +233,16 @@ class OscarKVPool(MHATokenToKVPool):
         rows[: free_rows.numel()] = free_rows.to(torch.int32)
         self.sink_row_free[free_rows] = False
         self.sink_table[slots.to(self.sink_table.device)] = rows
+        short = slots.numel() - free_rows.numel()
+        if short > 0:
+            self.sink_rows_missing += short
+            if self.sink_rows_missing >= self._sink_warn_at:
+                logger.warning(
+                    "int2 KV: no free BF16 sink rows for %d position(s) < S (%d so far): they are stored and "
+                    "read as INT2 only (slightly less accurate). The %d sink rows are held by running requests "
+                    "and radix-cached prefixes; more --max-running-requests reserves more, /flush_cache frees "
+                    "cached ones.", short, self.sink_rows_missing, self.num_sink_rows)
+                self._sink_warn_at = 2 * self.sink_rows_missing
         return rows
 
     # ---- writes --------------------------------------------------------------------------------
