@@ -235,6 +235,12 @@ def test_graph_decode_equals_eager_on_padded_batches(setup):
     # (rows, graph bs): padding 4 / 5 / 1 / 2, a request finishing in between (its sink rows freed)
     steps = [([1, 2, 3, 4], 8), ([1, 2, 3, 4], 8), ([1, 2, 4], 8), ([1, 2, 4], 4), ([2, 1], 4), ([1, 2, 4], 4),
              ([1, 2, 4], 8)]
+    # Which plan each step took: the host plan (_real_rows: a device->host sync on CUDA) while some
+    # token is inside the sink (row 1 writes 61..63 in steps 0-2, row 3 20..21), then the sync-free
+    # device plan once every new token is at a position >= S.
+    host_plans = []
+    real_rows = graph.backend._real_rows
+    graph.backend._real_rows = lambda fb: host_plans.append(True) or real_rows(fb)
     for i, (rows, bs) in enumerate(steps):
         if i == 2:
             eager.finish(3)
@@ -254,6 +260,7 @@ def test_graph_decode_equals_eager_on_padded_batches(setup):
             assert (o_g[n:] == 0).all(), "padded requests must read nothing (length 0 -> output 0)"
         _assert_same_state(eager, graph)
         assert (graph.backend.graph.sink_dst[n:bs] == -1).all() and (graph.backend.graph.slots[n:bs] == 0).all()
+    assert len(host_plans) == 3, f"{len(host_plans)} host plans: steps 3-6 must use the device plan"
     # the window edges were crossed: row 1 went 61 -> 67 (past S), row 2 93 -> 100 (ring wrap at 96)
     assert graph.lens[1] == 61 + len(steps) and graph.lens[2] == 93 + len(steps)
     assert graph.pool.ring_start[1:3].tolist() == [0, 0] and graph.pool.ring_start[4] == 70

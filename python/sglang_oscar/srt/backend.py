@@ -234,13 +234,18 @@ class OscarAttnBackend(AttentionBackend):
         if bs > g.max_bs:
             raise RuntimeError(f"{NAME}: graph batch {bs} > max_bs {g.max_bs} of init_cuda_graph_state")
         self.plan = self.meta = None
-        rows = [] if in_capture or mode.is_idle() else self._real_rows(forward_batch)
-        n = len(rows)
+        n = 0 if in_capture or mode.is_idle() else self._past_sink_count(forward_batch)
         if n:
-            p = self._plan_decode(forward_batch, rows)
-            g.slots[:n].copy_(p.slots)
-            g.sink_dst[:n].copy_(p.sink_dst)
-            g.ring_dst[:n].copy_(p.ring_dst)
+            self._plan_decode_on_device(forward_batch, n)
+        else:
+            rows = [] if in_capture or mode.is_idle() else self._real_rows(forward_batch)
+            n = len(rows)
+            if n:
+                p = self._plan_decode(forward_batch, rows)
+                g.slots[:n].copy_(p.slots)
+                g.sink_dst[:n].copy_(p.sink_dst)
+                g.ring_dst[:n].copy_(p.ring_dst)
+        if n:
             g.req_pool_indices[:n].copy_(forward_batch.req_pool_indices[:n])
             g.seq_lens[:n].copy_(forward_batch.seq_lens[:n])
         # Padding tail, rewritten every step: a smaller batch must not leave the previous step's
@@ -251,6 +256,34 @@ class OscarAttnBackend(AttentionBackend):
         g.req_pool_indices[n:bs].zero_()
         g.seq_lens[n:bs].zero_()
         self.decode_meta = g.view(bs)
+
+    def _past_sink_count(self, forward_batch) -> int:
+        """Replay steps whose new tokens all lie at positions >= S: the number of real requests, else 0.
+
+        Then the write plan needs nothing from the host (no sink row to allocate, the ring row is
+        r·W + p mod W, no request starts in a decode step: ring_start was set by its extend), so it is
+        built from device tensors without the req_pool_indices sync of _real_rows, which made the host
+        wait for the previous step. The replay view's out_cache_loc holds the real tokens only
+        (build_replay_fb_view), its length is the real count; seq_lens_cpu is already on the host."""
+        seq_cpu = getattr(forward_batch, "seq_lens_cpu", None)
+        loc = forward_batch.out_cache_loc
+        if seq_cpu is None or loc is None:
+            return 0
+        n = loc.numel()
+        if n == 0 or n > forward_batch.batch_size:
+            return 0
+        if int(seq_cpu[:n].min()) - 1 < self.pool.setup.cfg.sink:
+            return 0
+        return n
+
+    def _plan_decode_on_device(self, forward_batch, n: int) -> None:
+        """The graph buffers of n decode tokens at positions >= S, as plan_writes would give them."""
+        g, w = self.graph, self.pool.setup.cfg.recent
+        rows = forward_batch.req_pool_indices[:n].to(torch.int64)
+        pos = forward_batch.seq_lens[:n].to(torch.int64) - 1
+        g.slots[:n].copy_(forward_batch.out_cache_loc[:n])
+        g.sink_dst[:n].fill_(-1)
+        g.ring_dst[:n].copy_(rows * w + pos % w)
 
     def init_forward_metadata_in_graph(self, forward_batch):
         # Nothing to record: out_graph already wrote every buffer the kernels read.
