@@ -35,6 +35,8 @@ MODES = {
     "int2": ("oscar_int2", "int2", _INT2, {}),
     # the same with the INT2 history split for 8 programs per SM instead of 3 (small batches)
     "int2_w8": ("oscar_int2", "int2", _INT2, {"SGLANG_OSCAR_DECODE_WAVES": "8"}),
+    # the same with the extend (prefill) attention on torch SDPA instead of FlashInfer (before/after)
+    "int2_sdpa": ("oscar_int2", "int2", _INT2, {"SGLANG_OSCAR_EXTEND_ATTENTION": "sdpa"}),
     "fi_bf16": ("flashinfer", "auto", [], {}),
     "fi_fp8": ("flashinfer", "fp8_e4m3", [], {}),
     "triton_bf16": ("triton", "auto", [], {}),

@@ -2,13 +2,12 @@
 
 Reads the int2 pool exactly as the kernels define it:
 * decode: kernels/decode.py:oscar_decode (INT2 history + BF16 sink + BF16 ring, one launch + merge);
-* extend: kernels/gather.py rebuilds each request's cached prefix in the transformed basis (before
-  the chunk is written, so the prefix's last W positions still come from the ring), the
-  chunk's own K/V are transformed in torch (exact, not quantized: a chunk attends to itself at
-  full precision, as the seed does), and attention runs per request with torch SDPA (flash /
-  mem-efficient kernels only on CUDA, see _causal_attention). Simple, not fast: prefill CUDA
-  graphs are turned off for int2 (server_checks.adjust_cuda_graphs); a batched extend kernel is
-  the next step (plan section 3).
+* extend: kernels/gather.py rebuilds each request's cached prefix in BF16 in the transformed basis
+  (before the chunk is written, so the prefix's last W positions still come from the ring) into a
+  ragged K/V buffer, followed by the chunk's own K/V transformed in torch (exact, not quantized: a
+  chunk attends to itself at full precision, as the seed does); one causal attention call per
+  layer over the whole batch (srt/extend_attention.py: FlashInfer's ragged prefill on CUDA, torch
+  SDPA on CPU). Prefill CUDA graphs are turned off for int2 (server_checks.adjust_cuda_graphs).
 Writes (INT2 + windows) go through srt/write_plan.py + OscarKVPool.write_layer.
 
 Basis: keys are stored as (k − μ)·T_K and queries become q·T_K (T_K orthogonal, so T_K^{−T} = T_K;
@@ -44,6 +43,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from . import options
+from .extend_attention import ExtendAttention
 from .options import OscarOptionError
 from .pool import OscarKVPool
 from .write_plan import plan_writes
@@ -101,26 +101,36 @@ class GraphBuffers:
                           self.ring_dst[:bs])
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
-    """q [H, e, D] after a cached prefix, k/v [H, prefix + e, D]: query j sees keys [0, prefix + j].
+@dataclasses.dataclass
+class ExtendMeta:
+    """One extend step, built once per forward. Ragged K/V layout of the attention call: request i's
+    rows are [kv_starts[i], kv_starts[i] + prefix[i]) its rebuilt prefix, then its ext[i] new tokens."""
 
-    Batched 4-D inputs and no materialized mask, so CUDA runs a fused kernel: flash (plain causal)
-    without a prefix, mem-efficient (lower-right causal bias) with one. On CUDA only those two are
-    allowed: the math fallback would build [H, e, prefix + e] scores (128 GiB at 32k on Qwen3-8B),
-    better a clear error than an OOM or a silently slow path."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
+    rows: list
+    prefix: list  # cached tokens per request (host)
+    ext: list  # new tokens per request (host)
+    kv_starts: list  # first row of each request in the ragged K/V buffer (host)
+    gather_args: list  # per request with a prefix: (index, req row [1], indptr [0, p], ring_start [1]) on device
 
-    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    e = q.shape[2]
-    allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
-    with sdpa_kernel(allowed):
-        if prefix == 0:
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        else:
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(e, prefix + e),
-                                                                 scale=scale)
-    return o[0]
+    @classmethod
+    def build(cls, rows, prefix, ext, ring_starts: torch.Tensor) -> "ExtendMeta":
+        kv_starts, off = [], 0
+        for p, e in zip(prefix, ext):
+            kv_starts.append(off)
+            off += p + e
+        dev = ring_starts.device
+        idx = [i for i, p in enumerate(prefix) if p]
+        args = []
+        if idx:  # one small H2D copy per forward; each layer's gathers then launch without host tensors
+            rows_t = torch.tensor([rows[i] for i in idx], dtype=torch.int32, device=dev)
+            ptr_t = torch.tensor([[0, prefix[i]] for i in idx], dtype=torch.int32, device=dev)
+            starts_t = ring_starts.to(torch.int32)
+            args = [(i, rows_t[j:j + 1], ptr_t[j], starts_t[i:i + 1]) for j, i in enumerate(idx)]
+        return cls(list(rows), list(prefix), list(ext), kv_starts, args)
+
+    @property
+    def kv_lens(self) -> list:
+        return [p + e for p, e in zip(self.prefix, self.ext)]
 
 
 class OscarAttnBackend(AttentionBackend):
@@ -136,14 +146,16 @@ class OscarAttnBackend(AttentionBackend):
 
         check_v_basis(getattr(model_runner, "model", None), pool)
         self.pool = pool
-        self.split_waves = options.from_env().decode_waves  # shapes-only split count: graph-capturable
+        opts = options.from_env()
+        self.split_waves = opts.decode_waves  # shapes-only split count: graph-capturable
         model_dtype = getattr(model_runner, "dtype", None)
         for r in pool.rotations if model_dtype is not None else ():  # made here, not inside a graph capture
             r.q_transform_as(model_dtype)
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.device = model_runner.device
+        self.extend_attention = ExtendAttention(opts.extend_attention, self.device)
         self.plan = None  # extend: WritePlan of the step
-        self.meta = None  # extend: (rows, prefix_lens, extend_lens) on the host
+        self.meta = None  # extend: ExtendMeta
         self.decode_meta: Optional[DecodeMeta] = None
         self.graph: Optional[GraphBuffers] = None  # set by init_cuda_graph_state
 
@@ -202,7 +214,8 @@ class OscarAttnBackend(AttentionBackend):
             gens = self.req_to_token_pool.req_generation[rows].tolist()
             self.plan = plan_writes(self.pool, self.pool.ring_tracker, rows, prefix, ext, forward_batch.out_cache_loc,
                                     gens)
-            self.meta = (rows, prefix, ext)
+            self.meta = ExtendMeta.build(rows, prefix, ext, self.plan.ring_starts)
+            self.extend_attention.reset()
         else:  # MIXED, TARGET_VERIFY, DRAFT_EXTEND_V2, SPLIT_PREFILL, DLLM_EXTEND, PREBUILT
             raise NotImplementedError(f"{NAME}: forward mode {mode.name} is not supported (decode and extend only)")
 
@@ -332,11 +345,12 @@ class OscarAttnBackend(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         from ..kernels.decode import transform_query
-        from ..kernels.gather import oscar_gather_prefix
+        from ..kernels.gather import oscar_gather_prefixes
 
         hq, d, h = layer.tp_q_head_num, layer.qk_head_dim, self.pool.head_num
         r = self.pool.rotations[layer.layer_id - self.pool.start_layer]
         lc = self.pool.layer_cache(layer.layer_id)
+        m = self.meta
         qt = transform_query(q.reshape(-1, hq, d), r.q_transform, h)
         kk = k.reshape(-1, h, d).float()
         if r.k_mean is not None:
@@ -344,32 +358,32 @@ class OscarAttnBackend(AttentionBackend):
         kt = torch.einsum("nhd,hde->nhe", kk, _per_q_head(r.k_transform, h, h)).to(q.dtype)
         vt = (v.reshape(-1, h, d).to(q.dtype) if r.v_transform is None  # absorbed: the model emits v·T_V
               else torch.einsum("nhd,hde->nhe", v.reshape(-1, h, d).float(), _per_q_head(r.v_transform, h, h)).to(q.dtype))
-        out = torch.empty(qt.shape, dtype=q.dtype, device=q.device)
-        rows, prefix, ext = self.meta
-        # Gather every prefix BEFORE this chunk is written: the chunk's ring writes would overwrite
-        # the ring rows of the prefix's last W positions (p mod W collides), which would then be read
-        # as INT2. Reading first keeps them exact, the same rule as decode and eval/simulator.py.
-        prefixes = []
-        for i, (row, p) in enumerate(zip(rows, prefix)):
-            pk = torch.empty(p, h, d, dtype=q.dtype, device=q.device)
-            pv = torch.empty_like(pk)
-            if p:
-                oscar_gather_prefix(lc, self.req_to_token_pool.req_to_token, row, p,
-                                    int(self.plan.ring_starts[i]), pk, pv,
-                                    k_level_a=r.k_level_a, v_level_a=r.v_level_a)
-            prefixes.append((pk, pv))
+        if m.gather_args:
+            # Ragged K/V = each request's prefix, then its chunk. Gather every prefix BEFORE this chunk
+            # is written: the chunk's ring writes would overwrite the ring rows of the prefix's last W
+            # positions (p mod W collides), which would then be read as INT2. Reading first keeps them
+            # exact, the same rule as decode and eval/simulator.py.
+            n = sum(m.kv_lens)
+            keys = torch.empty(n, h, d, dtype=q.dtype, device=q.device)
+            vals = torch.empty_like(keys)
+            for i, row_t, ptr_t, start_t in m.gather_args:
+                a, p = m.kv_starts[i], m.prefix[i]
+                oscar_gather_prefixes(lc, self.req_to_token_pool.req_to_token, row_t, ptr_t, start_t,
+                                      keys[a:a + p], vals[a:a + p], k_level_a=r.k_level_a, v_level_a=r.v_level_a,
+                                      validate=False)
+            start = 0
+            for a, p, e in zip(m.kv_starts, m.prefix, m.ext):
+                keys[a + p:a + p + e] = kt[start:start + e]
+                vals[a + p:a + p + e] = vt[start:start + e]
+                start += e
+        else:  # no cached prefix anywhere: the chunk is the whole ragged K/V
+            keys, vals = kt, vt
         if save_kv_cache and k is not None:
             self._write(layer, k, v)
-        start = 0
-        for (pk, pv), p, e in zip(prefixes, prefix, ext):
-            keys = torch.cat([pk, kt[start:start + e]]).transpose(0, 1)  # [H, p+e, D]
-            vals = torch.cat([pv, vt[start:start + e]]).transpose(0, 1)
-            qi = qt[start:start + e].transpose(0, 1)  # [Hq, e, D]
-            if hq != h:
-                keys, vals = keys.repeat_interleave(hq // h, 0), vals.repeat_interleave(hq // h, 0)
-            oi = _causal_attention(qi, keys, vals, p, layer.scaling)
-            out[start:start + e] = oi.transpose(0, 1)
-            start += e
+        att = self.extend_attention
+        if att.needs_plan(hq, h, d, q.dtype, layer.scaling):
+            att.plan(m.ext, m.kv_lens, hq, h, d, q.dtype, layer.scaling)
+        out = att.run(qt, keys, vals)
         return self._unrotate_v(out, layer).reshape(-1, hq * d)
 
 

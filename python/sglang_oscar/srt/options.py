@@ -21,6 +21,9 @@ Accepted (seed names kept so seed launch scripts work unchanged):
     SGLANG_MIXED_KV_HP_MAX_SPLITS      split count for the window part of decode (default 8)
     SGLANG_OSCAR_DECODE_WAVES          decode programs per SM the INT2 history is split for (default 3;
                                        more splits help small batches at long context)
+    SGLANG_OSCAR_EXTEND_ATTENTION      attention of prefill / extend steps over the rebuilt BF16 prefix:
+                                       auto (default: FlashInfer on CUDA, torch SDPA on CPU),
+                                       flashinfer, or sdpa (torch, slower on CUDA; for comparison)
 """
 
 from __future__ import annotations
@@ -47,15 +50,17 @@ ENV_HP_DTYPE = "SGLANG_MIXED_KV_HP_DTYPE"
 ENV_SCALE_DTYPE = "SGLANG_MIXED_KV_SCALE_DTYPE"
 ENV_HP_SPLITS = "SGLANG_MIXED_KV_HP_MAX_SPLITS"
 ENV_WAVES = "SGLANG_OSCAR_DECODE_WAVES"
+ENV_EXTEND = "SGLANG_OSCAR_EXTEND_ATTENTION"
 
 ALL_ENV = (ENV_GROUP, ENV_BUNDLE, ENV_K_PATH, ENV_V_PATH, ENV_K_CLIP, ENV_V_CLIP, ENV_ABSORB_V, ENV_PREFIX,
-           ENV_RECENT, ENV_WINDOWS, ENV_HP_DTYPE, ENV_SCALE_DTYPE, ENV_HP_SPLITS, ENV_WAVES)
+           ENV_RECENT, ENV_WINDOWS, ENV_HP_DTYPE, ENV_SCALE_DTYPE, ENV_HP_SPLITS, ENV_WAVES, ENV_EXTEND)
 
 BUILTIN_BUNDLES = ("builtin:identity", "builtin:hadamard")
 DEFAULT_SINK = 64
 DEFAULT_RECENT = 256
 DEFAULT_HP_SPLITS = 8
 DEFAULT_WAVES = 3
+EXTEND_IMPLS = ("auto", "flashinfer", "sdpa")
 
 # Accepted spellings -> canonical torch dtype name (the seed accepted all of these).
 _DTYPE_ALIASES = {
@@ -88,6 +93,7 @@ class OscarServeConfig:
     v_clip: Optional[float] = None
     absorb_v_rotation: bool = True
     decode_waves: int = DEFAULT_WAVES
+    extend_attention: str = "auto"
 
     @property
     def rotation_source(self) -> str:
@@ -107,7 +113,7 @@ class OscarServeConfig:
             ENV_PREFIX: str(self.sink), ENV_RECENT: str(self.recent), ENV_WINDOWS: "1",
             ENV_HP_DTYPE: self.window_dtype, ENV_SCALE_DTYPE: self.scale_dtype,
             ENV_HP_SPLITS: str(self.hp_max_splits), ENV_ABSORB_V: "1" if self.absorb_v_rotation else "0",
-            ENV_WAVES: str(self.decode_waves),
+            ENV_WAVES: str(self.decode_waves), ENV_EXTEND: self.extend_attention,
         }
         optional = {ENV_GROUP: self.group_size, ENV_BUNDLE: self.bundle_path, ENV_K_PATH: self.k_rotation_path,
                     ENV_V_PATH: self.v_rotation_path, ENV_K_CLIP: self.k_clip, ENV_V_CLIP: self.v_clip}
@@ -247,9 +253,12 @@ def from_env(env: Optional[Mapping[str, str]] = None, *, group_size: Optional[in
     v_clip = _clip(get(ENV_V_CLIP), ENV_V_CLIP) if get(ENV_V_CLIP) is not None else None
     absorb = _bool(get(ENV_ABSORB_V), ENV_ABSORB_V) if get(ENV_ABSORB_V) is not None else True
     waves = _int(get(ENV_WAVES), ENV_WAVES, 1) if get(ENV_WAVES) is not None else DEFAULT_WAVES
+    extend = str(get(ENV_EXTEND) or "auto").strip().lower()
+    if extend not in EXTEND_IMPLS:
+        raise OscarOptionError(f"{ENV_EXTEND}={get(ENV_EXTEND)!r}: use one of {EXTEND_IMPLS}")
 
     return OscarServeConfig(group_size, sink, recent, window_dtype, scale_dtype, splits, bundle, kp, vp,
-                            k_clip, v_clip, absorb, waves)
+                            k_clip, v_clip, absorb, waves, extend)
 
 
 def from_argv(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> tuple[list, OscarServeConfig]:
