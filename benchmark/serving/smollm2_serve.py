@@ -436,6 +436,15 @@ def check_greedy(rec: Record, srv: Server, prompts: list, res: dict, new: int) -
 
 
 def compare_greedy(rec: Record, a: dict, b: dict) -> None:
+    """Greedy ids of the int2 server (a) against the stock one (b) on prompts inside the exact windows.
+
+    Different attention kernels (and int2's BF16 rotation of K/V) move logprobs by ~0.1 nats, so an
+    exact tie in the stock server's top-2 can flip either way; demanding equality there would test
+    argmax tie-breaking. A divergence passes as a near-tie flip when (1) the stock top-2 gap at it is
+    no larger than the logprob noise measured between the servers on the matching tokens before it
+    (max |difference|; with no such token only an exact tie passes), and (2)
+    both servers' top-2 at it are the same two tokens (a swap, not a new candidate). Anything else
+    fails. The first GPU run (2026-11-25) diverged once, at a stock gap of exactly 0.0."""
     rows, ok_all = [], True
     for x, y in zip(a["greedy"], b["greedy"]):
         same = 0
@@ -445,20 +454,28 @@ def compare_greedy(rec: Record, a: dict, b: dict) -> None:
             same += 1
         k = same + 1 if same < len(x["logprobs"]) else same
         gap = max((abs(p - q) for p, q in zip(x["logprobs"][:k], y["logprobs"][:k])), default=0.0)
+        noise = max((abs(p - q) for p, q in zip(x["logprobs"][:same], y["logprobs"][:same])), default=0.0)
         row = dict(prompt_len=x["prompt_len"], tokens=len(x["output_ids"]), equal=x["output_ids"] == y["output_ids"],
-                   matching_prefix=same, max_logprob_gap_through_first_divergence=round(gap, 5))
-        if not row["equal"] and same < len(y.get("top2", [])):
+                   matching_prefix=same, max_logprob_gap_through_first_divergence=round(gap, 5),
+                   max_logprob_gap_before_divergence=round(noise, 5))
+        ok = row["equal"]
+        if not ok and same < len(y.get("top2", [])):
             t = y["top2"][same]
+            u = x["top2"][same] if same < len(x.get("top2", [])) else None
             row["stock_top2_at_divergence"] = t
             row["stock_top2_gap"] = round(t[0][0] - t[1][0], 5) if len(t) > 1 else None
-            row["int2_top2_at_divergence"] = x["top2"][same] if same < len(x.get("top2", [])) else None
-        ok_all &= row["equal"]
+            row["int2_top2_at_divergence"] = u
+            swap = bool(u) and len(t) > 1 and len(u) > 1 and {t[0][1], t[1][1]} == {u[0][1], u[1][1]}
+            ok = row["near_tie_flip"] = swap and row["stock_top2_gap"] is not None and row["stock_top2_gap"] <= noise
+        ok_all &= ok
         rows.append(row)
     rec.check("greedy_int2_equals_stock", server=f"{a['label']} vs {b['label']}",
               command="the greedy_run outputs of both servers",
               rule=(f"prompt + output <= sink {SINK} + recent {RECENT}: int2 reads exact window rows only, so its "
-                    "greedy ids must equal the stock server's; at a divergence the stock top-2 logprob gap tells "
-                    "whether it is a near-tie flip (kernel rounding) or a real difference"),
+                    "greedy ids must equal the stock server's, except a near-tie flip: at the first divergence the "
+                    "stock top-2 gap <= the max |logprob difference| between the servers on the matching tokens before "
+                    "it, and both "
+                    "servers' top-2 are the same two tokens"),
               outputs=rows, **{"pass": ok_all and bool(rows)})
 
 
