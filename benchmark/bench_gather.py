@@ -71,7 +71,7 @@ def make_cache(m: dict, p: int, shuffled: bool, device="cuda"):
     return cache, req_to_token
 
 
-def time_gather(m: dict, p: int, shuffled: bool, quick: bool) -> tuple:
+def time_gather(m: dict, p: int, shuffled: bool, quick: bool, block_n: int = 64) -> tuple:
     from sglang_oscar.kernels.gather import oscar_gather_prefixes
 
     cache, r2t = make_cache(m, p, shuffled)
@@ -82,7 +82,7 @@ def time_gather(m: dict, p: int, shuffled: bool, quick: bool) -> tuple:
     out_v = torch.empty_like(out_k)
 
     def run():
-        oscar_gather_prefixes(cache, r2t, rows, indptr, starts, out_k, out_v, validate=False)
+        oscar_gather_prefixes(cache, r2t, rows, indptr, starts, out_k, out_v, block_n=block_n, validate=False)
 
     run()
     torch.cuda.synchronize()
@@ -109,7 +109,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="32k only, short timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "./bench_out"))
+    ap.add_argument("--block-n", default="64", help="comma-separated BLOCK_N values of the gather (first = default row)")
+    ap.add_argument("--no-attention", action="store_true", help="skip the FlashInfer side")
     args = ap.parse_args()
+    block_ns = [int(x) for x in args.block_n.split(",") if x]
     if not torch.cuda.is_available():
         print("bench_gather.py needs a CUDA device; nothing to do")
         return
@@ -132,13 +135,17 @@ def main() -> None:
         h, d, g = m["kv_heads"], m["head_dim"], m["group"]
         for p in prefixes:
             for shuffled in (True, False):
-                ms, keys, vals = time_gather(m, p, shuffled, args.quick)
+                ms, keys, vals = time_gather(m, p, shuffled, args.quick, block_ns[0])
+                sweep = {b: round(time_gather(m, p, shuffled, args.quick, b)[0], 4) for b in block_ns[1:]}
                 nbytes = gather_bytes(p, h, d, g, g)
                 gbps = nbytes / (ms * 1e-3) / 1e9
                 row = dict(meta, kind="gather", model=name, prefix=p, slots="shuffled" if shuffled else "contiguous",
                            group=g, gather_ms=round(ms, 4), bytes=nbytes, gather_gbps=round(gbps, 1),
-                           pct_of_copy=round(100 * gbps / d2d, 1), gather_ms_all_layers=round(ms * m["layers"], 3))
-                if shuffled:  # the attention does not depend on where the rows came from
+                           pct_of_copy=round(100 * gbps / d2d, 1), gather_ms_all_layers=round(ms * m["layers"], 3),
+                           block_n=block_ns[0])
+                if sweep:
+                    row["gather_ms_by_block_n"] = sweep
+                if shuffled and not args.no_attention:  # the attention does not depend on where the rows came from
                     for c in chunks:
                         att_ms, err = time_attention(m, p, c, keys, vals, args.quick)
                         key = f"chunk{c}"

@@ -128,6 +128,22 @@ def test_gather_bf16_out_and_d256():
     check(cache, r2t, idx, lengths, ring_starts, out_dtype=torch.bfloat16)
 
 
+def test_gather_groups_smaller_than_a_quarter_plane():
+    """D 256 with G 32 (a quarter plane of 64 elements spans two groups: per-element (scale, min))."""
+    lengths, ring_starts = [21, 9], [0, 3]
+    cache, r2t, idx = engine_cache(lengths, ring_starts, D=256, gk=32, gv=64, W=4, S=2, ka=0.8, seed=5)
+    check(cache, r2t, idx, lengths, ring_starts, ka=0.8)
+
+
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_gather_long_prefix_blocks_without_window_rows(block_n):
+    """Long prefixes: most blocks hold no sink or ring row (the kernel skips their window loads),
+    some hold a few; odd lengths so blocks straddle two requests and the ragged end."""
+    lengths, ring_starts = [301, 77, 190], [0, 40, 0]
+    cache, r2t, idx = engine_cache(lengths, ring_starts, D=64, gk=32, gv=64, S=4, W=6, seed=11)
+    check(cache, r2t, idx, lengths, ring_starts, block_n=block_n)
+
+
 def test_gather_matches_write_semantics():
     """Sink/ring positions return the exact transformed rows; history positions the INT2 reconstruction."""
     lengths, ring_starts = [15], [0]

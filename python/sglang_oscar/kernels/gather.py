@@ -38,25 +38,40 @@ if HAS_TRITON:
         rows, slot, srow, rrow, use_sink, use_ring, use_q, h,
         H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LV1: tl.constexpr, LV2: tl.constexpr,
     ):
-        offs_d = tl.arange(0, D)
+        # Plane by plane: byte j of a head holds elements j, j+Q, j+2Q, j+3Q (quarter planes), so
+        # each code byte is loaded once and plane s is (byte >> 2s) & 3 for the Q elements
+        # [sQ, sQ+Q). When G is a multiple of Q a plane lies in one group: its (scale, min) are one
+        # pair per row, not one per element. Window rows (sink, ring) are few (<= S + W per
+        # request), so their loads run only in blocks that hold one.
         Q: tl.constexpr = D // 4
         NG: tl.constexpr = D // G
+        offs_j = tl.arange(0, Q)
         qm = use_q[:, None]
-        byte = tl.load(codes_ptr + slot[:, None] * (H * Q) + h * Q + (offs_d % Q)[None, :], mask=qm, other=0)
-        code = (byte.to(tl.int32) >> (2 * (offs_d // Q))[None, :]) & 3
-        lvl = code.to(tl.float32)
-        if LV1 != 1.0:
-            lvl = tl.where(code == 1, LV1, tl.where(code == 2, LV2, lvl))
-        p_ptr = params_ptr + slot[:, None] * (H * NG * 2) + h * (NG * 2) + (offs_d // G)[None, :] * 2
-        scale = tl.load(p_ptr, mask=qm, other=0.0).to(tl.float32)
-        minv = tl.load(p_ptr + 1, mask=qm, other=0.0).to(tl.float32)
-        x = minv + scale * lvl
-        row_off = h * D + offs_d[None, :]
-        xs = tl.load(sink_ptr + srow[:, None] * (H * D) + row_off, mask=use_sink[:, None], other=0.0).to(tl.float32)
-        xr = tl.load(ring_ptr + rrow[:, None] * (H * D) + row_off, mask=use_ring[:, None], other=0.0).to(tl.float32)
-        x = tl.where(use_sink[:, None], xs, tl.where(use_ring[:, None], xr, x))
-        valid = use_sink | use_ring | use_q
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + row_off, _to_window(x, out_ptr), mask=valid[:, None])
+        byte = tl.load(codes_ptr + slot[:, None] * (H * Q) + h * Q + offs_j[None, :], mask=qm, other=0).to(tl.int32)
+        p_row = params_ptr + slot * (H * NG * 2) + h * (NG * 2)
+        out_row = out_ptr + rows.to(tl.int64)[:, None] * stride_on + h * D + offs_j[None, :]
+        valid = (use_sink | use_ring | use_q)[:, None]
+        any_window = tl.max((use_sink | use_ring).to(tl.int32), axis=0) > 0
+        for s in tl.static_range(4):
+            code = (byte >> (2 * s)) & 3
+            lvl = code.to(tl.float32)
+            if LV1 != 1.0:
+                lvl = tl.where(code == 1, LV1, tl.where(code == 2, LV2, lvl))
+            if G % Q == 0:
+                g = (s * Q) // G
+                scale = tl.load(p_row + g * 2, mask=use_q, other=0.0).to(tl.float32)[:, None]
+                minv = tl.load(p_row + g * 2 + 1, mask=use_q, other=0.0).to(tl.float32)[:, None]
+            else:
+                pg = p_row[:, None] + ((s * Q + offs_j) // G)[None, :] * 2
+                scale = tl.load(pg, mask=qm, other=0.0).to(tl.float32)
+                minv = tl.load(pg + 1, mask=qm, other=0.0).to(tl.float32)
+            x = minv + scale * lvl
+            if any_window:
+                col = h * D + s * Q + offs_j[None, :]
+                xs = tl.load(sink_ptr + srow[:, None] * (H * D) + col, mask=use_sink[:, None], other=0.0)
+                xr = tl.load(ring_ptr + rrow[:, None] * (H * D) + col, mask=use_ring[:, None], other=0.0)
+                x = tl.where(use_sink[:, None], xs.to(tl.float32), tl.where(use_ring[:, None], xr.to(tl.float32), x))
+            tl.store(out_row + s * Q, _to_window(x, out_ptr), mask=valid)
 
     @triton.jit
     def _oscar_gather_kernel(
@@ -129,7 +144,7 @@ def oscar_gather_prefixes(
     ring_ends: Optional[torch.Tensor] = None,
     k_level_a: float = 1.0,
     v_level_a: float = 1.0,
-    block_n: int = 32,
+    block_n: int = 64,
     validate: bool = True,
 ) -> None:
     """Fill out_k/out_v [N, Hkv, D] (rows [kv_indptr[i], kv_indptr[i+1]) = prefix of request i).
