@@ -1,38 +1,18 @@
 """srt/extend_attention.py: the ragged causal attention of int2 extend steps.
 
-Oracle: float64 attention with an explicit bottom-right causal mask, one request at a time. CPU
+Oracle: quant/attention.py:ragged_causal_reference, float64 with an explicit bottom-right causal mask, one request at a time. CPU
 checks the torch SDPA path (the CI one); the GPU test checks FlashInfer's ragged prefill (the CUDA
 default) against the same oracle in bf16, with a poisoned output buffer, prefixes that are empty,
 short and long, odd lengths, GQA 1/4/8, batch 1 and 24."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from sglang_oscar.quant.attention import ragged_causal_reference as oracle
 from sglang_oscar.srt.extend_attention import ExtendAttention, check_ragged, ragged_causal_sdpa
 from sglang_oscar.srt.options import OscarOptionError
-
-
-def oracle(q, k, v, q_lens, kv_lens, scale):
-    """float64: new token j of request i sees keys [0, kv_len - q_len + j] of that request."""
-    q, k, v = q.double(), k.double(), v.double()
-    hq, h = q.shape[1], k.shape[1]
-    out = torch.empty(q.shape[0], hq, v.shape[2], dtype=torch.float64)
-    qs = ks = 0
-    for e, n in zip(q_lens, kv_lens):
-        qi = q[qs:qs + e]  # [e, Hq, D]
-        ki = k[ks:ks + n].repeat_interleave(hq // h, 1)  # [n, Hq, D]
-        vi = v[ks:ks + n].repeat_interleave(hq // h, 1)
-        s = torch.einsum("ehd,nhd->hen", qi, ki) * scale
-        j = torch.arange(e).unsqueeze(1)
-        t = torch.arange(n).unsqueeze(0)
-        s = s.masked_fill(t > (n - e) + j, -math.inf)
-        out[qs:qs + e] = torch.einsum("hen,nhd->ehd", s.softmax(-1), vi)
-        qs, ks = qs + e, ks + n
-    return out
 
 
 def ragged(q_lens, prefixes, hq, h, d, dtype, device, seed):

@@ -7,11 +7,14 @@ Per request of length L (current token already written), in the transformed basi
     recent   [R, L), R = max(S, L − W, ring_start[r])   rows ring_k/v[r·W + pos % W]
 Everything is gathered and computed in float64, one request at a time; speed is irrelevant.
 Works on any object with LayerCache's fields (duck-typed).
+
+ragged_causal_reference is the oracle of srt/extend_attention.py (extend steps over ragged K/V).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Sequence
 
 import torch
 
@@ -111,4 +114,25 @@ def mixed_decode_reference(
         s = torch.einsum("hd,lhd->hl", qd[i], kh) * sm_scale
         p = torch.softmax(s, dim=-1)
         out[i] = torch.einsum("hl,lhd->hd", p, vh)
+    return out
+
+
+def ragged_causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: Sequence[int],
+                            kv_lens: Sequence[int], scale: float) -> torch.Tensor:
+    """float64 causal attention on ragged rows, mask aligned bottom-right: new token j of request i
+    sees keys [0, kv_lens[i] − q_lens[i] + j] of that request. q [ΣQ, Hq, D], k/v [ΣKV, Hkv, D]."""
+    q, k, v = q.double(), k.double(), v.double()
+    hq, h = q.shape[1], k.shape[1]
+    out = torch.empty(q.shape[0], hq, v.shape[2], dtype=torch.float64)
+    qs = ks = 0
+    for e, n in zip(q_lens, kv_lens):
+        qi = q[qs:qs + e]  # [e, Hq, D]
+        ki = k[ks:ks + n].repeat_interleave(hq // h, 1)  # [n, Hq, D]
+        vi = v[ks:ks + n].repeat_interleave(hq // h, 1)
+        s = torch.einsum("ehd,nhd->hen", qi, ki) * scale
+        j = torch.arange(e).unsqueeze(1)
+        t = torch.arange(n).unsqueeze(0)
+        s = s.masked_fill(t > (n - e) + j, -math.inf)
+        out[qs:qs + e] = torch.einsum("hen,nhd->ehd", s.softmax(-1), vi)
+        qs, ks = qs + e, ks + n
     return out

@@ -106,7 +106,6 @@ class ExtendMeta:
     """One extend step, built once per forward. Ragged K/V layout of the attention call: request i's
     rows are [kv_starts[i], kv_starts[i] + prefix[i]) its rebuilt prefix, then its ext[i] new tokens."""
 
-    rows: list
     prefix: list  # cached tokens per request (host)
     ext: list  # new tokens per request (host)
     kv_starts: list  # first row of each request in the ragged K/V buffer (host)
@@ -124,9 +123,9 @@ class ExtendMeta:
         if idx:  # one small H2D copy per forward; each layer's gathers then launch without host tensors
             rows_t = torch.tensor([rows[i] for i in idx], dtype=torch.int32, device=dev)
             ptr_t = torch.tensor([[0, prefix[i]] for i in idx], dtype=torch.int32, device=dev)
-            starts_t = ring_starts.to(torch.int32)
+            starts_t = ring_starts.to(torch.int32)  # WritePlan gives int32 already: a no-op then
             args = [(i, rows_t[j:j + 1], ptr_t[j], starts_t[i:i + 1]) for j, i in enumerate(idx)]
-        return cls(list(rows), list(prefix), list(ext), kv_starts, args)
+        return cls(list(prefix), list(ext), kv_starts, args)
 
     @property
     def kv_lens(self) -> list:
