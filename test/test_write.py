@@ -171,6 +171,27 @@ def test_default_block_t_switches_at_the_small_batch_bound():
     assert default_block_t(MID_BATCH_TOKENS + 1, 64) == 64 and default_block_t(100_000, 128) == 32
 
 
+def test_default_block_t_in_the_interpreter_keeps_the_path_with_larger_tiles():
+    """CPU tensors (interpreter): the GPU's path (no tl.dot below 16 rows) with the largest tile."""
+    from sglang_oscar.kernels.write import MID_BATCH_TOKENS, SMALL_BATCH_TOKENS, default_block_t
+
+    assert default_block_t(1, 128, interpreter=True) == 1
+    assert default_block_t(5, 128, interpreter=True) == 8
+    assert default_block_t(SMALL_BATCH_TOKENS, 64, interpreter=True) == 8  # still the no-dot path
+    assert default_block_t(SMALL_BATCH_TOKENS + 1, 64, interpreter=True) == 32
+    assert default_block_t(150, 64, interpreter=True) == 128
+    assert default_block_t(MID_BATCH_TOKENS + 1, 256, interpreter=True) == 128
+    assert default_block_t(100_000, 128, interpreter=True) == 128
+
+
+@pytest.mark.parametrize("T", [5, 150])
+def test_write_default_tiles_on_this_device(T):
+    """The default tile of this device (interpreter: 8 rows without tl.dot, 128 with) against the
+    oracle, with ragged tails."""
+    case = make_case(T, 64, 2, 32, 64, per_head=False, mean=True, v_absorbed=False, seed=400 + T)
+    run_and_check(*case, k_clip=0.9, v_clip=0.95, ka=1.0, va=0.8)
+
+
 def test_write_bf16_windows():
     """bf16 window buffers (fp32 activations): rows rounded to nearest even, scale/min too."""
     case = make_case(7, 64, 2, 32, 64, per_head=False, mean=True, v_absorbed=False, seed=11, window_dtype=torch.bfloat16)

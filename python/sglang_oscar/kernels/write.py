@@ -233,17 +233,26 @@ def _check_mean(mean: torch.Tensor, h: int, d: int, device) -> tuple:
 SMALL_BATCH_TOKENS = 16
 # Up to this many tokens, 16-row dot tiles (more programs); beyond, the prefill tiles per head_dim.
 MID_BATCH_TOKENS = 256
+# Interpreter tiles (default_block_t(..., interpreter=True)): the largest of each path.
+INTERPRETER_MAX_SMALL_T = 8
+INTERPRETER_MAX_DOT_T = 128
 
 
-def default_block_t(num_tokens: int, head_dim: int) -> int:
+def default_block_t(num_tokens: int, head_dim: int, interpreter: bool = False) -> int:
     """Tokens per program: 1 for decode-sized calls (<= SMALL_BATCH_TOKENS), 16 for larger decode
     batches (<= MID_BATCH_TOKENS), else enough rows to feed the dot with few enough registers for
-    the [BT, D] tile (prefill)."""
-    if num_tokens <= SMALL_BATCH_TOKENS:
-        return 1
-    if num_tokens <= MID_BATCH_TOKENS:
-        return 16
-    return {64: 64, 128: 32, 256: 16}[head_dim]
+    the [BT, D] tile (prefill).
+
+    interpreter=True (the tensors are on the CPU: Triton's interpreter runs the kernel): the same
+    path as on the GPU (no tl.dot below 16 rows, tl.dot from 16), but the largest tile of that
+    path, because there a program costs about the same whatever its tile (Python overhead per op):
+    a decode batch of 8 takes 0.11 s instead of 0.7 s, a 150-token prefill 0.17 s instead of 0.84."""
+    bt = 1 if num_tokens <= SMALL_BATCH_TOKENS else 16 if num_tokens <= MID_BATCH_TOKENS else {
+        64: 64, 128: 32, 256: 16}[head_dim]
+    if interpreter:
+        fit = triton.next_power_of_2(max(num_tokens, 1)) if HAS_TRITON else 1
+        bt = min(fit, INTERPRETER_MAX_SMALL_T) if bt < 16 else max(16, min(fit, INTERPRETER_MAX_DOT_T))
+    return bt
 
 
 def oscar_write_kv(
@@ -312,7 +321,7 @@ def oscar_write_kv(
     k_n, v_n = clip_count(k_clip, d), clip_count(v_clip, d)
     if n == 0:
         return
-    bt = block_t or default_block_t(n, d)
+    bt = block_t or default_block_t(n, d, interpreter=pool.k_codes.device.type == "cpu")
     if bt not in (1, 2, 4, 8) and bt < 16 or bt & (bt - 1):
         raise ValueError(f"block_t must be a power of two (1-8: no tl.dot, >= 16: tl.dot), got {bt}")
     bk = min(d, 64) if bt >= 16 else min(d, 32)  # small tiles: [BT, BK, D] products stay in registers
