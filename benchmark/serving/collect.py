@@ -82,10 +82,16 @@ def plot(rows, out: Path, device: str) -> list:
         p = out / "serving_decode_latency.png"
         fig.savefig(p, dpi=110)
         paths.append(p)
-    thr = [r for r in rows if r["metric"] == "job_output_throughput"]
+    # the latest run of each (workload, mode): older runs stay in the JSON, the plot shows the current code
+    latest = {}
+    for r in rows:
+        if r["metric"] == "job_output_throughput":
+            latest[(r["context"], r.get("output_len"), r["mode"])] = r
+    thr = sorted(latest.values(), key=lambda r: (r["context"], r["mode"]))
     if thr:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        labels = [f"{r['mode']}\n{r['context'] // 1000}k/{r.get('output_len', '')} ×{r['batch']}" for r in thr]
+        fig, ax = plt.subplots(figsize=(1.3 * len(thr) + 1.5, 4))
+        labels = [f"{r['mode']}\n{r['context'] // 1000}k/{r.get('output_len', '')} ×{r['batch']}\n({r['run']})"
+                  for r in thr]
         ax.bar(range(len(thr)), [r["value"] for r in thr], color=["C0" if r["mode"].startswith("int2") else "C1" for r in thr])
         ax.set_xticks(range(len(thr)), labels, fontsize=7)
         ax.set(ylabel="output tok/s per GPU (prefill included)", title=f"job throughput, Qwen3-8B shapes, {device}")
