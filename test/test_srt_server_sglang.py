@@ -597,6 +597,65 @@ def test_soak_mixed_requests_leave_no_kv_behind(tiny_model, tmp_path):
         srv.stop()
 
 
+# ---- (g) admission while a chunked prefill is in flight ------------------------------------------
+
+ADMIT_NEW = 8
+
+
+def _stream_times(port, ids, n, out, i, t0):
+    """Stream one greedy request; out[i] = (seconds to the first chunk, to the last chunk, tokens)."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        first = last = None
+        got = 0
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            now = time.time() - t0
+            first = now if first is None else first
+            last = now
+            got = json.loads(line[5:])["meta_info"]["completion_tokens"]
+        out[i] = (first, last, got)
+    finally:
+        conn.close()
+
+
+def test_a_request_behind_a_chunked_prefill_is_admitted(tiny_model, tmp_path):
+    """--max-running-requests 3 and 3 requests at once whose 100-token prompts take 4 chunks of 32.
+    Stock SGLang 0.5.17 counts the chunked request twice while its last chunk is planned (it holds
+    a request slot and sits in can_run_list), refuses the third request with one running, and keeps
+    refusing until a running request finishes. The plugin's hook (hooks.num_allocatable_reqs_around)
+    admits it: all three must have started (first token) before any has finished (last token).
+    Without the hook the third's first token comes after the first one's last (checked locally)."""
+    srv = _Server(tiny_model, tmp_path / "admit.log", *FLAGS, "--max-running-requests", "3",
+                  "--chunked-prefill-size", "32", env=ENV)
+    try:
+        print(f"\n[admit] server ready in {_start(srv):.0f} s")
+        rnd = random.Random(11)
+        prompts = [_rand_prompt(rnd, 100) for _ in range(3)]
+        out = [None] * 3
+        t0 = time.time()
+        threads = []
+        for i, p in enumerate(prompts):
+            threads.append(threading.Thread(target=_stream_times, args=(srv.port, p, ADMIT_NEW, out, i, t0)))
+            threads[-1].start()
+            time.sleep(0.05)  # arrival order 0, 1, 2: all queued long before request 1's last chunk
+        for th in threads:
+            th.join(600)
+        print("[admit] (first token s, last token s, tokens):", out)
+        assert all(o is not None and o[2] == ADMIT_NEW for o in out), out
+        firsts, lasts = [o[0] for o in out], [o[1] for o in out]
+        assert max(firsts) < min(lasts), f"a request was admitted only after another finished: {out}"
+        assert srv.proc.poll() is None, "server died"
+    finally:
+        srv.stop()
+
+
 # ---- (h) eval drivers against the int2 server -----------------------------------------------------
 
 EVAL_NEW = 8  # tokens per answer: prompts are 70-200 tokens, --context-length is 256

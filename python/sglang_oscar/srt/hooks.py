@@ -242,3 +242,38 @@ def weight_save_around(original, self, *args, **kwargs):
         raise RuntimeError(_ABSORBED_MSG.format(op=getattr(original, "__name__", "saving the model"),
                                                 env=options.ENV_ABSORB_V, why=_EXPORT_WHY))
     return original(self, *args, **kwargs)
+
+
+# 12. Scheduler.get_new_batch_prefill + get_num_allocatable_reqs, AROUND: count the chunked request once
+#
+# SGLang 0.5.17 (scheduler.py get_new_batch_prefill) stops adding waiting requests once
+# len(can_run_list) >= min(max_running - running_bs, free request slots). The request in chunked
+# prefill already holds a request slot (not free) AND is put into can_run_list first
+# (PrefillAdder.add_chunked_req), so the check counts it twice: with R - 2 requests running, the next
+# waiting request is refused and batch_is_full stays set until a running request finishes. On its
+# last chunk scheduler.chunked_req is already None when the check runs, so the planning pass
+# remembers the chunked request it started with. int2 servers run with a small R (one BF16 ring per
+# request): this left one of 16 requests idle through a whole 100k job (docs/troubleshooting.md).
+
+_CHUNKED_AT_PLAN = "_oscar_chunked_at_plan"
+
+
+def new_batch_prefill_around(original, self, running_batch):
+    if not is_int2(getattr(self, "server_args", None)):
+        return original(self, running_batch)
+    setattr(self, _CHUNKED_AT_PLAN, getattr(self, "chunked_req", None))
+    try:
+        return original(self, running_batch)
+    finally:
+        setattr(self, _CHUNKED_AT_PLAN, None)
+
+
+def num_allocatable_reqs_around(original, self, running_bs):
+    res = original(self, running_bs)
+    held = getattr(self, _CHUNKED_AT_PLAN, None)
+    if held is None or getattr(held, "req_pool_idx", None) is None:
+        return res  # stock servers never set it; nor does int2 outside a planning pass
+    from sglang.srt.runtime_context import get_parallel
+
+    # its slot is taken but it is counted in can_run_list: give the slot back to the count once
+    return min(get_parallel().pp_max_micro_batch_size - running_bs, self.req_to_token_pool.available_size() + 1)

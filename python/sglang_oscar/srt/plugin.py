@@ -52,6 +52,10 @@ HOOKS = {
         ("AFTER", hooks.init_pools_after, ("self", "sizes", "req_to_token_pool", "token_to_kv_pool_allocator")),
     "sglang.srt.model_executor.model_runner.ModelRunner.load_model":
         ("AFTER", hooks.load_model_after, ("self",)),
+    "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill":
+        ("AROUND", hooks.new_batch_prefill_around, ("self", "running_batch")),
+    "sglang.srt.managers.scheduler.Scheduler.get_num_allocatable_reqs":
+        ("AROUND", hooks.num_allocatable_reqs_around, ("self", "running_bs")),
     _UPDATER + "update_weights_from_disk": ("AROUND", hooks.weight_update_around, ("self", "model_path", "load_format")),
     _UPDATER + "update_weights_from_distributed":
         ("AROUND", hooks.weight_update_around, ("self", "names", "dtypes", "shapes", "group_name")),
