@@ -23,7 +23,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-from sglang_oscar.kernels.decode import oscar_decode  # noqa: E402
+from sglang_oscar.kernels.decode import default_num_splits, oscar_decode  # noqa: E402
 from sglang_oscar.kernels.layout import LayerCache  # noqa: E402
 
 MODELS = {"qwen3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
@@ -204,7 +204,8 @@ def main():
     ap.add_argument("--impls", default="oscar,flashinfer_bf16,flashinfer_fp8,sglang_triton_bf16")
     ap.add_argument("--oscar-configs", default="64:2:3,128:4:3")
     ap.add_argument("--oscar-splits", default="auto",
-                    help="history split counts to sweep for oscar (comma list; auto = default_num_splits)")
+                    help="history split counts to sweep for oscar (comma list; auto = default_num_splits, "
+                         "sbN = its rule with small_batch_splits=N, sb0 = 3 waves only)")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     t0 = time.time()
@@ -215,7 +216,8 @@ def main():
     rows = []
     impls = args.impls.split(",")
     cfgs = [tuple(int(x) for x in c.split(":")) for c in args.oscar_configs.split(",")]
-    splits = [None if x == "auto" else int(x) for x in args.oscar_splits.split(",")]
+    # auto = default_num_splits; sb<N> = the same rule with small_batch_splits=N (sb0: waves only)
+    splits = [None if x == "auto" else x if x.startswith("sb") else int(x) for x in args.oscar_splits.split(",")]
     for model in args.models.split(","):
         hq, hkv, d = MODELS[model]
         for ctx in (int(x) for x in args.contexts.split(",")):
@@ -230,14 +232,18 @@ def main():
                             copies = n_copies(nbytes)
                             cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies)
                             best = None
-                            for (bn, nw, st), ns in itertools.product(cfgs, splits):
+                            for (bn, nw, st), spec in itertools.product(cfgs, splits):
+                                ns = spec
+                                if isinstance(spec, str):  # a split rule, resolved for this shape
+                                    ns = default_num_splits(b, hkv, r2t.shape[1], torch.cuda.get_device_properties(0)
+                                                            .multi_processor_count, small_batch_splits=int(spec[2:]))
                                 ms = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, block_n=bn,
                                                      num_warps=nw, num_stages=st, num_splits=ns))
+                                label = f"{spec or 'auto'}" + (f"={ns}" if isinstance(spec, str) else "")
                                 if len(cfgs) * len(splits) > 1:
-                                    print(f"  oscar cfg bn={bn} w={nw} st={st} splits={ns or 'auto'}: {ms:.4f} ms",
-                                          flush=True)
+                                    print(f"  oscar cfg bn={bn} w={nw} st={st} splits={label}: {ms:.4f} ms", flush=True)
                                 if best is None or ms < best[0]:
-                                    best = (ms, f"{bn}:{nw}:{st}" + (f":ns{ns}" if ns else ""))
+                                    best = (ms, f"{bn}:{nw}:{st}" + (f":ns{label}" if spec else ""))
                             ms, cfg = best
                             del cache, r2t
                         elif impl.startswith("flashinfer"):

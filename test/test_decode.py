@@ -172,10 +172,13 @@ def test_decode_splits_and_ring_start(num_splits):
 def test_default_num_splits_from_shapes_only():
     from sglang_oscar.kernels.decode import default_num_splits
 
-    assert default_num_splits(1, 8, 131072, 132) == 50  # 3 programs per SM
+    assert default_num_splits(1, 8, 131072, 132) == 64  # batch 1 x 8 KV heads: >= 64 splits
+    assert default_num_splits(1, 8, 131072, 132, small_batch_splits=0) == 50  # 3 programs per SM
+    assert default_num_splits(2, 8, 131072, 132) == 25  # 16 heads: 3 programs per SM only
+    assert default_num_splits(1, 1, 131072, 132) == 128  # 396 wanted, capped at 128
     assert default_num_splits(1, 8, 131072, 132, waves=8) == 128  # 132 wanted, capped at 128
     assert default_num_splits(64, 8, 131072, 132) == 1
-    assert default_num_splits(1, 8, 1024, 132, waves=8) == 4  # >= 256 rows per split
+    assert default_num_splits(1, 8, 1024, 132) == 4  # >= 256 rows per split
     with pytest.raises(ValueError, match="waves must be >= 1"):
         default_num_splits(1, 8, 1024, 132, waves=0)
 

@@ -448,13 +448,26 @@ def _oscar_decode_merge(
 # host side
 
 
+# Batch 1 (at most SMALL_BATCH_HEADS request x KV-head pairs): at least SMALL_BATCH_SPLITS splits.
+# Same-run sweep on an H100 (Qwen3-8B heads; benchmark/NOTES.md "Split count at small batch",
+# results/decode_split_sweep_*.log): batch 1 at 64 splits (512 programs) takes 0.84x the time of
+# 3 waves' 50 at 128k, 0.93x at 32k. Larger batches stay at `waves`: 16 splits helped batch 4/8 at
+# 128k but hurt at 8k, and batch 32/64 were not swept, so no rule for them yet.
+SMALL_BATCH_HEADS = 8
+SMALL_BATCH_SPLITS = 64
+
+
 def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int = 132, min_tokens: int = 256,
-                       waves: int = 3) -> int:
-    """History splits from shapes only: >= `waves` programs per SM, >= min_tokens INT2 rows per split,
-    at most 128 (the merge holds all partials of a head in one tile)."""
+                       waves: int = 3, small_batch_splits: int = SMALL_BATCH_SPLITS) -> int:
+    """History splits from shapes only: >= `waves` programs per SM; >= `small_batch_splits` splits
+    when batch x kv_heads <= SMALL_BATCH_HEADS (0: off); >= min_tokens INT2 rows per split; at most
+    128 (the merge holds all partials of a head in one tile)."""
     if waves < 1:
         raise ValueError(f"waves must be >= 1, got {waves}")
-    want = triton.cdiv(waves * num_sms, max(batch * kv_heads, 1))
+    heads = max(batch * kv_heads, 1)
+    want = triton.cdiv(waves * num_sms, heads)
+    if heads <= SMALL_BATCH_HEADS:
+        want = max(want, small_batch_splits)
     cap = max(1, triton.cdiv(max_context, min_tokens))
     return int(max(1, min(want, cap, 128)))
 
