@@ -6,7 +6,7 @@
 #           the SGLang tests in it: test_srt_plugin.py, test_srt_absorb_v_sglang.py and
 #           test_srt_backend_graph.py whole (their `slow` CPU-server tests included), then the real
 #           CPU-server tests, `-m slow test/test_srt_server_sglang.py` (radix, sink rows, chunked
-#           prefill, TP=1/2 over gloo, soak of 500 requests; ~20 min on 2 cores).
+#           prefill, TP=1/2 over gloo, soak of 500 requests; ~16 min on 2 cores).
 #           OSCAR_TEST_SERVE=0 skips part 2; OSCAR_SOAK_REQUESTS sets the soak's request count;
 #           OSCAR_TEST_TP=2,4,8 adds TP=4/8 (one KV head per rank; ~4 min and ~12 GiB more).
 # Arguments go to part 1's pytest only. Any failure fails the script.

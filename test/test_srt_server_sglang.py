@@ -2,11 +2,12 @@
 (gloo), a soak and the eval drivers. All `slow`: each test starts its own servers (30-60 s each on 2
 cores; TP=2/4/8: 56/95/150 s and 4.6/7.0/11.8 GiB RSS). Measured on 2 shared cores: radix 2.5 min,
 sink rows 1 min, chunked 1.6 min, TP=1/2 ~8 min (TP=4/8 with OSCAR_TEST_TP=2,4,8: ~4 min more), soak
-10.8 min (500 requests in 555 s), eval drivers 2.2 min.
+~6.5 min (500 requests in 366 s in the fresh-clone CI of b675f6b), admission 1 min, eval drivers
+2.2 min; the whole file 16.3 min there.
 
     /work/sglvenv/bin/python -m pytest -q -m slow -s test/test_srt_server_sglang.py
 
-Skipped without SGLang (the CI venv does not have it) and, because the whole file takes ~25 min on
+Skipped without SGLang (the CI venv does not have it) and, because the whole file takes ~16 min on
 2 cores, also unless `-m` names `slow`. Servers as in test_srt_plugin.py (`_Server`: Path A, Triton
 interpreter, `--max-total-tokens 4096`) with --dtype float32, S=4 / W=16 fp32 windows (most of a
 ~100-token history is INT2) and --context-length 256 (the decode kernel picks its split count from
@@ -72,7 +73,7 @@ SAME_TOL = 1e-5
 @pytest.fixture(scope="module", autouse=True)  # module scope: runs before the module's server fixtures
 def _only_with_m_slow(request):
     if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("real-server tests (~25 min on 2 cores): select them with -m slow")
+        pytest.skip("real-server tests (~16 min on 2 cores): select them with -m slow")
 
 
 def _make_model(path, **kw):
