@@ -275,5 +275,6 @@ def num_allocatable_reqs_around(original, self, running_bs):
         return res  # stock servers never set it; nor does int2 outside a planning pass
     from sglang.srt.runtime_context import get_parallel
 
-    # its slot is taken but it is counted in can_run_list: give the slot back to the count once
-    return min(get_parallel().pp_max_micro_batch_size - running_bs, self.req_to_token_pool.available_size() + 1)
+    # its slot is taken but it is counted in can_run_list: give the slot back to the count once.
+    # res = min(max_running - running_bs, free slots), so this is min(max_running - running_bs, free + 1)
+    return min(res + 1, get_parallel().pp_max_micro_batch_size - running_bs)
