@@ -439,6 +439,18 @@ SOAK_REQUESTS = int(os.environ.get("OSCAR_SOAK_REQUESTS", "500"))
 SOAK_CONCURRENCY = 8
 
 
+def _sse_events(resp):
+    """The JSON payloads of a streamed /generate response, in order, up to `data: [DONE]`."""
+    for line in resp:
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return
+        yield json.loads(payload)
+
+
 def _soak_one(port, i, rnd, bases):
     """One client. Kinds: plain, stream, stream_close (client leaves mid-stream), close_early
     (non-streaming client leaves before the answer), abort_api (POST /abort_request mid-stream).
@@ -475,17 +487,7 @@ def _soak_one(port, i, rnd, bases):
             ok = len(out["output_ids"]) == n and out["meta_info"]["completion_tokens"] == n
             return kind, ok, f"{len(out['output_ids'])}/{n} tokens, finish {out['meta_info'].get('finish_reason')}"
         chunks, last = 0, None
-        while True:
-            line = resp.readline()
-            if not line:
-                break
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            last = json.loads(payload)
+        for last in _sse_events(resp):
             if "error" in last:
                 return kind, False, str(last["error"])[:300]
             chunks += 1
@@ -613,14 +615,11 @@ def _stream_times(port, ids, n, out, i, t0):
         resp = conn.getresponse()
         first = last = None
         got = 0
-        for line in resp:
-            line = line.strip()
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                continue
+        for event in _sse_events(resp):
             now = time.time() - t0
             first = now if first is None else first
             last = now
-            got = json.loads(line[5:])["meta_info"]["completion_tokens"]
+            got = event["meta_info"]["completion_tokens"]
         out[i] = (first, last, got)
     finally:
         conn.close()
