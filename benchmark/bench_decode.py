@@ -23,7 +23,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-from sglang_oscar.kernels.decode import default_num_splits, oscar_decode  # noqa: E402
+from sglang_oscar.kernels.decode import _num_sms, default_num_splits, oscar_decode  # noqa: E402
 from sglang_oscar.kernels.layout import LayerCache  # noqa: E402
 
 MODELS = {"qwen3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
@@ -235,8 +235,8 @@ def main():
                             for (bn, nw, st), spec in itertools.product(cfgs, splits):
                                 ns = spec
                                 if isinstance(spec, str):  # a split rule, resolved for this shape
-                                    ns = default_num_splits(b, hkv, r2t.shape[1], torch.cuda.get_device_properties(0)
-                                                            .multi_processor_count, small_batch_splits=int(spec[2:]))
+                                    ns = default_num_splits(b, hkv, r2t.shape[1], _num_sms(q.device),
+                                                            small_batch_splits=int(spec[2:]))
                                 ms = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, block_n=bn,
                                                      num_warps=nw, num_stages=st, num_splits=ns))
                                 label = f"{spec or 'auto'}" + (f"={ns}" if isinstance(spec, str) else "")
