@@ -193,7 +193,10 @@ def _int2_split(
         for k in tl.static_range(NCH):
             kbs = kbs + [tl.load(KC + row[:, None] * D4 + (k * CH + offs_c)[None, :], mask=mask_n[:, None], other=0)]
         for k in tl.static_range(NCH):
-            vbs = vbs + [tl.load(VC + row[:, None] * D4 + (k * CH + offs_c)[None, :], mask=mask_n[:, None], other=0)]
+            # V codes as [CH, BLOCK_N] (dims x tokens): already the A operand of the V dots, so Triton
+            # stages the bytes once and converts each plane in registers; a [BLOCK_N, CH] load
+            # needs tl.trans of every fp16 plane, one shared-memory round trip per plane (NOTES v4)
+            vbs = vbs + [tl.load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask=mask_n[None, :], other=0)]
 
         # ---- scores sᵀ [N, NP]
         s = tl.zeros([BLOCK_N, NP], tl.float32)
@@ -223,7 +226,7 @@ def _int2_split(
             for sp in tl.static_range(NSP):
                 if ((sp // NCH) * D4 + (sp % NCH) * CH) // GV == g:
                     e = _codes_plane(vbs[sp % NCH], 2 * (sp // NCH), V_A, V_CODEBOOK, DT, FAST_CVT)
-                    accs = _tuple_set(accs, sp, tl.dot(tl.trans(e), w, acc=accs[sp] * alpha[None, :]))
+                    accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp] * alpha[None, :]))
 
     # ---- epilogue: add the min terms, normalise, store oᵀ
     l_i = tl.sum(l_t, 0)
@@ -515,16 +518,20 @@ def oscar_decode(
     out: Optional[torch.Tensor] = None,
     k_level_a: Optional[float] = None,
     v_level_a: Optional[float] = None,
-    block_n: int = 64,
+    block_n: int = 128,
     block_w: int = 16,
     num_warps: int = 2,
     num_stages: int = 3,
+    maxnreg: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
 
     k_level_a / v_level_a: INT2 codebook parameter a (levels 0, a, 3−a, 3); None = uniform.
     num_splits: INT2 history splits per (request, KV head); None = default_num_splits(..., waves=split_waves).
+    block_n / num_warps / num_stages: the INT2 loop's tokens per iteration, warps and pipeline depth
+    (128 / 2 / 3: 64 tokens per warp, measured best on H100 in benchmark/NOTES.md v4); maxnreg caps
+    the stage-1 registers per thread (None: ptxas decides).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -602,7 +609,7 @@ def oscar_decode(
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None,
         DT=dt, WDT=wdt, FAST_CVT=not fp32,
         NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _oscar_decode_merge[(B * Hq,)](
         o_part, lse_part, out,

@@ -1,0 +1,138 @@
+"""Compile the decode kernel's stage 1 for sm_90 on a machine without a GPU and count what its
+history loop costs: registers, shared memory, spills, SASS instructions, barriers, shared-memory
+loads/stores, tensor-core MMAs and the layout conversions Triton inserted (TTGIR).
+
+Static numbers, not timings: they explain a measured time (benchmark/NOTES.md), they do not
+replace one. Needs triton with its bundled ptxas / cuobjdump (the CI venv has them).
+
+    python benchmark/inspect_decode_sass.py --model qwen3-8b --config 128:2:3
+    python benchmark/inspect_decode_sass.py --dump /tmp/sass   # also write ttgir / ptx / sass
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+from sglang_oscar.kernels import decode  # noqa: E402
+
+MODELS = {"qwen3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
+
+# argument -> Triton signature type of _oscar_decode_stage1's runtime arguments
+POINTERS = {
+    "Q": "*bf16", "KC": "*u8", "KP32": "*i32", "KP64": "*i64", "VC": "*u8", "VP32": "*i32", "VP64": "*i64",
+    "SK": "*bf16", "SV": "*bf16", "RK": "*bf16", "RV": "*bf16", "SINK_TABLE": "*i32",
+    "REQ_TO_TOKEN": "*i32", "REQ_IDX": "*i32", "SEQ_LENS": "*i32", "RING_START": "*i32",
+    "O_PART": "*fp32", "LSE_PART": "*fp32",
+}
+SCALARS = {"qk_scale": "fp32", "stride_r2t": "i32"}
+
+
+def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stages=3, ns=16, fast_cvt=True,
+                   maxnreg=None):
+    fn = decode._oscar_decode_stage1
+    group = hq // hkv
+    consts = dict(
+        HKV=hkv, GQA=group, D=d, GK=gk, GV=gv, SINK=64, WINDOW=256, NS=ns,
+        BLOCK_M=max(16, triton.next_power_of_2(group)), NP=max(decode.MIN_NP, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, BLOCK_W=16, K_A=1.0, V_A=1.0, K_CODEBOOK=False, V_CODEBOOK=False,
+        DT=tl.float16, WDT=tl.bfloat16, FAST_CVT=fast_cvt, NGK=d // gk, NGV=d // gv, CH=min(gk, gv, d // 4),
+    )
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in POINTERS:
+            sig[name] = POINTERS[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
+        elif name in SCALARS:
+            sig[name] = SCALARS[name]
+            if name == "stride_r2t":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "constexpr"
+    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages,
+                                   **({"maxnreg": maxnreg} if maxnreg else {})})
+
+
+def _cuobjdump(kernel, flag):
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_of(kernel):
+    return _cuobjdump(kernel, "-sass")
+
+
+def resources(kernel):
+    """REG / STACK / SHARED from the cubin (CompiledKernel.n_regs needs a GPU driver)."""
+    text = _cuobjdump(kernel, "-res-usage")
+    get = lambda key: int(re.search(key + r":(\d+)", text).group(1))  # noqa: E731
+    return get("REG"), get("STACK")
+
+
+def count(kernel):
+    ttgir = kernel.asm["ttgir"]
+    sass = sass_of(kernel)
+    ins = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s", ln)]
+    op = lambda pat: sum(1 for ln in ins if re.search(pat, ln))  # noqa: E731
+    regs, stack = resources(kernel)
+    return {
+        "registers": regs,
+        "stack_bytes": stack,
+        "shared_bytes": kernel.metadata.shared,
+        "sass_instructions": len(ins),
+        "bar_sync": op(r"\bBAR\.SYNC|\bBAR\b"),
+        "lds": op(r"\bLDS"),
+        "sts": op(r"\bSTS"),
+        "ldsm": op(r"\bLDSM"),
+        "ldg": op(r"\bLDG"),
+        "ldgsts": op(r"\bLDGSTS"),
+        "hmma": op(r"\bHMMA"),
+        "prmt": op(r"\bPRMT"),
+        "mufu_ex2": op(r"MUFU\.EX2"),
+        "ttgir_convert_layout": ttgir.count("ttg.convert_layout"),
+        "ttgir_local_alloc": ttgir.count("ttg.local_alloc"),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS))
+    ap.add_argument("--config", default="128:2:3", help="BLOCK_N:num_warps:num_stages")
+    ap.add_argument("--slow-cvt", action="store_true", help="codes -> fp16 by plain arithmetic (no inline PTX)")
+    ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas -maxrregcount)")
+    ap.add_argument("--dump", help="folder for the ttgir / ptx / sass text")
+    args = ap.parse_args()
+    hq, hkv, d = MODELS[args.model]
+    bn, nw, st = (int(x) for x in args.config.split(":"))
+    k = compile_stage1(hq, hkv, d, block_n=bn, num_warps=nw, num_stages=st, fast_cvt=not args.slow_cvt,
+                       maxnreg=args.maxnreg)
+    res = {"model": args.model, "config": args.config, "fast_cvt": not args.slow_cvt,
+           "maxnreg": args.maxnreg, **count(k)}
+    print(json.dumps(res, indent=1))
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            with open(os.path.join(args.dump, f"stage1.{ext}"), "w") as f:
+                f.write(k.asm[ext])
+        with open(os.path.join(args.dump, "stage1.sass"), "w") as f:
+            f.write(sass_of(k))
+
+
+if __name__ == "__main__":
+    main()
