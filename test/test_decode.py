@@ -179,6 +179,12 @@ def test_default_num_splits_from_shapes_only():
     assert default_num_splits(1, 8, 131072, 132, waves=8) == 128  # 132 wanted, capped at 128
     assert default_num_splits(64, 8, 131072, 132) == 1
     assert default_num_splits(1, 8, 1024, 132) == 4  # >= 256 rows per split
+    # round_up=False: as many splits as keep the INT2 programs within `waves` per SM
+    assert default_num_splits(64, 3, 131072, 132) == 3  # 576 programs: more than 4 per SM ...
+    assert default_num_splits(64, 3, 131072, 132, waves=4, round_up=False) == 2  # ... 384 <= 528 do not
+    assert default_num_splits(8, 8, 131072, 132, waves=4, round_up=False) == 8
+    assert default_num_splits(64, 16, 131072, 132, waves=4, round_up=False) == 1  # never below 1
+    assert default_num_splits(1, 8, 131072, 132, waves=4, round_up=False) == 66  # small-batch floor 64 too
     with pytest.raises(ValueError, match="waves must be >= 1"):
         default_num_splits(1, 8, 1024, 132, waves=0)
 

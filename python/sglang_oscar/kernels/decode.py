@@ -461,14 +461,15 @@ SMALL_BATCH_SPLITS = 64
 
 
 def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int = 132, min_tokens: int = 256,
-                       waves: int = 3, small_batch_splits: int = SMALL_BATCH_SPLITS) -> int:
-    """History splits from shapes only: >= `waves` programs per SM; >= `small_batch_splits` splits
-    when batch x kv_heads <= SMALL_BATCH_HEADS (0: off); >= min_tokens INT2 rows per split; at most
-    128 (the merge holds all partials of a head in one tile)."""
+                       waves: int = 3, small_batch_splits: int = SMALL_BATCH_SPLITS, round_up: bool = True) -> int:
+    """History splits from shapes only: >= `waves` programs per SM (round_up) or the most that keep
+    the INT2 programs within `waves` per SM (not round_up); >= `small_batch_splits` splits when
+    batch x kv_heads <= SMALL_BATCH_HEADS (0: off); >= min_tokens INT2 rows per split; at most 128
+    (the merge holds all partials of a head in one tile)."""
     if waves < 1:
         raise ValueError(f"waves must be >= 1, got {waves}")
     heads = max(batch * kv_heads, 1)
-    want = triton.cdiv(waves * num_sms, heads)
+    want = triton.cdiv(waves * num_sms, heads) if round_up else max(1, waves * num_sms // heads)
     if heads <= SMALL_BATCH_HEADS:
         want = max(want, small_batch_splits)
     cap = max(1, triton.cdiv(max_context, min_tokens))
