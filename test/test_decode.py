@@ -161,6 +161,15 @@ def test_decode_edge_lengths(d, gk, gv, gqa):
     run_and_check(make_case(EDGE_LENS, hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, seed=d + gk + gqa))
 
 
+@pytest.mark.parametrize("block_n,num_warps,maxnreg", [(16, 1, None), (64, 2, None), (128, 2, 128), (128, 4, None)])
+def test_decode_block_configs(block_n, num_warps, maxnreg):
+    """The configurations the benchmarks sweep (128:2:3 is the default) against the oracle, with
+    histories that end mid-block and span several blocks per split; maxnreg only caps ptxas."""
+    lens = [700, 333, 1200]
+    case = make_case(lens, hkv=2, gqa=4, d=128, gk=64, gv=64, ring_starts=[0, 100, 0], seed=block_n + num_warps)
+    run_and_check(case, num_splits=3, block_n=block_n, num_warps=num_warps, maxnreg=maxnreg)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 8, 40])  # 40: most splits empty (b=1 long-context counts)
 def test_decode_splits_and_ring_start(num_splits):
     # ring_start > 0: positions before it (and after L - W) read INT2; also ring_start > L - W
