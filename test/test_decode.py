@@ -170,6 +170,31 @@ def test_decode_block_configs(block_n, num_warps, maxnreg):
     run_and_check(case, num_splits=3, block_n=block_n, num_warps=num_warps, maxnreg=maxnreg)
 
 
+@pytest.mark.parametrize("ring_splits", [1, 2, 3, 7])  # 7 > W/2 rows: some ring chunks are empty
+def test_decode_ring_splits(ring_splits):
+    """The recent window read by several programs: window edges (L < S, S <= L < S+W, L >> S+W) and
+    ring_start > 0 (ring shorter than W, chunks past L empty)."""
+    lens = [5, 12, 20, 29, 70, 41]
+    case = make_case(lens, gqa=2, sink=8, window=16, ring_starts=[0, 0, 0, 0, 60, 35], seed=ring_splits)
+    run_and_check(case, num_splits=3, block_n=16, ring_splits=ring_splits)
+
+
+def test_decode_default_ring_splits_window_256():
+    """W = 256 (the serving default): 4 ring programs of 64 positions, lengths around S + W."""
+    from sglang_oscar.kernels.decode import RING_ROWS_PER_SPLIT
+
+    assert -(-256 // RING_ROWS_PER_SPLIT) == 4
+    lens = [63, 64, 200, 319, 320, 321, 900]
+    case = make_case(lens, hkv=1, gqa=3, sink=64, window=256, ring_starts=[0, 0, 0, 0, 0, 100, 700], seed=5)
+    run_and_check(case)
+
+
+def test_decode_rejects_zero_ring_splits():
+    case = make_case([40], gqa=2)
+    with pytest.raises(ValueError, match="ring_splits must be >= 1"):
+        oscar_decode(**case, ring_splits=0)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 8, 40])  # 40: most splits empty (b=1 long-context counts)
 def test_decode_splits_and_ring_start(num_splits):
     # ring_start > 0: positions before it (and after L - W) read INT2; also ring_start > L - W

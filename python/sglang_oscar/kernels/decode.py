@@ -6,10 +6,12 @@ One query token per request. For a request of length L (the current token alread
     history  [S, R)                            INT2 rows at slot req_to_token[r, pos]
     recent   [R, L),  R = max(S, L − W, ring_start[r])   BF16 ring rows r*W + pos % W
 
-Stage 1 (one launch): grid (B·Hkv, NS + 2). Splits 0..NS-1 cut the INT2 history of a request
-into NS equal chunks; split NS reads the sink rows, split NS+1 the ring rows. One program holds
-every query head of its KV head (the M dimension of the dots), so each K/V byte is read once.
-Stage 2: LSE merge of the NS + 2 partial outputs.
+Stage 1 (one launch): grid (B·Hkv, NS + 1 + RS). Splits 0..NS-1 cut the INT2 history of a request
+into NS equal chunks; split NS reads the sink rows, splits NS+1..NS+RS the ring rows in RS chunks of
+ceil(W / RS) positions (so that no window program walks all W rows alone: at short contexts and
+batch 1 it was the longest program, benchmark/NOTES.md). One program holds every query head of its
+KV head (the M dimension of the dots), so each K/V byte is read once.
+Stage 2: LSE merge of the NS + 1 + RS partial outputs.
 
 Missing sink rows. A sink position whose slot has sink_table[slot] < 0 (the pool ran out of sink
 rows: srt/pool.py alloc_sink_rows gives -1 and the slot stays INT2-only; or the slot was written
@@ -135,7 +137,7 @@ def _int2_split(
     Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
     split, b, h, hist_hi, r2t, qk_scale,
     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-    SINK: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr,
+    SINK: tl.constexpr, NS: tl.constexpr, RS: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
     NGV: tl.constexpr, CH: tl.constexpr,
@@ -231,7 +233,7 @@ def _int2_split(
     # ---- epilogue: add the min terms, normalise, store oᵀ
     l_i = tl.sum(l_t, 0)
     inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-    NS_TOTAL: tl.constexpr = NS + 2
+    NS_TOTAL: tl.constexpr = NS + 1 + RS
     out_col = O_PART + ((b * (HKV * GQA) + hq) * NS_TOTAL + split) * D  # [NP]
     for sp in tl.static_range(NSP):
         o = (accs[sp] + tl.sum(accmin[((sp // NCH) * D4 + (sp % NCH) * CH) // GV], 0)[None, :]) * inv_l[None, :]
@@ -245,17 +247,20 @@ def _window_split(
     Q, SK, SV, RK, RV, SINK_TABLE,
     split, r, L, recent_lo, r2t, q_row, out_row, lse_ptr, mask_m, qk_scale, h,
     HKV: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr,
-    WINDOW: tl.constexpr, NS: tl.constexpr, BLOCK_M: tl.constexpr,
+    WINDOW: tl.constexpr, NS: tl.constexpr, RS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_W: tl.constexpr, WDT: tl.constexpr,
 ):
-    """Split NS: the BF16 sink rows [0, min(L, S)); split NS + 1: the ring rows [recent_lo, L).
+    """Split NS: the BF16 sink rows [0, min(L, S)); split NS + 1 + j (j < RS): ring chunk j of
+    [recent_lo, L), positions recent_lo + j·ceil(W/RS) on (possibly empty: its LSE is then -inf).
     A sink position without a sink row (sink_table < 0) reads row 0 instead (in bounds; the merge
     then discards this split's partial and recomputes the sink range)."""
     # ------------------------------------------------------------ BF16 sink / ring rows
-    is_ring = split == NS + 1
-    not_ring = split != NS + 1
-    lo = tl.where(is_ring, recent_lo, 0)
-    hi = tl.where(is_ring, L, tl.minimum(L, SINK))
+    is_ring = split > NS
+    not_ring = split <= NS
+    RING_CHUNK: tl.constexpr = (WINDOW + RS - 1) // RS
+    ring_lo = recent_lo + (split - NS - 1) * RING_CHUNK
+    lo = tl.where(is_ring, ring_lo, 0)
+    hi = tl.where(is_ring, tl.minimum(ring_lo + RING_CHUNK, L), tl.minimum(L, SINK))
     offs_d = tl.arange(0, D)
     qmask = mask_m[:, None]
     q = (tl.load(q_row[:, None] + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32) * qk_scale).to(WDT)
@@ -307,7 +312,8 @@ def _oscar_decode_stage1(
     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr,
     GK: tl.constexpr, GV: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr,
-    NS: tl.constexpr,
+    NS: tl.constexpr,  # INT2 history splits
+    RS: tl.constexpr,  # ring splits
     BLOCK_M: tl.constexpr, NP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
     DT: tl.constexpr,  # dtype of the INT2 dots (fp16 on GPU, fp32 in the interpreter)
@@ -320,7 +326,7 @@ def _oscar_decode_stage1(
     split = tl.program_id(1)
     b = pid_bh // HKV
     h = pid_bh % HKV
-    NS_TOTAL: tl.constexpr = NS + 2
+    NS_TOTAL: tl.constexpr = NS + 1 + RS
 
     L = tl.load(SEQ_LENS + b)
     r = tl.load(REQ_IDX + b).to(tl.int64)
@@ -333,7 +339,7 @@ def _oscar_decode_stage1(
         _int2_split(
             Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
             split, b, h, hist_hi, r2t, qk_scale,
-            HKV, GQA, D, GK, GV, SINK, NS, NP,
+            HKV, GQA, D, GK, GV, SINK, NS, RS, NP,
             BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH,
         )
     else:
@@ -346,7 +352,7 @@ def _oscar_decode_stage1(
         _window_split(
             Q, SK, SV, RK, RV, SINK_TABLE,
             split, r, L, recent_lo, r2t, q_row, out_row, lse_ptr, mask_m, qk_scale, h,
-            HKV, D, SINK, WINDOW, NS, BLOCK_M, BLOCK_W, WDT,
+            HKV, D, SINK, WINDOW, NS, RS, BLOCK_M, BLOCK_W, WDT,
         )
 
 
@@ -458,6 +464,9 @@ def _oscar_decode_merge(
 # 128k but hurt at 8k, and batch 32/64 were not swept, so no rule for them yet.
 SMALL_BATCH_HEADS = 8
 SMALL_BATCH_SPLITS = 64
+# The recent window is read by ceil(W / RING_ROWS_PER_SPLIT) programs (4 for W = 256): one program
+# walking all W BF16 rows in BLOCK_W steps was the longest of the launch at short contexts.
+RING_ROWS_PER_SPLIT = 64
 
 
 def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int = 132, min_tokens: int = 256,
@@ -524,6 +533,7 @@ def oscar_decode(
     num_warps: int = 2,
     num_stages: int = 3,
     maxnreg: Optional[int] = None,
+    ring_splits: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
@@ -532,7 +542,8 @@ def oscar_decode(
     num_splits: INT2 history splits per (request, KV head); None = default_num_splits(..., waves=split_waves).
     block_n / num_warps / num_stages: the INT2 loop's tokens per iteration, warps and pipeline depth
     (128 / 2 / 3: 64 tokens per warp, measured best on H100 in benchmark/NOTES.md v4); maxnreg caps
-    the stage-1 registers per thread (None: ptxas decides).
+    the stage-1 registers per thread (None: ptxas decides). ring_splits: programs per (request, KV
+    head) for the recent window (None: ceil(window / RING_ROWS_PER_SPLIT)).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -573,7 +584,10 @@ def oscar_decode(
     q = transform_query(q, q_transform, Hkv).contiguous()
     ns = num_splits if num_splits is not None else default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device),
                                                                        waves=split_waves)
-    ns_total = ns + 2
+    rs = ring_splits if ring_splits is not None else triton.cdiv(window, RING_ROWS_PER_SPLIT)
+    if rs < 1:
+        raise ValueError(f"ring_splits must be >= 1, got {rs}")
+    ns_total = ns + 1 + rs
     o_part = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
     if out is None:
@@ -603,7 +617,7 @@ def oscar_decode(
         o_part, lse_part,
         float(sm_scale) * LOG2E,
         req_to_token.stride(0),
-        HKV=Hkv, GQA=group, D=D, GK=gk, GV=gv, SINK=sink, WINDOW=window, NS=ns,
+        HKV=Hkv, GQA=group, D=D, GK=gk, GV=gv, SINK=sink, WINDOW=window, NS=ns, RS=rs,
         BLOCK_M=block_m, NP=max(MIN_NP, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_W=block_w,
         K_A=float(k_level_a if k_level_a is not None else 1.0),
         V_A=float(v_level_a if v_level_a is not None else 1.0),
