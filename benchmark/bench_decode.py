@@ -172,12 +172,12 @@ def parse_oscar_config(text):
     bn, nw, st = (int(x) for x in parts[:3])
     kw = dict(block_n=bn, num_warps=nw, num_stages=st)
     for p in parts[3:]:
-        if p.startswith("r"):
+        if p.startswith("ring"):
+            kw["ring_splits"] = int(p[4:])
+        elif p.startswith("r"):
             kw["maxnreg"] = int(p[1:])
         elif p.startswith("w"):
             kw["split_waves"] = int(p[1:])
-        elif p.startswith("ring"):
-            kw["ring_splits"] = int(p[4:])
         else:
             raise SystemExit(f"unknown oscar config part {p!r} in {text!r}")
     return text, kw
