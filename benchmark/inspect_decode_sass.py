@@ -12,6 +12,7 @@ replace one. Needs triton with its bundled ptxas / cuobjdump (the CI venv has th
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -85,12 +86,32 @@ def resources(kernel):
     return get("REG"), get("STACK")
 
 
+def loops(sass):
+    """Loop bodies of the SASS (a backward branch to a lower address): [(start, end, opcode counts)],
+    largest first. The INT2 history loop is the largest one with HMMA (the window loop is smaller)."""
+    ins = []
+    for ln in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", ln)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2).strip()))
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    out = []
+    for i, (a, text) in enumerate(ins):
+        tgt = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if tgt and int(tgt.group(1), 16) < a and int(tgt.group(1), 16) in index:
+            body = ins[index[int(tgt.group(1), 16)]:i + 1]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in body)
+            out.append((body[0][0], a, ops))
+    return sorted(out, key=lambda x: -sum(x[2].values()))
+
+
 def count(kernel):
     ttgir = kernel.asm["ttgir"]
     sass = sass_of(kernel)
     ins = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s", ln)]
     op = lambda pat: sum(1 for ln in ins if re.search(pat, ln))  # noqa: E731
     regs, stack = resources(kernel)
+    hot = [lp for lp in loops(sass) if any(op.startswith("HMMA") for op in lp[2])]
     return {
         "registers": regs,
         "stack_bytes": stack,
@@ -107,6 +128,9 @@ def count(kernel):
         "mufu_ex2": op(r"MUFU\.EX2"),
         "ttgir_convert_layout": ttgir.count("ttg.convert_layout"),
         "ttgir_local_alloc": ttgir.count("ttg.local_alloc"),
+        # the INT2 history loop, per iteration and warp (benchmark/NOTES.md v4)
+        "int2_loop": {"sass_range": f"{hot[0][0]:#x}-{hot[0][1]:#x}", "instructions": sum(hot[0][2].values()),
+                      "top_opcodes": dict(hot[0][2].most_common(16))} if hot else None,
     }
 
 
