@@ -86,14 +86,20 @@ def resources(kernel):
     return get("REG"), get("STACK")
 
 
-def loops(sass):
-    """Loop bodies of the SASS (a backward branch to a lower address): [(start, end, opcode counts)],
-    largest first. The INT2 history loop is the largest one with HMMA (the window loop is smaller)."""
+def instructions(sass):
+    """[(address, instruction text)] of a cuobjdump -sass listing (addresses of any width)."""
     ins = []
     for ln in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", ln)
         if m:
             ins.append((int(m.group(1), 16), m.group(2).strip()))
+    return ins
+
+
+def loops(ins):
+    """Loop bodies of instructions(sass) (a backward branch to a lower address): [(start, end,
+    opcode counts)], largest first. The INT2 history loop is the largest one with HMMA (the window
+    loop is smaller)."""
     index = {a: i for i, (a, _) in enumerate(ins)}
     out = []
     for i, (a, text) in enumerate(ins):
@@ -105,13 +111,12 @@ def loops(sass):
     return sorted(out, key=lambda x: -sum(x[2].values()))
 
 
-def count(kernel):
+def count(kernel, sass):
     ttgir = kernel.asm["ttgir"]
-    sass = sass_of(kernel)
-    ins = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s", ln)]
-    op = lambda pat: sum(1 for ln in ins if re.search(pat, ln))  # noqa: E731
+    ins = instructions(sass)
+    op = lambda pat: sum(1 for _, text in ins if re.search(pat, text))  # noqa: E731
     regs, stack = resources(kernel)
-    hot = [lp for lp in loops(sass) if any(op.startswith("HMMA") for op in lp[2])]
+    hot = [lp for lp in loops(ins) if any(name.startswith("HMMA") for name in lp[2])]
     return {
         "registers": regs,
         "stack_bytes": stack,
@@ -146,8 +151,9 @@ def main():
     bn, nw, st = (int(x) for x in args.config.split(":"))
     k = compile_stage1(hq, hkv, d, block_n=bn, num_warps=nw, num_stages=st, fast_cvt=not args.slow_cvt,
                        maxnreg=args.maxnreg)
+    sass = sass_of(k)
     res = {"model": args.model, "config": args.config, "fast_cvt": not args.slow_cvt,
-           "maxnreg": args.maxnreg, **count(k)}
+           "maxnreg": args.maxnreg, **count(k, sass)}
     print(json.dumps(res, indent=1))
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
@@ -155,7 +161,7 @@ def main():
             with open(os.path.join(args.dump, f"stage1.{ext}"), "w") as f:
                 f.write(k.asm[ext])
         with open(os.path.join(args.dump, "stage1.sass"), "w") as f:
-            f.write(sass_of(k))
+            f.write(sass)
 
 
 if __name__ == "__main__":
