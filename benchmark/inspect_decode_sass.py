@@ -41,7 +41,7 @@ SCALARS = {"qk_scale": "fp32", "stride_r2t": "i32"}
 
 
 def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stages=3, ns=16, fast_cvt=True,
-                   maxnreg=None):
+                   maxnreg=None, subnormal=None):
     fn = decode._oscar_decode_stage1
     group = hq // hkv
     consts = dict(
@@ -49,6 +49,7 @@ def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stage
         BLOCK_M=max(16, triton.next_power_of_2(group)), NP=max(decode.MIN_NP, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_W=16, K_A=1.0, V_A=1.0, K_CODEBOOK=False, V_CODEBOOK=False,
         DT=tl.float16, WDT=tl.bfloat16, FAST_CVT=fast_cvt, NGK=d // gk, NGV=d // gv, CH=min(gk, gv, d // 4),
+        SUB=decode.SUBNORMAL_CODES if subnormal is None else subnormal,
     )
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -145,15 +146,17 @@ def main():
     ap.add_argument("--config", default="128:2:3", help="BLOCK_N:num_warps:num_stages")
     ap.add_argument("--slow-cvt", action="store_true", help="codes -> fp16 by plain arithmetic (no inline PTX)")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas -maxrregcount)")
+    ap.add_argument("--subnormal", type=int, choices=(0, 1), help="code format (default: decode.SUBNORMAL_CODES)")
     ap.add_argument("--dump", help="folder for the ttgir / ptx / sass text")
     args = ap.parse_args()
     hq, hkv, d = MODELS[args.model]
     bn, nw, st = (int(x) for x in args.config.split(":"))
     k = compile_stage1(hq, hkv, d, block_n=bn, num_warps=nw, num_stages=st, fast_cvt=not args.slow_cvt,
-                       maxnreg=args.maxnreg)
+                       maxnreg=args.maxnreg, subnormal=None if args.subnormal is None else bool(args.subnormal))
     sass = sass_of(k)
     res = {"model": args.model, "config": args.config, "fast_cvt": not args.slow_cvt,
-           "maxnreg": args.maxnreg, **count(k, sass)}
+           "maxnreg": args.maxnreg,
+           "subnormal": decode.SUBNORMAL_CODES if args.subnormal is None else bool(args.subnormal), **count(k, sass)}
     print(json.dumps(res, indent=1))
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)

@@ -254,6 +254,28 @@ def test_decode_large_batch_short_contexts():
     run_and_check(make_case(lens, hkv=1, gqa=2, d=64, seed=3), num_splits=2)
 
 
+# Subnormal codes (kernels/decode.py SUBNORMAL_CODES): E_p = code·2^(2p−24) in the INT2 loop. Shapes
+# where one K group spans 2 or 4 planes (q pre-scaled by 4^(p_g − p), down to 1/64), groups smaller
+# than a plane (D 256: two byte chunks per plane), K and V with different groups, GQA 1-8.
+@pytest.mark.parametrize("subnormal", [False, True])
+@pytest.mark.parametrize("d,gk,gv,gqa", [
+    (64, 64, 32, 3),
+    (128, 128, 64, 4),
+    (128, 32, 128, 1),
+    (256, 32, 64, 8),
+])
+def test_decode_code_formats(subnormal, d, gk, gv, gqa):
+    case = make_case(EDGE_LENS + [300], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, ring_starts=[0] * 6 + [250],
+                     seed=3 * d + gk + gqa)
+    run_and_check(case, num_splits=3, block_n=16, subnormal_codes=subnormal)
+
+
+def test_decode_subnormal_codes_reject_codebook():
+    case = make_case([40], gqa=2)
+    with pytest.raises(ValueError, match="subnormal_codes needs uniform INT2 levels"):
+        oscar_decode(**case, k_level_a=0.8, subnormal_codes=True)
+
+
 def test_decode_codebook():
     case = make_case([50, 19], gqa=2, d=64, gk=32, gv=64, seed=11)
     run_and_check(case, k_level_a=0.8, v_level_a=1.2)
@@ -360,11 +382,15 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("gqa,d", [(4, 128), (3, 64), (8, 256), (12, 128), (16, 128)])
-def test_gpu_bf16_long(gqa, d):
-    case = make_case([4000, 1333, 70, 9000], hkv=2, gqa=gqa, d=d, gk=64, gv=64, sink=64, window=256,
-                     ring_starts=[0, 1200, 0, 8900], seed=gqa)
-    run_and_check(case, tol=1e-2)
+@pytest.mark.parametrize("subnormal", [False, True])
+@pytest.mark.parametrize("gqa,d,gk,gv", [(4, 128, 64, 64), (3, 64, 64, 64), (8, 256, 64, 64), (12, 128, 64, 64),
+                                          (16, 128, 64, 64), (4, 128, 128, 128), (4, 128, 32, 64)])
+def test_gpu_bf16_long(gqa, d, gk, gv, subnormal):
+    # subnormal=True: the fp16 subnormal codes go through the tensor cores (a flush to zero would lose
+    # every code and miss the tolerance by far)
+    case = make_case([4000, 1333, 70, 9000], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, sink=64, window=256,
+                     ring_starts=[0, 1200, 0, 8900], seed=gqa + gk)
+    run_and_check(case, tol=1e-2, subnormal_codes=subnormal)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

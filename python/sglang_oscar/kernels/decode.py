@@ -96,6 +96,32 @@ def _codes_plane(b, SHIFT: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.con
 
 
 @triton.jit
+def _codes_plane_scaled(b, P: tl.constexpr, MASK: tl.constexpr, FAST_CVT: tl.constexpr, DT: tl.constexpr):
+    """Plane P of a uint8 tile as c·2^(2P−24), without an offset ("subnormal codes").
+
+    Fast path: prmt spreads the 4 bytes of a word into the low bytes of 4 halfwords; AND-ing a halfword
+    with the plane's two bits (MASK = 0x00030003 << 2P) leaves an fp16 of exponent 0, i.e. the
+    subnormal c·2^(2P)·2^-24, exact. That is 1 AND per 2 codes per plane, and the 2 prmt per word are
+    the same for all 4 planes (ptxas merges them); _codes_plane spends shr + lop3 + 2 prmt per 4 codes
+    per plane. The tensor cores take fp16 subnormals as they are (the GPU tests compare with the
+    oracle). The per-plane factor 2^(2P−24) is undone outside the loop (V: on the accumulator of the
+    sub-plane; K: q is pre-scaled so that all planes of a group share one factor)."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t;
+            prmt.b32 t, $2, 0, 0x4140;
+            and.b32 $0, t, {MASK};
+            prmt.b32 t, $2, 0, 0x4342;
+            and.b32 $1, t, {MASK};
+            }}""",
+            constraints="=r,=r,r", args=[b], dtype=tl.float16, is_pure=True, pack=4,
+        )
+    else:
+        return (((b >> (2 * P)) & 3).to(tl.float32) * (1 << (2 * P)) * 5.9604644775390625e-08).to(DT)
+
+
+@triton.jit
 def _param_word(P32, P64, row, g: tl.constexpr, NG: tl.constexpr, mask):
     """(scale, min) of group g of each row as fp32 [N] vectors, from one 4- or 8-byte load."""
     if NG == 1:
@@ -140,7 +166,7 @@ def _int2_split(
     SINK: tl.constexpr, NS: tl.constexpr, RS: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
-    NGV: tl.constexpr, CH: tl.constexpr,
+    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr,
 ):
     """One split of the INT2 history [SINK, hist_hi), transposed: tokens in M, the GQA heads in N
     (padded to NP = next power of two, not 16), so the softmax and the scale / min algebra run on
@@ -149,7 +175,13 @@ def _int2_split(
 
         scores  sᵀ[t, h] = Σ_g 4·ks_tg·(E_g qᵀ)[t, h] + (km_tg − 4·ks_tg)·Qsum_g[h]
         values  oᵀ[d, h] = Σ_t E[t, d]·(4·vs_tg·p[t, h]) + Σ_t p[t, h]·(vm_tg − 4·vs_tg)
-    with E = 1 + code/4 (exact in fp16), Qsum_g = Σ_{i∈g} q_i (of the rounded q)."""
+    with E = 1 + code/4 (exact in fp16), Qsum_g = Σ_{i∈g} q_i (of the rounded q).
+
+    SUB ("subnormal codes", uniform levels only): E_p = code·2^(2p−24) instead, no offset, so
+
+        sᵀ[t, h] = Σ_g ks_tg·2^(24−2p_g)·(Σ_{sp∈g} E_p q'_spᵀ)[t, h] + km_tg·Qsum_g[h]
+        oᵀ[d, h] = 2^(24−2p)·Σ_t E_p[t, d]·(vs_tg·p[t, h]) + Σ_t p[t, h]·vm_tg
+    where p_g is the lowest plane of K group g and q'_sp = q_sp·4^(p_g − p) (≤ q: no fp16 overflow)."""
     D4: tl.constexpr = D // 4
     NCH: tl.constexpr = D4 // CH
     NSP: tl.constexpr = 4 * NCH
@@ -172,9 +204,15 @@ def _int2_split(
         qsum = qsum + [tl.zeros([NP], tl.float32)]
     for sp in tl.static_range(NSP):
         qt = tl.load(q_col[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + offs_c[:, None], mask=mask_h[None, :], other=0.0).to(tl.float32)
-        qt = (qt * qk_scale).to(DT)
-        qts = qts + [qt]
-        qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt.to(tl.float32), 0))
+        if SUB:
+            # all planes of group g share the factor 2^(2 p_g − 24) of its lowest plane p_g
+            p_g = ((((sp // NCH) * D4 + (sp % NCH) * CH) // GK) * GK) // D4
+            qts = qts + [(qt * (qk_scale / (1 << (2 * (sp // NCH - p_g))))).to(DT)]
+            qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt * qk_scale, 0))
+        else:
+            qt = (qt * qk_scale).to(DT)
+            qts = qts + [qt]
+            qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt.to(tl.float32), 0))
 
     m_i = tl.full([NP], float("-inf"), tl.float32)
     l_t = tl.zeros([BLOCK_N, NP], tl.float32)  # per token lane: reduced once, after the loop
@@ -207,9 +245,15 @@ def _int2_split(
             d = tl.zeros([BLOCK_N, NP], tl.float32)
             for sp in tl.static_range(NSP):
                 if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
-                    e = _codes_plane(kbs[sp % NCH], 2 * (sp // NCH), K_A, K_CODEBOOK, DT, FAST_CVT)
+                    if SUB:
+                        e = _codes_plane_scaled(kbs[sp % NCH], sp // NCH, 0x00030003 << (2 * (sp // NCH)), FAST_CVT, DT)
+                    else:
+                        e = _codes_plane(kbs[sp % NCH], 2 * (sp // NCH), K_A, K_CODEBOOK, DT, FAST_CVT)
                     d = tl.dot(e, qts[sp], acc=d)
-            s += d * (4.0 * ks)[:, None] + (km - 4.0 * ks)[:, None] * qsum[g][None, :]
+            if SUB:
+                s += d * (ks * (1 << (24 - 2 * ((g * GK) // D4))))[:, None] + km[:, None] * qsum[g][None, :]
+            else:
+                s += d * (4.0 * ks)[:, None] + (km - 4.0 * ks)[:, None] * qsum[g][None, :]
         s = tl.where(mask_n[:, None], s, float("-inf"))
 
         # ---- online softmax over the tokens (log2 domain)
@@ -223,11 +267,18 @@ def _int2_split(
         # ---- values oᵀ [CH, NP] per sub-plane
         for g in tl.static_range(NGV):
             vs, vm = _param_word(VP32, VP64, row, g, NGV, mask_n)
-            w = (p * (4.0 * vs)[:, None]).to(DT)
-            accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + p * (vm - 4.0 * vs)[:, None])
+            if SUB:
+                w = (p * vs[:, None]).to(DT)
+                accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + p * vm[:, None])
+            else:
+                w = (p * (4.0 * vs)[:, None]).to(DT)
+                accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + p * (vm - 4.0 * vs)[:, None])
             for sp in tl.static_range(NSP):
                 if ((sp // NCH) * D4 + (sp % NCH) * CH) // GV == g:
-                    e = _codes_plane(vbs[sp % NCH], 2 * (sp // NCH), V_A, V_CODEBOOK, DT, FAST_CVT)
+                    if SUB:
+                        e = _codes_plane_scaled(vbs[sp % NCH], sp // NCH, 0x00030003 << (2 * (sp // NCH)), FAST_CVT, DT)
+                    else:
+                        e = _codes_plane(vbs[sp % NCH], 2 * (sp // NCH), V_A, V_CODEBOOK, DT, FAST_CVT)
                     accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp] * alpha[None, :]))
 
     # ---- epilogue: add the min terms, normalise, store oᵀ
@@ -236,7 +287,10 @@ def _int2_split(
     NS_TOTAL: tl.constexpr = NS + 1 + RS
     out_col = O_PART + ((b * (HKV * GQA) + hq) * NS_TOTAL + split) * D  # [NP]
     for sp in tl.static_range(NSP):
-        o = (accs[sp] + tl.sum(accmin[((sp // NCH) * D4 + (sp % NCH) * CH) // GV], 0)[None, :]) * inv_l[None, :]
+        acc = accs[sp]
+        if SUB:
+            acc = acc * (1 << (24 - 2 * (sp // NCH)))
+        o = (acc + tl.sum(accmin[((sp // NCH) * D4 + (sp % NCH) * CH) // GV], 0)[None, :]) * inv_l[None, :]
         tl.store(out_col[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + offs_c[:, None], o, mask=mask_h[None, :])
     lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
     tl.store(LSE_PART + (b * (HKV * GQA) + hq) * NS_TOTAL + split, lse, mask=mask_h)
@@ -321,6 +375,7 @@ def _oscar_decode_stage1(
     FAST_CVT: tl.constexpr,  # codes -> fp16 through inline PTX (GPU, fp16 dots)
     NGK: tl.constexpr, NGV: tl.constexpr,  # groups per row
     CH: tl.constexpr,  # bytes per code chunk: min(GK, GV, D/4)
+    SUB: tl.constexpr,  # subnormal codes (uniform levels): E = code·2^(2p−24), see _int2_split
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -340,7 +395,7 @@ def _oscar_decode_stage1(
             Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
             split, b, h, hist_hi, r2t, qk_scale,
             HKV, GQA, D, GK, GV, SINK, NS, RS, NP,
-            BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH,
+            BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
         )
     else:
         offs_m = tl.arange(0, BLOCK_M)
@@ -467,6 +522,10 @@ SMALL_BATCH_SPLITS = 64
 # The recent window is read by ceil(W / RING_ROWS_PER_SPLIT) programs (4 for W = 256): one program
 # walking all W BF16 rows in BLOCK_W steps was the longest of the launch at short contexts.
 RING_ROWS_PER_SPLIT = 64
+# Codes as fp16 subnormals code·2^(2p−24) (no offset) where the levels are uniform: fewer instructions
+# per code in the INT2 loop than 1 + code/4 (benchmark/NOTES.md "Subnormal codes"). A codebook
+# always uses the offset form (its levels are not integers: as subnormals they would be rounded).
+SUBNORMAL_CODES = True
 
 
 def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int = 132, min_tokens: int = 256,
@@ -534,6 +593,7 @@ def oscar_decode(
     num_stages: int = 3,
     maxnreg: Optional[int] = None,
     ring_splits: Optional[int] = None,
+    subnormal_codes: Optional[bool] = None,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
@@ -543,7 +603,8 @@ def oscar_decode(
     block_n / num_warps / num_stages: the INT2 loop's tokens per iteration, warps and pipeline depth
     (128 / 2 / 3: 64 tokens per warp, measured best on H100 in benchmark/NOTES.md v4); maxnreg caps
     the stage-1 registers per thread (None: ptxas decides). ring_splits: programs per (request, KV
-    head) for the recent window (None: ceil(window / RING_ROWS_PER_SPLIT)).
+    head) for the recent window (None: ceil(window / RING_ROWS_PER_SPLIT)). subnormal_codes: the INT2
+    loop's code format (None: SUBNORMAL_CODES); True with a codebook (k_level_a / v_level_a) is an error.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -581,6 +642,11 @@ def oscar_decode(
     if not req_to_token.is_contiguous() and req_to_token.stride(1) != 1:
         raise ValueError("req_to_token must have unit stride along positions")
 
+    codebook = k_level_a is not None or v_level_a is not None
+    if subnormal_codes and codebook:
+        raise ValueError("subnormal_codes needs uniform INT2 levels: with a codebook (k_level_a / v_level_a) the "
+                         "levels are not integers; leave subnormal_codes unset or False")
+    sub = (SUBNORMAL_CODES if subnormal_codes is None else bool(subnormal_codes)) and not codebook
     q = transform_query(q, q_transform, Hkv).contiguous()
     ns = num_splits if num_splits is not None else default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device),
                                                                        waves=split_waves)
@@ -623,7 +689,7 @@ def oscar_decode(
         V_A=float(v_level_a if v_level_a is not None else 1.0),
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None,
         DT=dt, WDT=wdt, FAST_CVT=not fp32,
-        NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4),
+        NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _oscar_decode_merge[(B * Hq,)](
