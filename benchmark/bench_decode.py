@@ -231,7 +231,7 @@ def main():
     ap.add_argument("--oscar-splits", default="auto",
                     help="history split counts to sweep for oscar (comma list; auto = default_num_splits, "
                          "sbN = its rule with small_batch_splits=N, sb0 = 3 waves only, fN = at most N INT2 programs per SM, "
-                         "as many as fit)")
+                         "as many as fit, nofill = default_num_splits without its wave-fill step)")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     t0 = time.time()
@@ -244,7 +244,7 @@ def main():
     cfgs = [parse_oscar_config(c) for c in args.oscar_configs.split(",")]
     variants = []  # every (config, splits) timing of oscar, when more than one is swept
     # auto = default_num_splits; sb<N> = the same rule with small_batch_splits=N (sb0: waves only)
-    splits = [None if x == "auto" else x if x[0] in "sf" else int(x) for x in args.oscar_splits.split(",")]
+    splits = [None if x == "auto" else x if x[0] in "sfn" else int(x) for x in args.oscar_splits.split(",")]
     for model in args.models.split(","):
         hq, hkv, d = MODELS[model]
         for ctx in (int(x) for x in args.contexts.split(",")):
@@ -261,7 +261,10 @@ def main():
                             best = None
                             for (name, kw), spec in itertools.product(cfgs, splits):
                                 ns = spec
-                                if isinstance(spec, str) and spec.startswith("f"):  # whole waves of N per SM
+                                if spec == "nofill":  # the rule before its wave-fill step
+                                    ns = default_num_splits(b, hkv, r2t.shape[1], _num_sms(q.device),
+                                                            waves=kw.get("split_waves", 3), fill=False)
+                                elif isinstance(spec, str) and spec.startswith("f"):  # whole waves of N per SM
                                     ns = default_num_splits(b, hkv, r2t.shape[1], _num_sms(q.device),
                                                             waves=int(spec[1:]), round_up=False)
                                 elif isinstance(spec, str):  # a split rule, resolved for this shape

@@ -208,19 +208,47 @@ def test_default_num_splits_from_shapes_only():
 
     assert default_num_splits(1, 8, 131072, 132) == 64  # batch 1 x 8 KV heads: >= 64 splits
     assert default_num_splits(1, 8, 131072, 132, small_batch_splits=0) == 50  # 3 programs per SM
-    assert default_num_splits(2, 8, 131072, 132) == 25  # 16 heads: 3 programs per SM only
+    assert default_num_splits(2, 8, 131072, 132, fill=False) == 25  # 16 heads: 3 programs per SM only
+    # wave fill: 400 programs fill 76% of 528 slots (4 per SM) -> 32 splits (512 programs, 4096 rows each)
+    assert default_num_splits(2, 8, 131072, 132) == 32
     assert default_num_splits(1, 1, 131072, 132) == 128  # 396 wanted, capped at 128
     assert default_num_splits(1, 8, 131072, 132, waves=8) == 128  # 132 wanted, capped at 128
     assert default_num_splits(64, 8, 131072, 132) == 1
     assert default_num_splits(1, 8, 1024, 132) == 4  # >= 256 rows per split
     # round_up=False: as many splits as keep the INT2 programs within `waves` per SM
-    assert default_num_splits(64, 3, 131072, 132) == 3  # 576 programs: more than 4 per SM ...
+    assert default_num_splits(64, 3, 131072, 132, fill=False) == 3  # 576 programs: more than 4 per SM ...
     assert default_num_splits(64, 3, 131072, 132, waves=4, round_up=False) == 2  # ... 384 <= 528 do not
     assert default_num_splits(8, 8, 131072, 132, waves=4, round_up=False) == 8
     assert default_num_splits(64, 16, 131072, 132, waves=4, round_up=False) == 1  # never below 1
     assert default_num_splits(1, 8, 131072, 132, waves=4, round_up=False) == 66  # small-batch floor 64 too
     with pytest.raises(ValueError, match="waves must be >= 1"):
         default_num_splits(1, 8, 1024, 132, waves=0)
+
+
+@pytest.mark.parametrize("batch,kv_heads,context,expect", [
+    (64, 3, 131072, 8),  # SmolLM2 b64: 576 programs = 1.09 rounds of 528 -> 8 splits, 1536 = 2.91 rounds
+    (64, 3, 32768, 8),  # 4096 rows per split: still allowed
+    (64, 3, 8192, 3),  # 1024 rows per split would be too few: the rule's count stays
+    (8, 8, 131072, 8),  # Qwen3 b8: 448 programs (85%) -> 512 (97%)
+    (8, 8, 8192, 7),
+    (4, 8, 32768, 13),  # 16 splits would leave 2048 rows each (measured 1.04x slower)
+    (4, 8, 131072, 16),
+    (8, 3, 32768, 17),  # 22 splits at 32k: measured 1.2x slower
+    (32, 3, 131072, 5),  # 480 of 528 slots (91%): no change
+    (32, 8, 131072, 2),
+    (64, 8, 131072, 1),
+    (1, 3, 131072, 128),  # at the cap of 128 already
+])
+def test_default_num_splits_wave_fill(batch, kv_heads, context, expect):
+    """Wave fill (kernels/decode.py FILL_*): the cases of the H100 sweeps in benchmark/NOTES.md."""
+    from sglang_oscar.kernels.decode import _last_round_fill, default_num_splits
+
+    ns = default_num_splits(batch, kv_heads, context, 132)
+    assert ns == expect
+    base = default_num_splits(batch, kv_heads, context, 132, fill=False)
+    if ns != base:  # a change always fills the rounds better and keeps >= FILL_MIN_ROWS rows per split
+        assert _last_round_fill(batch * kv_heads * ns, 528) >= 0.95 > _last_round_fill(batch * kv_heads * base, 528)
+        assert context // ns >= 4096
 
 
 @pytest.mark.parametrize("per_head", [False, True])

@@ -528,12 +528,33 @@ RING_ROWS_PER_SPLIT = 64
 SUBNORMAL_CODES = True
 
 
+# Wave fill. The default config runs 4 CTAs per SM (255 registers x 64 threads), so P INT2 programs
+# take ceil(P / (4·SMs)) rounds; ceil(3·SMs / heads) splits can leave the last round nearly empty
+# (SmolLM2 batch 64: 192 heads x 3 = 576 programs for 528 slots). When the last round would be less
+# than FILL_BELOW full, the smallest larger count (up to 3x) that fills it to FILL_TO is taken, if
+# every split keeps >= FILL_MIN_ROWS rows (below that the per-split cost won: SmolLM2 batch 8 at 32k,
+# 22 splits of 1.5k rows, 1.2x slower). Same-run sweeps on H100 (benchmark/NOTES.md "Wave fill"):
+# SmolLM2 batch 64, 3 -> 8 splits: 0.67x / 0.71x the time at 128k / 32k; Qwen3-8B batch 8, 7 -> 8:
+# 0.91x / 0.92x; batch 32 / 64 and 8k unchanged by the rule.
+FILL_CTAS_PER_SM = 4
+FILL_BELOW = 0.9
+FILL_TO = 0.95
+FILL_MIN_ROWS = 4096
+
+
+def _last_round_fill(programs: int, slots: int) -> float:
+    """programs / (rounds x slots): how full the launch's rounds are on average (1.0 = no idle slot)."""
+    return programs / (triton.cdiv(programs, slots) * slots)
+
+
 def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int = 132, min_tokens: int = 256,
-                       waves: int = 3, small_batch_splits: int = SMALL_BATCH_SPLITS, round_up: bool = True) -> int:
+                       waves: int = 3, small_batch_splits: int = SMALL_BATCH_SPLITS, round_up: bool = True,
+                       fill: bool = True, ctas_per_sm: int = FILL_CTAS_PER_SM) -> int:
     """History splits from shapes only: >= `waves` programs per SM (round_up) or the most that keep
     the INT2 programs within `waves` per SM (not round_up); >= `small_batch_splits` splits when
     batch x kv_heads <= SMALL_BATCH_HEADS (0: off); >= min_tokens INT2 rows per split; at most 128
-    (the merge holds all partials of a head in one tile)."""
+    (the merge holds all partials of a head in one tile). fill (with round_up): the wave-fill step
+    above, for `ctas_per_sm` resident programs per SM."""
     if waves < 1:
         raise ValueError(f"waves must be >= 1, got {waves}")
     heads = max(batch * kv_heads, 1)
@@ -541,7 +562,15 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
     if heads <= SMALL_BATCH_HEADS:
         want = max(want, small_batch_splits)
     cap = max(1, triton.cdiv(max_context, min_tokens))
-    return int(max(1, min(want, cap, 128)))
+    ns = int(max(1, min(want, cap, 128)))
+    slots = ctas_per_sm * num_sms
+    if fill and round_up and _last_round_fill(heads * ns, slots) < FILL_BELOW:
+        for n in range(ns + 1, min(3 * ns, 128) + 1):
+            if max_context < n * FILL_MIN_ROWS:
+                break
+            if _last_round_fill(heads * n, slots) >= FILL_TO:
+                return n
+    return ns
 
 
 def transform_query(q: torch.Tensor, q_transform: Optional[torch.Tensor], kv_heads: int) -> torch.Tensor:
