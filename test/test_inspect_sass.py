@@ -34,3 +34,25 @@ def test_default_config_compiles_without_spills(model):
     # memory (LDSM.16.MT88 per plane, the v3 layout)
     assert "LDS.U8" in loop["top_opcodes"]
     assert not any(op.startswith("LDSM.16.MT88") for op in loop["top_opcodes"])
+
+
+@pytest.mark.parametrize("model,offset_form,subnormal", [("qwen3-8b", 1544, 1329), ("smollm2", 1057, 912)])
+def test_subnormal_codes_shorten_the_loop(model, offset_form, subnormal):
+    """The default code format (subnormal codes) keeps its instruction count: the byte spread is shared
+    by the four planes (no shift among the loop's top 16 opcodes; 99 SHF with the offset form), and the
+    loop is >= 10% shorter than with the offset
+    form 1 + code/4 (counts of triton 3.6 / its ptxas when written: offset_form -> subnormal)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    loops = {}
+    for flag in ("0", "1"):
+        out = subprocess.run([sys.executable, SCRIPT, "--model", model, "--subnormal", flag], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        res = json.loads(out.stdout)
+        assert res["stack_bytes"] == 0
+        loops[flag] = res["int2_loop"]
+    assert loops["1"]["instructions"] <= 0.9 * loops["0"]["instructions"], (loops["0"]["instructions"],
+                                                                          loops["1"]["instructions"])
+    assert not any(op.startswith("SHF") for op in loops["1"]["top_opcodes"]), loops["1"]["top_opcodes"]
+    # not pinned exactly (another ptxas may schedule differently), only kept near what was measured
+    assert loops["1"]["instructions"] <= subnormal * 1.05 and loops["0"]["instructions"] <= offset_form * 1.05

@@ -37,9 +37,12 @@ INT2 inner loop (the ALU budget, see design/architecture.md): scale and min are 
     q·k̂  = Σ_g scale_g · (q_g · c_g)  +  Σ_g min_g · Σ_{i∈g} q_i
     Σ_t p_t v̂_t = Σ_g Σ_t (p_t·scale_tg) c_t  +  Σ_g (Σ_t p_t·min_tg)
 
-so the dots run on raw codes, and codes become fp16 by OR-ing them into the mantissa of 1024.0
-(0x6400) and subtracting 1024 (exact). Quarter-plane packing makes plane p = (byte >> 2p) & 3
-the contiguous dims [p·D/4, (p+1)·D/4): four dots over D/4, no reshapes.
+so the dots run on raw codes. With uniform levels a code of plane p enters the dots as the fp16
+subnormal code·2^(2p−24): its byte spread into a halfword and AND-ed with the plane's two bits, one
+instruction per two codes, exact; the factor is undone outside the loop (SUBNORMAL_CODES,
+_codes_plane_scaled). A codebook's levels enter as 1 + level/4 (_codes_plane). Quarter-plane packing
+makes plane p = (byte >> 2p) & 3 the contiguous dims [p·D/4, (p+1)·D/4): four dots over D/4, no
+reshapes.
 
 The number of splits depends only on shapes (batch, KV heads, req_to_token's width), never on
 tensor values: no host sync, CUDA-graph capturable.
