@@ -251,6 +251,37 @@ def test_default_num_splits_wave_fill(batch, kv_heads, context, expect):
         assert context // ns >= 4096
 
 
+def test_default_num_splits_wave_fill_bounds():
+    from sglang_oscar.kernels.decode import default_num_splits
+
+    # the min_tokens cap and 128 bound the fill too
+    assert default_num_splits(8, 8, 131072, 132, min_tokens=32768) == 4
+    assert default_num_splits(8, 8, 131072, 132, min_tokens=131072 // 7 + 1) == 7  # cap 7: 8 not taken
+    # round_up=False (whole waves) and fill=False are left alone; other slot counts fill other rounds
+    assert default_num_splits(64, 3, 131072, 132, round_up=False) == 2  # 396 // 192, rounds 73% full: kept
+    assert default_num_splits(64, 3, 131072, 132, fill=False) == 3
+    assert default_num_splits(64, 3, 131072, 132, ctas_per_sm=2) == 4  # 768 programs = 2.9 rounds of 264
+    assert default_num_splits(8, 8, 131072, 132, waves=1) == 8  # 3 splits fill 36% of the round: raised
+    assert default_num_splits(8, 8, 131072, 132, waves=1, fill=False) == 3
+
+
+def test_decode_with_a_wave_filled_split_count(monkeypatch):
+    """oscar_decode end to end with a split count the wave fill raised (8 KV heads x batch 8 over a
+    32k-wide req_to_token: 7 -> 8 splits); the requests themselves are short, so most splits are empty."""
+    from sglang_oscar.kernels import decode as dec
+
+    seen = []
+    orig = dec.default_num_splits
+    monkeypatch.setattr(dec, "default_num_splits", lambda *a, **k: seen.append(orig(*a, **k)) or seen[-1])
+    lens = [300, 77, 5, 140, 25, 260, 9, 190]
+    case = make_case(lens, hkv=8, gqa=2, d=64, seed=61)
+    r2t = case["req_to_token"]
+    case["req_to_token"] = torch.cat([r2t, torch.zeros(r2t.shape[0], 32768 - r2t.shape[1], dtype=r2t.dtype,
+                                                        device=r2t.device)], 1)
+    run_and_check(case, block_n=16)
+    assert seen == [8] and orig(8, 8, 32768, 132, fill=False) == 7
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_transform_query_low_precision_path(per_head):
     """T_q already in q's dtype (decode's cached bf16 copy): one GEMM, no casts, ~bf16 rounding away
@@ -307,6 +338,13 @@ def test_decode_subnormal_codes_reject_codebook():
 def test_decode_codebook():
     case = make_case([50, 19], gqa=2, d=64, gk=32, gv=64, seed=11)
     run_and_check(case, k_level_a=0.8, v_level_a=1.2)
+
+
+@pytest.mark.parametrize("side", ["k", "v"])
+def test_decode_codebook_one_side(side):
+    """A codebook on K or V only: both sides then use the offset form (subnormal codes need uniform levels)."""
+    case = make_case([50, 19], gqa=2, d=64, gk=32, gv=64, seed=12)
+    run_and_check(case, **{f"{side}_level_a": 0.7})
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -412,7 +450,8 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("subnormal", [False, True])
 @pytest.mark.parametrize("gqa,d,gk,gv", [(4, 128, 64, 64), (3, 64, 64, 64), (8, 256, 64, 64), (12, 128, 64, 64),
-                                          (16, 128, 64, 64), (4, 128, 128, 128), (4, 128, 32, 64)])
+                                          (16, 128, 64, 64), (4, 128, 128, 128), (4, 128, 32, 64),
+                                          (8, 256, 32, 64)])  # D 256, G 32: two byte chunks per plane
 def test_gpu_bf16_long(gqa, d, gk, gv, subnormal):
     # subnormal=True: the fp16 subnormal codes go through the tensor cores (a flush to zero would lose
     # every code and miss the tolerance by far)

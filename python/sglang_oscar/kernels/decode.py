@@ -531,12 +531,12 @@ RING_ROWS_PER_SPLIT = 64
 SUBNORMAL_CODES = True
 
 
-# Wave fill. The default config runs 4 CTAs per SM (255 registers x 64 threads), so P INT2 programs
-# take ceil(P / (4·SMs)) rounds; ceil(3·SMs / heads) splits can leave the last round nearly empty
-# (SmolLM2 batch 64: 192 heads x 3 = 576 programs for 528 slots). When the last round would be less
-# than FILL_BELOW full, the smallest larger count (up to 3x) that fills it to FILL_TO is taken, if
-# every split keeps >= FILL_MIN_ROWS rows (below that the per-split cost won: SmolLM2 batch 8 at 32k,
-# 22 splits of 1.5k rows, 1.2x slower). Same-run sweeps on H100 (benchmark/NOTES.md "Wave fill"):
+# Wave fill. The default config runs 4 CTAs per SM (<= 255 registers x 64 threads, every supported
+# shape), so P INT2 programs take ceil(P / (4·SMs)) rounds; ceil(3·SMs / heads) splits can leave the
+# last round nearly empty (SmolLM2 batch 64: 192 heads x 3 = 576 programs for 528 slots). When the
+# rounds would be less than FILL_BELOW full on average, the smallest larger count (up to 3x) that
+# fills them to FILL_TO is taken, if every split keeps >= FILL_MIN_ROWS rows (below that the
+# per-split cost won: SmolLM2 batch 8 at 32k, 22 splits of 1.5k rows, 1.2x slower). Same-run sweeps on H100 (benchmark/NOTES.md "Wave fill"):
 # SmolLM2 batch 64, 3 -> 8 splits: 0.67x / 0.71x the time at 128k / 32k; Qwen3-8B batch 8, 7 -> 8:
 # 0.91x / 0.92x; batch 32 / 64 and 8k unchanged by the rule.
 FILL_CTAS_PER_SM = 4
@@ -546,7 +546,8 @@ FILL_MIN_ROWS = 4096
 
 
 def _last_round_fill(programs: int, slots: int) -> float:
-    """programs / (rounds x slots): how full the launch's rounds are on average (1.0 = no idle slot)."""
+    """programs / (rounds x slots): how full the launch's rounds are on average (1.0 = no idle slot;
+    all programs of a round are taken as equally long)."""
     return programs / (triton.cdiv(programs, slots) * slots)
 
 
@@ -557,7 +558,8 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
     the INT2 programs within `waves` per SM (not round_up); >= `small_batch_splits` splits when
     batch x kv_heads <= SMALL_BATCH_HEADS (0: off); >= min_tokens INT2 rows per split; at most 128
     (the merge holds all partials of a head in one tile). fill (with round_up): the wave-fill step
-    above, for `ctas_per_sm` resident programs per SM."""
+    above, for `ctas_per_sm` resident programs per SM; it may raise the count above `waves` programs
+    per SM (never above the min_tokens cap or 128): pass fill=False for exactly the waves rule."""
     if waves < 1:
         raise ValueError(f"waves must be >= 1, got {waves}")
     heads = max(batch * kv_heads, 1)
@@ -568,7 +570,7 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
     ns = int(max(1, min(want, cap, 128)))
     slots = ctas_per_sm * num_sms
     if fill and round_up and _last_round_fill(heads * ns, slots) < FILL_BELOW:
-        for n in range(ns + 1, min(3 * ns, 128) + 1):
+        for n in range(ns + 1, min(3 * ns, cap, 128) + 1):
             if max_context < n * FILL_MIN_ROWS:
                 break
             if _last_round_fill(heads * n, slots) >= FILL_TO:
@@ -680,8 +682,10 @@ def oscar_decode(
                          "levels are not integers; leave subnormal_codes unset or False")
     sub = (SUBNORMAL_CODES if subnormal_codes is None else bool(subnormal_codes)) and not codebook
     q = transform_query(q, q_transform, Hkv).contiguous()
+    # resident stage-1 programs per SM if registers bound them (4 at the default 128:2:3), for the wave fill
+    ctas = max(1, 65536 // ((maxnreg or 256) * 32 * num_warps))
     ns = num_splits if num_splits is not None else default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device),
-                                                                       waves=split_waves)
+                                                                       waves=split_waves, ctas_per_sm=ctas)
     rs = ring_splits if ring_splits is not None else triton.cdiv(window, RING_ROWS_PER_SPLIT)
     if rs < 1:
         raise ValueError(f"ring_splits must be >= 1, got {rs}")

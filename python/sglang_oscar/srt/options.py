@@ -19,8 +19,9 @@ Accepted (seed names kept so seed launch scripts work unchanged):
     SGLANG_MIXED_KV_HP_DTYPE           window dtype: bfloat16 (default), float16, float32
     SGLANG_MIXED_KV_SCALE_DTYPE        only bfloat16 (what the kernels store)
     SGLANG_MIXED_KV_HP_MAX_SPLITS      split count for the window part of decode (default 8)
-    SGLANG_OSCAR_DECODE_WAVES          decode programs per SM the INT2 history is split for (default 3;
-                                       more splits help small batches at long context)
+    SGLANG_OSCAR_DECODE_WAVES          at least this many decode programs per SM for the INT2 history
+                                       (default 3; the kernel's wave fill may add splits; more splits
+                                       help small batches at long context)
     SGLANG_OSCAR_EXTEND_ATTENTION      attention of prefill / extend steps over the rebuilt BF16 prefix:
                                        auto (default: FlashInfer on CUDA, torch SDPA on CPU),
                                        flashinfer, or sdpa (torch, slower on CUDA; for comparison)
