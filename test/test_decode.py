@@ -241,13 +241,13 @@ def test_default_num_splits_from_shapes_only():
 ])
 def test_default_num_splits_wave_fill(batch, kv_heads, context, expect):
     """Wave fill (kernels/decode.py FILL_*): the cases of the H100 sweeps in benchmark/NOTES.md."""
-    from sglang_oscar.kernels.decode import _last_round_fill, default_num_splits
+    from sglang_oscar.kernels.decode import _rounds_fill, default_num_splits
 
     ns = default_num_splits(batch, kv_heads, context, 132)
     assert ns == expect
     base = default_num_splits(batch, kv_heads, context, 132, fill=False)
     if ns != base:  # a change always fills the rounds better and keeps >= FILL_MIN_ROWS rows per split
-        assert _last_round_fill(batch * kv_heads * ns, 528) >= 0.95 > _last_round_fill(batch * kv_heads * base, 528)
+        assert _rounds_fill(batch * kv_heads * ns, 528) >= 0.95 > _rounds_fill(batch * kv_heads * base, 528)
         assert context // ns >= 4096
 
 

@@ -99,7 +99,7 @@ def _codes_plane(b, SHIFT: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.con
 
 
 @triton.jit
-def _codes_plane_scaled(b, P: tl.constexpr, MASK: tl.constexpr, FAST_CVT: tl.constexpr, DT: tl.constexpr):
+def _codes_plane_scaled(b, P: tl.constexpr, FAST_CVT: tl.constexpr, DT: tl.constexpr):
     """Plane P of a uint8 tile as c·2^(2P−24), without an offset ("subnormal codes").
 
     Fast path: prmt spreads the 4 bytes of a word into the low bytes of 4 halfwords; AND-ing a halfword
@@ -109,6 +109,7 @@ def _codes_plane_scaled(b, P: tl.constexpr, MASK: tl.constexpr, FAST_CVT: tl.con
     per plane. The tensor cores take fp16 subnormals as they are (the GPU tests compare with the
     oracle). The per-plane factor 2^(2P−24) is undone outside the loop (V: on the accumulator of the
     sub-plane; K: q is pre-scaled so that all planes of a group share one factor)."""
+    MASK: tl.constexpr = 0x00030003 << (2 * P)
     if FAST_CVT:
         return tl.inline_asm_elementwise(
             asm=f"""{{
@@ -122,6 +123,16 @@ def _codes_plane_scaled(b, P: tl.constexpr, MASK: tl.constexpr, FAST_CVT: tl.con
         )
     else:
         return (((b >> (2 * P)) & 3).to(tl.float32) * (1 << (2 * P)) * 5.9604644775390625e-08).to(DT)
+
+
+@triton.jit
+def _plane_codes(b, P: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, SUB: tl.constexpr,
+                 DT: tl.constexpr, FAST_CVT: tl.constexpr):
+    """Plane P of a uint8 code tile in the INT2 split's format: code·2^(2P−24) (SUB) or 1 + level/4."""
+    if SUB:
+        return _codes_plane_scaled(b, P, FAST_CVT, DT)
+    else:
+        return _codes_plane(b, 2 * P, LEVEL_A, CODEBOOK, DT, FAST_CVT)
 
 
 @triton.jit
@@ -248,10 +259,7 @@ def _int2_split(
             d = tl.zeros([BLOCK_N, NP], tl.float32)
             for sp in tl.static_range(NSP):
                 if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
-                    if SUB:
-                        e = _codes_plane_scaled(kbs[sp % NCH], sp // NCH, 0x00030003 << (2 * (sp // NCH)), FAST_CVT, DT)
-                    else:
-                        e = _codes_plane(kbs[sp % NCH], 2 * (sp // NCH), K_A, K_CODEBOOK, DT, FAST_CVT)
+                    e = _plane_codes(kbs[sp % NCH], sp // NCH, K_A, K_CODEBOOK, SUB, DT, FAST_CVT)
                     d = tl.dot(e, qts[sp], acc=d)
             if SUB:
                 s += d * (ks * (1 << (24 - 2 * ((g * GK) // D4))))[:, None] + km[:, None] * qsum[g][None, :]
@@ -278,10 +286,7 @@ def _int2_split(
                 accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + p * (vm - 4.0 * vs)[:, None])
             for sp in tl.static_range(NSP):
                 if ((sp // NCH) * D4 + (sp % NCH) * CH) // GV == g:
-                    if SUB:
-                        e = _codes_plane_scaled(vbs[sp % NCH], sp // NCH, 0x00030003 << (2 * (sp // NCH)), FAST_CVT, DT)
-                    else:
-                        e = _codes_plane(vbs[sp % NCH], 2 * (sp // NCH), V_A, V_CODEBOOK, DT, FAST_CVT)
+                    e = _plane_codes(vbs[sp % NCH], sp // NCH, V_A, V_CODEBOOK, SUB, DT, FAST_CVT)
                     accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp] * alpha[None, :]))
 
     # ---- epilogue: add the min terms, normalise, store oᵀ
@@ -536,16 +541,16 @@ SUBNORMAL_CODES = True
 # last round nearly empty (SmolLM2 batch 64: 192 heads x 3 = 576 programs for 528 slots). When the
 # rounds would be less than FILL_BELOW full on average, the smallest larger count (up to 3x) that
 # fills them to FILL_TO is taken, if every split keeps >= FILL_MIN_ROWS rows (below that the
-# per-split cost won: SmolLM2 batch 8 at 32k, 22 splits of 1.5k rows, 1.2x slower). Same-run sweeps on H100 (benchmark/NOTES.md "Wave fill"):
-# SmolLM2 batch 64, 3 -> 8 splits: 0.67x / 0.71x the time at 128k / 32k; Qwen3-8B batch 8, 7 -> 8:
-# 0.91x / 0.92x; batch 32 / 64 and 8k unchanged by the rule.
+# per-split cost won: SmolLM2 batch 8 at 32k, 22 splits of 1.5k rows, 1.2x slower). Same-run sweeps
+# on H100 (benchmark/NOTES.md "Wave fill"): SmolLM2 batch 64, 3 -> 8 splits: 0.67x / 0.71x the time
+# at 128k / 32k; Qwen3-8B batch 8, 7 -> 8: 0.91x / 0.92x; batch 32 / 64 and 8k unchanged by the rule.
 FILL_CTAS_PER_SM = 4
 FILL_BELOW = 0.9
 FILL_TO = 0.95
 FILL_MIN_ROWS = 4096
 
 
-def _last_round_fill(programs: int, slots: int) -> float:
+def _rounds_fill(programs: int, slots: int) -> float:
     """programs / (rounds x slots): how full the launch's rounds are on average (1.0 = no idle slot;
     all programs of a round are taken as equally long)."""
     return programs / (triton.cdiv(programs, slots) * slots)
@@ -569,11 +574,11 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
     cap = max(1, triton.cdiv(max_context, min_tokens))
     ns = int(max(1, min(want, cap, 128)))
     slots = ctas_per_sm * num_sms
-    if fill and round_up and _last_round_fill(heads * ns, slots) < FILL_BELOW:
+    if fill and round_up and _rounds_fill(heads * ns, slots) < FILL_BELOW:
         for n in range(ns + 1, min(3 * ns, cap, 128) + 1):
             if max_context < n * FILL_MIN_ROWS:
                 break
-            if _last_round_fill(heads * n, slots) >= FILL_TO:
+            if _rounds_fill(heads * n, slots) >= FILL_TO:
                 return n
     return ns
 
