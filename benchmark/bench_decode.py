@@ -167,7 +167,7 @@ def sglang_triton_fns(q, b, hq, hkv, d, ctx, copies):
 
 
 def parse_oscar_config(text):
-    """'128:2:3[:r128][:w6][:ring1][:sub1]' -> (text, oscar_decode keyword arguments)."""
+    """'128:2:3[:r128][:w6][:ring1][:sub1][:peel1][:lazy4]' -> (text, oscar_decode keyword arguments)."""
     parts = text.split(":")
     bn, nw, st = (int(x) for x in parts[:3])
     kw = dict(block_n=bn, num_warps=nw, num_stages=st)
@@ -176,6 +176,10 @@ def parse_oscar_config(text):
             kw["ring_splits"] = int(p[4:])
         elif p.startswith("sub"):
             kw["subnormal_codes"] = bool(int(p[3:]))
+        elif p.startswith("peel"):
+            kw["peel_tail"] = bool(int(p[4:]))
+        elif p.startswith("lazy"):
+            kw["lazy_rescale"] = float(p[4:])
         elif p.startswith("r"):
             kw["maxnreg"] = int(p[1:])
         elif p.startswith("w"):
@@ -222,8 +226,9 @@ def main():
     ap.add_argument("--models", default="qwen3-8b,smollm2")
     ap.add_argument("--impls", default="oscar,flashinfer_bf16,flashinfer_fp8,sglang_triton_bf16")
     ap.add_argument("--oscar-configs", default="128:2:3,64:2:3",
-                    help="BLOCK_N:num_warps:num_stages[:rN][:wN][:ringN][:subB] (rN: maxnreg N, wN: split_waves N, "
-                         "ringN: ring_splits N, sub1/sub0: subnormal codes on/off); the first "
+                    help="BLOCK_N:num_warps:num_stages[:rN][:wN][:ringN][:subB][:peelB][:lazyT] (rN: maxnreg N, wN: "
+                         "split_waves N, ringN: ring_splits N, sub1/sub0: subnormal codes on/off, peel1/peel0: "
+                         "unmasked full blocks on/off, lazyT: lazy-rescale threshold T, 0 = off); the first "
                          "is oscar_decode's default (128:2:3), the one the server runs")
     ap.add_argument("--report", choices=("first", "best"), default="first",
                     help="oscar row per shape: the first config (what serving runs) or the best of all swept; "

@@ -41,7 +41,7 @@ SCALARS = {"qk_scale": "fp32", "stride_r2t": "i32"}
 
 
 def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stages=3, ns=16, fast_cvt=True,
-                   maxnreg=None, subnormal=None):
+                   maxnreg=None, subnormal=None, peel=None, lazy=None):
     fn = decode._oscar_decode_stage1
     group = hq // hkv
     consts = dict(
@@ -50,6 +50,8 @@ def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stage
         BLOCK_N=block_n, BLOCK_W=16, K_A=1.0, V_A=1.0, K_CODEBOOK=False, V_CODEBOOK=False,
         DT=tl.float16, WDT=tl.bfloat16, FAST_CVT=fast_cvt, NGK=d // gk, NGV=d // gv, CH=min(gk, gv, d // 4),
         SUB=decode.SUBNORMAL_CODES if subnormal is None else subnormal,
+        PEEL=decode.PEEL_TAIL if peel is None else peel,
+        LAZY=float(decode.LAZY_RESCALE if lazy is None else lazy),
     )
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -99,8 +101,8 @@ def instructions(sass):
 
 def loops(ins):
     """Loop bodies of instructions(sass) (a backward branch to a lower address): [(start, end,
-    opcode counts)], largest first. The INT2 history loop is the largest one with HMMA (the window
-    loop is smaller)."""
+    opcode counts)], largest first. count() takes the INT2 history loop as the first one with HMMA in
+    address order (the window loop comes after it)."""
     index = {a: i for i, (a, _) in enumerate(ins)}
     out = []
     for i, (a, text) in enumerate(ins):
@@ -112,12 +114,25 @@ def loops(ins):
     return sorted(out, key=lambda x: -sum(x[2].values()))
 
 
+def skipped_inside(ins, start, end):
+    """Instructions of the loop body [start, end] that a forward conditional branch inside it can
+    skip (e.g. the lazy-rescale block): the loop's common path is the body without them."""
+    skip = set()
+    for a, text in ins:
+        tgt = re.search(r"^@!?U?P\w+\s+BRA\b.*?0x([0-9a-f]+)", text)
+        if start <= a < end and tgt and a < int(tgt.group(1), 16) <= end:
+            skip.update(x for x, _ in ins if a < x < int(tgt.group(1), 16))
+    return len(skip)
+
+
 def count(kernel, sass):
     ttgir = kernel.asm["ttgir"]
     ins = instructions(sass)
     op = lambda pat: sum(1 for _, text in ins if re.search(pat, text))  # noqa: E731
     regs, stack = resources(kernel)
-    hot = [lp for lp in loops(ins) if any(name.startswith("HMMA") for name in lp[2])]
+    # loops with tensor-core MMAs in address order: the INT2 history loop (full blocks) comes first, then
+    # its masked tail loop when peeled (PEEL_TAIL), then the window loop
+    hot = sorted((lp for lp in loops(ins) if any(name.startswith("HMMA") for name in lp[2])), key=lambda lp: lp[0])
     return {
         "registers": regs,
         "stack_bytes": stack,
@@ -136,6 +151,7 @@ def count(kernel, sass):
         "ttgir_local_alloc": ttgir.count("ttg.local_alloc"),
         # the INT2 history loop, per iteration and warp (benchmark/NOTES.md v4)
         "int2_loop": {"sass_range": f"{hot[0][0]:#x}-{hot[0][1]:#x}", "instructions": sum(hot[0][2].values()),
+                      "common_path": sum(hot[0][2].values()) - skipped_inside(ins, hot[0][0], hot[0][1]),
                       "top_opcodes": dict(hot[0][2].most_common(16))} if hot else None,
     }
 
@@ -147,16 +163,21 @@ def main():
     ap.add_argument("--slow-cvt", action="store_true", help="codes -> fp16 by plain arithmetic (no inline PTX)")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas -maxrregcount)")
     ap.add_argument("--subnormal", type=int, choices=(0, 1), help="code format (default: decode.SUBNORMAL_CODES)")
+    ap.add_argument("--peel", type=int, choices=(0, 1), help="unmasked full blocks (default: decode.PEEL_TAIL)")
+    ap.add_argument("--lazy", type=float, help="lazy-rescale threshold (default: decode.LAZY_RESCALE)")
     ap.add_argument("--dump", help="folder for the ttgir / ptx / sass text")
     args = ap.parse_args()
     hq, hkv, d = MODELS[args.model]
     bn, nw, st = (int(x) for x in args.config.split(":"))
     k = compile_stage1(hq, hkv, d, block_n=bn, num_warps=nw, num_stages=st, fast_cvt=not args.slow_cvt,
-                       maxnreg=args.maxnreg, subnormal=None if args.subnormal is None else bool(args.subnormal))
+                       maxnreg=args.maxnreg, subnormal=None if args.subnormal is None else bool(args.subnormal),
+                       peel=None if args.peel is None else bool(args.peel), lazy=args.lazy)
     sass = sass_of(k)
     res = {"model": args.model, "config": args.config, "fast_cvt": not args.slow_cvt,
            "maxnreg": args.maxnreg,
-           "subnormal": decode.SUBNORMAL_CODES if args.subnormal is None else bool(args.subnormal), **count(k, sass)}
+           "subnormal": decode.SUBNORMAL_CODES if args.subnormal is None else bool(args.subnormal),
+           "peel": decode.PEEL_TAIL if args.peel is None else bool(args.peel),
+           "lazy": decode.LAZY_RESCALE if args.lazy is None else args.lazy, **count(k, sass)}
     print(json.dumps(res, indent=1))
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)

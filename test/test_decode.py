@@ -329,6 +329,40 @@ def test_decode_code_formats(subnormal, d, gk, gv, gqa):
     run_and_check(case, num_splits=3, block_n=16, subnormal_codes=subnormal)
 
 
+def _ramp_history_scores(case, slow, steep, knee):
+    """Raise the K mins with position so that every head's INT2 scores climb by `slow` log2 units per
+    position before `knee` and by `steep` after it (per request), with q > 0 so every head climbs."""
+    c = case["cache"]
+    case["q"] = case["q"].abs() + 0.5
+    rate = (case["q"].double().sum(-1) * case["sm_scale"] * 1.4426950408889634).min().item()  # log2 units per unit of min
+    for i, L in enumerate(case["seq_lens"].tolist()):
+        r = int(case["req_pool_indices"][i])
+        pos = torch.arange(L, dtype=torch.float64, device=c.k_params.device)
+        units = slow * pos.clamp(max=knee[i]) + steep * (pos - knee[i]).clamp(min=0)
+        slots = case["req_to_token"][r, :L].long()
+        c.k_params[slots, :, :, 1] = (units / rate).to(c.k_params.dtype)[:, None, None]
+
+
+# Lazy rescale (LAZY_RESCALE) and the peeled tail (PEEL_TAIL). Request 0's history scores climb 0.1 log2
+# units per position (the max moves by < τ per block: no rescale), then 1 per position (a rescale per
+# block; > 128 units within a split, so fp32 overflows if a rescale is skipped); request 1 climbs slowly
+# only; request 2 has a history shorter than one block (only the masked tail). Splits of 15 full blocks
+# + a tail, and single-tail splits.
+@pytest.mark.parametrize("peel", [False, True])
+@pytest.mark.parametrize("lazy", [0.0, 4.0, 8.0])
+def test_decode_lazy_rescale_and_peeled_tail(peel, lazy):
+    case = make_case([700, 300, 37], hkv=2, gqa=3, d=64, gk=32, gv=64, seed=17)
+    _ramp_history_scores(case, slow=0.1, steep=1.0, knee=[150, 10 ** 6, 10 ** 6])
+    run_and_check(case, num_splits=3, block_n=16, peel_tail=peel, lazy_rescale=lazy)
+
+
+def test_decode_lazy_rescale_bounds():
+    case = make_case([40], gqa=2)
+    for bad in (-1.0, 9.0):
+        with pytest.raises(ValueError, match="lazy_rescale must be in"):
+            oscar_decode(**case, lazy_rescale=bad)
+
+
 def test_decode_subnormal_codes_reject_codebook():
     case = make_case([40], gqa=2)
     with pytest.raises(ValueError, match="subnormal_codes needs uniform INT2 levels"):
@@ -458,6 +492,18 @@ def test_gpu_bf16_long(gqa, d, gk, gv, subnormal):
     case = make_case([4000, 1333, 70, 9000], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, sink=64, window=256,
                      ring_starts=[0, 1200, 0, 8900], seed=gqa + gk)
     run_and_check(case, tol=1e-2, subnormal_codes=subnormal)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("lazy", [0.0, 4.0, 8.0])
+@pytest.mark.parametrize("gqa,d,gk,gv", [(4, 128, 64, 64), (3, 64, 64, 64), (8, 256, 32, 64)])
+def test_gpu_lazy_rescale_ramp(gqa, d, gk, gv, lazy):
+    # history scores climbing slowly (no rescale for many blocks), then by ~25 log2 units per block of
+    # 128 (a rescale per block); fp16 weights p·vs up to 2^lazy·vs; the 100-token request has a history
+    # shorter than a block (the masked tail only)
+    case = make_case([9000, 3000, 100], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, sink=64, window=256, seed=5 + gqa)
+    _ramp_history_scores(case, slow=0.02, steep=0.2, knee=[4000, 10 ** 6, 10 ** 6])
+    run_and_check(case, tol=1e-2, lazy_rescale=lazy)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

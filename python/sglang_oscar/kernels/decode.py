@@ -136,12 +136,18 @@ def _plane_codes(b, P: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constex
 
 
 @triton.jit
-def _param_word(P32, P64, row, g: tl.constexpr, NG: tl.constexpr, mask):
+def _param_word(P32, P64, row, g: tl.constexpr, NG: tl.constexpr, mask, MASKED: tl.constexpr):
     """(scale, min) of group g of each row as fp32 [N] vectors, from one 4- or 8-byte load."""
     if NG == 1:
-        w = tl.load(P32 + row, mask=mask, other=0)
+        if MASKED:
+            w = tl.load(P32 + row, mask=mask, other=0)
+        else:
+            w = tl.load(P32 + row)
     else:
-        w64 = tl.load(P64 + row * (NG // 2) + g // 2, mask=mask, other=0)
+        if MASKED:
+            w64 = tl.load(P64 + row * (NG // 2) + g // 2, mask=mask, other=0)
+        else:
+            w64 = tl.load(P64 + row * (NG // 2) + g // 2)
         if g % 2 == 0:
             w = w64.to(tl.int32)
         else:
@@ -173,6 +179,110 @@ def _tuple_add(t, i: tl.constexpr, v):
 
 
 @triton.jit
+def _int2_block(
+    KC, KP32, KP64, VC, VP32, VP64, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
+    HKV: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
+    DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr, CH: tl.constexpr,
+    SUB: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr,
+):
+    """BLOCK_N history rows [start, start + BLOCK_N) of one split: scores, online softmax, V dots.
+    MASKED: rows >= hi are masked (the tail block only; full blocks carry no predicates or selects).
+
+    LAZY = τ > 0 (log2 units): the running max m_i only moves, and the accumulators are only rescaled,
+    when some head's block max exceeds it by more than τ (one CTA-uniform branch). Otherwise p =
+    exp2(s − m_i) <= 2^τ: l_t is fp32, and the fp16 weights p·vs stay finite for V scales < 65504 / 2^τ.
+    The result is the same softmax (the final LSE uses the m_i that was used)."""
+    D4: tl.constexpr = D // 4
+    NCH: tl.constexpr = D4 // CH
+    NSP: tl.constexpr = 4 * NCH
+    offs_c = tl.arange(0, CH)
+    pos = start + tl.arange(0, BLOCK_N)
+    mask_n = pos < hi
+    if MASKED:
+        slot = tl.load(r2t + pos, mask=mask_n, other=0).to(tl.int64)
+    else:
+        slot = tl.load(r2t + pos).to(tl.int64)
+    row = slot * HKV + h  # [N]
+    kbs = []
+    vbs = []
+    for k in tl.static_range(NCH):
+        if MASKED:
+            kbs = kbs + [tl.load(KC + row[:, None] * D4 + (k * CH + offs_c)[None, :], mask=mask_n[:, None], other=0)]
+        else:
+            kbs = kbs + [tl.load(KC + row[:, None] * D4 + (k * CH + offs_c)[None, :])]
+    for k in tl.static_range(NCH):
+        # V codes as [CH, BLOCK_N] (dims x tokens): already the A operand of the V dots, so Triton
+        # stages the bytes once and converts each plane in registers; a [BLOCK_N, CH] load
+        # needs tl.trans of every fp16 plane, one shared-memory round trip per plane (NOTES v4)
+        if MASKED:
+            vbs = vbs + [tl.load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask=mask_n[None, :], other=0)]
+        else:
+            vbs = vbs + [tl.load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None])]
+
+    # ---- scores sᵀ [N, NP]
+    s = tl.zeros(l_t.shape, tl.float32)
+    for g in tl.static_range(NGK):
+        ks, km = _param_word(KP32, KP64, row, g, NGK, mask_n, MASKED)
+        d = tl.zeros(l_t.shape, tl.float32)
+        for sp in tl.static_range(NSP):
+            if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
+                e = _plane_codes(kbs[sp % NCH], sp // NCH, K_A, K_CODEBOOK, SUB, DT, FAST_CVT)
+                d = tl.dot(e, qts[sp], acc=d)
+        if SUB:
+            s += d * (ks * (1 << (24 - 2 * ((g * GK) // D4))))[:, None] + km[:, None] * qsum[g][None, :]
+        else:
+            s += d * (4.0 * ks)[:, None] + (km - 4.0 * ks)[:, None] * qsum[g][None, :]
+    if MASKED:
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+
+    # ---- online softmax over the tokens (log2 domain)
+    m_blk = tl.max(s, 0)
+    if LAZY > 0:
+        # the first block always moves m_i off -inf (m_blk - (-inf) = +inf); a block has >= 1 valid row
+        if tl.max(m_blk - m_i, 0) > LAZY:
+            m_new = tl.maximum(m_i, m_blk)
+            alpha = tl.exp2(m_i - m_new)
+            l_t = l_t * alpha[None, :]
+            for sp in tl.static_range(NSP):
+                accs = _tuple_set(accs, sp, accs[sp] * alpha[None, :])
+            for g in tl.static_range(NGV):
+                accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :])
+            m_i = m_new
+        p = tl.exp2(s - m_i[None, :])
+        l_t = l_t + p
+    else:
+        m_new = tl.maximum(m_i, m_blk)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        l_t = l_t * alpha[None, :] + p
+        m_i = m_new
+
+    # ---- values oᵀ [CH, NP] per sub-plane
+    for g in tl.static_range(NGV):
+        vs, vm = _param_word(VP32, VP64, row, g, NGV, mask_n, MASKED)
+        if SUB:
+            w = (p * vs[:, None]).to(DT)
+            vmp = p * vm[:, None]
+        else:
+            w = (p * (4.0 * vs)[:, None]).to(DT)
+            vmp = p * (vm - 4.0 * vs)[:, None]
+        if LAZY > 0:
+            accmin = _tuple_add(accmin, g, vmp)
+        else:
+            accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + vmp)
+        for sp in tl.static_range(NSP):
+            if ((sp // NCH) * D4 + (sp % NCH) * CH) // GV == g:
+                e = _plane_codes(vbs[sp % NCH], sp // NCH, V_A, V_CODEBOOK, SUB, DT, FAST_CVT)
+                if LAZY > 0:
+                    accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp]))
+                else:
+                    accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp] * alpha[None, :]))
+    return m_i, l_t, accs, accmin
+
+
+@triton.jit
 def _int2_split(
     Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
     split, b, h, hist_hi, r2t, qk_scale,
@@ -180,7 +290,7 @@ def _int2_split(
     SINK: tl.constexpr, NS: tl.constexpr, RS: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
-    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr,
+    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PEEL: tl.constexpr, LAZY: tl.constexpr,
 ):
     """One split of the INT2 history [SINK, hist_hi), transposed: tokens in M, the GQA heads in N
     (padded to NP = next power of two, not 16), so the softmax and the scale / min algebra run on
@@ -209,7 +319,6 @@ def _int2_split(
     hq = h * GQA + offs_h
     q_col = Q + (b * (HKV * GQA) + hq) * D  # [NP] pointers
     offs_c = tl.arange(0, CH)
-    offs_n = tl.arange(0, BLOCK_N)
 
     # qᵀ per sub-plane [CH, NP] (dims p·D4 + k·CH + c), and the per-group sums of the rounded q
     qts = []
@@ -237,57 +346,24 @@ def _int2_split(
     for g in tl.static_range(NGV):
         accmin = accmin + [tl.zeros([BLOCK_N, NP], tl.float32)]
 
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        mask_n = pos < hi
-        slot = tl.load(r2t + pos, mask=mask_n, other=0).to(tl.int64)
-        row = slot * HKV + h  # [N]
-        kbs = []
-        vbs = []
-        for k in tl.static_range(NCH):
-            kbs = kbs + [tl.load(KC + row[:, None] * D4 + (k * CH + offs_c)[None, :], mask=mask_n[:, None], other=0)]
-        for k in tl.static_range(NCH):
-            # V codes as [CH, BLOCK_N] (dims x tokens): already the A operand of the V dots, so Triton
-            # stages the bytes once and converts each plane in registers; a [BLOCK_N, CH] load
-            # needs tl.trans of every fp16 plane, one shared-memory round trip per plane (NOTES v4)
-            vbs = vbs + [tl.load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask=mask_n[None, :], other=0)]
-
-        # ---- scores sᵀ [N, NP]
-        s = tl.zeros([BLOCK_N, NP], tl.float32)
-        for g in tl.static_range(NGK):
-            ks, km = _param_word(KP32, KP64, row, g, NGK, mask_n)
-            d = tl.zeros([BLOCK_N, NP], tl.float32)
-            for sp in tl.static_range(NSP):
-                if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
-                    e = _plane_codes(kbs[sp % NCH], sp // NCH, K_A, K_CODEBOOK, SUB, DT, FAST_CVT)
-                    d = tl.dot(e, qts[sp], acc=d)
-            if SUB:
-                s += d * (ks * (1 << (24 - 2 * ((g * GK) // D4))))[:, None] + km[:, None] * qsum[g][None, :]
-            else:
-                s += d * (4.0 * ks)[:, None] + (km - 4.0 * ks)[:, None] * qsum[g][None, :]
-        s = tl.where(mask_n[:, None], s, float("-inf"))
-
-        # ---- online softmax over the tokens (log2 domain)
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])
-        l_t = l_t * alpha[None, :] + p
-        m_i = m_new
-
-        # ---- values oᵀ [CH, NP] per sub-plane
-        for g in tl.static_range(NGV):
-            vs, vm = _param_word(VP32, VP64, row, g, NGV, mask_n)
-            if SUB:
-                w = (p * vs[:, None]).to(DT)
-                accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + p * vm[:, None])
-            else:
-                w = (p * (4.0 * vs)[:, None]).to(DT)
-                accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + p * (vm - 4.0 * vs)[:, None])
-            for sp in tl.static_range(NSP):
-                if ((sp // NCH) * D4 + (sp % NCH) * CH) // GV == g:
-                    e = _plane_codes(vbs[sp % NCH], sp // NCH, V_A, V_CODEBOOK, SUB, DT, FAST_CVT)
-                    accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp] * alpha[None, :]))
+    # Full blocks without masks (every split but the last has only full blocks: chunk is a multiple of
+    # BLOCK_N), then at most one masked tail block.
+    if PEEL:
+        hi_full = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
+    else:  # every block masked (the form before the peeling, kept for same-run comparisons)
+        hi_full = lo
+    for start in range(lo, hi_full, BLOCK_N):
+        m_i, l_t, accs, accmin = _int2_block(
+            KC, KP32, KP64, VC, VP32, VP64, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
+            HKV, D, GK, GV, BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
+            False, LAZY,
+        )
+    for start in range(hi_full, hi, BLOCK_N):
+        m_i, l_t, accs, accmin = _int2_block(
+            KC, KP32, KP64, VC, VP32, VP64, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
+            HKV, D, GK, GV, BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
+            True, LAZY,
+        )
 
     # ---- epilogue: add the min terms, normalise, store oᵀ
     l_i = tl.sum(l_t, 0)
@@ -384,6 +460,8 @@ def _oscar_decode_stage1(
     NGK: tl.constexpr, NGV: tl.constexpr,  # groups per row
     CH: tl.constexpr,  # bytes per code chunk: min(GK, GV, D/4)
     SUB: tl.constexpr,  # subnormal codes (uniform levels): E = code·2^(2p−24), see _int2_split
+    PEEL: tl.constexpr,  # full history blocks without masks, one masked tail (_int2_block)
+    LAZY: tl.constexpr,  # lazy rescale threshold τ in log2 units, 0 = rescale every block (_int2_block)
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -403,7 +481,7 @@ def _oscar_decode_stage1(
             Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
             split, b, h, hist_hi, r2t, qk_scale,
             HKV, GQA, D, GK, GV, SINK, NS, RS, NP,
-            BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
+            BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PEEL, LAZY,
         )
     else:
         offs_m = tl.arange(0, BLOCK_M)
@@ -534,6 +612,13 @@ RING_ROWS_PER_SPLIT = 64
 # per code in the INT2 loop than 1 + code/4 (benchmark/NOTES.md "Subnormal codes"). A codebook
 # always uses the offset form (its levels are not integers: as subnormals they would be rounded).
 SUBNORMAL_CODES = True
+# The INT2 loop's full blocks run without masks; only a split's last, partial block is masked.
+PEEL_TAIL = False
+# Lazy rescale: the running max moves only when a block's max exceeds it by more than this many
+# log2 units (p <= 2^LAZY_RESCALE); 0 rescales every block. Bounds the fp16 V weights p·vs by
+# 2^LAZY_RESCALE·vs (finite for V scales < 4094 at 4).
+LAZY_RESCALE = 0.0
+MAX_LAZY_RESCALE = 8.0
 
 
 # Wave fill. The default config runs 4 CTAs per SM (<= 255 registers x 64 threads, every supported
@@ -633,6 +718,8 @@ def oscar_decode(
     maxnreg: Optional[int] = None,
     ring_splits: Optional[int] = None,
     subnormal_codes: Optional[bool] = None,
+    peel_tail: Optional[bool] = None,
+    lazy_rescale: Optional[float] = None,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
@@ -644,6 +731,8 @@ def oscar_decode(
     the stage-1 registers per thread (None: ptxas decides). ring_splits: programs per (request, KV
     head) for the recent window (None: ceil(window / RING_ROWS_PER_SPLIT)). subnormal_codes: the INT2
     loop's code format (None: SUBNORMAL_CODES); True with a codebook (k_level_a / v_level_a) is an error.
+    peel_tail / lazy_rescale: the INT2 loop's unmasked full blocks and lazy-rescale threshold in log2
+    units (None: PEEL_TAIL / LAZY_RESCALE; 0 rescales every block; at most MAX_LAZY_RESCALE).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -686,6 +775,11 @@ def oscar_decode(
         raise ValueError("subnormal_codes needs uniform INT2 levels: with a codebook (k_level_a / v_level_a) the "
                          "levels are not integers; leave subnormal_codes unset or False")
     sub = (SUBNORMAL_CODES if subnormal_codes is None else bool(subnormal_codes)) and not codebook
+    lazy = float(LAZY_RESCALE if lazy_rescale is None else lazy_rescale)
+    if not 0.0 <= lazy <= MAX_LAZY_RESCALE:
+        raise ValueError(f"lazy_rescale must be in [0, {MAX_LAZY_RESCALE}] (log2 units; the fp16 V weights p·vs "
+                         f"grow up to 2^lazy_rescale·vs), got {lazy}")
+    peel = PEEL_TAIL if peel_tail is None else bool(peel_tail)
     q = transform_query(q, q_transform, Hkv).contiguous()
     # resident stage-1 programs per SM if registers bound them (4 at the default 128:2:3), for the wave fill
     ctas = max(1, 65536 // ((maxnreg or 256) * 32 * num_warps))
@@ -730,7 +824,7 @@ def oscar_decode(
         V_A=float(v_level_a if v_level_a is not None else 1.0),
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None,
         DT=dt, WDT=wdt, FAST_CVT=not fp32,
-        NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub,
+        NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub, PEEL=peel, LAZY=lazy,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _oscar_decode_merge[(B * Hq,)](
