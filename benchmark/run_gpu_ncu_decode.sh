@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Nsight Compute profile of the decode kernel's stage 1 (warp stall reasons, per-SASS-line samples)
-# and, in the same call, the wave-fill check of the split rule. Runtime staged as run_gpu_kernels.sh.
+# Nsight Compute profile of the decode kernel's stage 1 (warp stall reasons, per-SASS-line samples;
+# summarised by benchmark/ncu_summary.py) and, in the same call, the wave-fill check of the split rule. Runtime staged as run_gpu_kernels.sh.
 #   bash benchmark/run_gpu_ncu_decode.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,8 +17,9 @@ if [ -n "$NCU" ]; then
       > "$OUT/ncu_$tag.log" 2>&1; echo "ncu $tag rc=$?"; tail -3 "$OUT/ncu_$tag.log"
     "$NCU" -i "$OUT/ncu_$tag.ncu-rep" --page details --print-details all > "$OUT/ncu_${tag}_details.txt" 2>&1
     "$NCU" -i "$OUT/ncu_$tag.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_${tag}_sass.csv" 2>&1
-    grep -iE "stall|warp cycles per|issued ipc|occupancy|throughput" "$OUT/ncu_${tag}_details.txt" | head -40
   done
+  # the .ncu-rep / csv files are MBs: keep them out of git, commit the summary
+  python3 benchmark/ncu_summary.py "$OUT" --out "$OUT/decode_ncu_stage1.json" | head -60
 fi
 mkdir -p "$OUT/fill"; timeout 300 python3 benchmark/bench_decode.py --out "$OUT/fill" --models qwen3-8b,smollm2 --batches 2,4,16 \
   --contexts 65536,131072 --impls oscar --oscar-splits auto,nofill 2>&1 | grep -E "oscar|copy bandwidth" | tee "$OUT/fill.log"

@@ -1,0 +1,83 @@
+"""Summarise Nsight Compute output of benchmark/run_gpu_ncu_decode.sh into one small JSON (the .ncu-rep
+files are MBs and stay out of git): warp-state stall reasons, issue rate, occupancy, memory throughput
+from `ncu --page details` text, and, where a `--page source --csv` export exists, the INT2 loop's stall
+samples by reason and its most stalled SASS instructions.
+
+    python benchmark/ncu_summary.py OUTDIR [--out results/decode_ncu_stage1_<device>.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import glob
+import json
+import os
+import re
+
+METRICS = [
+    "Duration", "Issued Ipc Active", "Issue Slots Busy", "Warp Cycles Per Issued Instruction",
+    "Active Warps Per Scheduler", "Eligible Warps Per Scheduler", "No Eligible", "Achieved Occupancy",
+    "Theoretical Occupancy", "Registers Per Thread", "Block Limit Registers", "Block Limit Shared Mem",
+    "Dynamic Shared Memory Per Block", "DRAM Throughput", "Memory Throughput", "L2 Hit Rate", "L1/TEX Hit Rate",
+    "Compute (SM) Throughput",
+]
+
+
+def details(path):
+    text = open(path).read()
+    out = {}
+    for name in METRICS:
+        m = re.search(r"^\s*" + re.escape(name) + r"\s+(\S+)\s+([\d.,]+)\s*$", text, re.M)
+        if m:
+            out[f"{name} [{m.group(1)}]"] = float(m.group(2).replace(",", ""))
+    stalls = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\s*Stall ([A-Za-z ]+?)\s+inst\s+([\d.]+)\s*$", text, re.M)}
+    out["stall cycles per issued instruction"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
+    return out
+
+
+def source(path, top=15):
+    rows = list(csv.reader(open(path)))
+    hdr, data = rows[1], rows[2:]
+    i_src, i_ex = hdr.index("Source"), hdr.index("Instructions Executed")
+    i_all = hdr.index("Warp Stall Sampling (All Samples)")
+    reasons = [i for i, h in enumerate(hdr) if h.startswith("stall_") and "Not Issued" not in h]
+    hot = max(int(r[i_ex] or 0) for r in data)
+    loop = [r for r in data if int(r[i_ex] or 0) == hot]  # the INT2 loop: the most executed instructions
+    by_reason = collections.Counter()
+    for r in loop:
+        for i in reasons:
+            by_reason[hdr[i]] += int(r[i] or 0)
+    worst = sorted(loop, key=lambda r: -int(r[i_all] or 0))[:top]
+    return {
+        "samples_total": sum(int(r[i_all] or 0) for r in data),
+        "int2_loop_instructions": len(loop),
+        "int2_loop_samples": sum(int(r[i_all] or 0) for r in loop),
+        "int2_loop_samples_by_reason": dict(by_reason.most_common()),
+        "most_stalled": [{"sass": r[i_src].strip(), "samples": int(r[i_all] or 0),
+                          "reasons": {hdr[i]: int(r[i]) for i in reasons if r[i] not in ("", "0")}} for r in worst],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    res = {}
+    for path in sorted(glob.glob(os.path.join(args.dir, "ncu_*_details.txt"))):
+        tag = os.path.basename(path)[len("ncu_"):-len("_details.txt")]
+        res[tag] = details(path)
+        src = path.replace("_details.txt", "_sass.csv")
+        if os.path.exists(src):
+            res[tag]["source"] = source(src)
+    text = json.dumps(res, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
