@@ -167,7 +167,7 @@ def sglang_triton_fns(q, b, hq, hkv, d, ctx, copies):
 
 
 def parse_oscar_config(text):
-    """'128:2:3[:r128][:w6][:ring1][:sub1][:peel1][:lazy4]' -> (text, oscar_decode keyword arguments)."""
+    """'128:2:3[:r128][:w6][:ring1][:sub1][:peel1][:lazy4][:fold1]' -> (text, oscar_decode keyword arguments)."""
     parts = text.split(":")
     bn, nw, st = (int(x) for x in parts[:3])
     kw = dict(block_n=bn, num_warps=nw, num_stages=st)
@@ -180,6 +180,8 @@ def parse_oscar_config(text):
             kw["peel_tail"] = bool(int(p[4:]))
         elif p.startswith("lazy"):
             kw["lazy_rescale"] = float(p[4:])
+        elif p.startswith("fold"):
+            kw["fold_halves"] = bool(int(p[4:]))
         elif p.startswith("r"):
             kw["maxnreg"] = int(p[1:])
         elif p.startswith("w"):
@@ -228,7 +230,7 @@ def main():
     ap.add_argument("--oscar-configs", default="128:2:3,64:2:3",
                     help="BLOCK_N:num_warps:num_stages[:rN][:wN][:ringN][:subB][:peelB][:lazyT] (rN: maxnreg N, wN: "
                          "split_waves N, ringN: ring_splits N, sub1/sub0: subnormal codes on/off, peel1/peel0: "
-                         "unmasked full blocks on/off, lazyT: lazy-rescale threshold T, 0 = off); the first "
+                         "unmasked full blocks on/off, lazyT: lazy-rescale threshold T, 0 = off, fold1/fold0: folded tiles); the first "
                          "is oscar_decode's default (128:2:3), the one the server runs")
     ap.add_argument("--report", choices=("first", "best"), default="first",
                     help="oscar row per shape: the first config (what serving runs) or the best of all swept; "

@@ -41,7 +41,7 @@ SCALARS = {"qk_scale": "fp32", "stride_r2t": "i32"}
 
 
 def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stages=3, ns=16, fast_cvt=True,
-                   maxnreg=None, subnormal=None, peel=None, lazy=None):
+                   maxnreg=None, subnormal=None, peel=None, lazy=None, fold=None):
     fn = decode._oscar_decode_stage1
     group = hq // hkv
     consts = dict(
@@ -52,6 +52,7 @@ def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stage
         SUB=decode.SUBNORMAL_CODES if subnormal is None else subnormal,
         PEEL=decode.PEEL_TAIL if peel is None else peel,
         LAZY=float(decode.LAZY_RESCALE if lazy is None else lazy),
+        FOLD=bool(decode.FOLD_HALVES if fold is None else fold),
     )
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -165,19 +166,22 @@ def main():
     ap.add_argument("--subnormal", type=int, choices=(0, 1), help="code format (default: decode.SUBNORMAL_CODES)")
     ap.add_argument("--peel", type=int, choices=(0, 1), help="unmasked full blocks (default: decode.PEEL_TAIL)")
     ap.add_argument("--lazy", type=float, help="lazy-rescale threshold (default: decode.LAZY_RESCALE)")
+    ap.add_argument("--fold", type=int, choices=(0, 1), help="folded [BLOCK_N/2, 2·NP] tiles (default: decode.FOLD_HALVES)")
     ap.add_argument("--dump", help="folder for the ttgir / ptx / sass text")
     args = ap.parse_args()
     hq, hkv, d = MODELS[args.model]
     bn, nw, st = (int(x) for x in args.config.split(":"))
     k = compile_stage1(hq, hkv, d, block_n=bn, num_warps=nw, num_stages=st, fast_cvt=not args.slow_cvt,
                        maxnreg=args.maxnreg, subnormal=None if args.subnormal is None else bool(args.subnormal),
-                       peel=None if args.peel is None else bool(args.peel), lazy=args.lazy)
+                       peel=None if args.peel is None else bool(args.peel), lazy=args.lazy,
+                       fold=None if args.fold is None else bool(args.fold))
     sass = sass_of(k)
     res = {"model": args.model, "config": args.config, "fast_cvt": not args.slow_cvt,
            "maxnreg": args.maxnreg,
            "subnormal": decode.SUBNORMAL_CODES if args.subnormal is None else bool(args.subnormal),
            "peel": decode.PEEL_TAIL if args.peel is None else bool(args.peel),
-           "lazy": decode.LAZY_RESCALE if args.lazy is None else args.lazy, **count(k, sass)}
+           "lazy": decode.LAZY_RESCALE if args.lazy is None else args.lazy,
+           "fold": decode.FOLD_HALVES if args.fold is None else bool(args.fold), **count(k, sass)}
     print(json.dumps(res, indent=1))
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)

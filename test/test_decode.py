@@ -356,6 +356,32 @@ def test_decode_lazy_rescale_and_peeled_tail(peel, lazy):
     run_and_check(case, num_splits=3, block_n=16, peel_tail=peel, lazy_rescale=lazy)
 
 
+# Folded tiles (FOLD_HALVES): the two halves of each block side by side in N. Odd lengths and tails,
+# page boundaries, windows, both code formats, a codebook, GQA 1-8 (NP 4 and 8), K and V groups apart.
+@pytest.mark.parametrize("subnormal", [False, True])
+@pytest.mark.parametrize("d,gk,gv,gqa", [(64, 64, 32, 3), (128, 128, 64, 4), (128, 32, 128, 1), (256, 32, 64, 8)])
+def test_decode_folded_tiles(subnormal, d, gk, gv, gqa):
+    case = make_case(EDGE_LENS + [300], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, ring_starts=[0] * 6 + [250],
+                     seed=5 * d + gk + gqa)
+    run_and_check(case, num_splits=3, block_n=16, subnormal_codes=subnormal, fold_halves=True)
+
+
+def test_decode_folded_tiles_codebook_and_ramp():
+    case = make_case([50, 19], gqa=2, d=64, gk=32, gv=64, seed=11)
+    run_and_check(case, k_level_a=0.8, v_level_a=1.2, fold_halves=True, block_n=16)
+    case = make_case([700, 300, 37], hkv=2, gqa=3, d=64, gk=32, gv=64, seed=17)
+    _ramp_history_scores(case, slow=0.1, steep=1.0, knee=[150, 10 ** 6, 10 ** 6])
+    run_and_check(case, num_splits=3, block_n=16, fold_halves=True)
+
+
+def test_decode_folded_tiles_reject_peel_and_lazy():
+    case = make_case([40], gqa=2)
+    with pytest.raises(ValueError, match="fold_halves"):
+        oscar_decode(**case, fold_halves=True, lazy_rescale=4.0)
+    with pytest.raises(ValueError, match="fold_halves"):
+        oscar_decode(**case, fold_halves=True, peel_tail=True)
+
+
 def test_decode_lazy_rescale_bounds():
     case = make_case([40], gqa=2)
     for bad in (-1.0, 9.0):
@@ -492,6 +518,18 @@ def test_gpu_bf16_long(gqa, d, gk, gv, subnormal):
     case = make_case([4000, 1333, 70, 9000], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, sink=64, window=256,
                      ring_starts=[0, 1200, 0, 8900], seed=gqa + gk)
     run_and_check(case, tol=1e-2, subnormal_codes=subnormal)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("subnormal", [False, True])
+@pytest.mark.parametrize("gqa,d,gk,gv", [(4, 128, 64, 64), (3, 64, 64, 64), (4, 128, 128, 128), (2, 256, 32, 64),
+                                          (1, 128, 64, 64)])
+def test_gpu_bf16_folded_tiles(gqa, d, gk, gv, subnormal):
+    case = make_case([4000, 1333, 70, 9000], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, sink=64, window=256,
+                     ring_starts=[0, 1200, 0, 8900], seed=gqa + gk + 1)
+    run_and_check(case, tol=1e-2, subnormal_codes=subnormal, fold_halves=True)
+    _ramp_history_scores(case, slow=0.02, steep=0.2, knee=[2000, 10 ** 6, 10 ** 6, 4000])
+    run_and_check(case, tol=1e-2, subnormal_codes=subnormal, fold_halves=True)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -381,6 +381,176 @@ def _int2_split(
 
 
 @triton.jit
+def _fold_pick(a, b, jk):
+    """[BM] vectors a (tokens of the first half) and b (second half) as a folded [BM, 2·NP] tile:
+    column j takes a where j // NP == 0, else b (jk = j // NP)."""
+    return tl.where(jk[None, :] == 0, a[:, None], b[:, None])
+
+
+@triton.jit
+def _halves_max(x, NP: tl.constexpr):
+    """[2·NP] -> [2·NP]: each head's max over the two halves, written to both."""
+    m = tl.max(tl.reshape(x, [2, NP]), 0)
+    return tl.reshape(tl.broadcast_to(m[None, :], [2, NP]), [2 * NP])
+
+
+@triton.jit
+def _halves_sum(x, NP: tl.constexpr):
+    """[2·NP] -> [NP]: each head's sum over the two halves."""
+    return tl.sum(tl.reshape(x, [2, NP]), 0)
+
+
+@triton.jit
+def _int2_split_folded(
+    Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
+    split, b, h, hist_hi, r2t, qk_scale,
+    HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+    SINK: tl.constexpr, NS: tl.constexpr, RS: tl.constexpr, NP: tl.constexpr,
+    BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
+    V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
+    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr,
+):
+    """_int2_split with the two halves of each block of BLOCK_N tokens side by side in N ("folded"):
+    the score / softmax / min tiles are [BM = BLOCK_N/2, 2·NP] instead of [BLOCK_N, NP]. With NP = 4
+    the m16n8 layout pads N to 8, so half of the unfolded tiles' elementwise work is padding; folded,
+    none is. The K dots become E' · blockdiag(q, q): E' [BM, 2·CH] holds the codes of token t in its
+    first CH columns and of token t + BM in the next CH, so the MMA count is unchanged. The V dots
+    take w unfolded back to [BLOCK_N, NP] (a reshape + permute that Triton folds into the conversion
+    to the dot operand). Same math as _int2_split (docstring there); every block is masked."""
+    D4: tl.constexpr = D // 4
+    NCH: tl.constexpr = D4 // CH
+    NSP: tl.constexpr = 4 * NCH
+    BM: tl.constexpr = BLOCK_N // 2
+    NPF: tl.constexpr = 2 * NP
+    hist_len = tl.maximum(hist_hi - SINK, 0)
+    chunk = tl.cdiv(tl.cdiv(hist_len, NS), BLOCK_N) * BLOCK_N
+    lo = SINK + split * chunk
+    hi = tl.minimum(lo + chunk, hist_hi)
+
+    offs_j = tl.arange(0, NPF)
+    jh = offs_j % NP  # head of folded column j
+    jk = offs_j // NP  # half of folded column j
+    offs_c2 = tl.arange(0, 2 * CH)
+    ck = offs_c2 // CH
+    cc = offs_c2 % CH
+    offs_c = tl.arange(0, CH)
+    offs_t = tl.arange(0, BM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_colj = Q + (b * (HKV * GQA) + h * GQA + jh) * D  # [NPF] pointers
+    q_mask = (jh < GQA)[None, :] & (ck[:, None] == jk[None, :])  # block diagonal
+
+    # blockdiag(qᵀ, qᵀ) per sub-plane [2·CH, NPF]; group sums per folded column (one block per column)
+    qts = []
+    qsum = []
+    for g in tl.static_range(NGK):
+        qsum = qsum + [tl.zeros([NPF], tl.float32)]
+    for sp in tl.static_range(NSP):
+        qt = tl.load(q_colj[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + cc[:, None], mask=q_mask,
+                     other=0.0).to(tl.float32)
+        if SUB:
+            p_g = ((((sp // NCH) * D4 + (sp % NCH) * CH) // GK) * GK) // D4
+            qts = qts + [(qt * (qk_scale / (1 << (2 * (sp // NCH - p_g))))).to(DT)]
+            qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt * qk_scale, 0))
+        else:
+            qt = (qt * qk_scale).to(DT)
+            qts = qts + [qt]
+            qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt.to(tl.float32), 0))
+
+    m_i = tl.full([NPF], float("-inf"), tl.float32)  # the same value in both halves of a head
+    l_t = tl.zeros([BM, NPF], tl.float32)
+    accs = []
+    for sp in tl.static_range(NSP):
+        accs = accs + [tl.zeros([CH, NP], tl.float32)]
+    accmin = []
+    for g in tl.static_range(NGV):
+        accmin = accmin + [tl.zeros([BM, NPF], tl.float32)]
+
+    for start in range(lo, hi, BLOCK_N):
+        pos_a = start + offs_t
+        pos_b = pos_a + BM
+        mask_a = pos_a < hi
+        mask_b = pos_b < hi
+        row_a = tl.load(r2t + pos_a, mask=mask_a, other=0).to(tl.int64) * HKV + h  # [BM]
+        row_b = tl.load(r2t + pos_b, mask=mask_b, other=0).to(tl.int64) * HKV + h
+        pos = start + offs_n
+        mask_n = pos < hi
+        row = tl.load(r2t + pos, mask=mask_n, other=0).to(tl.int64) * HKV + h  # [BLOCK_N], for V
+        row_k = tl.where(ck[None, :] == 0, row_a[:, None], row_b[:, None])  # [BM, 2·CH]
+        mask_k = tl.where(ck[None, :] == 0, mask_a[:, None], mask_b[:, None])
+        mask_f = _fold_pick(mask_a, mask_b, jk)  # [BM, NPF]
+        kbs = []
+        vbs = []
+        for k in tl.static_range(NCH):
+            kbs = kbs + [tl.load(KC + row_k * D4 + (k * CH + cc)[None, :], mask=mask_k, other=0)]
+        for k in tl.static_range(NCH):
+            vbs = vbs + [tl.load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask=mask_n[None, :], other=0)]
+
+        # ---- scores, folded [BM, NPF]
+        s = tl.zeros([BM, NPF], tl.float32)
+        for g in tl.static_range(NGK):
+            ks_a, km_a = _param_word(KP32, KP64, row_a, g, NGK, mask_a, True)
+            ks_b, km_b = _param_word(KP32, KP64, row_b, g, NGK, mask_b, True)
+            d = tl.zeros([BM, NPF], tl.float32)
+            for sp in tl.static_range(NSP):
+                if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
+                    e = _plane_codes(kbs[sp % NCH], sp // NCH, K_A, K_CODEBOOK, SUB, DT, FAST_CVT)
+                    d = tl.dot(e, qts[sp], acc=d)
+            ks = _fold_pick(ks_a, ks_b, jk)
+            km = _fold_pick(km_a, km_b, jk)
+            if SUB:
+                s += d * (ks * (1 << (24 - 2 * ((g * GK) // D4)))) + km * qsum[g][None, :]
+            else:
+                s += d * (4.0 * ks) + (km - 4.0 * ks) * qsum[g][None, :]
+        s = tl.where(mask_f, s, float("-inf"))
+
+        # ---- online softmax (a head's max over both halves)
+        m_new = tl.maximum(m_i, _halves_max(tl.max(s, 0), NP))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)  # [NPF], equal halves
+        p = tl.exp2(s - m_safe[None, :])
+        l_t = l_t * alpha[None, :] + p
+        m_i = m_new
+        alpha_h = tl.max(tl.reshape(alpha, [2, NP]), 0)  # [NP]
+
+        # ---- values oᵀ [CH, NP] per sub-plane, w unfolded to [BLOCK_N, NP]
+        for g in tl.static_range(NGV):
+            vs_a, vm_a = _param_word(VP32, VP64, row_a, g, NGV, mask_a, True)
+            vs_b, vm_b = _param_word(VP32, VP64, row_b, g, NGV, mask_b, True)
+            vs = _fold_pick(vs_a, vs_b, jk)
+            vm = _fold_pick(vm_a, vm_b, jk)
+            if SUB:
+                wf = (p * vs).to(DT)
+                accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + p * vm)
+            else:
+                wf = (p * (4.0 * vs)).to(DT)
+                accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + p * (vm - 4.0 * vs))
+            w = tl.reshape(tl.permute(tl.reshape(wf, [BM, 2, NP]), (1, 0, 2)), [BLOCK_N, NP])
+            for sp in tl.static_range(NSP):
+                if ((sp // NCH) * D4 + (sp % NCH) * CH) // GV == g:
+                    e = _plane_codes(vbs[sp % NCH], sp // NCH, V_A, V_CODEBOOK, SUB, DT, FAST_CVT)
+                    accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp] * alpha_h[None, :]))
+
+    # ---- epilogue: fold the halves back, add the min terms, normalise, store oᵀ
+    l_i = _halves_sum(tl.sum(l_t, 0), NP)
+    m_h = tl.max(tl.reshape(m_i, [2, NP]), 0)
+    inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+    offs_h = tl.arange(0, NP)
+    mask_h = offs_h < GQA
+    hq = h * GQA + offs_h
+    NS_TOTAL: tl.constexpr = NS + 1 + RS
+    out_col = O_PART + ((b * (HKV * GQA) + hq) * NS_TOTAL + split) * D  # [NP]
+    for sp in tl.static_range(NSP):
+        acc = accs[sp]
+        if SUB:
+            acc = acc * (1 << (24 - 2 * (sp // NCH)))
+        mins = _halves_sum(tl.sum(accmin[((sp // NCH) * D4 + (sp % NCH) * CH) // GV], 0), NP)
+        o = (acc + mins[None, :]) * inv_l[None, :]
+        tl.store(out_col[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + offs_c[:, None], o, mask=mask_h[None, :])
+    lse = tl.where(l_i > 0, m_h + tl.log2(l_i), float("-inf"))
+    tl.store(LSE_PART + (b * (HKV * GQA) + hq) * NS_TOTAL + split, lse, mask=mask_h)
+
+
+@triton.jit
 def _window_split(
     Q, SK, SV, RK, RV, SINK_TABLE,
     split, r, L, recent_lo, r2t, q_row, out_row, lse_ptr, mask_m, qk_scale, h,
@@ -462,6 +632,7 @@ def _oscar_decode_stage1(
     SUB: tl.constexpr,  # subnormal codes (uniform levels): E = code·2^(2p−24), see _int2_split
     PEEL: tl.constexpr,  # full history blocks without masks, one masked tail (_int2_block)
     LAZY: tl.constexpr,  # lazy rescale threshold τ in log2 units, 0 = rescale every block (_int2_block)
+    FOLD: tl.constexpr,  # the two halves of a block side by side in N (_int2_split_folded)
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -477,12 +648,20 @@ def _oscar_decode_stage1(
     r2t = REQ_TO_TOKEN + r * stride_r2t
 
     if split < NS:
-        _int2_split(
-            Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
-            split, b, h, hist_hi, r2t, qk_scale,
-            HKV, GQA, D, GK, GV, SINK, NS, RS, NP,
-            BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PEEL, LAZY,
-        )
+        if FOLD:
+            _int2_split_folded(
+                Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
+                split, b, h, hist_hi, r2t, qk_scale,
+                HKV, GQA, D, GK, GV, SINK, NS, RS, NP,
+                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
+            )
+        else:
+            _int2_split(
+                Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
+                split, b, h, hist_hi, r2t, qk_scale,
+                HKV, GQA, D, GK, GV, SINK, NS, RS, NP,
+                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PEEL, LAZY,
+            )
     else:
         offs_m = tl.arange(0, BLOCK_M)
         mask_m = offs_m < GQA
@@ -618,6 +797,8 @@ PEEL_TAIL = False
 # log2 units (p <= 2^LAZY_RESCALE); 0 rescales every block. Bounds the fp16 V weights p·vs by
 # 2^LAZY_RESCALE·vs (finite for V scales < 4094 at 4).
 LAZY_RESCALE = 0.0
+# Folded tiles (the two halves of a block side by side in N) where the GQA heads pad N: NP < 8.
+FOLD_HALVES = False
 MAX_LAZY_RESCALE = 8.0
 
 
@@ -720,6 +901,7 @@ def oscar_decode(
     subnormal_codes: Optional[bool] = None,
     peel_tail: Optional[bool] = None,
     lazy_rescale: Optional[float] = None,
+    fold_halves: Optional[bool] = None,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
@@ -733,6 +915,7 @@ def oscar_decode(
     loop's code format (None: SUBNORMAL_CODES); True with a codebook (k_level_a / v_level_a) is an error.
     peel_tail / lazy_rescale: the INT2 loop's unmasked full blocks and lazy-rescale threshold in log2
     units (None: PEEL_TAIL / LAZY_RESCALE; 0 rescales every block; at most MAX_LAZY_RESCALE).
+    fold_halves: the INT2 loop's tiles as [BLOCK_N/2, 2·NP] (None: FOLD_HALVES, only where NP < 8).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -780,6 +963,13 @@ def oscar_decode(
         raise ValueError(f"lazy_rescale must be in [0, {MAX_LAZY_RESCALE}] (log2 units; the fp16 V weights p·vs "
                          f"grow up to 2^lazy_rescale·vs), got {lazy}")
     peel = PEEL_TAIL if peel_tail is None else bool(peel_tail)
+    np_ = max(MIN_NP, triton.next_power_of_2(group))
+    fold = (FOLD_HALVES and np_ < 8) if fold_halves is None else bool(fold_halves)
+    if fold and (peel or lazy > 0):
+        raise ValueError("fold_halves runs every block masked and rescales every block: it cannot be combined "
+                         "with peel_tail or lazy_rescale > 0")
+    if fold and (block_n < 32 or block_n % 32) and q.is_cuda:
+        raise ValueError(f"fold_halves needs block_n a multiple of 32 on the GPU (tl.dot M >= 16), got {block_n}")
     q = transform_query(q, q_transform, Hkv).contiguous()
     # resident stage-1 programs per SM if registers bound them (4 at the default 128:2:3), for the wave fill
     ctas = max(1, 65536 // ((maxnreg or 256) * 32 * num_warps))
@@ -824,7 +1014,7 @@ def oscar_decode(
         V_A=float(v_level_a if v_level_a is not None else 1.0),
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None,
         DT=dt, WDT=wdt, FAST_CVT=not fp32,
-        NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub, PEEL=peel, LAZY=lazy,
+        NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub, PEEL=peel, LAZY=lazy, FOLD=fold,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _oscar_decode_merge[(B * Hq,)](
