@@ -44,15 +44,20 @@ def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stage
                    maxnreg=None, subnormal=None, peel=None, lazy=None, fold=None):
     fn = decode._oscar_decode_stage1
     group = hq // hkv
+    np_ = max(decode.MIN_NP, triton.next_power_of_2(group))
+    peel = decode.PEEL_TAIL if peel is None else peel
+    lazy = float(decode.LAZY_RESCALE if lazy is None else lazy)
+    if fold is None:  # oscar_decode's default rule
+        fold = decode.FOLD_HALVES and np_ < 8 and not peel and lazy == 0 and block_n >= 32 and block_n % 32 == 0
+    if fold and maxnreg is None:
+        maxnreg = decode.FOLD_MAXNREG
     consts = dict(
         HKV=hkv, GQA=group, D=d, GK=gk, GV=gv, SINK=64, WINDOW=256, NS=ns, RS=4,
         BLOCK_M=max(16, triton.next_power_of_2(group)), NP=max(decode.MIN_NP, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_W=16, K_A=1.0, V_A=1.0, K_CODEBOOK=False, V_CODEBOOK=False,
         DT=tl.float16, WDT=tl.bfloat16, FAST_CVT=fast_cvt, NGK=d // gk, NGV=d // gv, CH=min(gk, gv, d // 4),
         SUB=decode.SUBNORMAL_CODES if subnormal is None else subnormal,
-        PEEL=decode.PEEL_TAIL if peel is None else peel,
-        LAZY=float(decode.LAZY_RESCALE if lazy is None else lazy),
-        FOLD=bool(decode.FOLD_HALVES if fold is None else fold),
+        PEEL=peel, LAZY=lazy, FOLD=bool(fold),
     )
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -66,9 +71,12 @@ def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stage
         else:
             sig[name] = "constexpr"
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages,
-                                   **({"maxnreg": maxnreg} if maxnreg else {})})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages,
+                                     **({"maxnreg": maxnreg} if maxnreg else {})})
+    kernel.oscar_settings = {"subnormal": consts["SUB"], "peel": peel, "lazy": lazy, "fold": bool(fold),
+                             "maxnreg": maxnreg}  # as compiled (defaults resolved like oscar_decode)
+    return kernel
 
 
 def _cuobjdump(kernel, flag):
@@ -153,6 +161,7 @@ def count(kernel, sass):
         # the INT2 history loop, per iteration and warp (benchmark/NOTES.md v4)
         "int2_loop": {"sass_range": f"{hot[0][0]:#x}-{hot[0][1]:#x}", "instructions": sum(hot[0][2].values()),
                       "common_path": sum(hot[0][2].values()) - skipped_inside(ins, hot[0][0], hot[0][1]),
+                      "spill_ops": sum(n for name, n in hot[0][2].items() if name.startswith(("LDL", "STL"))),
                       "top_opcodes": dict(hot[0][2].most_common(16))} if hot else None,
     }
 
@@ -176,12 +185,8 @@ def main():
                        peel=None if args.peel is None else bool(args.peel), lazy=args.lazy,
                        fold=None if args.fold is None else bool(args.fold))
     sass = sass_of(k)
-    res = {"model": args.model, "config": args.config, "fast_cvt": not args.slow_cvt,
-           "maxnreg": args.maxnreg,
-           "subnormal": decode.SUBNORMAL_CODES if args.subnormal is None else bool(args.subnormal),
-           "peel": decode.PEEL_TAIL if args.peel is None else bool(args.peel),
-           "lazy": decode.LAZY_RESCALE if args.lazy is None else args.lazy,
-           "fold": decode.FOLD_HALVES if args.fold is None else bool(args.fold), **count(k, sass)}
+    res = {"model": args.model, "config": args.config, "fast_cvt": not args.slow_cvt, **k.oscar_settings,
+           **count(k, sass)}
     print(json.dumps(res, indent=1))
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)

@@ -363,19 +363,23 @@ def test_decode_lazy_rescale_and_peeled_tail(peel, lazy):
 def test_decode_folded_tiles(subnormal, d, gk, gv, gqa):
     case = make_case(EDGE_LENS + [300], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, ring_starts=[0] * 6 + [250],
                      seed=5 * d + gk + gqa)
-    run_and_check(case, num_splits=3, block_n=16, subnormal_codes=subnormal, fold_halves=True)
+    run_and_check(case, num_splits=3, block_n=16 if not CUDA else 32, subnormal_codes=subnormal, fold_halves=True)
 
 
 def test_decode_folded_tiles_codebook_and_ramp():
     case = make_case([50, 19], gqa=2, d=64, gk=32, gv=64, seed=11)
-    run_and_check(case, k_level_a=0.8, v_level_a=1.2, fold_halves=True, block_n=16)
+    bn = 16 if not CUDA else 32  # the folded dots' M is block_n / 2 (>= 16 on the GPU)
+    run_and_check(case, k_level_a=0.8, v_level_a=1.2, fold_halves=True, block_n=bn)
     case = make_case([700, 300, 37], hkv=2, gqa=3, d=64, gk=32, gv=64, seed=17)
     _ramp_history_scores(case, slow=0.1, steep=1.0, knee=[150, 10 ** 6, 10 ** 6])
-    run_and_check(case, num_splits=3, block_n=16, fold_halves=True)
+    run_and_check(case, num_splits=3, block_n=bn, fold_halves=True)
 
 
 def test_decode_folded_tiles_reject_peel_and_lazy():
     case = make_case([40], gqa=2)
+    if CUDA:
+        with pytest.raises(ValueError, match="multiple of 32"):
+            oscar_decode(**case, fold_halves=True, block_n=16)
     with pytest.raises(ValueError, match="fold_halves"):
         oscar_decode(**case, fold_halves=True, lazy_rescale=4.0)
     with pytest.raises(ValueError, match="fold_halves"):

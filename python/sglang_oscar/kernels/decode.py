@@ -797,8 +797,11 @@ PEEL_TAIL = False
 # log2 units (p <= 2^LAZY_RESCALE); 0 rescales every block. Bounds the fp16 V weights p·vs by
 # 2^LAZY_RESCALE·vs (finite for V scales < 4094 at 4).
 LAZY_RESCALE = 0.0
-# Folded tiles (the two halves of a block side by side in N) where the GQA heads pad N: NP < 8.
-FOLD_HALVES = False
+# Folded tiles (the two halves of a block side by side in N) where the GQA heads pad N: NP < 8
+# (benchmark/NOTES.md "Folded tiles"). The folded loop compiles to 168 registers at 128:2:3 (254
+# unfolded): capped there, 6 CTAs fit per SM and the wave fill counts with 6.
+FOLD_HALVES = True
+FOLD_MAXNREG = 168
 MAX_LAZY_RESCALE = 8.0
 
 
@@ -915,7 +918,8 @@ def oscar_decode(
     loop's code format (None: SUBNORMAL_CODES); True with a codebook (k_level_a / v_level_a) is an error.
     peel_tail / lazy_rescale: the INT2 loop's unmasked full blocks and lazy-rescale threshold in log2
     units (None: PEEL_TAIL / LAZY_RESCALE; 0 rescales every block; at most MAX_LAZY_RESCALE).
-    fold_halves: the INT2 loop's tiles as [BLOCK_N/2, 2·NP] (None: FOLD_HALVES, only where NP < 8).
+    fold_halves: the INT2 loop's tiles as [BLOCK_N/2, 2·NP] (None: FOLD_HALVES where NP < 8, block_n is a
+    multiple of 32 and peel_tail / lazy_rescale are off; then maxnreg defaults to FOLD_MAXNREG on the GPU).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -964,14 +968,19 @@ def oscar_decode(
                          f"grow up to 2^lazy_rescale·vs), got {lazy}")
     peel = PEEL_TAIL if peel_tail is None else bool(peel_tail)
     np_ = max(MIN_NP, triton.next_power_of_2(group))
-    fold = (FOLD_HALVES and np_ < 8) if fold_halves is None else bool(fold_halves)
+    if fold_halves is None:  # where N is padded, with the loop options it does not combine with
+        fold = FOLD_HALVES and np_ < 8 and not peel and lazy == 0 and block_n >= 32 and block_n % 32 == 0
+    else:
+        fold = bool(fold_halves)
     if fold and (peel or lazy > 0):
         raise ValueError("fold_halves runs every block masked and rescales every block: it cannot be combined "
                          "with peel_tail or lazy_rescale > 0")
     if fold and (block_n < 32 or block_n % 32) and q.is_cuda:
         raise ValueError(f"fold_halves needs block_n a multiple of 32 on the GPU (tl.dot M >= 16), got {block_n}")
+    if fold and maxnreg is None and q.is_cuda:
+        maxnreg = FOLD_MAXNREG
     q = transform_query(q, q_transform, Hkv).contiguous()
-    # resident stage-1 programs per SM if registers bound them (4 at the default 128:2:3), for the wave fill
+    # resident stage-1 programs per SM if registers bound them (4 at 128:2:3, 6 folded), for the wave fill
     ctas = max(1, 65536 // ((maxnreg or 256) * 32 * num_warps))
     ns = num_splits if num_splits is not None else default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device),
                                                                        waves=split_waves, ctas_per_sm=ctas)
