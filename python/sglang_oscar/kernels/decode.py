@@ -44,6 +44,10 @@ _codes_plane_scaled). A codebook's levels enter as 1 + level/4 (_codes_plane). Q
 makes plane p = (byte >> 2p) & 3 the contiguous dims [p·D/4, (p+1)·D/4): four dots over D/4, no
 reshapes.
 
+Folded tiles (FOLD_HALVES, where NP < 8): the m16n8 layout pads a [BLOCK_N, 4] tile's N to 8, so
+_int2_split_folded lays the two halves of a block side by side, [BLOCK_N/2, 2·NP], with the K dots
+against blockdiag(q, q): no padded softmax work, 168 registers instead of ~250, 6 CTAs per SM.
+
 The number of splits depends only on shapes (batch, KV heads, req_to_token's width), never on
 tensor values: no host sync, CUDA-graph capturable.
 """
