@@ -809,8 +809,8 @@ FOLD_MAXNREG = 168
 MAX_LAZY_RESCALE = 8.0
 
 
-# Wave fill. The default config runs 4 CTAs per SM (<= 255 registers x 64 threads, every supported
-# shape), so P INT2 programs take ceil(P / (4·SMs)) rounds; ceil(3·SMs / heads) splits can leave the
+# Wave fill. The unfolded config runs 4 CTAs per SM (<= 255 registers x 64 threads, every supported
+# shape; the folded one 6, at FOLD_MAXNREG; oscar_decode passes its own count), so P INT2 programs take ceil(P / (4·SMs)) rounds; ceil(3·SMs / heads) splits can leave the
 # last round nearly empty (SmolLM2 batch 64: 192 heads x 3 = 576 programs for 528 slots). When the
 # rounds would be less than FILL_BELOW full on average, the smallest larger count (up to 3x) that
 # fills them to FILL_TO is taken, if every split keeps >= FILL_MIN_ROWS rows (below that the
