@@ -48,7 +48,8 @@ def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stage
     peel = decode.PEEL_TAIL if peel is None else peel
     lazy = float(decode.LAZY_RESCALE if lazy is None else lazy)
     if fold is None:  # oscar_decode's default rule
-        fold = decode.FOLD_HALVES and np_ < 8 and not peel and lazy == 0 and block_n >= 32 and block_n % 32 == 0
+        fold = (decode.FOLD_HALVES and np_ < 8 and d <= decode.FOLD_MAX_HEAD_DIM and not peel and lazy == 0
+                and block_n >= 32 and block_n % 32 == 0)
     if fold and maxnreg is None:
         maxnreg = decode.FOLD_MAXNREG
     consts = dict(

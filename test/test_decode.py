@@ -375,6 +375,26 @@ def test_decode_folded_tiles_codebook_and_ramp():
     run_and_check(case, num_splits=3, block_n=bn, fold_halves=True)
 
 
+def test_decode_folded_default_rule(monkeypatch):
+    """The default folds where NP < 8 and D <= 128 only (D 256 spills under FOLD_MAXNREG): a spy on the
+    folded split records which launches fold."""
+    import sglang_oscar.kernels.decode as dec
+
+    seen = []
+    launch = dec._oscar_decode_stage1.__getitem__
+
+    class Spy:
+        def __getitem__(self, grid):
+            fn = launch(grid)
+            return lambda *a, **kw: (seen.append(kw["FOLD"]), fn(*a, **kw))[1]
+
+    monkeypatch.setattr(dec, "_oscar_decode_stage1", Spy())
+    for d, gqa, want in ((128, 4, True), (64, 3, True), (256, 2, False), (128, 8, False)):
+        case = make_case([300], hkv=1, gqa=gqa, d=d, seed=d + gqa)
+        run_and_check(case, num_splits=2)
+        assert seen[-1] is want, (d, gqa, seen[-1])
+
+
 def test_decode_folded_tiles_reject_peel_and_lazy():
     case = make_case([40], gqa=2)
     if CUDA:

@@ -44,7 +44,7 @@ _codes_plane_scaled). A codebook's levels enter as 1 + level/4 (_codes_plane). Q
 makes plane p = (byte >> 2p) & 3 the contiguous dims [p·D/4, (p+1)·D/4): four dots over D/4, no
 reshapes.
 
-Folded tiles (FOLD_HALVES, where NP < 8): the m16n8 layout pads a [BLOCK_N, 4] tile's N to 8, so
+Folded tiles (FOLD_HALVES, where NP < 8 and D <= 128): the m16n8 layout pads a [BLOCK_N, 4] tile's N to 8, so
 _int2_split_folded lays the two halves of a block side by side, [BLOCK_N/2, 2·NP], with the K dots
 against blockdiag(q, q): no padded softmax work, 168 registers instead of ~250, 6 CTAs per SM.
 
@@ -806,6 +806,9 @@ LAZY_RESCALE = 0.0
 # unfolded): capped there, 6 CTAs fit per SM and the wave fill counts with 6.
 FOLD_HALVES = True
 FOLD_MAXNREG = 168
+# At D 256 the folded loop spills heavily under 168 registers (inspect_decode_sass: ~300-400 local-memory
+# ops per iteration): not folded by default there.
+FOLD_MAX_HEAD_DIM = 128
 MAX_LAZY_RESCALE = 8.0
 
 
@@ -922,8 +925,8 @@ def oscar_decode(
     loop's code format (None: SUBNORMAL_CODES); True with a codebook (k_level_a / v_level_a) is an error.
     peel_tail / lazy_rescale: the INT2 loop's unmasked full blocks and lazy-rescale threshold in log2
     units (None: PEEL_TAIL / LAZY_RESCALE; 0 rescales every block; at most MAX_LAZY_RESCALE).
-    fold_halves: the INT2 loop's tiles as [BLOCK_N/2, 2·NP] (None: FOLD_HALVES where NP < 8, block_n is a
-    multiple of 32 and peel_tail / lazy_rescale are off; then maxnreg defaults to FOLD_MAXNREG on the GPU).
+    fold_halves: the INT2 loop's tiles as [BLOCK_N/2, 2·NP] (None: FOLD_HALVES where NP < 8, D <= 128, block_n
+    is a multiple of 32 and peel_tail / lazy_rescale are off; then maxnreg defaults to FOLD_MAXNREG on the GPU).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -973,7 +976,8 @@ def oscar_decode(
     peel = PEEL_TAIL if peel_tail is None else bool(peel_tail)
     np_ = max(MIN_NP, triton.next_power_of_2(group))
     if fold_halves is None:  # where N is padded, with the loop options it does not combine with
-        fold = FOLD_HALVES and np_ < 8 and not peel and lazy == 0 and block_n >= 32 and block_n % 32 == 0
+        fold = (FOLD_HALVES and np_ < 8 and D <= FOLD_MAX_HEAD_DIM and not peel and lazy == 0 and block_n >= 32
+                and block_n % 32 == 0)
     else:
         fold = bool(fold_halves)
     if fold and (peel or lazy > 0):
