@@ -228,7 +228,7 @@ def main():
     ap.add_argument("--models", default="qwen3-8b,smollm2")
     ap.add_argument("--impls", default="oscar,flashinfer_bf16,flashinfer_fp8,sglang_triton_bf16")
     ap.add_argument("--oscar-configs", default="128:2:3,64:2:3",
-                    help="BLOCK_N:num_warps:num_stages[:rN][:wN][:ringN][:subB][:peelB][:lazyT] (rN: maxnreg N, wN: "
+                    help="BLOCK_N:num_warps:num_stages[:rN][:wN][:ringN][:subB][:peelB][:lazyT][:foldB] (rN: maxnreg N, wN: "
                          "split_waves N, ringN: ring_splits N, sub1/sub0: subnormal codes on/off, peel1/peel0: "
                          "unmasked full blocks on/off, lazyT: lazy-rescale threshold T, 0 = off, fold1/fold0: folded tiles); the first "
                          "is oscar_decode's default (128:2:3), the one the server runs")

@@ -47,14 +47,13 @@ def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stage
     np_ = max(decode.MIN_NP, triton.next_power_of_2(group))
     peel = decode.PEEL_TAIL if peel is None else peel
     lazy = float(decode.LAZY_RESCALE if lazy is None else lazy)
-    if fold is None:  # oscar_decode's default rule
-        fold = (decode.FOLD_HALVES and np_ < 8 and d <= decode.FOLD_MAX_HEAD_DIM and not peel and lazy == 0
-                and block_n >= 32 and block_n % 32 == 0)
+    if fold is None:
+        fold = decode.default_fold(np_, d, peel, lazy, block_n)
     if fold and maxnreg is None:
         maxnreg = decode.FOLD_MAXNREG
     consts = dict(
         HKV=hkv, GQA=group, D=d, GK=gk, GV=gv, SINK=64, WINDOW=256, NS=ns, RS=4,
-        BLOCK_M=max(16, triton.next_power_of_2(group)), NP=max(decode.MIN_NP, triton.next_power_of_2(group)),
+        BLOCK_M=max(16, triton.next_power_of_2(group)), NP=np_,
         BLOCK_N=block_n, BLOCK_W=16, K_A=1.0, V_A=1.0, K_CODEBOOK=False, V_CODEBOOK=False,
         DT=tl.float16, WDT=tl.bfloat16, FAST_CVT=fast_cvt, NGK=d // gk, NGV=d // gv, CH=min(gk, gv, d // 4),
         SUB=decode.SUBNORMAL_CODES if subnormal is None else subnormal,

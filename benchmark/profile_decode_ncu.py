@@ -15,10 +15,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import SINK, WINDOW, make_oscar, parse_oscar_config  # noqa: E402
+from bench_decode import MODELS, SINK, WINDOW, make_oscar, parse_oscar_config  # noqa: E402
 from sglang_oscar.kernels.decode import oscar_decode  # noqa: E402
-
-MODELS = {"qwen3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
 
 
 def main():

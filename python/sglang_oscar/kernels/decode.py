@@ -140,18 +140,21 @@ def _plane_codes(b, P: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constex
 
 
 @triton.jit
+def _load(ptr, mask, MASKED: tl.constexpr):
+    """tl.load(ptr) with `mask` (0 where masked) only if MASKED: full blocks carry no predicates."""
+    if MASKED:
+        return tl.load(ptr, mask=mask, other=0)
+    else:
+        return tl.load(ptr)
+
+
+@triton.jit
 def _param_word(P32, P64, row, g: tl.constexpr, NG: tl.constexpr, mask, MASKED: tl.constexpr):
     """(scale, min) of group g of each row as fp32 [N] vectors, from one 4- or 8-byte load."""
     if NG == 1:
-        if MASKED:
-            w = tl.load(P32 + row, mask=mask, other=0)
-        else:
-            w = tl.load(P32 + row)
+        w = _load(P32 + row, mask, MASKED)
     else:
-        if MASKED:
-            w64 = tl.load(P64 + row * (NG // 2) + g // 2, mask=mask, other=0)
-        else:
-            w64 = tl.load(P64 + row * (NG // 2) + g // 2)
+        w64 = _load(P64 + row * (NG // 2) + g // 2, mask, MASKED)
         if g % 2 == 0:
             w = w64.to(tl.int32)
         else:
@@ -183,6 +186,86 @@ def _tuple_add(t, i: tl.constexpr, v):
 
 
 @triton.jit
+def _split_rows(split, hist_hi, SINK: tl.constexpr, NS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """History rows [lo, hi) of INT2 split `split`: NS chunks of the history [SINK, hist_hi), each a
+    multiple of BLOCK_N (so only the last split has a partial block)."""
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(hist_hi - SINK, 0), NS), BLOCK_N) * BLOCK_N
+    lo = SINK + split * chunk
+    return lo, tl.minimum(lo + chunk, hist_hi)
+
+
+@triton.jit
+def _query_sub_planes(q_ptr, q_mask, qk_scale, N: tl.constexpr, D: tl.constexpr, GK: tl.constexpr,
+                      NGK: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr):
+    """The query as the B operands of the K dots, one per sub-plane sp (dims p·D/4 + k·CH + c), scaled by
+    qk_scale in the dot dtype, and the per-group sums [N] of the q that the dots see. q_ptr / q_mask:
+    the pointer tile of sub-plane 0 (rows: CH dims, or 2·CH for the folded block diagonal) and its mask.
+    SUB: all planes of group g share the factor 2^(2 p_g − 24) of its lowest plane p_g, so q of plane p
+    is pre-scaled by 4^(p_g − p) (<= 1) and the sums are taken before that scale."""
+    D4: tl.constexpr = D // 4
+    NCH: tl.constexpr = D4 // CH
+    qts = []
+    qsum = []
+    for g in tl.static_range(NGK):
+        qsum = qsum + [tl.zeros([N], tl.float32)]
+    for sp in tl.static_range(4 * NCH):
+        qt = tl.load(q_ptr + ((sp // NCH) * D4 + (sp % NCH) * CH), mask=q_mask, other=0.0).to(tl.float32)
+        if SUB:
+            p_g = ((((sp // NCH) * D4 + (sp % NCH) * CH) // GK) * GK) // D4
+            qts = qts + [(qt * (qk_scale / (1 << (2 * (sp // NCH - p_g))))).to(DT)]
+            qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt * qk_scale, 0))
+        else:
+            qt = (qt * qk_scale).to(DT)
+            qts = qts + [qt]
+            qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt.to(tl.float32), 0))
+    return qts, qsum
+
+
+@triton.jit
+def _group_scores(d, ks, km, qsum_g, P_G: tl.constexpr, SUB: tl.constexpr):
+    """K group g's share of the scores from its dot d = E_g·q: scale and min terms (ks, km broadcast to
+    d's shape; qsum_g [N]); P_G is the group's lowest plane (the subnormal codes' factor 2^(2 P_G − 24))."""
+    if SUB:
+        return d * (ks * (1 << (24 - 2 * P_G))) + km * qsum_g[None, :]
+    else:
+        return d * (4.0 * ks) + (km - 4.0 * ks) * qsum_g[None, :]
+
+
+@triton.jit
+def _value_weights(p, vs, vm, SUB: tl.constexpr, DT: tl.constexpr):
+    """(w, min term) of a V group for the probabilities p: the dots' weights p·scale in the dot dtype,
+    and p·min in fp32 (both with the offset of 1 + code/4 folded in unless SUB)."""
+    if SUB:
+        return (p * vs).to(DT), p * vm
+    else:
+        return (p * (4.0 * vs)).to(DT), p * (vm - 4.0 * vs)
+
+
+@triton.jit
+def _store_split(O_PART, LSE_PART, b, h, split, accs, mins, l_i, m_i,
+                 HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GV: tl.constexpr, CH: tl.constexpr,
+                 NS_TOTAL: tl.constexpr, NP: tl.constexpr, SUB: tl.constexpr):
+    """Store one INT2 split's partial output oᵀ per sub-plane (with its V group's min term mins[g] [NP],
+    normalised by l_i) and its LSE (log2 domain), for the GQA heads of KV head h."""
+    D4: tl.constexpr = D // 4
+    NCH: tl.constexpr = D4 // CH
+    offs_c = tl.arange(0, CH)
+    offs_h = tl.arange(0, NP)
+    mask_h = offs_h < GQA
+    hq = h * GQA + offs_h
+    inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+    out_col = O_PART + ((b * (HKV * GQA) + hq) * NS_TOTAL + split) * D  # [NP]
+    for sp in tl.static_range(4 * NCH):
+        acc = accs[sp]
+        if SUB:
+            acc = acc * (1 << (24 - 2 * (sp // NCH)))
+        o = (acc + mins[((sp // NCH) * D4 + (sp % NCH) * CH) // GV][None, :]) * inv_l[None, :]
+        tl.store(out_col[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + offs_c[:, None], o, mask=mask_h[None, :])
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+    tl.store(LSE_PART + (b * (HKV * GQA) + hq) * NS_TOTAL + split, lse, mask=mask_h)
+
+
+@triton.jit
 def _int2_block(
     KC, KP32, KP64, VC, VP32, VP64, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
     HKV: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -203,26 +286,17 @@ def _int2_block(
     offs_c = tl.arange(0, CH)
     pos = start + tl.arange(0, BLOCK_N)
     mask_n = pos < hi
-    if MASKED:
-        slot = tl.load(r2t + pos, mask=mask_n, other=0).to(tl.int64)
-    else:
-        slot = tl.load(r2t + pos).to(tl.int64)
+    slot = _load(r2t + pos, mask_n, MASKED).to(tl.int64)
     row = slot * HKV + h  # [N]
     kbs = []
     vbs = []
     for k in tl.static_range(NCH):
-        if MASKED:
-            kbs = kbs + [tl.load(KC + row[:, None] * D4 + (k * CH + offs_c)[None, :], mask=mask_n[:, None], other=0)]
-        else:
-            kbs = kbs + [tl.load(KC + row[:, None] * D4 + (k * CH + offs_c)[None, :])]
+        kbs = kbs + [_load(KC + row[:, None] * D4 + (k * CH + offs_c)[None, :], mask_n[:, None], MASKED)]
     for k in tl.static_range(NCH):
         # V codes as [CH, BLOCK_N] (dims x tokens): already the A operand of the V dots, so Triton
         # stages the bytes once and converts each plane in registers; a [BLOCK_N, CH] load
         # needs tl.trans of every fp16 plane, one shared-memory round trip per plane (NOTES v4)
-        if MASKED:
-            vbs = vbs + [tl.load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask=mask_n[None, :], other=0)]
-        else:
-            vbs = vbs + [tl.load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None])]
+        vbs = vbs + [_load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask_n[None, :], MASKED)]
 
     # ---- scores sᵀ [N, NP]
     s = tl.zeros(l_t.shape, tl.float32)
@@ -233,10 +307,7 @@ def _int2_block(
             if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
                 e = _plane_codes(kbs[sp % NCH], sp // NCH, K_A, K_CODEBOOK, SUB, DT, FAST_CVT)
                 d = tl.dot(e, qts[sp], acc=d)
-        if SUB:
-            s += d * (ks * (1 << (24 - 2 * ((g * GK) // D4))))[:, None] + km[:, None] * qsum[g][None, :]
-        else:
-            s += d * (4.0 * ks)[:, None] + (km - 4.0 * ks)[:, None] * qsum[g][None, :]
+        s += _group_scores(d, ks[:, None], km[:, None], qsum[g], (g * GK) // D4, SUB)
     if MASKED:
         s = tl.where(mask_n[:, None], s, float("-inf"))
 
@@ -266,12 +337,7 @@ def _int2_block(
     # ---- values oᵀ [CH, NP] per sub-plane
     for g in tl.static_range(NGV):
         vs, vm = _param_word(VP32, VP64, row, g, NGV, mask_n, MASKED)
-        if SUB:
-            w = (p * vs[:, None]).to(DT)
-            vmp = p * vm[:, None]
-        else:
-            w = (p * (4.0 * vs)[:, None]).to(DT)
-            vmp = p * (vm - 4.0 * vs)[:, None]
+        w, vmp = _value_weights(p, vs[:, None], vm[:, None], SUB, DT)
         if LAZY > 0:
             accmin = _tuple_add(accmin, g, vmp)
         else:
@@ -310,13 +376,8 @@ def _int2_split(
         sᵀ[t, h] = Σ_g ks_tg·2^(24−2p_g)·(Σ_{sp∈g} E_p q'_spᵀ)[t, h] + km_tg·Qsum_g[h]
         oᵀ[d, h] = 2^(24−2p)·Σ_t E_p[t, d]·(vs_tg·p[t, h]) + Σ_t p[t, h]·vm_tg
     where p_g is the lowest plane of K group g and q'_sp = q_sp·4^(p_g − p) (≤ q: no fp16 overflow)."""
-    D4: tl.constexpr = D // 4
-    NCH: tl.constexpr = D4 // CH
-    NSP: tl.constexpr = 4 * NCH
-    hist_len = tl.maximum(hist_hi - SINK, 0)
-    chunk = tl.cdiv(tl.cdiv(hist_len, NS), BLOCK_N) * BLOCK_N
-    lo = SINK + split * chunk
-    hi = tl.minimum(lo + chunk, hist_hi)
+    NSP: tl.constexpr = D // CH  # sub-planes: 4 planes x D/4 / CH byte chunks
+    lo, hi = _split_rows(split, hist_hi, SINK, NS, BLOCK_N)
 
     offs_h = tl.arange(0, NP)
     mask_h = offs_h < GQA
@@ -324,22 +385,9 @@ def _int2_split(
     q_col = Q + (b * (HKV * GQA) + hq) * D  # [NP] pointers
     offs_c = tl.arange(0, CH)
 
-    # qᵀ per sub-plane [CH, NP] (dims p·D4 + k·CH + c), and the per-group sums of the rounded q
-    qts = []
-    qsum = []
-    for g in tl.static_range(NGK):
-        qsum = qsum + [tl.zeros([NP], tl.float32)]
-    for sp in tl.static_range(NSP):
-        qt = tl.load(q_col[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + offs_c[:, None], mask=mask_h[None, :], other=0.0).to(tl.float32)
-        if SUB:
-            # all planes of group g share the factor 2^(2 p_g − 24) of its lowest plane p_g
-            p_g = ((((sp // NCH) * D4 + (sp % NCH) * CH) // GK) * GK) // D4
-            qts = qts + [(qt * (qk_scale / (1 << (2 * (sp // NCH - p_g))))).to(DT)]
-            qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt * qk_scale, 0))
-        else:
-            qt = (qt * qk_scale).to(DT)
-            qts = qts + [qt]
-            qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt.to(tl.float32), 0))
+    # qᵀ per sub-plane [CH, NP], and the per-group sums of the rounded q
+    qts, qsum = _query_sub_planes(q_col[None, :] + offs_c[:, None], mask_h[None, :], qk_scale, NP, D, GK, NGK,
+                                  CH, SUB, DT)
 
     m_i = tl.full([NP], float("-inf"), tl.float32)
     l_t = tl.zeros([BLOCK_N, NP], tl.float32)  # per token lane: reduced once, after the loop
@@ -369,26 +417,19 @@ def _int2_split(
             True, LAZY,
         )
 
-    # ---- epilogue: add the min terms, normalise, store oᵀ
-    l_i = tl.sum(l_t, 0)
-    inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-    NS_TOTAL: tl.constexpr = NS + 1 + RS
-    out_col = O_PART + ((b * (HKV * GQA) + hq) * NS_TOTAL + split) * D  # [NP]
-    for sp in tl.static_range(NSP):
-        acc = accs[sp]
-        if SUB:
-            acc = acc * (1 << (24 - 2 * (sp // NCH)))
-        o = (acc + tl.sum(accmin[((sp // NCH) * D4 + (sp % NCH) * CH) // GV], 0)[None, :]) * inv_l[None, :]
-        tl.store(out_col[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + offs_c[:, None], o, mask=mask_h[None, :])
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-    tl.store(LSE_PART + (b * (HKV * GQA) + hq) * NS_TOTAL + split, lse, mask=mask_h)
+    # ---- epilogue: reduce the token lanes, then add the min terms, normalise, store oᵀ
+    mins = []
+    for g in tl.static_range(NGV):
+        mins = mins + [tl.sum(accmin[g], 0)]
+    _store_split(O_PART, LSE_PART, b, h, split, accs, mins, tl.sum(l_t, 0), m_i,
+                 HKV, GQA, D, GV, CH, NS + 1 + RS, NP, SUB)
 
 
 @triton.jit
-def _fold_pick(a, b, jk):
-    """[BM] vectors a (tokens of the first half) and b (second half) as a folded [BM, 2·NP] tile:
-    column j takes a where j // NP == 0, else b (jk = j // NP)."""
-    return tl.where(jk[None, :] == 0, a[:, None], b[:, None])
+def _fold_pick(a, b, half):
+    """[BM] vectors a (tokens of the first half) and b (second half) as a folded [BM, len(half)] tile:
+    column j takes a where half[j] == 0, else b (half = j // NP for the score tiles, j // CH for codes)."""
+    return tl.where(half[None, :] == 0, a[:, None], b[:, None])
 
 
 @triton.jit
@@ -426,10 +467,7 @@ def _int2_split_folded(
     NSP: tl.constexpr = 4 * NCH
     BM: tl.constexpr = BLOCK_N // 2
     NPF: tl.constexpr = 2 * NP
-    hist_len = tl.maximum(hist_hi - SINK, 0)
-    chunk = tl.cdiv(tl.cdiv(hist_len, NS), BLOCK_N) * BLOCK_N
-    lo = SINK + split * chunk
-    hi = tl.minimum(lo + chunk, hist_hi)
+    lo, hi = _split_rows(split, hist_hi, SINK, NS, BLOCK_N)
 
     offs_j = tl.arange(0, NPF)
     jh = offs_j % NP  # head of folded column j
@@ -443,22 +481,9 @@ def _int2_split_folded(
     q_colj = Q + (b * (HKV * GQA) + h * GQA + jh) * D  # [NPF] pointers
     q_mask = (jh < GQA)[None, :] & (ck[:, None] == jk[None, :])  # block diagonal
 
-    # blockdiag(qᵀ, qᵀ) per sub-plane [2·CH, NPF]; group sums per folded column (one block per column)
-    qts = []
-    qsum = []
-    for g in tl.static_range(NGK):
-        qsum = qsum + [tl.zeros([NPF], tl.float32)]
-    for sp in tl.static_range(NSP):
-        qt = tl.load(q_colj[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + cc[:, None], mask=q_mask,
-                     other=0.0).to(tl.float32)
-        if SUB:
-            p_g = ((((sp // NCH) * D4 + (sp % NCH) * CH) // GK) * GK) // D4
-            qts = qts + [(qt * (qk_scale / (1 << (2 * (sp // NCH - p_g))))).to(DT)]
-            qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt * qk_scale, 0))
-        else:
-            qt = (qt * qk_scale).to(DT)
-            qts = qts + [qt]
-            qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt.to(tl.float32), 0))
+    # blockdiag(qᵀ, qᵀ) per sub-plane [2·CH, NPF] (the mask keeps one block per column), so the group
+    # sums come out per folded column
+    qts, qsum = _query_sub_planes(q_colj[None, :] + cc[:, None], q_mask, qk_scale, NPF, D, GK, NGK, CH, SUB, DT)
 
     m_i = tl.full([NPF], float("-inf"), tl.float32)  # the same value in both halves of a head
     l_t = tl.zeros([BM, NPF], tl.float32)
@@ -479,8 +504,8 @@ def _int2_split_folded(
         pos = start + offs_n
         mask_n = pos < hi
         row = tl.load(r2t + pos, mask=mask_n, other=0).to(tl.int64) * HKV + h  # [BLOCK_N], for V
-        row_k = tl.where(ck[None, :] == 0, row_a[:, None], row_b[:, None])  # [BM, 2·CH]
-        mask_k = tl.where(ck[None, :] == 0, mask_a[:, None], mask_b[:, None])
+        row_k = _fold_pick(row_a, row_b, ck)  # [BM, 2·CH]: token t in the first CH columns, t + BM after
+        mask_k = _fold_pick(mask_a, mask_b, ck)
         mask_f = _fold_pick(mask_a, mask_b, jk)  # [BM, NPF]
         kbs = []
         vbs = []
@@ -501,10 +526,7 @@ def _int2_split_folded(
                     d = tl.dot(e, qts[sp], acc=d)
             ks = _fold_pick(ks_a, ks_b, jk)
             km = _fold_pick(km_a, km_b, jk)
-            if SUB:
-                s += d * (ks * (1 << (24 - 2 * ((g * GK) // D4)))) + km * qsum[g][None, :]
-            else:
-                s += d * (4.0 * ks) + (km - 4.0 * ks) * qsum[g][None, :]
+            s += _group_scores(d, ks, km, qsum[g], (g * GK) // D4, SUB)
         s = tl.where(mask_f, s, float("-inf"))
 
         # ---- online softmax (a head's max over both halves)
@@ -522,36 +544,20 @@ def _int2_split_folded(
             vs_b, vm_b = _param_word(VP32, VP64, row_b, g, NGV, mask_b, True)
             vs = _fold_pick(vs_a, vs_b, jk)
             vm = _fold_pick(vm_a, vm_b, jk)
-            if SUB:
-                wf = (p * vs).to(DT)
-                accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + p * vm)
-            else:
-                wf = (p * (4.0 * vs)).to(DT)
-                accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + p * (vm - 4.0 * vs))
+            wf, vmp = _value_weights(p, vs, vm, SUB, DT)
+            accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + vmp)
             w = tl.reshape(tl.permute(tl.reshape(wf, [BM, 2, NP]), (1, 0, 2)), [BLOCK_N, NP])
             for sp in tl.static_range(NSP):
                 if ((sp // NCH) * D4 + (sp % NCH) * CH) // GV == g:
                     e = _plane_codes(vbs[sp % NCH], sp // NCH, V_A, V_CODEBOOK, SUB, DT, FAST_CVT)
                     accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp] * alpha_h[None, :]))
 
-    # ---- epilogue: fold the halves back, add the min terms, normalise, store oᵀ
-    l_i = _halves_sum(tl.sum(l_t, 0), NP)
-    m_h = tl.max(tl.reshape(m_i, [2, NP]), 0)
-    inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-    offs_h = tl.arange(0, NP)
-    mask_h = offs_h < GQA
-    hq = h * GQA + offs_h
-    NS_TOTAL: tl.constexpr = NS + 1 + RS
-    out_col = O_PART + ((b * (HKV * GQA) + hq) * NS_TOTAL + split) * D  # [NP]
-    for sp in tl.static_range(NSP):
-        acc = accs[sp]
-        if SUB:
-            acc = acc * (1 << (24 - 2 * (sp // NCH)))
-        mins = _halves_sum(tl.sum(accmin[((sp // NCH) * D4 + (sp % NCH) * CH) // GV], 0), NP)
-        o = (acc + mins[None, :]) * inv_l[None, :]
-        tl.store(out_col[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + offs_c[:, None], o, mask=mask_h[None, :])
-    lse = tl.where(l_i > 0, m_h + tl.log2(l_i), float("-inf"))
-    tl.store(LSE_PART + (b * (HKV * GQA) + hq) * NS_TOTAL + split, lse, mask=mask_h)
+    # ---- epilogue: fold the halves back, then as _int2_split
+    mins = []
+    for g in tl.static_range(NGV):
+        mins = mins + [_halves_sum(tl.sum(accmin[g], 0), NP)]
+    _store_split(O_PART, LSE_PART, b, h, split, accs, mins, _halves_sum(tl.sum(l_t, 0), NP),
+                 tl.max(tl.reshape(m_i, [2, NP]), 0), HKV, GQA, D, GV, CH, NS + 1 + RS, NP, SUB)
 
 
 @triton.jit
@@ -859,6 +865,14 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
     return ns
 
 
+def default_fold(np_: int, head_dim: int, peel: bool, lazy: float, block_n: int) -> bool:
+    """oscar_decode's fold_halves=None: fold where N is padded (NP < 8) and the folded loop fits
+    FOLD_MAXNREG (D <= FOLD_MAX_HEAD_DIM), with a block_n the folded dots take (a multiple of 32), and
+    not with the loop options it does not combine with (peel_tail, lazy_rescale)."""
+    return (FOLD_HALVES and np_ < 8 and head_dim <= FOLD_MAX_HEAD_DIM and not peel and lazy == 0
+            and block_n >= 32 and block_n % 32 == 0)
+
+
 def transform_query(q: torch.Tensor, q_transform: Optional[torch.Tensor], kv_heads: int) -> torch.Tensor:
     """q·T_q per KV head (T_q = T_K^{-T}).
 
@@ -975,11 +989,7 @@ def oscar_decode(
                          f"grow up to 2^lazy_rescale·vs), got {lazy}")
     peel = PEEL_TAIL if peel_tail is None else bool(peel_tail)
     np_ = max(MIN_NP, triton.next_power_of_2(group))
-    if fold_halves is None:  # where N is padded, with the loop options it does not combine with
-        fold = (FOLD_HALVES and np_ < 8 and D <= FOLD_MAX_HEAD_DIM and not peel and lazy == 0 and block_n >= 32
-                and block_n % 32 == 0)
-    else:
-        fold = bool(fold_halves)
+    fold = default_fold(np_, D, peel, lazy, block_n) if fold_halves is None else bool(fold_halves)
     if fold and (peel or lazy > 0):
         raise ValueError("fold_halves runs every block masked and rescales every block: it cannot be combined "
                          "with peel_tail or lazy_rescale > 0")
@@ -1026,7 +1036,7 @@ def oscar_decode(
         float(sm_scale) * LOG2E,
         req_to_token.stride(0),
         HKV=Hkv, GQA=group, D=D, GK=gk, GV=gv, SINK=sink, WINDOW=window, NS=ns, RS=rs,
-        BLOCK_M=block_m, NP=max(MIN_NP, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_W=block_w,
+        BLOCK_M=block_m, NP=np_, BLOCK_N=block_n, BLOCK_W=block_w,
         K_A=float(k_level_a if k_level_a is not None else 1.0),
         V_A=float(v_level_a if v_level_a is not None else 1.0),
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None,
