@@ -52,7 +52,9 @@ def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stage
     if fold and maxnreg is None:
         maxnreg = decode.FOLD_MAXNREG
     consts = dict(
-        HKV=hkv, GQA=group, D=d, GK=gk, GV=gv, SINK=64, WINDOW=256, NS=ns, RS=4,
+        HKV=hkv, GQA=group, D=d, GK=gk, GV=gv, SINK=64, WINDOW=256, NS=ns,
+        SS=triton.cdiv(64, decode.SINK_ROWS_PER_SPLIT), RS=triton.cdiv(256, decode.RING_ROWS_PER_SPLIT),
+        WINDOW_FIRST=decode.WINDOW_FIRST, PDL_TRIGGER=False,
         BLOCK_M=max(16, triton.next_power_of_2(group)), NP=np_,
         BLOCK_N=block_n, BLOCK_W=16, K_A=1.0, V_A=1.0, K_CODEBOOK=False, V_CODEBOOK=False,
         DT=tl.float16, WDT=tl.bfloat16, FAST_CVT=fast_cvt, NGK=d // gk, NGV=d // gv, CH=min(gk, gv, d // 4),

@@ -189,6 +189,25 @@ def test_decode_default_ring_splits_window_256():
     run_and_check(case)
 
 
+@pytest.mark.parametrize("sink_splits,window_first", [(1, False), (2, True), (3, True), (5, False), (8, True)])
+def test_decode_sink_splits(sink_splits, window_first):
+    """The sink read by several programs (chunks of ceil(S / SS) positions, some empty when L < S or SS
+    does not divide S), in either launch order, with a missing sink row in one chunk only: the merge
+    must drop every sink partial when any one of them is flagged."""
+    lens = [3, 8, 9, 30, 70]
+    case = make_case(lens, gqa=2, sink=8, window=16, ring_starts=[0, 0, 0, 0, 60], seed=60 + sink_splits)
+    run_and_check(case, num_splits=3, block_n=16, sink_splits=sink_splits, window_first=window_first)
+    case = drop_sink_rows(case, {(3, 7), (1, 0)})  # last chunk of request 3, first of request 1
+    run_and_check(case, missing_sink_int2=True, num_splits=3, block_n=16, sink_splits=sink_splits,
+                  window_first=window_first)
+
+
+def test_decode_rejects_zero_sink_splits():
+    case = make_case([40], gqa=2)
+    with pytest.raises(ValueError, match="sink_splits must be >= 1"):
+        oscar_decode(**case, sink_splits=0)
+
+
 def test_decode_rejects_zero_ring_splits():
     case = make_case([40], gqa=2)
     with pytest.raises(ValueError, match="ring_splits must be >= 1"):
@@ -249,6 +268,51 @@ def test_default_num_splits_wave_fill(batch, kv_heads, context, expect):
     if ns != base:  # a change always fills the rounds better and keeps >= FILL_MIN_ROWS rows per split
         assert _rounds_fill(batch * kv_heads * ns, 528) >= 0.95 > _rounds_fill(batch * kv_heads * base, 528)
         assert context // ns >= 4096
+
+
+@pytest.mark.parametrize("batch,kv_heads,context,expect", [
+    (8, 8, 32768, 12),  # Qwen3 b8: 7 -> 12 splits of 2730 rows (measured 0.74x; the 4096-row floor kept 7)
+    (4, 8, 65536, 24),  # 13 -> 24 (0.72x)
+    (2, 8, 131072, 48),  # 25 -> 48 (0.78x)
+    (64, 8, 8192, 3),  # 1 -> 3 (0.85x)
+    (1, 8, 131072, 95),  # 64 -> 95 (96 measured 0.95x)
+    (1, 8, 32768, 64),  # 99 splits would hold 331 rows: below the floor, kept
+    (8, 3, 32768, 32),  # SmolLM2 b8: 17 -> 32 (0.85x)
+    (2, 3, 32768, 66),  # 126 splits would hold 260 rows: kept
+    (16, 8, 131072, 6),  # one full round already: unchanged
+    (32, 8, 131072, 3),  # one round of splits of 43k rows: no long-split step
+    (64, 8, 131072, 16),  # two rounds of 43k-row splits -> 16 of 8192 (measured 0.88x)
+    (64, 8, 65536, 9),  # -> 8 (86% full) -> 9 (97%)
+    (64, 8, 32768, 6),  # -> 4 (86%) -> 6 (97%); measured as fast as 3
+    (64, 3, 131072, 4),  # SmolLM2 b64: 768 programs, one round: unchanged
+])
+def test_default_num_splits_folded_rule(batch, kv_heads, context, expect):
+    """The folded kernel's split rule (6 CTAs per SM, FOLD_FILL_MIN_ROWS, FOLD_LONG_SPLIT_ROWS): cases of
+    the H100 sweep in benchmark/NOTES.md "Split rule for the folded kernel"."""
+    from sglang_oscar.kernels.decode import FOLD_FILL_MIN_ROWS, FOLD_LONG_SPLIT_ROWS, _rounds_fill, default_num_splits
+
+    rule = dict(ctas_per_sm=6, fill_min_rows=FOLD_FILL_MIN_ROWS, long_split_rows=FOLD_LONG_SPLIT_ROWS)
+    ns = default_num_splits(batch, kv_heads, context, 132, **rule)
+    assert ns == expect
+    if ns != default_num_splits(batch, kv_heads, context, 132, ctas_per_sm=6, fill=False):
+        assert context // ns >= FOLD_FILL_MIN_ROWS
+        assert _rounds_fill(batch * kv_heads * ns, 6 * 132) >= 0.9
+
+
+def test_decode_folded_launch_uses_the_folded_split_rule(monkeypatch):
+    """oscar_decode passes the folded rule's parameters (and 6 CTAs per SM) only when it folds."""
+    from sglang_oscar.kernels import decode as dec
+
+    seen = []
+    orig = dec.default_num_splits
+    monkeypatch.setattr(dec, "default_num_splits", lambda *a, **k: seen.append(k) or orig(*a, **k))
+    case = make_case([300, 40], hkv=2, gqa=4, d=64, seed=71)
+    bn = 16 if not CUDA else 32
+    run_and_check(case, fold_halves=True, block_n=bn, maxnreg=168)
+    assert seen[-1]["fill_min_rows"] == dec.FOLD_FILL_MIN_ROWS and seen[-1]["ctas_per_sm"] == 6
+    assert seen[-1]["long_split_rows"] == dec.FOLD_LONG_SPLIT_ROWS
+    run_and_check(case, fold_halves=False, block_n=bn)
+    assert "fill_min_rows" not in seen[-1] and seen[-1]["ctas_per_sm"] == 4
 
 
 def test_default_num_splits_wave_fill_bounds():

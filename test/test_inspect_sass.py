@@ -52,7 +52,10 @@ def test_subnormal_codes_shorten_the_loop(model, offset_form, subnormal):
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         res = json.loads(out.stdout)
-        assert res["stack_bytes"] == 0
+        # no spill in the loop; the offset form at D 128 (not a default: codebooks fold at NP < 8) keeps
+        # 8 bytes of stack outside it since the sink programs count missing rows
+        assert res["int2_loop"]["spill_ops"] == 0
+        assert res["stack_bytes"] <= (8 if flag == "0" else 0), (flag, res["stack_bytes"])
         loops[flag] = res["int2_loop"]
     assert loops["1"]["instructions"] <= 0.9 * loops["0"]["instructions"], (loops["0"]["instructions"],
                                                                           loops["1"]["instructions"])

@@ -6,21 +6,22 @@ One query token per request. For a request of length L (the current token alread
     history  [S, R)                            INT2 rows at slot req_to_token[r, pos]
     recent   [R, L),  R = max(S, L − W, ring_start[r])   BF16 ring rows r*W + pos % W
 
-Stage 1 (one launch): grid (B·Hkv, NS + 1 + RS). Splits 0..NS-1 cut the INT2 history of a request
-into NS equal chunks; split NS reads the sink rows, splits NS+1..NS+RS the ring rows in RS chunks of
-ceil(W / RS) positions (so that no window program walks all W rows alone: at short contexts and
-batch 1 it was the longest program, benchmark/NOTES.md). One program holds every query head of its
-KV head (the M dimension of the dots), so each K/V byte is read once.
-Stage 2: LSE merge of the NS + 1 + RS partial outputs.
+Stage 1 (one launch): grid (B·Hkv, NS + SS + RS). Splits 0..NS-1 cut the INT2 history of a request
+into NS equal chunks; splits NS..NS+SS-1 read the sink rows in SS chunks of ceil(S / SS) positions,
+splits NS+SS..NS+SS+RS-1 the ring rows in RS chunks of ceil(W / RS) positions (so that no window
+program walks all its rows alone: at short contexts and batch 1 it was the longest program,
+benchmark/NOTES.md). The window programs are launched first (WINDOW_FIRST). One program holds every
+query head of its KV head (the M dimension of the dots), so each K/V byte is read once.
+Stage 2: LSE merge of the NS + SS + RS partial outputs.
 
 Missing sink rows. A sink position whose slot has sink_table[slot] < 0 (the pool ran out of sink
 rows: srt/pool.py alloc_sink_rows gives -1 and the slot stays INT2-only; or the slot was written
 by a generic set_kv_buffer caller, which writes no BF16 rows) is read as its INT2 form, which
 every slot always holds (kernels/write.py writes codes and params for every token, BF16 copies
 only where sink_dst / ring_dst >= 0). Stage 1 never indexes the sink buffers with row -1 (it
-clamps the row to 0, so its sink partial is garbage for such a request); the merge probes the
-request's sink table ([S] int32) and, only where a row is missing, drops that partial and
-recomputes the sink range itself: BF16 rows where present, min + scale·level[code] (fp32) where
+clamps the row to 0, so its sink partial is garbage for such a request, and flags it with a NaN
+LSE); the merge, only where a sink partial is flagged, drops the sink partials and recomputes the
+sink range itself: BF16 rows where present, min + scale·level[code] (fp32) where
 not. The stage-1 code is otherwise unchanged on purpose: its register allocation (ptxas) is
 fragile, and small edits to the window branch were measured to slow the INT2 loop by 5-38% on
 H100 (benchmark/NOTES.md). Same contract as kernels/gather.py and the oracle
@@ -60,6 +61,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .layout import check_shape
 
@@ -357,7 +359,7 @@ def _int2_split(
     Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
     split, b, h, hist_hi, r2t, qk_scale,
     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-    SINK: tl.constexpr, NS: tl.constexpr, RS: tl.constexpr, NP: tl.constexpr,
+    SINK: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
     NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PEEL: tl.constexpr, LAZY: tl.constexpr,
@@ -422,7 +424,7 @@ def _int2_split(
     for g in tl.static_range(NGV):
         mins = mins + [tl.sum(accmin[g], 0)]
     _store_split(O_PART, LSE_PART, b, h, split, accs, mins, tl.sum(l_t, 0), m_i,
-                 HKV, GQA, D, GV, CH, NS + 1 + RS, NP, SUB)
+                 HKV, GQA, D, GV, CH, NS_TOTAL, NP, SUB)
 
 
 @triton.jit
@@ -450,7 +452,7 @@ def _int2_split_folded(
     Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
     split, b, h, hist_hi, r2t, qk_scale,
     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-    SINK: tl.constexpr, NS: tl.constexpr, RS: tl.constexpr, NP: tl.constexpr,
+    SINK: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
     NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr,
@@ -557,7 +559,7 @@ def _int2_split_folded(
     for g in tl.static_range(NGV):
         mins = mins + [_halves_sum(tl.sum(accmin[g], 0), NP)]
     _store_split(O_PART, LSE_PART, b, h, split, accs, mins, _halves_sum(tl.sum(l_t, 0), NP),
-                 tl.max(tl.reshape(m_i, [2, NP]), 0), HKV, GQA, D, GV, CH, NS + 1 + RS, NP, SUB)
+                 tl.max(tl.reshape(m_i, [2, NP]), 0), HKV, GQA, D, GV, CH, NS_TOTAL, NP, SUB)
 
 
 @triton.jit
@@ -565,20 +567,23 @@ def _window_split(
     Q, SK, SV, RK, RV, SINK_TABLE,
     split, r, L, recent_lo, r2t, q_row, out_row, lse_ptr, mask_m, qk_scale, h,
     HKV: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr,
-    WINDOW: tl.constexpr, NS: tl.constexpr, RS: tl.constexpr, BLOCK_M: tl.constexpr,
+    WINDOW: tl.constexpr, NS: tl.constexpr, SS: tl.constexpr, RS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_W: tl.constexpr, WDT: tl.constexpr,
 ):
-    """Split NS: the BF16 sink rows [0, min(L, S)); split NS + 1 + j (j < RS): ring chunk j of
-    [recent_lo, L), positions recent_lo + j·ceil(W/RS) on (possibly empty: its LSE is then -inf).
-    A sink position without a sink row (sink_table < 0) reads row 0 instead (in bounds; the merge
-    then discards this split's partial and recomputes the sink range)."""
+    """Split NS + j (j < SS): sink chunk j of [0, min(L, S)), positions j·ceil(S/SS) on; split
+    NS + SS + j (j < RS): ring chunk j of [recent_lo, L), positions recent_lo + j·ceil(W/RS) on
+    (either possibly empty: its LSE is then -inf). A sink position without a sink row (sink_table < 0)
+    reads row 0 instead (in bounds) and the program stores its LSE as NaN: the merge then discards
+    the sink partials and recomputes the sink range."""
     # ------------------------------------------------------------ BF16 sink / ring rows
-    is_ring = split > NS
-    not_ring = split <= NS
+    is_ring = split >= NS + SS
+    not_ring = split < NS + SS
     RING_CHUNK: tl.constexpr = (WINDOW + RS - 1) // RS
-    ring_lo = recent_lo + (split - NS - 1) * RING_CHUNK
-    lo = tl.where(is_ring, ring_lo, 0)
-    hi = tl.where(is_ring, tl.minimum(ring_lo + RING_CHUNK, L), tl.minimum(L, SINK))
+    SINK_CHUNK: tl.constexpr = (SINK + SS - 1) // SS
+    ring_lo = recent_lo + (split - NS - SS) * RING_CHUNK
+    sink_lo = (split - NS) * SINK_CHUNK
+    lo = tl.where(is_ring, ring_lo, sink_lo)
+    hi = tl.where(is_ring, tl.minimum(ring_lo + RING_CHUNK, L), tl.minimum(tl.minimum(L, SINK), sink_lo + SINK_CHUNK))
     offs_d = tl.arange(0, D)
     qmask = mask_m[:, None]
     q = (tl.load(q_row[:, None] + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32) * qk_scale).to(WDT)
@@ -586,13 +591,16 @@ def _window_split(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     offs_n = tl.arange(0, BLOCK_W)
+    missing = L * 0
     for start in range(lo, hi, BLOCK_W):
         pos = start + offs_n
         mask_n = pos < hi
         ring_n = mask_n & is_ring
         sink_n = mask_n & (not_ring)
         slot = tl.load(r2t + pos, mask=sink_n, other=0)
-        srow = tl.maximum(tl.load(SINK_TABLE + slot, mask=sink_n, other=0), 0).to(tl.int64)
+        srow = tl.load(SINK_TABLE + slot, mask=sink_n, other=0)
+        missing += tl.sum((srow < 0).to(tl.int32), 0)
+        srow = tl.maximum(srow, 0).to(tl.int64)
         rrow = r * WINDOW + pos % WINDOW
         soff = (srow * HKV + h)[:, None] * D + offs_d[None, :]
         roff = (rrow * HKV + h)[:, None] * D + offs_d[None, :]
@@ -612,7 +620,7 @@ def _window_split(
     inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     tl.store(out_row[:, None] + offs_d[None, :], acc * inv_l[:, None], mask=qmask)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-    tl.store(lse_ptr, lse, mask=mask_m)
+    tl.store(lse_ptr, tl.where(missing > 0, float("nan"), lse), mask=mask_m)
 
 
 
@@ -631,6 +639,7 @@ def _oscar_decode_stage1(
     GK: tl.constexpr, GV: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr,
     NS: tl.constexpr,  # INT2 history splits
+    SS: tl.constexpr,  # sink splits
     RS: tl.constexpr,  # ring splits
     BLOCK_M: tl.constexpr, NP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
@@ -643,12 +652,20 @@ def _oscar_decode_stage1(
     PEEL: tl.constexpr,  # full history blocks without masks, one masked tail (_int2_block)
     LAZY: tl.constexpr,  # lazy rescale threshold τ in log2 units, 0 = rescale every block (_int2_block)
     FOLD: tl.constexpr,  # the two halves of a block side by side in N (_int2_split_folded)
+    WINDOW_FIRST: tl.constexpr,  # launch the SS + RS window programs before the INT2 ones
+    PDL_TRIGGER: tl.constexpr,  # let the merge launch now (its programs wait for this grid's writes)
 ):
+    if PDL_TRIGGER:
+        gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
+    if WINDOW_FIRST:
+        # program_id(1) is the slow grid axis: the first programs to run are window programs, whose
+        # dependent index loads then overlap the INT2 streaming instead of trailing it
+        split = tl.where(split < SS + RS, split + NS, split - (SS + RS))
     b = pid_bh // HKV
     h = pid_bh % HKV
-    NS_TOTAL: tl.constexpr = NS + 1 + RS
+    NS_TOTAL: tl.constexpr = NS + SS + RS
 
     L = tl.load(SEQ_LENS + b)
     r = tl.load(REQ_IDX + b).to(tl.int64)
@@ -662,14 +679,14 @@ def _oscar_decode_stage1(
             _int2_split_folded(
                 Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
                 split, b, h, hist_hi, r2t, qk_scale,
-                HKV, GQA, D, GK, GV, SINK, NS, RS, NP,
+                HKV, GQA, D, GK, GV, SINK, NS, NS_TOTAL, NP,
                 BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
             )
         else:
             _int2_split(
                 Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
                 split, b, h, hist_hi, r2t, qk_scale,
-                HKV, GQA, D, GK, GV, SINK, NS, RS, NP,
+                HKV, GQA, D, GK, GV, SINK, NS, NS_TOTAL, NP,
                 BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PEEL, LAZY,
             )
     else:
@@ -682,7 +699,7 @@ def _oscar_decode_stage1(
         _window_split(
             Q, SK, SV, RK, RV, SINK_TABLE,
             split, r, L, recent_lo, r2t, q_row, out_row, lse_ptr, mask_m, qk_scale, h,
-            HKV, D, SINK, WINDOW, NS, RS, BLOCK_M, BLOCK_W, WDT,
+            HKV, D, SINK, WINDOW, NS, SS, RS, BLOCK_M, BLOCK_W, WDT,
         )
 
 
@@ -724,34 +741,36 @@ def _oscar_decode_merge(
     O_PART, LSE_PART, OUT,
     Q, KC, KP32, VC, VP32, SK, SV, SINK_TABLE, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, qk_scale, stride_r2t,
     HQ: tl.constexpr, GQA: tl.constexpr, HKV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-    SINK: tl.constexpr, SP: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
+    SINK: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, BLOCK_T: tl.constexpr,
-    NS: tl.constexpr, NS_TOTAL: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+    NS: tl.constexpr, SS: tl.constexpr, NS_TOTAL: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of stage 1: wait for its writes here
 ):
     pid = tl.program_id(0)  # b * Hq + hq
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
     mask_s = offs_s < NS_TOTAL
+    if PDL:
+        gdc_wait()
     lse = tl.load(LSE_PART + pid * NS_TOTAL + offs_s, mask=mask_s, other=float("-inf"))
+    # issued before the sink check below, so that the common path waits on one round trip
+    o = tl.load(O_PART + (pid * NS_TOTAL + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
     b = pid // HQ
     h = (pid % HQ) // GQA
 
-    # Sink positions without a sink row (rare): drop split NS's partial, recompute [0, min(L, S))
-    # here as one more partial (m_x, l_x, acc_x): BF16 rows where present, INT2 where not.
+    # Sink positions without a sink row (rare): the sink programs flag them with a NaN LSE; drop the
+    # sink partials and recompute [0, min(L, S)) here as one more partial (m_x, l_x, acc_x): BF16 rows
+    # where present, INT2 where not. Flagged in stage 1, so the merge reads no index on the common path.
+    sink_part = (offs_s >= NS) & (offs_s < NS + SS)
+    n_missing = tl.sum((sink_part & (lse != lse)).to(tl.int32), 0)
     L = tl.load(SEQ_LENS + b)
     n = tl.minimum(L, SINK)
-    r2t = REQ_TO_TOKEN + tl.load(REQ_IDX + b).to(tl.int64) * stride_r2t
-    n_missing = L * 0
-    if SINK > 0:
-        offs_p = tl.arange(0, SP)
-        pm = offs_p < n
-        srow0 = tl.load(SINK_TABLE + tl.load(r2t + offs_p, mask=pm, other=0), mask=pm, other=0)
-        n_missing = tl.sum((pm & (srow0 < 0)).to(tl.int32), 0)
     m_x = tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), 0)
     l_x = tl.sum(tl.zeros([BLOCK_T], tl.float32), 0)
     acc_x = tl.zeros([D], tl.float32)
     if n_missing > 0:
-        lse = tl.where(offs_s == NS, float("-inf"), lse)
+        lse = tl.where(sink_part, float("-inf"), lse)
+        r2t = REQ_TO_TOKEN + tl.load(REQ_IDX + b).to(tl.int64) * stride_r2t
         q = tl.load(Q + pid * D + offs_d).to(tl.float32) * qk_scale
         for start in range(0, n, BLOCK_T):
             pos = start + tl.arange(0, BLOCK_T)
@@ -775,7 +794,6 @@ def _oscar_decode_merge(
     w = tl.exp2(lse - m)
     w = tl.where(mask_s, w, 0.0)
     w_x = tl.exp2(lse_x - m)  # 0 without missing rows
-    o = tl.load(O_PART + (pid * NS_TOTAL + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
     o = tl.where(w[:, None] > 0, o, 0.0)  # empty / dropped splits: never read their rows
     den = tl.sum(w, 0) + w_x
     num = tl.sum(o * w[:, None], 0) + tl.where(w_x > 0, acc_x / tl.where(l_x > 0, l_x, 1.0), 0.0) * w_x
@@ -797,6 +815,18 @@ SMALL_BATCH_SPLITS = 64
 # The recent window is read by ceil(W / RING_ROWS_PER_SPLIT) programs (4 for W = 256): one program
 # walking all W BF16 rows in BLOCK_W steps was the longest of the launch at short contexts.
 RING_ROWS_PER_SPLIT = 64
+# The sink range is read by ceil(S / SINK_ROWS_PER_SPLIT) programs: each sink row costs a chain of
+# three dependent loads (req_to_token -> sink_table -> row).
+SINK_ROWS_PER_SPLIT = 16
+# Window programs first in the launch order (see _oscar_decode_stage1): measured up to 2x slower at
+# batch >= 8 (benchmark/NOTES.md "Sink programs and the merge's sink check"), off.
+WINDOW_FIRST = False
+# Programmatic dependent launch of the merge (CUDA only): the merge waits in-kernel for stage 1's
+# writes (griddepcontrol.wait), and where stage 1's whole grid is resident in one round (free slots: small
+# batch) stage 1 lets it launch at once, so its launch and prologue overlap stage 1. H100/H200 same run:
+# 0.92-0.97x the time at batch 1-2 and <= 32k, unchanged elsewhere (benchmark/NOTES.md). Without the
+# early launch it measured no gain, so PDL only where the grid fits.
+PDL = True
 # Codes as fp16 subnormals code·2^(2p−24) (no offset) where the levels are uniform: fewer instructions
 # per code in the INT2 loop than 1 + code/4 (benchmark/NOTES.md "Subnormal codes"). A codebook
 # always uses the offset form (its levels are not integers: as subnormals they would be rounded).
@@ -819,17 +849,25 @@ MAX_LAZY_RESCALE = 8.0
 
 
 # Wave fill. The unfolded config runs 4 CTAs per SM (<= 255 registers x 64 threads, every supported
-# shape; the folded one 6, at FOLD_MAXNREG; oscar_decode passes its own count), so P INT2 programs take ceil(P / (4·SMs)) rounds; ceil(3·SMs / heads) splits can leave the
-# last round nearly empty (SmolLM2 batch 64: 192 heads x 3 = 576 programs for 528 slots). When the
-# rounds would be less than FILL_BELOW full on average, the smallest larger count (up to 3x) that
-# fills them to FILL_TO is taken, if every split keeps >= FILL_MIN_ROWS rows (below that the
-# per-split cost won: SmolLM2 batch 8 at 32k, 22 splits of 1.5k rows, 1.2x slower). Same-run sweeps
-# on H100 (benchmark/NOTES.md "Wave fill"): SmolLM2 batch 64, 3 -> 8 splits: 0.67x / 0.71x the time
-# at 128k / 32k; Qwen3-8B batch 8, 7 -> 8: 0.91x / 0.92x; batch 32 / 64 and 8k unchanged by the rule.
+# shape; the folded one 6, at FOLD_MAXNREG; oscar_decode passes its own count), so P INT2 programs take
+# ceil(P / (ctas·SMs)) rounds; ceil(3·SMs / heads) splits can leave the last round nearly empty (SmolLM2
+# batch 64: 192 heads x 3 = 576 programs for 528 slots). When the rounds would be less than FILL_BELOW
+# full on average, the smallest larger count (up to 3x) that fills them to FILL_TO is taken, if every
+# split keeps >= fill_min_rows rows. Same-run sweeps on H100 (benchmark/NOTES.md "Wave fill", "Split
+# rule for the folded kernel"):
+# - unfolded (FILL_MIN_ROWS = 4096): SmolLM2 batch 64, 3 -> 8 splits: 0.67x / 0.71x the time at 128k /
+#   32k; SmolLM2 batch 8 at 32k, 22 splits of 1.5k rows: 1.2x slower than 17, hence the floor.
+# - folded (FOLD_FILL_MIN_ROWS = 512): the floor of 4096 blocked the fill at 14 of 46 points, where the
+#   filled count measured 0.72-0.93x; at 6 CTAs per SM the per-split cost is lower.
+# Long splits over several rounds (folded only, FOLD_LONG_SPLIT_ROWS): when the programs take more than
+# one round and a split would hold more than that many rows, the count is first raised to
+# ceil(rows / FOLD_LONG_SPLIT_ROWS) (Qwen3-8B batch 64: 3 -> 12 splits 0.86x at 128k, 0.95x at 64k).
 FILL_CTAS_PER_SM = 4
 FILL_BELOW = 0.9
 FILL_TO = 0.95
 FILL_MIN_ROWS = 4096
+FOLD_FILL_MIN_ROWS = 512
+FOLD_LONG_SPLIT_ROWS = 8192
 
 
 def _rounds_fill(programs: int, slots: int) -> float:
@@ -840,13 +878,15 @@ def _rounds_fill(programs: int, slots: int) -> float:
 
 def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int = 132, min_tokens: int = 256,
                        waves: int = 3, small_batch_splits: int = SMALL_BATCH_SPLITS, round_up: bool = True,
-                       fill: bool = True, ctas_per_sm: int = FILL_CTAS_PER_SM) -> int:
+                       fill: bool = True, ctas_per_sm: int = FILL_CTAS_PER_SM, fill_min_rows: int = FILL_MIN_ROWS,
+                       long_split_rows: Optional[int] = None) -> int:
     """History splits from shapes only: >= `waves` programs per SM (round_up) or the most that keep
     the INT2 programs within `waves` per SM (not round_up); >= `small_batch_splits` splits when
     batch x kv_heads <= SMALL_BATCH_HEADS (0: off); >= min_tokens INT2 rows per split; at most 128
     (the merge holds all partials of a head in one tile). fill (with round_up): the wave-fill step
-    above, for `ctas_per_sm` resident programs per SM; it may raise the count above `waves` programs
-    per SM (never above the min_tokens cap or 128): pass fill=False for exactly the waves rule."""
+    above, for `ctas_per_sm` resident programs per SM and splits of >= fill_min_rows rows, then the
+    long-split step (and the fill again) when long_split_rows is set; both may raise the count above `waves` programs per SM
+    (never above the min_tokens cap or 128): pass fill=False for exactly the waves rule."""
     if waves < 1:
         raise ValueError(f"waves must be >= 1, got {waves}")
     heads = max(batch * kv_heads, 1)
@@ -855,13 +895,22 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
         want = max(want, small_batch_splits)
     cap = max(1, triton.cdiv(max_context, min_tokens))
     ns = int(max(1, min(want, cap, 128)))
+    if not (fill and round_up):
+        return ns
     slots = ctas_per_sm * num_sms
-    if fill and round_up and _rounds_fill(heads * ns, slots) < FILL_BELOW:
-        for n in range(ns + 1, min(3 * ns, cap, 128) + 1):
-            if max_context < n * FILL_MIN_ROWS:
-                break
-            if _rounds_fill(heads * n, slots) >= FILL_TO:
-                return n
+
+    def filled(ns):
+        if _rounds_fill(heads * ns, slots) < FILL_BELOW:
+            for n in range(ns + 1, min(3 * ns, cap, 128) + 1):
+                if max_context < n * fill_min_rows:
+                    break
+                if _rounds_fill(heads * n, slots) >= FILL_TO:
+                    return n
+        return ns
+
+    ns = filled(ns)
+    if long_split_rows and heads * ns > slots and max_context > ns * long_split_rows:
+        ns = filled(int(min(triton.cdiv(max_context, long_split_rows), cap, 128)))
     return ns
 
 
@@ -922,6 +971,9 @@ def oscar_decode(
     num_stages: int = 3,
     maxnreg: Optional[int] = None,
     ring_splits: Optional[int] = None,
+    sink_splits: Optional[int] = None,
+    window_first: Optional[bool] = None,
+    pdl: Optional[bool] = None,
     subnormal_codes: Optional[bool] = None,
     peel_tail: Optional[bool] = None,
     lazy_rescale: Optional[float] = None,
@@ -935,8 +987,10 @@ def oscar_decode(
     block_n / num_warps / num_stages: the INT2 loop's tokens per iteration, warps and pipeline depth
     (128 / 2 / 3: 64 tokens per warp, measured best on H100 in benchmark/NOTES.md v4); maxnreg caps
     the stage-1 registers per thread (None: ptxas decides). ring_splits: programs per (request, KV
-    head) for the recent window (None: ceil(window / RING_ROWS_PER_SPLIT)). subnormal_codes: the INT2
-    loop's code format (None: SUBNORMAL_CODES); True with a codebook (k_level_a / v_level_a) is an error.
+    head) for the recent window (None: ceil(window / RING_ROWS_PER_SPLIT)); sink_splits: the same for the sink
+    range (None: ceil(sink / SINK_ROWS_PER_SPLIT)); window_first: launch order (None: WINDOW_FIRST).
+    pdl: programmatic dependent launch of the merge where stage 1's grid fits one round (None: PDL; CUDA only).
+    subnormal_codes: the INT2 loop's code format (None: SUBNORMAL_CODES); True with a codebook (k_level_a / v_level_a) is an error.
     peel_tail / lazy_rescale: the INT2 loop's unmasked full blocks and lazy-rescale threshold in log2
     units (None: PEEL_TAIL / LAZY_RESCALE; 0 rescales every block; at most MAX_LAZY_RESCALE).
     fold_halves: the INT2 loop's tiles as [BLOCK_N/2, 2·NP] (None: FOLD_HALVES where NP < 8, D <= 128, block_n
@@ -1000,12 +1054,18 @@ def oscar_decode(
     q = transform_query(q, q_transform, Hkv).contiguous()
     # resident stage-1 programs per SM if registers bound them (4 at 128:2:3, 6 folded), for the wave fill
     ctas = max(1, 65536 // ((maxnreg or 256) * 32 * num_warps))
-    ns = num_splits if num_splits is not None else default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device),
-                                                                       waves=split_waves, ctas_per_sm=ctas)
+    if num_splits is None:
+        split_rule = dict(fill_min_rows=FOLD_FILL_MIN_ROWS, long_split_rows=FOLD_LONG_SPLIT_ROWS) if fold else {}
+        num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
+                                        ctas_per_sm=ctas, **split_rule)
+    ns = num_splits
     rs = ring_splits if ring_splits is not None else triton.cdiv(window, RING_ROWS_PER_SPLIT)
     if rs < 1:
         raise ValueError(f"ring_splits must be >= 1, got {rs}")
-    ns_total = ns + 1 + rs
+    ss = sink_splits if sink_splits is not None else max(1, triton.cdiv(sink, SINK_ROWS_PER_SPLIT))
+    if ss < 1:
+        raise ValueError(f"sink_splits must be >= 1, got {ss}")
+    ns_total = ns + ss + rs
     o_part = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
     if out is None:
@@ -1013,6 +1073,7 @@ def oscar_decode(
     elif out.shape != q.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
 
+    use_pdl = (PDL if pdl is None else bool(pdl)) and q.is_cuda and B * Hkv * ns_total <= ctas * _num_sms(q.device)
     fp32 = q.dtype == torch.float32
     dt = tl.float32 if fp32 else tl.float16
     wdt = tl.float32 if cache.ring_k.dtype == torch.float32 or fp32 else (
@@ -1035,24 +1096,27 @@ def oscar_decode(
         o_part, lse_part,
         float(sm_scale) * LOG2E,
         req_to_token.stride(0),
-        HKV=Hkv, GQA=group, D=D, GK=gk, GV=gv, SINK=sink, WINDOW=window, NS=ns, RS=rs,
+        HKV=Hkv, GQA=group, D=D, GK=gk, GV=gv, SINK=sink, WINDOW=window, NS=ns, SS=ss, RS=rs,
         BLOCK_M=block_m, NP=np_, BLOCK_N=block_n, BLOCK_W=block_w,
         K_A=float(k_level_a if k_level_a is not None else 1.0),
         V_A=float(v_level_a if v_level_a is not None else 1.0),
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None,
         DT=dt, WDT=wdt, FAST_CVT=not fp32,
         NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub, PEEL=peel, LAZY=lazy, FOLD=fold,
+        WINDOW_FIRST=WINDOW_FIRST if window_first is None else bool(window_first),
+        PDL_TRIGGER=use_pdl,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _oscar_decode_merge[(B * Hq,)](
         o_part, lse_part, out,
         q, cache.k_codes, kp32, cache.v_codes, vp32, sink_k, sink_v, cache.sink_table,
         req_to_token, req_pool_indices, seq_lens, float(sm_scale) * LOG2E, req_to_token.stride(0),
-        HQ=Hq, GQA=group, HKV=Hkv, GK=gk, GV=gv, SINK=sink, SP=triton.next_power_of_2(max(sink, 1)),
+        HQ=Hq, GQA=group, HKV=Hkv, GK=gk, GV=gv, SINK=sink,
         K_A=float(k_level_a if k_level_a is not None else 1.0),
         V_A=float(v_level_a if v_level_a is not None else 1.0),
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None, BLOCK_T=16,
-        NS=ns, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, num_warps=4,
+        NS=ns, SS=ss, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, PDL=use_pdl,
+        num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
 
