@@ -102,14 +102,27 @@ def make_oscar(b, hkv, d, ctx, copies):
     return cache, r2t, seq, ring_start
 
 
-def oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, **kw):
+def oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, decode=oscar_decode, **kw):
     fns = []
     out = torch.empty_like(q)
     for c in range(copies):
         idx = torch.arange(c * b, (c + 1) * b, dtype=torch.int32, device="cuda")
-        fns.append(lambda idx=idx: oscar_decode(q, cache, r2t, idx, seq, ring_start, sink=SINK, window=WINDOW,
-                                                sm_scale=1 / math.sqrt(d), out=out, **kw))
+        fns.append(lambda idx=idx: decode(q, cache, r2t, idx, seq, ring_start, sink=SINK, window=WINDOW,
+                                          sm_scale=1 / math.sqrt(d), out=out, **kw))
     return fns
+
+
+def load_prev_decode(path):
+    """oscar_decode of another version of kernels/decode.py (e.g. `git show REV:python/sglang_oscar/kernels/decode.py`),
+    loaded as a module of the sglang_oscar.kernels package so that its relative imports resolve: a same-run
+    baseline for a kernel change."""
+    import importlib.util
+    import inspect
+
+    spec = importlib.util.spec_from_file_location("sglang_oscar.kernels._decode_prev", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.oscar_decode, set(inspect.signature(mod.oscar_decode).parameters)
 
 
 # ------------------------------------------------------------------------------- FlashInfer
@@ -167,13 +180,20 @@ def sglang_triton_fns(q, b, hq, hkv, d, ctx, copies):
 
 
 def parse_oscar_config(text):
-    """'128:2:3[:r128][:w6][:ring1][:sub1][:peel1][:lazy4][:fold1]' -> (text, oscar_decode keyword arguments)."""
+    """'128:2:3[:r128][:w6][:ring1][:sink4][:wf1][:pdl1][:sub1][:peel1][:lazy4][:fold1]' -> (text, oscar_decode keyword
+    arguments)."""
     parts = text.split(":")
     bn, nw, st = (int(x) for x in parts[:3])
     kw = dict(block_n=bn, num_warps=nw, num_stages=st)
     for p in parts[3:]:
         if p.startswith("ring"):
             kw["ring_splits"] = int(p[4:])
+        elif p.startswith("sink"):
+            kw["sink_splits"] = int(p[4:])
+        elif p.startswith("wf"):
+            kw["window_first"] = bool(int(p[2:]))
+        elif p.startswith("pdl"):
+            kw["pdl"] = bool(int(p[3:]))
         elif p.startswith("sub"):
             kw["subnormal_codes"] = bool(int(p[3:]))
         elif p.startswith("peel"):
@@ -228,10 +248,14 @@ def main():
     ap.add_argument("--models", default="qwen3-8b,smollm2")
     ap.add_argument("--impls", default="oscar,flashinfer_bf16,flashinfer_fp8,sglang_triton_bf16")
     ap.add_argument("--oscar-configs", default="128:2:3,64:2:3",
-                    help="BLOCK_N:num_warps:num_stages[:rN][:wN][:ringN][:subB][:peelB][:lazyT][:foldB] (rN: maxnreg N, wN: "
-                         "split_waves N, ringN: ring_splits N, sub1/sub0: subnormal codes on/off, peel1/peel0: "
+                    help="BLOCK_N:num_warps:num_stages[:rN][:wN][:ringN][:sinkN][:wfB][:pdlB][:subB][:peelB][:lazyT][:foldB] (rN: "
+                         "maxnreg N, wN: split_waves N, ringN: ring_splits N, sinkN: sink_splits N, wf1/wf0: window "
+                         "programs first or last, pdl1/pdl0: programmatic dependent launch of the merge, sub1/sub0: subnormal codes on/off, peel1/peel0: "
                          "unmasked full blocks on/off, lazyT: lazy-rescale threshold T, 0 = off, fold1/fold0: folded tiles); the first "
                          "is oscar_decode's default (128:2:3), the one the server runs")
+    ap.add_argument("--prev-decode", default=None,
+                    help="path of another kernels/decode.py: adds impl oscar_prev (its defaults, auto splits, with "
+                         "those keyword arguments of the first config that its oscar_decode takes)")
     ap.add_argument("--report", choices=("first", "best"), default="first",
                     help="oscar row per shape: the first config (what serving runs) or the best of all swept; "
                          "every config's time goes to oscar_variants in the JSON either way")
@@ -248,6 +272,9 @@ def main():
     print("correctness (rel err vs float64 oracle):", errs, flush=True)
     rows = []
     impls = args.impls.split(",")
+    if args.prev_decode:
+        prev_decode, prev_params = load_prev_decode(args.prev_decode)
+        impls.insert(impls.index("oscar") + 1 if "oscar" in impls else 0, "oscar_prev")
     cfgs = [parse_oscar_config(c) for c in args.oscar_configs.split(",")]
     variants = []  # every (config, splits) timing of oscar, when more than one is swept
     # auto = default_num_splits; sb<N> = the same rule with small_batch_splits=N (sb0: waves only)
@@ -287,6 +314,16 @@ def main():
                                 if best is None or (args.report == "best" and ms < best[0]):
                                     best = (ms, name + (f":ns{label}" if spec else ""))
                             ms, cfg = best
+                            del cache, r2t
+                        elif impl == "oscar_prev":
+                            nbytes = oscar_bytes(b, hq, hkv, d, ctx)
+                            if nbytes > MEM_CAP:
+                                continue
+                            copies = n_copies(nbytes)
+                            cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies)
+                            kw = {k: v for k, v in cfgs[0][1].items() if k in prev_params}
+                            ms, cfg = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, decode=prev_decode, **kw)), \
+                                "prev:" + cfgs[0][0]
                             del cache, r2t
                         elif impl.startswith("flashinfer"):
                             fp8 = impl.endswith("fp8")
