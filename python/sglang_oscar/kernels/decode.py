@@ -857,11 +857,12 @@ MAX_LAZY_RESCALE = 8.0
 # rule for the folded kernel"):
 # - unfolded (FILL_MIN_ROWS = 4096): SmolLM2 batch 64, 3 -> 8 splits: 0.67x / 0.71x the time at 128k /
 #   32k; SmolLM2 batch 8 at 32k, 22 splits of 1.5k rows: 1.2x slower than 17, hence the floor.
-# - folded (FOLD_FILL_MIN_ROWS = 512): the floor of 4096 blocked the fill at 14 of 46 points, where the
-#   filled count measured 0.72-0.93x; at 6 CTAs per SM the per-split cost is lower.
-# Long splits over several rounds (folded only, FOLD_LONG_SPLIT_ROWS): when the programs take more than
-# one round and a split would hold more than that many rows, the count is first raised to
-# ceil(rows / FOLD_LONG_SPLIT_ROWS) (Qwen3-8B batch 64: 3 -> 12 splits 0.86x at 128k, 0.95x at 64k).
+# - folded (FOLD_FILL_MIN_ROWS = 512): the floor of 4096 blocked the fill at 23 of 50 sweep points, where
+#   the filled count measured 0.72-0.95x (1.02x at Qwen3 64k batch 1).
+# Long splits over several rounds (folded only, FOLD_LONG_SPLIT_ROWS): when after the fill the programs
+# take more than one round and a split holds more than that many rows, the count is raised to
+# ceil(context / FOLD_LONG_SPLIT_ROWS) and filled again (Qwen3-8B batch 64 at 128k: 3 -> 16 splits, 0.86x
+# in the full table; in one round, batch 32, long splits measured no loss).
 FILL_CTAS_PER_SM = 4
 FILL_BELOW = 0.9
 FILL_TO = 0.95
