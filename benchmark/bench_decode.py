@@ -26,7 +26,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 from sglang_oscar.kernels.decode import _num_sms, default_num_splits, oscar_decode  # noqa: E402
 from sglang_oscar.kernels.layout import LayerCache  # noqa: E402
 
-MODELS = {"qwen3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
+# layer shapes per GPU (q heads, KV heads, head_dim); the default table runs the first two. qwen3-32b: GQA 8
+# (the unfolded kernel, NP = 8); glm-4.7-tp8: 96 q / 8 KV heads split over 8 GPUs, GQA 12 (NP = 16)
+MODELS = {"qwen3-8b": (32, 8, 128), "smollm2": (9, 3, 64), "qwen3-32b": (64, 8, 128), "glm-4.7-tp8": (12, 1, 128)}
 SINK, WINDOW, GK, GV = 64, 256, 64, 64
 L2_BYTES = 50 * 2**20
 MEM_CAP = 24 * 2**30  # per implementation's KV buffers

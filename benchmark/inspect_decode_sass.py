@@ -27,8 +27,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 from sglang_oscar.kernels import decode  # noqa: E402
+from bench_decode import MODELS  # noqa: E402  (the benchmark's layer shapes)
 
-MODELS = {"qwen3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
 
 # argument -> Triton signature type of _oscar_decode_stage1's runtime arguments
 POINTERS = {
