@@ -185,8 +185,10 @@ def parse_oscar_config(text):
     """'128:2:3[:r128][:w6][:ring1][:sink4][:wf1][:pdl1][:sub1][:peel1][:lazy4][:fold1]' -> (text, oscar_decode keyword
     arguments)."""
     parts = text.split(":")
-    bn, nw, st = (int(x) for x in parts[:3])
-    kw = dict(block_n=bn, num_warps=nw, num_stages=st)
+    nw, st = (int(x) for x in parts[1:3])
+    kw = dict(num_warps=nw, num_stages=st)
+    if parts[0] != "auto":  # auto: oscar_decode's default_block_n for the shape
+        kw["block_n"] = int(parts[0])
     for p in parts[3:]:
         if p.startswith("ring"):
             kw["ring_splits"] = int(p[4:])
@@ -249,12 +251,12 @@ def main():
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--models", default="qwen3-8b,smollm2")
     ap.add_argument("--impls", default="oscar,flashinfer_bf16,flashinfer_fp8,sglang_triton_bf16")
-    ap.add_argument("--oscar-configs", default="128:2:3,64:2:3",
-                    help="BLOCK_N:num_warps:num_stages[:rN][:wN][:ringN][:sinkN][:wfB][:pdlB][:subB][:peelB][:lazyT][:foldB] (rN: "
+    ap.add_argument("--oscar-configs", default="auto:2:3,64:2:3",
+                    help="BLOCK_N|auto:num_warps:num_stages[:rN][:wN][:ringN][:sinkN][:wfB][:pdlB][:subB][:peelB][:lazyT][:foldB] (rN: "
                          "maxnreg N, wN: split_waves N, ringN: ring_splits N, sinkN: sink_splits N, wf1/wf0: window "
                          "programs first or last, pdl1/pdl0: programmatic dependent launch of the merge, sub1/sub0: subnormal codes on/off, peel1/peel0: "
                          "unmasked full blocks on/off, lazyT: lazy-rescale threshold T, 0 = off, fold1/fold0: folded tiles); the first "
-                         "is oscar_decode's default (128:2:3), the one the server runs")
+                         "is oscar_decode's default (auto:2:3: 128 tokens, 64 where NP >= 16), the one the server runs")
     ap.add_argument("--prev-decode", default=None,
                     help="path of another kernels/decode.py: adds impl oscar_prev (its defaults, auto splits, with "
                          "those keyword arguments of the first config that its oscar_decode takes)")

@@ -171,7 +171,7 @@ def count(kernel, sass):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS))
-    ap.add_argument("--config", default="128:2:3", help="BLOCK_N:num_warps:num_stages")
+    ap.add_argument("--config", default="auto:2:3", help="BLOCK_N:num_warps:num_stages (auto: decode.default_block_n)")
     ap.add_argument("--slow-cvt", action="store_true", help="codes -> fp16 by plain arithmetic (no inline PTX)")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas -maxrregcount)")
     ap.add_argument("--subnormal", type=int, choices=(0, 1), help="code format (default: decode.SUBNORMAL_CODES)")
@@ -181,13 +181,15 @@ def main():
     ap.add_argument("--dump", help="folder for the ttgir / ptx / sass text")
     args = ap.parse_args()
     hq, hkv, d = MODELS[args.model]
-    bn, nw, st = (int(x) for x in args.config.split(":"))
+    bn, nw, st = args.config.split(":")
+    np_ = max(decode.MIN_NP, triton.next_power_of_2(hq // hkv))
+    bn, nw, st = decode.default_block_n(np_, d) if bn == "auto" else int(bn), int(nw), int(st)
     k = compile_stage1(hq, hkv, d, block_n=bn, num_warps=nw, num_stages=st, fast_cvt=not args.slow_cvt,
                        maxnreg=args.maxnreg, subnormal=None if args.subnormal is None else bool(args.subnormal),
                        peel=None if args.peel is None else bool(args.peel), lazy=args.lazy,
                        fold=None if args.fold is None else bool(args.fold))
     sass = sass_of(k)
-    res = {"model": args.model, "config": args.config, "fast_cvt": not args.slow_cvt, **k.oscar_settings,
+    res = {"model": args.model, "config": f"{bn}:{nw}:{st}", "fast_cvt": not args.slow_cvt, **k.oscar_settings,
            **count(k, sass)}
     print(json.dumps(res, indent=1))
     if args.dump:

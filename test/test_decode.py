@@ -440,8 +440,8 @@ def test_decode_folded_tiles_codebook_and_ramp():
 
 
 def test_decode_folded_default_rule(monkeypatch):
-    """The default folds where NP < 8 and D <= 128 only (D 256 spills under FOLD_MAXNREG): a spy on the
-    folded split records which launches fold."""
+    """The default folds where NP < 8 and D <= 128 only (D 256 spills under FOLD_MAXNREG), and takes 64 tokens
+    per iteration where NP >= 16 and D <= 128 (default_block_n): a spy on stage 1's launches records both."""
     import sglang_oscar.kernels.decode as dec
 
     seen = []
@@ -450,13 +450,15 @@ def test_decode_folded_default_rule(monkeypatch):
     class Spy:
         def __getitem__(self, grid):
             fn = launch(grid)
-            return lambda *a, **kw: (seen.append(kw["FOLD"]), fn(*a, **kw))[1]
+            return lambda *a, **kw: (seen.append((kw["FOLD"], kw["BLOCK_N"])), fn(*a, **kw))[1]
 
     monkeypatch.setattr(dec, "_oscar_decode_stage1", Spy())
-    for d, gqa, want in ((128, 4, True), (64, 3, True), (256, 2, False), (128, 8, False)):
+    for d, gqa, want in ((128, 4, (True, 128)), (64, 3, (True, 128)), (256, 2, (False, 128)), (128, 8, (False, 128)),
+                         (128, 12, (False, dec.LARGE_NP_BLOCK_N)), (64, 16, (False, dec.LARGE_NP_BLOCK_N)),
+                         (256, 12, (False, 128))):
         case = make_case([300], hkv=1, gqa=gqa, d=d, seed=d + gqa)
         run_and_check(case, num_splits=2)
-        assert seen[-1] is want, (d, gqa, seen[-1])
+        assert seen[-1] == want, (d, gqa, seen[-1])
 
 
 def test_decode_folded_tiles_reject_peel_and_lazy():

@@ -39,6 +39,19 @@ def test_default_config_compiles_without_spills(model):
     assert not any(op.startswith("LDSM.16.MT88") for op in loop["top_opcodes"])
 
 
+@pytest.mark.parametrize("model,config", [("qwen3-32b", "128:2:3"), ("glm-4.7-tp8", "64:2:3")])
+def test_large_gqa_defaults_compile_without_loop_spills(model, config):
+    """GQA 8 (NP 8, unfolded) and GQA 12 (NP 16: 64 tokens per iteration by default, decode.default_block_n;
+    at 128 its loop spilled 46 local-memory ops per iteration)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, SCRIPT, "--model", model], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout)
+    assert res["config"] == config and not res["fold"]
+    assert res["stack_bytes"] == 0 and res["int2_loop"]["spill_ops"] == 0, (res["stack_bytes"], res["int2_loop"])
+
+
 @pytest.mark.parametrize("model,offset_form,subnormal", [("qwen3-8b", 1544, 1329), ("smollm2", 1057, 912)])
 def test_subnormal_codes_shorten_the_loop(model, offset_form, subnormal):
     """The default code format (subnormal codes) keeps its instruction count: the byte spread is shared

@@ -846,6 +846,11 @@ FOLD_MAXNREG = 168
 # ops per iteration): not folded by default there.
 FOLD_MAX_HEAD_DIM = 128
 MAX_LAZY_RESCALE = 8.0
+# GQA groups of 9-16 heads (NP = 16, e.g. GLM-4.x's 12) at D 128: [128, 16] tiles spill 46 local-memory ops
+# per loop iteration at 255 registers (inspect_decode_sass.py --model glm-4.7-tp8); 64 tokens per
+# iteration compile to 240 registers without spills and measured 0.94-0.99x the time on H100 (GLM-4.7 at
+# TP8, 8k-128k, batch 1-64; results/decode_variants_large_np_*). D 256 was not measured.
+LARGE_NP_BLOCK_N = 64
 
 
 # Wave fill. The unfolded config runs 4 CTAs per SM (<= 255 registers x 64 threads, every supported
@@ -915,6 +920,11 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
     return ns
 
 
+def default_block_n(np_: int, head_dim: int) -> int:
+    """oscar_decode's block_n=None: 128 tokens per INT2 iteration, LARGE_NP_BLOCK_N where NP >= 16 and D <= 128."""
+    return LARGE_NP_BLOCK_N if np_ >= 16 and head_dim <= 128 else 128
+
+
 def default_fold(np_: int, head_dim: int, peel: bool, lazy: float, block_n: int) -> bool:
     """oscar_decode's fold_halves=None: fold where N is padded (NP < 8) and the folded loop fits
     FOLD_MAXNREG (D <= FOLD_MAX_HEAD_DIM), with a block_n the folded dots take (a multiple of 32), and
@@ -966,7 +976,7 @@ def oscar_decode(
     out: Optional[torch.Tensor] = None,
     k_level_a: Optional[float] = None,
     v_level_a: Optional[float] = None,
-    block_n: int = 128,
+    block_n: Optional[int] = None,
     block_w: int = 16,
     num_warps: int = 2,
     num_stages: int = 3,
@@ -986,7 +996,8 @@ def oscar_decode(
     k_level_a / v_level_a: INT2 codebook parameter a (levels 0, a, 3−a, 3); None = uniform.
     num_splits: INT2 history splits per (request, KV head); None = default_num_splits(..., waves=split_waves).
     block_n / num_warps / num_stages: the INT2 loop's tokens per iteration, warps and pipeline depth
-    (128 / 2 / 3: 64 tokens per warp, measured best on H100 in benchmark/NOTES.md v4); maxnreg caps
+    (None / 2 / 3: 128 tokens, 64 per warp, measured best on H100 in benchmark/NOTES.md v4; 64 where NP >= 16,
+    default_block_n); maxnreg caps
     the stage-1 registers per thread (None: ptxas decides). ring_splits: programs per (request, KV
     head) for the recent window (None: ceil(window / RING_ROWS_PER_SPLIT)); sink_splits: the same for the sink
     range (None: ceil(sink / SINK_ROWS_PER_SPLIT)); window_first: launch order (None: WINDOW_FIRST).
@@ -1044,6 +1055,8 @@ def oscar_decode(
                          f"grow up to 2^lazy_rescale·vs), got {lazy}")
     peel = PEEL_TAIL if peel_tail is None else bool(peel_tail)
     np_ = max(MIN_NP, triton.next_power_of_2(group))
+    if block_n is None:
+        block_n = default_block_n(np_, D)
     fold = default_fold(np_, D, peel, lazy, block_n) if fold_halves is None else bool(fold_halves)
     if fold and (peel or lazy > 0):
         raise ValueError("fold_halves runs every block masked and rescales every block: it cannot be combined "
