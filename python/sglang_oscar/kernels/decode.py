@@ -31,7 +31,8 @@ GQA. All Hq/Hkv query heads of a KV head share one program: the INT2 split puts 
 its dots, padded to NP = max(4, next_pow2(group)) with the extra columns masked (loads, stores,
 softmax), the window splits in M (BLOCK_M = 16). Groups up to MAX_GQA = 16 are supported,
 powers of two or not (e.g. 12 for GLM-4.x at any TP: 96 q heads / 8 KV heads). Groups 9..16 run
-at NP = 16 (a 12-head group's [BLOCK_N, NP] tiles are 1/4 padding).
+at NP = 16 (a 12-head group's [BLOCK_N, NP] tiles are 1/4 padding), with 64 tokens per
+iteration by default (default_block_n: at 128 the loop spills).
 
 INT2 inner loop (the ALU budget, see design/architecture.md): scale and min are folded out,
 
