@@ -252,11 +252,12 @@ def main():
     ap.add_argument("--models", default="qwen3-8b,smollm2")
     ap.add_argument("--impls", default="oscar,flashinfer_bf16,flashinfer_fp8,sglang_triton_bf16")
     ap.add_argument("--oscar-configs", default="auto:2:3,64:2:3",
-                    help="BLOCK_N|auto:num_warps:num_stages[:rN][:wN][:ringN][:sinkN][:wfB][:pdlB][:subB][:peelB][:lazyT][:foldB] (rN: "
-                         "maxnreg N, wN: split_waves N, ringN: ring_splits N, sinkN: sink_splits N, wf1/wf0: window "
-                         "programs first or last, pdl1/pdl0: programmatic dependent launch of the merge, sub1/sub0: subnormal codes on/off, peel1/peel0: "
-                         "unmasked full blocks on/off, lazyT: lazy-rescale threshold T, 0 = off, fold1/fold0: folded tiles); the first "
-                         "is oscar_decode's default (auto:2:3: 128 tokens, 64 where NP >= 16), the one the server runs")
+                    help="BLOCK_N|auto:num_warps:num_stages[:rN][:wN][:ringN][:sinkN][:wfB][:pdlB][:subB][:peelB]"
+                         "[:lazyT][:foldB] (rN: maxnreg N, wN: split_waves N, ringN: ring_splits N, sinkN: "
+                         "sink_splits N, wf1/wf0: window programs first or last, pdl1/pdl0: programmatic dependent "
+                         "launch of the merge, sub1/sub0: subnormal codes on/off, peel1/peel0: unmasked full blocks "
+                         "on/off, lazyT: lazy-rescale threshold T, 0 = off, fold1/fold0: folded tiles); the first is "
+                         "oscar_decode's default (auto:2:3: 128 tokens, 64 where NP >= 16), the one the server runs")
     ap.add_argument("--prev-decode", default=None,
                     help="path of another kernels/decode.py: adds impl oscar_prev (its defaults, auto splits, with "
                          "those keyword arguments of the first config that its oscar_decode takes)")

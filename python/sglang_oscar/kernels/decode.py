@@ -817,10 +817,12 @@ SMALL_BATCH_SPLITS = 64
 # walking all W BF16 rows in BLOCK_W steps was the longest of the launch at short contexts.
 RING_ROWS_PER_SPLIT = 64
 # The sink range is read by ceil(S / SINK_ROWS_PER_SPLIT) programs: each sink row costs a chain of
-# three dependent loads (req_to_token -> sink_table -> row).
+# three dependent loads (req_to_token -> sink_table -> row), so one program walking 64 rows was the
+# longest at small batch. H100 same run, 4 programs vs 1: SmolLM2 8k batch 1/2 0.81x, Qwen3 8k batch 1
+# 0.94x, batch >= 8 within the run's spread (benchmark/NOTES.md "Sink programs, the merge's sink check and PDL").
 SINK_ROWS_PER_SPLIT = 16
 # Window programs first in the launch order (see _oscar_decode_stage1): measured up to 2x slower at
-# batch >= 8 (benchmark/NOTES.md "Sink programs and the merge's sink check"), off.
+# batch >= 8 (the INT2 programs then land unevenly on the SMs; benchmark/NOTES.md, same section), off.
 WINDOW_FIRST = False
 # Programmatic dependent launch of the merge (CUDA only): the merge waits in-kernel for stage 1's
 # writes (griddepcontrol.wait), and where stage 1's whole grid is resident in one round (free slots: small
@@ -892,8 +894,9 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
     batch x kv_heads <= SMALL_BATCH_HEADS (0: off); >= min_tokens INT2 rows per split; at most 128
     (the merge holds all partials of a head in one tile). fill (with round_up): the wave-fill step
     above, for `ctas_per_sm` resident programs per SM and splits of >= fill_min_rows rows, then the
-    long-split step (and the fill again) when long_split_rows is set; both may raise the count above `waves` programs per SM
-    (never above the min_tokens cap or 128): pass fill=False for exactly the waves rule."""
+    long-split step (and the fill again) when long_split_rows is set; both may raise the count above
+    `waves` programs per SM (never above the min_tokens cap or 128): pass fill=False for exactly the
+    waves rule."""
     if waves < 1:
         raise ValueError(f"waves must be >= 1, got {waves}")
     heads = max(batch * kv_heads, 1)
@@ -1000,10 +1003,11 @@ def oscar_decode(
     (None / 2 / 3: 128 tokens, 64 per warp, measured best on H100 in benchmark/NOTES.md v4; 64 where NP >= 16,
     default_block_n); maxnreg caps
     the stage-1 registers per thread (None: ptxas decides). ring_splits: programs per (request, KV
-    head) for the recent window (None: ceil(window / RING_ROWS_PER_SPLIT)); sink_splits: the same for the sink
-    range (None: ceil(sink / SINK_ROWS_PER_SPLIT)); window_first: launch order (None: WINDOW_FIRST).
-    pdl: programmatic dependent launch of the merge where stage 1's grid fits one round (None: PDL; CUDA only).
-    subnormal_codes: the INT2 loop's code format (None: SUBNORMAL_CODES); True with a codebook (k_level_a / v_level_a) is an error.
+    head) for the recent window (None: ceil(window / RING_ROWS_PER_SPLIT)); sink_splits: the same for
+    the sink range (None: ceil(sink / SINK_ROWS_PER_SPLIT)); window_first: launch order (None:
+    WINDOW_FIRST). pdl: programmatic dependent launch of the merge where stage 1's grid fits one round
+    (None: PDL; CUDA only). subnormal_codes: the INT2 loop's code format (None: SUBNORMAL_CODES); True
+    with a codebook (k_level_a / v_level_a) is an error.
     peel_tail / lazy_rescale: the INT2 loop's unmasked full blocks and lazy-rescale threshold in log2
     units (None: PEEL_TAIL / LAZY_RESCALE; 0 rescales every block; at most MAX_LAZY_RESCALE).
     fold_halves: the INT2 loop's tiles as [BLOCK_N/2, 2·NP] (None: FOLD_HALVES where NP < 8, D <= 128, block_n
