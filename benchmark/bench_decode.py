@@ -291,12 +291,18 @@ def main():
                 q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
                 for impl in impls:
                     try:
-                        if impl == "oscar":
+                        if impl in ("oscar", "oscar_prev"):
                             nbytes = oscar_bytes(b, hq, hkv, d, ctx)
                             if nbytes > MEM_CAP:
                                 continue
                             copies = n_copies(nbytes)
                             cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies)
+                        if impl == "oscar_prev":
+                            kw = {k: v for k, v in cfgs[0][1].items() if k in prev_params}
+                            ms, cfg = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, decode=prev_decode, **kw)), \
+                                "prev:" + cfgs[0][0]
+                            del cache, r2t
+                        elif impl == "oscar":
                             best = None
                             for (name, kw), spec in itertools.product(cfgs, splits):
                                 ns = spec
@@ -319,16 +325,6 @@ def main():
                                 if best is None or (args.report == "best" and ms < best[0]):
                                     best = (ms, name + (f":ns{label}" if spec else ""))
                             ms, cfg = best
-                            del cache, r2t
-                        elif impl == "oscar_prev":
-                            nbytes = oscar_bytes(b, hq, hkv, d, ctx)
-                            if nbytes > MEM_CAP:
-                                continue
-                            copies = n_copies(nbytes)
-                            cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies)
-                            kw = {k: v for k, v in cfgs[0][1].items() if k in prev_params}
-                            ms, cfg = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, decode=prev_decode, **kw)), \
-                                "prev:" + cfgs[0][0]
                             del cache, r2t
                         elif impl.startswith("flashinfer"):
                             fp8 = impl.endswith("fp8")

@@ -40,11 +40,13 @@ POINTERS = {
 SCALARS = {"qk_scale": "fp32", "stride_r2t": "i32"}
 
 
-def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stages=3, ns=16, fast_cvt=True,
+def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=None, num_warps=2, num_stages=3, ns=16, fast_cvt=True,
                    maxnreg=None, subnormal=None, peel=None, lazy=None, fold=None):
     fn = decode._oscar_decode_stage1
     group = hq // hkv
     np_ = max(decode.MIN_NP, triton.next_power_of_2(group))
+    if block_n is None:
+        block_n = decode.default_block_n(np_, d)
     peel = decode.PEEL_TAIL if peel is None else peel
     lazy = float(decode.LAZY_RESCALE if lazy is None else lazy)
     if fold is None:
@@ -76,7 +78,8 @@ def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=128, num_warps=2, num_stage
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages,
                                      **({"maxnreg": maxnreg} if maxnreg else {})})
-    kernel.oscar_settings = {"subnormal": consts["SUB"], "peel": peel, "lazy": lazy, "fold": bool(fold),
+    kernel.oscar_settings = {"config": f"{block_n}:{num_warps}:{num_stages}", "subnormal": consts["SUB"],
+                             "peel": peel, "lazy": lazy, "fold": bool(fold),
                              "maxnreg": maxnreg}  # as compiled (defaults resolved like oscar_decode)
     return kernel
 
@@ -182,14 +185,13 @@ def main():
     args = ap.parse_args()
     hq, hkv, d = MODELS[args.model]
     bn, nw, st = args.config.split(":")
-    np_ = max(decode.MIN_NP, triton.next_power_of_2(hq // hkv))
-    bn, nw, st = decode.default_block_n(np_, d) if bn == "auto" else int(bn), int(nw), int(st)
+    bn, nw, st = None if bn == "auto" else int(bn), int(nw), int(st)
     k = compile_stage1(hq, hkv, d, block_n=bn, num_warps=nw, num_stages=st, fast_cvt=not args.slow_cvt,
                        maxnreg=args.maxnreg, subnormal=None if args.subnormal is None else bool(args.subnormal),
                        peel=None if args.peel is None else bool(args.peel), lazy=args.lazy,
                        fold=None if args.fold is None else bool(args.fold))
     sass = sass_of(k)
-    res = {"model": args.model, "config": f"{bn}:{nw}:{st}", "fast_cvt": not args.slow_cvt, **k.oscar_settings,
+    res = {"model": args.model, "fast_cvt": not args.slow_cvt, **k.oscar_settings,
            **count(k, sass)}
     print(json.dumps(res, indent=1))
     if args.dump:
