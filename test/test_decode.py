@@ -214,12 +214,17 @@ def test_decode_rejects_zero_ring_splits():
         oscar_decode(**case, ring_splits=0)
 
 
+@pytest.mark.parametrize("block_n", [16, 32])  # 32: the folded tiles (GQA 2 -> NP 4)
 @pytest.mark.parametrize("num_splits", [1, 3, 8, 40])  # 40: most splits empty (b=1 long-context counts)
-def test_decode_splits_and_ring_start(num_splits):
-    # ring_start > 0: positions before it (and after L - W) read INT2; also ring_start > L - W
-    lens = [70, 41, 90, 33]
-    case = make_case(lens, gqa=2, ring_starts=[60, 30, 10, 40], seed=num_splits)
-    run_and_check(case, num_splits=num_splits, block_n=16)
+def test_decode_splits_and_ring_start(num_splits, block_n):
+    # ring_start > 0: positions before it (and after L - W) read INT2; also ring_start > L - W, whose
+    # extra INT2 rows [L - W, ring_start) only the split holding L - W takes (_history_end), also where
+    # later splits are empty (40 splits); ring_start > L (the whole [S, L) is INT2: L = 33 < 40);
+    # L - W <= S (no chunk: L = 20, the last split takes [S, ring_start)); and L - W exactly at the end
+    # of the last chunk with 3 splits (L = 72 for 16-token blocks, L = 120 for 32)
+    lens = [70, 41, 90, 33, 20, 72, 120]
+    case = make_case(lens, gqa=2, ring_starts=[60, 30, 10, 40, 14, 65, 110], seed=num_splits)
+    run_and_check(case, num_splits=num_splits, block_n=block_n)
 
 
 def test_default_num_splits_from_shapes_only():

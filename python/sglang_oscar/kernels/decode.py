@@ -189,12 +189,36 @@ def _tuple_add(t, i: tl.constexpr, v):
 
 
 @triton.jit
-def _split_rows(split, hist_hi, SINK: tl.constexpr, NS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """History rows [lo, hi) of INT2 split `split`: NS chunks of the history [SINK, hist_hi), each a
-    multiple of BLOCK_N (so only the last split has a partial block)."""
-    chunk = tl.cdiv(tl.cdiv(tl.maximum(hist_hi - SINK, 0), NS), BLOCK_N) * BLOCK_N
+def _split_chunk(base_hi, SINK: tl.constexpr, NS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows per INT2 split: [SINK, base_hi) cut into NS multiples of BLOCK_N."""
+    return tl.cdiv(tl.cdiv(tl.maximum(base_hi - SINK, 0), NS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _split_rows(split, base_hi, hist_hi, SINK: tl.constexpr, NS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """History rows [lo, hi) of INT2 split `split` (see _history_end): chunks of [SINK, base_hi), and
+    the split that ends at base_hi runs on to its hist_hi (> base_hi only in that program)."""
+    chunk = _split_chunk(base_hi, SINK, NS, BLOCK_N)
     lo = SINK + split * chunk
-    return lo, tl.minimum(lo + chunk, hist_hi)
+    return lo, tl.minimum(lo + chunk + (hist_hi - base_hi), hist_hi)
+
+
+@triton.jit
+def _history_end(split, L, ring_start_ptr, SINK: tl.constexpr, WINDOW: tl.constexpr, NS: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """(base_hi, hist_hi) of an INT2 program. The history is [SINK, min(max(L − W, SINK, ring_start), L));
+    base_hi = min(max(L − W, SINK), L) is its end without ring_start, at most W rows less. The chunks
+    cut [SINK, base_hi); the split whose chunk holds base_hi (the last one if base_hi ends the last chunk
+    exactly) also takes the rows [base_hi, end) that a ring starting after L − W leaves to INT2. Only
+    that program loads ring_start (a predicated load; the others get hist_hi = base_hi), so every other
+    program goes from seq_lens / req_pool_indices straight to req_to_token: one dependent load fewer
+    before its first codes."""
+    base_hi = tl.minimum(tl.maximum(L - WINDOW, SINK), L)
+    chunk = _split_chunk(base_hi, SINK, NS, BLOCK_N)
+    end = SINK + (split + 1) * chunk
+    ext = ((end - chunk <= base_hi) & (base_hi < end)) | ((split == NS - 1) & (base_hi == end))
+    ring_start = tl.load(ring_start_ptr, mask=ext, other=0)
+    return base_hi, tl.minimum(tl.maximum(base_hi, ring_start), L)
 
 
 @triton.jit
@@ -358,7 +382,7 @@ def _int2_block(
 @triton.jit
 def _int2_split(
     Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
-    split, b, h, hist_hi, r2t, qk_scale,
+    split, b, h, base_hi, hist_hi, r2t, qk_scale,
     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     SINK: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
@@ -380,7 +404,7 @@ def _int2_split(
         oᵀ[d, h] = 2^(24−2p)·Σ_t E_p[t, d]·(vs_tg·p[t, h]) + Σ_t p[t, h]·vm_tg
     where p_g is the lowest plane of K group g and q'_sp = q_sp·4^(p_g − p) (≤ q: no fp16 overflow)."""
     NSP: tl.constexpr = D // CH  # sub-planes: 4 planes x D/4 / CH byte chunks
-    lo, hi = _split_rows(split, hist_hi, SINK, NS, BLOCK_N)
+    lo, hi = _split_rows(split, base_hi, hist_hi, SINK, NS, BLOCK_N)
 
     offs_h = tl.arange(0, NP)
     mask_h = offs_h < GQA
@@ -451,7 +475,7 @@ def _halves_sum(x, NP: tl.constexpr):
 @triton.jit
 def _int2_split_folded(
     Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
-    split, b, h, hist_hi, r2t, qk_scale,
+    split, b, h, base_hi, hist_hi, r2t, qk_scale,
     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     SINK: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
@@ -470,7 +494,7 @@ def _int2_split_folded(
     NSP: tl.constexpr = 4 * NCH
     BM: tl.constexpr = BLOCK_N // 2
     NPF: tl.constexpr = 2 * NP
-    lo, hi = _split_rows(split, hist_hi, SINK, NS, BLOCK_N)
+    lo, hi = _split_rows(split, base_hi, hist_hi, SINK, NS, BLOCK_N)
 
     offs_j = tl.arange(0, NPF)
     jh = offs_j % NP  # head of folded column j
@@ -670,27 +694,26 @@ def _oscar_decode_stage1(
 
     L = tl.load(SEQ_LENS + b)
     r = tl.load(REQ_IDX + b).to(tl.int64)
-    ring_start = tl.load(RING_START + r)
-    recent_lo = tl.maximum(tl.maximum(L - WINDOW, SINK), ring_start)
-    hist_hi = tl.minimum(recent_lo, L)
     r2t = REQ_TO_TOKEN + r * stride_r2t
+    base_hi, hist_hi = _history_end(split, L, RING_START + r, SINK, WINDOW, NS, BLOCK_N)
 
     if split < NS:
         if FOLD:
             _int2_split_folded(
                 Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
-                split, b, h, hist_hi, r2t, qk_scale,
+                split, b, h, base_hi, hist_hi, r2t, qk_scale,
                 HKV, GQA, D, GK, GV, SINK, NS, NS_TOTAL, NP,
                 BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
             )
         else:
             _int2_split(
                 Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
-                split, b, h, hist_hi, r2t, qk_scale,
+                split, b, h, base_hi, hist_hi, r2t, qk_scale,
                 HKV, GQA, D, GK, GV, SINK, NS, NS_TOTAL, NP,
                 BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PEEL, LAZY,
             )
     else:
+        recent_lo = tl.maximum(tl.maximum(L - WINDOW, SINK), tl.load(RING_START + r))
         offs_m = tl.arange(0, BLOCK_M)
         mask_m = offs_m < GQA
         hq = h * GQA + offs_m
