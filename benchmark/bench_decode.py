@@ -3,7 +3,10 @@ SGLang's Triton BF16 decode kernel, same shapes, same run.
 
 Rows {impl, model, context, batch, head_dim, ms, bytes, gbps, pct_copy_bw} plus device, versions
 and git commit → $OUT/decode_kernel_<device>.json, and a PNG plot. Bytes are what each kernel must
-read (+ write q/o): KV payload, params, window rows and the int32 token indices.
+read (+ write q/o): KV payload, params, window rows and the int32 token indices. The impl
+read_same_bytes is a streaming read of exactly the bytes of the oscar call at each point
+(benchmark/read_roofline.py) and copy_same_traffic a plain device copy moving them: the share of
+copy bandwidth that a kernel of that size reaches at all (launch, ramp-up and tail included).
 
     python benchmark/bench_decode.py [--quick] [--out DIR]
 """
@@ -25,6 +28,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 from sglang_oscar.kernels.decode import _num_sms, default_num_splits, oscar_decode  # noqa: E402
 from sglang_oscar.kernels.layout import LayerCache  # noqa: E402
+from read_roofline import read_fns  # noqa: E402  (benchmark/, next to this script)
 
 # layer shapes per GPU (q heads, KV heads, head_dim); the default table runs the first two. qwen3-32b: GQA 8
 # (the unfolded kernel, NP = 8); glm-4.7-tp8: 96 q / 8 KV heads split over 8 GPUs, GQA 12 (NP = 16)
@@ -128,6 +132,16 @@ def load_prev_decode(path):
 
 
 # ------------------------------------------------------------------------------- FlashInfer
+
+
+def copy_fns(nbytes, copies):
+    """A device-to-device copy that moves nbytes (nbytes/2 read + nbytes/2 written), one per copy: the
+    same traffic as one oscar call, so its pct_copy_bw is what a plain copy reaches at this size (launch,
+    ramp-up and tail included), the ceiling a kernel of these bytes can be held to."""
+    half = max(nbytes // 2, 1)
+    bufs = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))
+            for _ in range(copies)]
+    return [lambda s=s, d=d: d.copy_(s) for s, d in bufs], bufs
 
 
 def flashinfer_fns(q, b, hq, hkv, d, ctx, kv_dtype, page, copies):
@@ -250,7 +264,9 @@ def main():
     ap.add_argument("--contexts", default="8192,32768,65536,131072")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--models", default="qwen3-8b,smollm2")
-    ap.add_argument("--impls", default="oscar,flashinfer_bf16,flashinfer_fp8,sglang_triton_bf16")
+    ap.add_argument("--impls", default="oscar,read_same_bytes,copy_same_traffic,flashinfer_bf16,flashinfer_fp8,"
+                    "sglang_triton_bf16", help="read_same_bytes / copy_same_traffic: a streaming read of the bytes "
+                    "of one oscar call (benchmark/read_roofline.py) / a copy moving them: the size's ceiling")
     ap.add_argument("--oscar-configs", default="auto:2:3,64:2:3",
                     help="BLOCK_N|auto:num_warps:num_stages[:rN][:wN][:ringN][:sinkN][:wfB][:pdlB][:subB][:peelB]"
                          "[:lazyT][:foldB] (rN: maxnreg N, wN: split_waves N, ringN: ring_splits N, sinkN: "
@@ -326,6 +342,18 @@ def main():
                                     best = (ms, name + (f":ns{label}" if spec else ""))
                             ms, cfg = best
                             del cache, r2t
+                        elif impl == "read_same_bytes":
+                            nbytes = oscar_bytes(b, hq, hkv, d, ctx)
+                            copies = n_copies(nbytes)
+                            fns, keep = read_fns(nbytes, copies, _num_sms(q.device))
+                            ms, cfg = bench(fns), "read_roofline"
+                            del fns, keep
+                        elif impl == "copy_same_traffic":
+                            nbytes = oscar_bytes(b, hq, hkv, d, ctx)
+                            copies = n_copies(nbytes)
+                            fns, keep = copy_fns(nbytes, copies)
+                            ms, cfg = bench(fns), "torch copy_"
+                            del fns, keep
                         elif impl.startswith("flashinfer"):
                             fp8 = impl.endswith("fp8")
                             elt = 1 if fp8 else 2
