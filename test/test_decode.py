@@ -304,6 +304,35 @@ def test_default_num_splits_folded_rule(batch, kv_heads, context, expect):
         assert _rounds_fill(batch * kv_heads * ns, 6 * 132) >= 0.9
 
 
+@pytest.mark.parametrize("batch,kv_heads,context,expect", [
+    (32, 1, 32768, 16),  # GLM-4.7 TP8 batch 32: 13 -> 16 (measured 0.89x)
+    (2, 8, 65536, 32),  # Qwen3-32B batch 2: 25 -> 32 (0.86x)
+    (8, 8, 8192, 8),  # Qwen3-32B 8k batch 8: 7 -> 8 (0.97x)
+    (32, 8, 65536, 2),  # one full round already: unchanged
+    (1, 8, 131072, 64),  # batch 1: the small-batch count, unchanged
+])
+def test_default_num_splits_large_np_rule(batch, kv_heads, context, expect):
+    """The unfolded kernel at NP >= 8 fills with LARGE_NP_FILL_MIN_ROWS (4 CTAs per SM): cases of the H100
+    sweep in benchmark/NOTES.md "Split sweep of the unfolded kernel at GQA 8 / 12"."""
+    from sglang_oscar.kernels.decode import LARGE_NP_FILL_MIN_ROWS, default_num_splits
+
+    assert default_num_splits(batch, kv_heads, context, 132, fill_min_rows=LARGE_NP_FILL_MIN_ROWS) == expect
+
+
+def test_decode_large_np_launch_uses_its_split_rule(monkeypatch):
+    """oscar_decode passes LARGE_NP_FILL_MIN_ROWS where it runs unfolded at NP >= 8 and D <= 128 only."""
+    from sglang_oscar.kernels import decode as dec
+
+    seen = []
+    orig = dec.default_num_splits
+    monkeypatch.setattr(dec, "default_num_splits", lambda *a, **k: seen.append(k) or orig(*a, **k))
+    bn = 16 if not CUDA else 64
+    run_and_check(make_case([300, 40], hkv=1, gqa=8, d=64, seed=72), block_n=bn)  # NP 8
+    assert seen[-1].get("fill_min_rows") == dec.LARGE_NP_FILL_MIN_ROWS and "long_split_rows" not in seen[-1]
+    run_and_check(make_case([300, 40], hkv=2, gqa=4, d=64, seed=73), fold_halves=False, block_n=bn)  # NP 4
+    assert "fill_min_rows" not in seen[-1]
+
+
 def test_decode_folded_launch_uses_the_folded_split_rule(monkeypatch):
     """oscar_decode passes the folded rule's parameters (and 6 CTAs per SM) only when it folds."""
     from sglang_oscar.kernels import decode as dec

@@ -890,6 +890,11 @@ LARGE_NP_BLOCK_N = 64
 #   32k; SmolLM2 batch 8 at 32k, 22 splits of 1.5k rows: 1.2x slower than 17, hence the floor.
 # - folded (FOLD_FILL_MIN_ROWS = 512): the floor of 4096 blocked the fill at 23 of 50 sweep points, where
 #   the filled count measured 0.72-0.95x (1.02x at Qwen3 64k batch 1).
+# - unfolded at NP >= 8, D <= 128 (LARGE_NP_FILL_MIN_ROWS = 1024; Qwen3-32B GQA 8, GLM-4.x GQA 12): of 56
+#   sweep points (batch 1-64, 8k-128k) the lower floor changes the count at 9; at the 8 swept ones the new
+#   count measured 0.86-0.97x the old (GLM 32k batch 32: 13 -> 16 splits 0.89x; Qwen3-32B 64k batch 2:
+#   25 -> 32, 0.86x), the ninth (GLM 128k batch 4: 99 -> 126) was not swept (128: 0.92x). The 4096 floor
+#   stays where it was measured (NP 4 unfolded, fold_halves=False) and for D 256 (not measured).
 # Long splits over several rounds (folded only, FOLD_LONG_SPLIT_ROWS): when after the fill the programs
 # take more than one round and a split holds more than that many rows, the count is raised to
 # ceil(context / FOLD_LONG_SPLIT_ROWS) and filled again (Qwen3-8B batch 64 at 128k: 3 -> 16 splits, 0.86x
@@ -899,6 +904,7 @@ FILL_BELOW = 0.9
 FILL_TO = 0.95
 FILL_MIN_ROWS = 4096
 FOLD_FILL_MIN_ROWS = 512
+LARGE_NP_FILL_MIN_ROWS = 1024
 FOLD_LONG_SPLIT_ROWS = 8192
 
 
@@ -1097,7 +1103,12 @@ def oscar_decode(
     # resident stage-1 programs per SM if registers bound them (4 at 128:2:3, 6 folded), for the wave fill
     ctas = max(1, 65536 // ((maxnreg or 256) * 32 * num_warps))
     if num_splits is None:
-        split_rule = dict(fill_min_rows=FOLD_FILL_MIN_ROWS, long_split_rows=FOLD_LONG_SPLIT_ROWS) if fold else {}
+        if fold:
+            split_rule = dict(fill_min_rows=FOLD_FILL_MIN_ROWS, long_split_rows=FOLD_LONG_SPLIT_ROWS)
+        elif np_ >= 8 and D <= 128:
+            split_rule = dict(fill_min_rows=LARGE_NP_FILL_MIN_ROWS)
+        else:
+            split_rule = {}
         num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
                                         ctas_per_sm=ctas, **split_rule)
     ns = num_splits
