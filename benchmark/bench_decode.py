@@ -87,10 +87,10 @@ def oscar_bytes(b, hq, hkv, d, ctx):
     return b * (hkv * (hist * per_tok_head + win) + idx) + 2 * b * hq * d * 2
 
 
-def make_oscar(b, hkv, d, ctx, copies, v_page=1):
+def make_oscar(b, hkv, d, ctx, copies):
     tokens = b * ctx
     cache = LayerCache.empty(tokens * copies, hkv, d, k_group=GK, v_group=GV, num_sink_rows=b * SINK * copies,
-                             max_reqs=b * copies, window=WINDOW, sink=SINK, device="cuda", v_page=v_page)
+                             max_reqs=b * copies, window=WINDOW, sink=SINK, device="cuda")
     for t in (cache.k_codes, cache.v_codes):
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device="cuda"))
     for p in (cache.k_params, cache.v_params):
@@ -98,8 +98,7 @@ def make_oscar(b, hkv, d, ctx, copies, v_page=1):
         p[..., 1].copy_(-torch.rand(p.shape[:-1], device="cuda"))
     for t in (cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v):
         t.normal_()
-    # every request: contiguous slots (the page order does not change the bytes read; ctx is a multiple of
-    # every v_page, so the requests are page-aligned as SGLang's paged allocator makes them)
+    # every request: contiguous slots (the page order does not change the bytes read)
     r2t = torch.arange(tokens * copies, dtype=torch.int32, device="cuda").view(b * copies, ctx)
     cache.sink_table.copy_(-1 * torch.ones_like(cache.sink_table))
     cache.sink_table.view(b * copies, ctx)[:, :SINK] = torch.arange(b * copies * SINK, dtype=torch.int32,
@@ -197,8 +196,8 @@ def sglang_triton_fns(q, b, hq, hkv, d, ctx, copies):
 
 
 def parse_oscar_config(text):
-    """'128:2:3[:r128][:w6][:ring1][:sink4][:wf1][:pdl1][:sub1][:peel1][:lazy4][:fold1][:vp16]' -> (text, oscar_decode
-    keyword arguments; v_page = the cache's V page layout, popped before the call)."""
+    """'128:2:3[:r128][:w6][:ring1][:sink4][:wf1][:pdl1][:sub1][:peel1][:lazy4][:fold1]' -> (text, oscar_decode keyword
+    arguments)."""
     parts = text.split(":")
     nw, st = (int(x) for x in parts[1:3])
     kw = dict(num_warps=nw, num_stages=st)
@@ -219,8 +218,6 @@ def parse_oscar_config(text):
             kw["peel_tail"] = bool(int(p[4:]))
         elif p.startswith("lazy"):
             kw["lazy_rescale"] = float(p[4:])
-        elif p.startswith("vp"):
-            kw["v_page"] = int(p[2:])
         elif p.startswith("fold"):
             kw["fold_halves"] = bool(int(p[4:]))
         elif p.startswith("r"):
@@ -239,13 +236,11 @@ def correctness_check():
     from sglang_oscar.quant.attention import mixed_decode_reference
 
     errs = {}
-    for gqa, d, v_page in ((4, 128, 1), (3, 64, 1), (4, 128, 16), (3, 64, 16)):
-        case = make_case([3000, 777, 40], hkv=2, gqa=gqa, d=d, sink=SINK, window=WINDOW, ring_starts=[0, 700, 0],
-                         v_page=v_page)
+    for gqa, d in ((4, 128), (3, 64)):
+        case = make_case([3000, 777, 40], hkv=2, gqa=gqa, d=d, sink=SINK, window=WINDOW, ring_starts=[0, 700, 0])
         out = oscar_decode(**case)
         ref = mixed_decode_reference(**case)
-        errs[f"gqa{gqa}_d{d}" + (f"_vp{v_page}" if v_page > 1 else "")] = float((out.double().cpu() - ref).norm()
-                                                                               / ref.norm())
+        errs[f"gqa{gqa}_d{d}"] = float((out.double().cpu() - ref).norm() / ref.norm())
     return errs
 
 
@@ -317,23 +312,16 @@ def main():
                             if nbytes > MEM_CAP:
                                 continue
                             copies = n_copies(nbytes)
-                        if impl == "oscar_prev":
+                        if impl in ("oscar", "oscar_prev"):
                             cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies)
+                        if impl == "oscar_prev":
                             kw = {k: v for k, v in cfgs[0][1].items() if k in prev_params}
                             ms, cfg = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, decode=prev_decode, **kw)), \
                                 "prev:" + cfgs[0][0]
                             del cache, r2t
                         elif impl == "oscar":
                             best = None
-                            cache_vp = None
                             for (name, kw), spec in itertools.product(cfgs, splits):
-                                kw = dict(kw)
-                                v_page = kw.pop("v_page", 1)
-                                if cache_vp != v_page:  # one cache at a time: a config's V layout
-                                    cache = r2t = None
-                                    torch.cuda.empty_cache()
-                                    cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies, v_page)
-                                    cache_vp = v_page
                                 ns = spec
                                 if spec == "nofill":  # the rule before its wave-fill step
                                     ns = default_num_splits(b, hkv, r2t.shape[1], _num_sms(q.device),

@@ -41,7 +41,7 @@ SCALARS = {"qk_scale": "fp32", "stride_r2t": "i32"}
 
 
 def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=None, num_warps=2, num_stages=3, ns=16, fast_cvt=True,
-                   maxnreg=None, subnormal=None, peel=None, lazy=None, fold=None, vpage=1):
+                   maxnreg=None, subnormal=None, peel=None, lazy=None, fold=None):
     fn = decode._oscar_decode_stage1
     group = hq // hkv
     np_ = max(decode.MIN_NP, triton.next_power_of_2(group))
@@ -61,7 +61,7 @@ def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=None, num_warps=2, num_stag
         BLOCK_N=block_n, BLOCK_W=16, K_A=1.0, V_A=1.0, K_CODEBOOK=False, V_CODEBOOK=False,
         DT=tl.float16, WDT=tl.bfloat16, FAST_CVT=fast_cvt, NGK=d // gk, NGV=d // gv, CH=min(gk, gv, d // 4),
         SUB=decode.SUBNORMAL_CODES if subnormal is None else subnormal,
-        PEEL=peel, LAZY=lazy, FOLD=bool(fold), VPAGE=vpage,
+        PEEL=peel, LAZY=lazy, FOLD=bool(fold),
     )
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -181,7 +181,6 @@ def main():
     ap.add_argument("--peel", type=int, choices=(0, 1), help="unmasked full blocks (default: decode.PEEL_TAIL)")
     ap.add_argument("--lazy", type=float, help="lazy-rescale threshold (default: decode.LAZY_RESCALE)")
     ap.add_argument("--fold", type=int, choices=(0, 1), help="folded [BLOCK_N/2, 2·NP] tiles (default: decode.FOLD_HALVES)")
-    ap.add_argument("--vpage", type=int, default=1, help="V codes dims-major in pages of this many slots")
     ap.add_argument("--dump", help="folder for the ttgir / ptx / sass text")
     args = ap.parse_args()
     hq, hkv, d = MODELS[args.model]
@@ -190,7 +189,7 @@ def main():
     k = compile_stage1(hq, hkv, d, block_n=bn, num_warps=nw, num_stages=st, fast_cvt=not args.slow_cvt,
                        maxnreg=args.maxnreg, subnormal=None if args.subnormal is None else bool(args.subnormal),
                        peel=None if args.peel is None else bool(args.peel), lazy=args.lazy,
-                       fold=None if args.fold is None else bool(args.fold), vpage=args.vpage)
+                       fold=None if args.fold is None else bool(args.fold))
     sass = sass_of(k)
     res = {"model": args.model, "fast_cvt": not args.slow_cvt, **k.oscar_settings,
            **count(k, sass)}

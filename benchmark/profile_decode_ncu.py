@@ -27,10 +27,10 @@ def main():
     ap.add_argument("--config", default="128:2:3", help="as bench_decode.py --oscar-configs (one)")
     args = ap.parse_args()
     hq, hkv, d = MODELS[args.model]
-    _, kw = parse_oscar_config(args.config)
-    cache, r2t, seq, ring_start = make_oscar(args.batch, hkv, d, args.context, 1, kw.pop("v_page", 1))
+    cache, r2t, seq, ring_start = make_oscar(args.batch, hkv, d, args.context, 1)
     q = torch.randn(args.batch, hq, d, dtype=torch.bfloat16, device="cuda")
     idx = torch.arange(args.batch, dtype=torch.int32, device="cuda")
+    _, kw = parse_oscar_config(args.config)
     for _ in range(3):
         oscar_decode(q, cache, r2t, idx, seq, ring_start, sink=SINK, window=WINDOW, sm_scale=1 / math.sqrt(d), **kw)
     torch.cuda.synchronize()

@@ -43,23 +43,21 @@ PAGE = 16
 
 
 def make_case(lens, *, hkv=2, gqa=2, d=64, gk=64, gv=64, sink=8, window=16, ring_starts=None,
-              dtype=None, device=DEV, seed=0, extra_reqs=1, v_page=1):
-    """A random mixed cache holding len(lens) requests, and the decode inputs. v_page > 1: the V codes
-    in dims-major pages of v_page slots (layout.py), the request pages of that size."""
+              dtype=None, device=DEV, seed=0, extra_reqs=1):
+    """A random mixed cache holding len(lens) requests, and the decode inputs."""
     g = torch.Generator().manual_seed(seed)
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     b = len(lens)
     max_reqs = b + extra_reqs
     max_ctx = max(lens) + 5
     # pool slots in pages of PAGE, pages shuffled: consecutive positions cross page boundaries
-    page = max(PAGE, v_page)
-    pages_per_req = math.ceil(max_ctx / page)
-    num_slots = max_reqs * pages_per_req * page + page
+    pages_per_req = math.ceil(max_ctx / PAGE)
+    num_slots = max_reqs * pages_per_req * PAGE + PAGE
     perm = torch.randperm(max_reqs * pages_per_req, generator=g) + 1  # page 0 unused
     req_to_token = torch.zeros(max_reqs, max_ctx, dtype=torch.int32)
     for r in range(max_reqs):
         pages = perm[r * pages_per_req:(r + 1) * pages_per_req]
-        slots = (pages[:, None] * page + torch.arange(page)).flatten()[:max_ctx]
+        slots = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()[:max_ctx]
         req_to_token[r] = slots.int()
     # requests sit at shuffled pool indices
     req_idx = torch.randperm(max_reqs, generator=g)[:b].int()
@@ -70,8 +68,7 @@ def make_case(lens, *, hkv=2, gqa=2, d=64, gk=64, gv=64, sink=8, window=16, ring
         ring_start[req_idx[i]] = rs
     num_sink_rows = b * sink + 3
     cache = LayerCache.empty(num_slots, hkv, d, k_group=gk, v_group=gv, num_sink_rows=num_sink_rows,
-                             max_reqs=max_reqs, window=window, sink=sink, window_dtype=dtype, device="cpu",
-                             v_page=v_page)
+                             max_reqs=max_reqs, window=window, sink=sink, window_dtype=dtype, device="cpu")
     cache.k_codes.copy_(torch.randint(0, 256, cache.k_codes.shape, generator=g, dtype=torch.uint8))
     cache.v_codes.copy_(torch.randint(0, 256, cache.v_codes.shape, generator=g, dtype=torch.uint8))
     for prm in (cache.k_params, cache.v_params):
@@ -228,47 +225,6 @@ def test_decode_splits_and_ring_start(num_splits, block_n):
     lens = [70, 41, 90, 33, 20, 72, 120]
     case = make_case(lens, gqa=2, ring_starts=[60, 30, 10, 40, 14, 65, 110], seed=num_splits)
     run_and_check(case, num_splits=num_splits, block_n=block_n)
-
-
-V_PAGE_LENS = [17, 40, 95, 160, 333]  # L < S + W, page-crossing history ends, several blocks per split
-
-
-@pytest.mark.parametrize("v_page,sink", [(16, 16), (32, 32)])
-@pytest.mark.parametrize("block_n,gqa,fold", [(32, 2, True), (64, 4, True), (32, 8, False), (64, 3, False)])
-def test_decode_v_pages(v_page, sink, block_n, gqa, fold):
-    """V codes in dims-major pages (_v_page_tiles): folded and unfolded tiles, histories that end inside a
-    page (the page's later rows are read and must weigh 0: their codes are random, not 0), ring_start > 0
-    (also after L − W), and splits that end mid-history."""
-    if block_n % v_page:
-        pytest.skip("block_n must be a multiple of v_page")
-    case = make_case(V_PAGE_LENS, hkv=2, gqa=gqa, d=128, gk=64, gv=32, sink=sink, window=24,
-                     ring_starts=[0, 30, 0, 150, 100], seed=v_page + block_n + gqa, v_page=v_page)
-    assert case["cache"].v_codes.shape[-1] == v_page
-    for ns in (1, 3):
-        run_and_check(case, num_splits=ns, block_n=block_n, fold_halves=fold)
-
-
-@pytest.mark.parametrize("d,gk,gv", [(64, 32, 64), (256, 64, 32)])
-def test_decode_v_pages_head_dims(d, gk, gv):
-    case = make_case([20, 77, 130], hkv=1, gqa=4, d=d, gk=gk, gv=gv, sink=16, window=16, ring_starts=[0, 70, 0],
-                     seed=d, v_page=16)
-    run_and_check(case, num_splits=2, block_n=32)
-
-
-def test_decode_v_pages_missing_sink_rows_read_int2():
-    """The merge reads a missing sink row's V codes from its page (_dequant_rows with CPAGE)."""
-    case = make_case([30, 9, 50], hkv=2, gqa=3, d=64, gk=32, gv=64, sink=16, window=16, seed=44, v_page=16)
-    case = drop_sink_rows(case, {(0, 0), (0, 13), *((1, p) for p in range(9)), (2, 15)})
-    run_and_check(case, missing_sink_int2=True, num_splits=2, block_n=32)
-
-
-def test_decode_v_pages_reject_unaligned_sink_or_block():
-    case = make_case([40], gqa=2, sink=16, v_page=16)
-    with pytest.raises(ValueError, match="multiples of 16"):
-        oscar_decode(**{**case, "sink": 8})
-    case = make_case([40], gqa=2, sink=32, v_page=32)
-    with pytest.raises(ValueError, match="multiples of 32"):
-        oscar_decode(**case, block_n=16)
 
 
 def test_default_num_splits_from_shapes_only():
@@ -710,19 +666,6 @@ def test_gpu_lazy_rescale_ramp(gqa, d, gk, gv, lazy):
     case = make_case([9000, 3000, 100], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, sink=64, window=256, seed=5 + gqa)
     _ramp_history_scores(case, slow=0.02, steep=0.2, knee=[4000, 10 ** 6, 10 ** 6])
     run_and_check(case, tol=1e-2, lazy_rescale=lazy)
-
-
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("v_page", [16, 64])
-@pytest.mark.parametrize("gqa,d,gk,gv", [(4, 128, 64, 64), (3, 64, 64, 64), (8, 128, 64, 64), (12, 128, 64, 64),
-                                          (4, 256, 32, 64), (1, 128, 128, 32)])
-def test_gpu_bf16_v_pages(gqa, d, gk, gv, v_page):
-    """Dims-major V pages on the GPU at the default configs (fold where NP < 8, 64-token blocks at NP 16):
-    the 16-byte copies and ldmatrix loads that the run hints (_v_page_tiles) allow."""
-    lens = [1, 64, 319, 320, 1000, 4099, 9000, 17]
-    case = make_case(lens, hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, sink=64, window=256,
-                     ring_starts=[0, 0, 0, 0, 900, 0, 8800, 0], seed=d + gqa + v_page, v_page=v_page)
-    run_and_check(case)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -27,17 +27,16 @@ def _kernels():
     return LayerCache, oscar_write_kv, oscar_gather_prefixes, oscar_gather_prefix
 
 
-def engine_cache(lengths, ring_starts, *, D=64, H=2, gk=32, gv=64, S=4, W=6, ka=1.0, va=1.0, seed=0, drop_sink=(),
-                 v_page=1):
+def engine_cache(lengths, ring_starts, *, D=64, H=2, gk=32, gv=64, S=4, W=6, ka=1.0, va=1.0, seed=0, drop_sink=()):
     """Write every request's tokens [0, L) like the engine: INT2 always, sink rows for p < S,
     ring rows for p in [max(ring_start, L − W), L). Returns cache, req_to_token, pool indices."""
     LayerCache, oscar_write_kv, _, _ = _kernels()
     g = gen(seed)
     b = len(lengths)
     max_len = max(max(lengths), 1)
-    num_slots = -(-(sum(lengths) + 8) // v_page) * v_page
+    num_slots = sum(lengths) + 8
     cache = LayerCache.empty(num_slots, H, D, k_group=gk, v_group=gv, num_sink_rows=S * b, max_reqs=b + 1,
-                             window=W, sink=S, window_dtype=ACT_DTYPE, device=DEVICE, v_page=v_page)
+                             window=W, sink=S, window_dtype=ACT_DTYPE, device=DEVICE)
     for t in cache.buffers().values():
         poison_(t)
     cache.sink_table.fill_(-1)
@@ -97,17 +96,6 @@ def test_gather_engine_written():
     cache, r2t, idx = engine_cache(lengths, ring_starts, drop_sink={(1, 2)})
     # a (stale) sink entry for a slot at position >= S must be ignored
     cache.sink_table[r2t[idx[1], 6].long()] = 0
-    check(cache, r2t, idx, lengths, ring_starts)
-
-
-@pytest.mark.parametrize("v_page", [16, 32])
-def test_gather_v_pages(v_page):
-    """V codes in dims-major pages (layout.py): the gather reads each slot's bytes at its (page, offset)."""
-    lengths = [3, 40, 0, 29, 70]
-    ring_starts = [0, 0, 0, 20, 61]
-    cache, r2t, idx = engine_cache(lengths, ring_starts, D=128, gk=64, gv=32, drop_sink={(1, 2)}, seed=v_page,
-                                   v_page=v_page)
-    assert cache.v_codes.dim() == 4
     check(cache, r2t, idx, lengths, ring_starts)
 
 

@@ -152,30 +152,6 @@ def _load(ptr, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _v_page_tiles(VC, r2t, start, hi, h, HKV: tl.constexpr, D4: tl.constexpr, CH: tl.constexpr,
-                  NCH: tl.constexpr, BLOCK_N: tl.constexpr, VPAGE: tl.constexpr, MASKED: tl.constexpr):
-    """The V codes of rows [start, start + BLOCK_N) as NCH [CH, BLOCK_N] uint8 tiles (dims x tokens: the A
-    operand of the V dots), from dims-major pages of VPAGE slots (layout.py). Each page holds the bytes
-    of VPAGE consecutive positions contiguously, so the tiles are VPAGE-byte runs: 16-byte copies and
-    ldmatrix instead of one-byte loads (benchmark/NOTES.md "Dims-major V pages"). The run hints are
-    true because start is a multiple of VPAGE (the history starts at SINK and splits at multiples of
-    BLOCK_N, both multiples of VPAGE: oscar_decode checks) and SGLang's paged allocator puts the
-    positions [kP, kP + P) of a request in one page, in order. A page is read whole if its first row is
-    < hi: its rows >= hi are in the same page (in bounds) and weigh 0 (p = 0, scale = 0 there)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, CH)
-    pos_pg = start + (offs_n // VPAGE) * VPAGE
-    mask_pg = pos_pg < hi
-    slot_pg = _load(r2t + pos_pg, mask_pg, MASKED).to(tl.int64)
-    run = ((slot_pg // VPAGE) * HKV + h) * (D4 * VPAGE) + offs_n % VPAGE
-    run = tl.max_contiguous(tl.multiple_of(run, VPAGE), VPAGE)
-    vbs = []
-    for k in tl.static_range(NCH):
-        vbs = vbs + [_load(VC + run[None, :] + ((k * CH + offs_c) * VPAGE)[:, None], mask_pg[None, :], MASKED)]
-    return vbs
-
-
-@triton.jit
 def _param_word(P32, P64, row, g: tl.constexpr, NG: tl.constexpr, mask, MASKED: tl.constexpr):
     """(scale, min) of group g of each row as fp32 [N] vectors, from one 4- or 8-byte load."""
     if NG == 1:
@@ -322,7 +298,7 @@ def _int2_block(
     HKV: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BLOCK_N: tl.constexpr,
     K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
     DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr, CH: tl.constexpr,
-    SUB: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr, VPAGE: tl.constexpr,
+    SUB: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr,
 ):
     """BLOCK_N history rows [start, start + BLOCK_N) of one split: scores, online softmax, V dots.
     MASKED: rows >= hi are masked (the tail block only; full blocks carry no predicates or selects).
@@ -343,14 +319,11 @@ def _int2_block(
     vbs = []
     for k in tl.static_range(NCH):
         kbs = kbs + [_load(KC + row[:, None] * D4 + (k * CH + offs_c)[None, :], mask_n[:, None], MASKED)]
-    if VPAGE == 1:
-        for k in tl.static_range(NCH):
-            # V codes as [CH, BLOCK_N] (dims x tokens): already the A operand of the V dots, so Triton
-            # stages the bytes once and converts each plane in registers; a [BLOCK_N, CH] load
-            # needs tl.trans of every fp16 plane, one shared-memory round trip per plane (NOTES v4)
-            vbs = vbs + [_load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask_n[None, :], MASKED)]
-    else:
-        vbs = _v_page_tiles(VC, r2t, start, hi, h, HKV, D4, CH, NCH, BLOCK_N, VPAGE, MASKED)
+    for k in tl.static_range(NCH):
+        # V codes as [CH, BLOCK_N] (dims x tokens): already the A operand of the V dots, so Triton
+        # stages the bytes once and converts each plane in registers; a [BLOCK_N, CH] load
+        # needs tl.trans of every fp16 plane, one shared-memory round trip per plane (NOTES v4)
+        vbs = vbs + [_load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask_n[None, :], MASKED)]
 
     # ---- scores sᵀ [N, NP]
     s = tl.zeros(l_t.shape, tl.float32)
@@ -415,7 +388,6 @@ def _int2_split(
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
     NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PEEL: tl.constexpr, LAZY: tl.constexpr,
-    VPAGE: tl.constexpr,
 ):
     """One split of the INT2 history [SINK, hist_hi), transposed: tokens in M, the GQA heads in N
     (padded to NP = next power of two, not 16), so the softmax and the scale / min algebra run on
@@ -463,13 +435,13 @@ def _int2_split(
         m_i, l_t, accs, accmin = _int2_block(
             KC, KP32, KP64, VC, VP32, VP64, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
             HKV, D, GK, GV, BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
-            False, LAZY, VPAGE,
+            False, LAZY,
         )
     for start in range(hi_full, hi, BLOCK_N):
         m_i, l_t, accs, accmin = _int2_block(
             KC, KP32, KP64, VC, VP32, VP64, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
             HKV, D, GK, GV, BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
-            True, LAZY, VPAGE,
+            True, LAZY,
         )
 
     # ---- epilogue: reduce the token lanes, then add the min terms, normalise, store oᵀ
@@ -508,7 +480,7 @@ def _int2_split_folded(
     SINK: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
-    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, VPAGE: tl.constexpr,
+    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr,
 ):
     """_int2_split with the two halves of each block of BLOCK_N tokens side by side in N ("folded"):
     the score / softmax / min tiles are [BM = BLOCK_N/2, 2·NP] instead of [BLOCK_N, NP]. With NP = 4
@@ -566,11 +538,8 @@ def _int2_split_folded(
         vbs = []
         for k in tl.static_range(NCH):
             kbs = kbs + [tl.load(KC + row_k * D4 + (k * CH + cc)[None, :], mask=mask_k, other=0)]
-        if VPAGE == 1:
-            for k in tl.static_range(NCH):
-                vbs = vbs + [tl.load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask=mask_n[None, :], other=0)]
-        else:
-            vbs = _v_page_tiles(VC, r2t, start, hi, h, HKV, D4, CH, NCH, BLOCK_N, VPAGE, True)
+        for k in tl.static_range(NCH):
+            vbs = vbs + [tl.load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask=mask_n[None, :], other=0)]
 
         # ---- scores, folded [BM, NPF]
         s = tl.zeros([BM, NPF], tl.float32)
@@ -683,7 +652,7 @@ def _window_split(
 @triton.jit
 def _oscar_decode_stage1(
     Q,  # [B, Hq, D] transformed, any float dtype
-    KC, KP32, KP64, VC, VP32, VP64,  # codes uint8 [slots, Hkv, D/4] (V: or pages, VPAGE); params as 32/64-bit words
+    KC, KP32, KP64, VC, VP32, VP64,  # codes uint8 [slots, Hkv, D/4]; params as 32/64-bit words
     SK, SV, RK, RV,  # sink rows / ring rows [rows, Hkv, D]
     SINK_TABLE,  # int32 [slots]
     REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, RING_START,
@@ -710,7 +679,6 @@ def _oscar_decode_stage1(
     FOLD: tl.constexpr,  # the two halves of a block side by side in N (_int2_split_folded)
     WINDOW_FIRST: tl.constexpr,  # launch the SS + RS window programs before the INT2 ones
     PDL_TRIGGER: tl.constexpr,  # let the merge launch now (its programs wait for this grid's writes)
-    VPAGE: tl.constexpr,  # V codes dims-major in pages of VPAGE slots (layout.py, _v_page_tiles)
 ):
     if PDL_TRIGGER:
         gdc_launch_dependents()
@@ -735,14 +703,14 @@ def _oscar_decode_stage1(
                 Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
                 split, b, h, base_hi, hist_hi, r2t, qk_scale,
                 HKV, GQA, D, GK, GV, SINK, NS, NS_TOTAL, NP,
-                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, VPAGE,
+                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
             )
         else:
             _int2_split(
                 Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
                 split, b, h, base_hi, hist_hi, r2t, qk_scale,
                 HKV, GQA, D, GK, GV, SINK, NS, NS_TOTAL, NP,
-                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PEEL, LAZY, VPAGE,
+                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PEEL, LAZY,
             )
     else:
         recent_lo = tl.maximum(tl.maximum(L - WINDOW, SINK), tl.load(RING_START + r))
@@ -764,17 +732,14 @@ def _oscar_decode_stage1(
 
 
 @triton.jit
-def _dequant_rows(C, P32, slot, h, use, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                  LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, CPAGE: tl.constexpr):
-    """INT2 rows of slots `slot` [N], KV head h, as fp32 [N, D]: min + scale·level[code]; 0 where ~use.
-    Codes slot-major (CPAGE = 1) or in dims-major pages of CPAGE slots (layout.py)."""
+def _dequant_rows(C, P32, row, use, D: tl.constexpr, G: tl.constexpr, LEVEL_A: tl.constexpr,
+                  CODEBOOK: tl.constexpr):
+    """INT2 rows `row` [N] (slot·Hkv + h) as fp32 [N, D]: min + scale·level[code]; 0 where ~use."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     offs_d = tl.arange(0, D)
     m = use[:, None]
-    row = slot * HKV + h
-    page_row = ((slot // CPAGE) * HKV + h) * (D4 * CPAGE) + slot % CPAGE
-    byte = tl.load(C + page_row[:, None] + ((offs_d % D4) * CPAGE)[None, :], mask=m, other=0).to(tl.int32)
+    byte = tl.load(C + row[:, None] * D4 + (offs_d % D4)[None, :], mask=m, other=0).to(tl.int32)
     code = (byte >> (2 * (offs_d // D4))[None, :]) & 3
     lvl = code.to(tl.float32)
     if CODEBOOK:
@@ -787,12 +752,12 @@ def _dequant_rows(C, P32, slot, h, use, HKV: tl.constexpr, D: tl.constexpr, G: t
 
 @triton.jit
 def _sink_rows(C, P32, S_ROWS, slot, srow, in_sink, h, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-               LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, CPAGE: tl.constexpr):
+               LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr):
     """fp32 [N, D] rows of sink positions: the BF16 sink row where srow >= 0, else the INT2 form."""
     offs_d = tl.arange(0, D)
     has = in_sink & (srow >= 0)
     x = tl.load(S_ROWS + (srow * HKV + h)[:, None] * D + offs_d[None, :], mask=has[:, None], other=0.0)
-    return x.to(tl.float32) + _dequant_rows(C, P32, slot, h, in_sink & (srow < 0), HKV, D, G, LEVEL_A, CODEBOOK, CPAGE)
+    return x.to(tl.float32) + _dequant_rows(C, P32, slot * HKV + h, in_sink & (srow < 0), D, G, LEVEL_A, CODEBOOK)
 
 
 @triton.jit
@@ -804,7 +769,6 @@ def _oscar_decode_merge(
     V_CODEBOOK: tl.constexpr, BLOCK_T: tl.constexpr,
     NS: tl.constexpr, SS: tl.constexpr, NS_TOTAL: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent of stage 1: wait for its writes here
-    VPAGE: tl.constexpr,  # V codes in dims-major pages of VPAGE slots (layout.py)
 ):
     pid = tl.program_id(0)  # b * Hq + hq
     offs_s = tl.arange(0, BLOCK_S)
@@ -837,13 +801,13 @@ def _oscar_decode_merge(
             in_sink = pos < n
             slot = tl.load(r2t + pos, mask=in_sink, other=0).to(tl.int64)
             srow = tl.load(SINK_TABLE + slot, mask=in_sink, other=0).to(tl.int64)
-            k = _sink_rows(KC, KP32, SK, slot, srow, in_sink, h, HKV, D, GK, K_A, K_CODEBOOK, 1)
+            k = _sink_rows(KC, KP32, SK, slot, srow, in_sink, h, HKV, D, GK, K_A, K_CODEBOOK)
             s = tl.where(in_sink, tl.sum(k * q[None, :], 1), float("-inf"))
             m_new = tl.maximum(m_x, tl.max(s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_x - m_safe)
             p = tl.exp2(s - m_safe)
-            v = _sink_rows(VC, VP32, SV, slot, srow, in_sink, h, HKV, D, GV, V_A, V_CODEBOOK, VPAGE)
+            v = _sink_rows(VC, VP32, SV, slot, srow, in_sink, h, HKV, D, GV, V_A, V_CODEBOOK)
             acc_x = acc_x * alpha + tl.sum(p[:, None] * v, 0)
             l_x = l_x * alpha + tl.sum(p, 0)
             m_x = m_new
@@ -1135,11 +1099,6 @@ def oscar_decode(
         raise ValueError(f"fold_halves needs block_n a multiple of 32 on the GPU (tl.dot M >= 16), got {block_n}")
     if fold and maxnreg is None and q.is_cuda:
         maxnreg = FOLD_MAXNREG
-    v_page = getattr(cache, "v_page", 1)
-    if v_page > 1 and (sink % v_page or block_n % v_page):
-        # the INT2 blocks start at sink + k·block_n and read the V codes a page at a time (_v_page_tiles)
-        raise ValueError(f"V codes in pages of {v_page} slots need sink ({sink}) and block_n ({block_n}) to be "
-                         f"multiples of {v_page}: use a page size that divides both, or v_page = 1")
     q = transform_query(q, q_transform, Hkv).contiguous()
     # resident stage-1 programs per SM if registers bound them (4 at 128:2:3, 6 folded), for the wave fill
     ctas = max(1, 65536 // ((maxnreg or 256) * 32 * num_warps))
@@ -1198,7 +1157,7 @@ def oscar_decode(
         DT=dt, WDT=wdt, FAST_CVT=not fp32,
         NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub, PEEL=peel, LAZY=lazy, FOLD=fold,
         WINDOW_FIRST=WINDOW_FIRST if window_first is None else bool(window_first),
-        PDL_TRIGGER=use_pdl, VPAGE=v_page,
+        PDL_TRIGGER=use_pdl,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _oscar_decode_merge[(B * Hq,)](
@@ -1209,7 +1168,7 @@ def oscar_decode(
         K_A=float(k_level_a if k_level_a is not None else 1.0),
         V_A=float(v_level_a if v_level_a is not None else 1.0),
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None, BLOCK_T=16,
-        NS=ns, SS=ss, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, PDL=use_pdl, VPAGE=v_page,
+        NS=ns, SS=ss, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, PDL=use_pdl,
         num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
     )
     return out

@@ -4,9 +4,7 @@ Per layer (Hkv KV heads, head_dim D, group sizes Gk / Gv):
 
     k_codes   uint8 [num_slots, Hkv, D/4]        quarter-plane packed INT2 (quant/pack.py)
     k_params  bf16  [num_slots, Hkv, D/Gk, 2]    (scale, min) per group
-    v_codes   uint8 [num_slots, Hkv, D/4]        as k_codes when v_page = 1, else dims-major pages:
-              uint8 [num_slots / P, Hkv, D/4, P] P = v_page: byte j of slot s at [s // P, h, j, s % P]
-    v_params  bf16  [num_slots, Hkv, D/Gv, 2]
+    v_codes, v_params                            likewise with Gv
     sink_k, sink_v  [num_sink_rows, Hkv, D]      transformed rows of positions < sink (window dtype)
     ring_k, ring_v  [max_reqs * window, Hkv, D]  transformed rows of the recent window;
                                                  position p of request r is row r*window + p % window
@@ -14,14 +12,6 @@ Per layer (Hkv KV heads, head_dim D, group sizes Gk / Gv):
 
 Every slot always holds the INT2 form; sink and ring rows are extra BF16 copies. All buffers
 must be contiguous (the kernels compute offsets from the shapes).
-
-Why V codes may be paged dims-major: the decode kernel's V dots take the codes as their A operand
-[dims, tokens], with the tokens as the contraction dim, so a thread needs consecutive tokens of one
-dim. Slot-major, those bytes are D/4 apart and each is its own one-byte shared-memory load (64 per
-thread per 128-token iteration at D = 128); in a dims-major page they are contiguous and reach the
-tensor cores through 16-byte copies and ldmatrix like the K codes (benchmark/NOTES.md, "Dims-major V
-pages"). It needs SGLang's paged allocator (--page-size P): the slots of positions [kP, kP + P) of a
-request are one page, in order. The K codes stay slot-major: their dots contract over dims.
 """
 
 from __future__ import annotations
@@ -35,15 +25,6 @@ from ..config import SUPPORTED_GROUPS, SUPPORTED_HEAD_DIMS, check_head_dim
 
 PARAM_DTYPE = torch.bfloat16
 WINDOW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-V_PAGES = (1, 16, 32, 64)  # v_page values: 1 = slot-major; pages must fill a 16-byte copy
-
-
-def check_v_page(v_page: int, num_slots: Optional[int] = None) -> None:
-    if v_page not in V_PAGES:
-        raise ValueError(f"v_page {v_page} is not supported (use one of {V_PAGES}: 1 = slot-major V codes, "
-                         "else SGLang's --page-size)")
-    if num_slots is not None and num_slots % v_page:
-        raise ValueError(f"{num_slots} pool slots are not a whole number of v_page {v_page} pages")
 
 
 def check_shape(head_dim: int, group: int, what: str = "") -> None:
@@ -70,27 +51,10 @@ class LayerCache:
     window: int = 256
     sink: int = 64
     sink_table: Optional[torch.Tensor] = None
-    v_page: int = 1
 
     @property
     def num_slots(self) -> int:
         return self.k_codes.shape[0]
-
-    def v_code_rows(self) -> torch.Tensor:
-        """A view of v_codes indexed [slot // v_page, slot % v_page] -> the slot's [Hkv, D/4] bytes, for
-        the oracles and tests (v_code_rows()[s // P, s % P] reads, and assigned to, writes)."""
-        if self.v_page == 1:
-            return self.v_codes.unsqueeze(1)
-        return self.v_codes.permute(0, 3, 1, 2)
-
-    def v_codes_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """The [n, Hkv, D/4] V code bytes of pool slots (a copy), whatever v_page."""
-        slots = slots.to(torch.int64)
-        return self.v_code_rows()[slots // self.v_page, slots % self.v_page]
-
-    def set_v_codes(self, slots: torch.Tensor, codes: torch.Tensor) -> None:
-        slots = slots.to(torch.int64)
-        self.v_code_rows()[slots // self.v_page, slots % self.v_page] = codes
 
     @property
     def kv_heads(self) -> int:
@@ -116,21 +80,14 @@ class LayerCache:
         window_dtype: torch.dtype = torch.bfloat16,
         device=None,
         with_sink_table: bool = True,
-        v_page: int = 1,
     ) -> "LayerCache":
         """Uninitialised buffers (torch.empty) of the right shapes; the sink table is all -1."""
         check_shape(head_dim, k_group, "K: ")
         check_shape(head_dim, v_group, "V: ")
-        check_v_page(v_page, num_slots)
         d, h = head_dim, kv_heads
 
         def codes():
             return torch.empty(num_slots, h, d // 4, dtype=torch.uint8, device=device)
-
-        def v_codes():
-            if v_page == 1:
-                return codes()
-            return torch.empty(num_slots // v_page, h, d // 4, v_page, dtype=torch.uint8, device=device)
 
         def params(g):
             return torch.empty(num_slots, h, d // g, 2, dtype=PARAM_DTYPE, device=device)
@@ -140,9 +97,9 @@ class LayerCache:
 
         table = torch.full((num_slots,), -1, dtype=torch.int32, device=device) if with_sink_table else None
         return cls(
-            codes(), params(k_group), v_codes(), params(v_group),
+            codes(), params(k_group), codes(), params(v_group),
             rows(num_sink_rows), rows(num_sink_rows), rows(max_reqs * window), rows(max_reqs * window),
-            k_group, v_group, window, sink, table, v_page,
+            k_group, v_group, window, sink, table,
         )
 
     def buffers(self) -> dict:
@@ -157,12 +114,10 @@ class LayerCache:
         n, h, d = self.num_slots, self.kv_heads, self.head_dim
         check_shape(d, self.k_group, "K: ")
         check_shape(d, self.v_group, "V: ")
-        check_v_page(self.v_page, n)
         dev = self.k_codes.device
-        p = self.v_page
         expect = {
             "k_codes": ((n, h, d // 4), torch.uint8),
-            "v_codes": ((n, h, d // 4) if p == 1 else (n // p, h, d // 4, p), torch.uint8),
+            "v_codes": ((n, h, d // 4), torch.uint8),
             "k_params": ((n, h, d // self.k_group, 2), PARAM_DTYPE),
             "v_params": ((n, h, d // self.v_group, 2), PARAM_DTYPE),
         }

@@ -90,7 +90,7 @@ if HAS_TRITON:
         H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
         HAS_MAT: tl.constexpr, HAS_MEAN: tl.constexpr, CLIP_N: tl.constexpr,
         TH0: tl.constexpr, TH1: tl.constexpr, TH2: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, CPAGE: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     ):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         tmask = offs_t < T
@@ -164,10 +164,7 @@ if HAS_TRITON:
         shift = (tl.arange(0, 4) * 2)[None, :, None]
         packed = tl.sum(c4 << shift, axis=1).to(tl.uint8)
         offs_q = tl.arange(0, Q)
-        # slot-major (CPAGE = 1) or dims-major pages of CPAGE slots: byte j of slot s at
-        # [s // CPAGE, h, j, s % CPAGE] (layout.py)
-        page_row = (slot // CPAGE) * (H * Q * CPAGE) + h * (Q * CPAGE) + slot % CPAGE
-        tl.store(codes_ptr + page_row[:, None] + offs_q[None, :] * CPAGE, packed, mask=pmask)
+        tl.store(codes_ptr + slot[:, None] * (H * Q) + h * Q + offs_q[None, :], packed, mask=pmask)
 
     @triton.jit
     def _oscar_write_kv_kernel(
@@ -182,7 +179,7 @@ if HAS_TRITON:
         K_CLIP_N: tl.constexpr, V_CLIP_N: tl.constexpr,
         K_TH0: tl.constexpr, K_TH1: tl.constexpr, K_TH2: tl.constexpr,
         V_TH0: tl.constexpr, V_TH1: tl.constexpr, V_TH2: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, V_PAGE: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     ):
         t0 = tl.program_id(0) * BLOCK_T
         h = tl.program_id(1)
@@ -190,13 +187,13 @@ if HAS_TRITON:
             _write_side(
                 k_ptr, stride_kt, stride_kh, kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh,
                 slots_ptr, sink_dst_ptr, ring_dst_ptr, k_codes_ptr, k_params_ptr, sink_k_ptr, ring_k_ptr,
-                T, t0, h, H, D, GK, True, HAS_KMEAN, K_CLIP_N, K_TH0, K_TH1, K_TH2, BLOCK_T, BLOCK_K, PRECISION, 1,
+                T, t0, h, H, D, GK, True, HAS_KMEAN, K_CLIP_N, K_TH0, K_TH1, K_TH2, BLOCK_T, BLOCK_K, PRECISION,
             )
         else:
             _write_side(
                 v_ptr, stride_vt, stride_vh, vmat_ptr, stride_vmh, kmean_ptr, 0,
                 slots_ptr, sink_dst_ptr, ring_dst_ptr, v_codes_ptr, v_params_ptr, sink_v_ptr, ring_v_ptr,
-                T, t0, h, H, D, GV, HAS_VMAT, False, V_CLIP_N, V_TH0, V_TH1, V_TH2, BLOCK_T, BLOCK_K, PRECISION, V_PAGE,
+                T, t0, h, H, D, GV, HAS_VMAT, False, V_CLIP_N, V_TH0, V_TH1, V_TH2, BLOCK_T, BLOCK_K, PRECISION,
             )
 
 
@@ -340,5 +337,5 @@ def oscar_write_kv(
         HAS_KMEAN=k_mean is not None, HAS_VMAT=v_transform is not None,
         K_CLIP_N=k_n, V_CLIP_N=v_n,
         K_TH0=kth[0], K_TH1=kth[1], K_TH2=kth[2], V_TH0=vth[0], V_TH1=vth[1], V_TH2=vth[2],
-        BLOCK_T=bt, BLOCK_K=bk, PRECISION=precision, V_PAGE=pool.v_page, num_warps=num_warps,
+        BLOCK_T=bt, BLOCK_K=bk, PRECISION=precision, num_warps=num_warps,
     )

@@ -46,20 +46,15 @@ def write_reference(
     v_level_a: float = 1.0,
 ) -> None:
     """What oscar_write_kv does, in place on `cache`: INT2 form at every slot, window rows where dst >= 0."""
-    slots = slots.long()
-
-    def set_k_codes(c):
-        cache.k_codes[slots] = c
-
     sides = (
-        (k, k_transform, k_mean, cache.k_group, k_clip, k_level_a, set_k_codes, cache.k_params, cache.sink_k, cache.ring_k),
-        (v, v_transform, None, cache.v_group, v_clip, v_level_a, lambda c: cache.set_v_codes(slots, c), cache.v_params,
-         cache.sink_v, cache.ring_v),
+        (k, k_transform, k_mean, cache.k_group, k_clip, k_level_a, cache.k_codes, cache.k_params, cache.sink_k, cache.ring_k),
+        (v, v_transform, None, cache.v_group, v_clip, v_level_a, cache.v_codes, cache.v_params, cache.sink_v, cache.ring_v),
     )
-    for x, mat, mean, group, clip, a, set_codes, params, sink, ring in sides:
+    slots = slots.long()
+    for x, mat, mean, group, clip, a, codes, params, sink, ring in sides:
         xt = transform_side(x, mat, mean)
         q = quantize_side(xt, group, clip, a)
-        set_codes(pack_int2(q.codes))
+        codes[slots] = pack_int2(q.codes)
         params[slots] = q.params().to(params.dtype)
         for dst, buf in ((sink_dst, sink), (ring_dst, ring)):
             sel = dst >= 0
@@ -100,7 +95,7 @@ def gather_reference(
         end = n if ring_ends is None else int(ring_ends[i])
         slots = req_to_token[r, :n].long()
         k = dequantize_slots(cache.k_codes[slots], cache.k_params[slots], cache.k_group, k_level_a)
-        v = dequantize_slots(cache.v_codes_of(slots), cache.v_params[slots], cache.v_group, v_level_a)
+        v = dequantize_slots(cache.v_codes[slots], cache.v_params[slots], cache.v_group, v_level_a)
         k, v = k.to(dtype), v.to(dtype)
         lo = max(s, rs, end - w)
         for p in range(n):
