@@ -114,3 +114,17 @@ def test_folded_tiles_halve_the_padded_work(model, unfolded_regs):
     assert res["1"]["int2_loop"]["spill_ops"] == 0
     fmul = {f: res[f]["int2_loop"]["top_opcodes"].get("FMUL", 0) for f in res}
     assert fmul["1"] <= 0.7 * fmul["0"], fmul
+
+
+def test_ws_probe_compiles_for_sm90():
+    """benchmark/probe_ws_keys.py (the Gluon warp-specialisation probe, NOTES "A first warp-specialised probe")
+    still compiles for sm_90: both forms, the warp-specialised one with its register cap, no spills."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmark", "probe_ws_keys.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, script, "--compile-only", "--ws-maxnreg", "128"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout)
+    assert set(res) == {"ws", "sr"}
+    assert res["ws"]["registers"] <= 128 and res["ws"]["hmma"] > 0 and res["sr"]["hmma"] > 0
+    assert res["ws"]["stack_bytes"] == 0 and res["sr"]["stack_bytes"] == 0
