@@ -15,8 +15,9 @@ caches, like bench_decode.py) next to a streaming read of the same bytes (read_r
     python benchmark/probe_ws_keys.py --out $OUT [--ws-maxnreg 128,96] [--nb 3]   # GPU (sm_90)
     python benchmark/probe_ws_keys.py --compile-only [--dump DIR]               # no GPU: compile for sm_90, SASS counts
 
-Measured (H100, results/probe_ws_keys_*): the warp-specialised form is slower than the single-role one with this
-consumer (benchmark/NOTES.md "A first warp-specialised probe").
+Measured (H100, results/probe_ws_keys_*): naive, the warp-specialised form is slower; with the req_to_token
+prefetch (--prefetch-too) and 4 CTAs per SM (--ws-maxnreg 64) it is even with the tuned single-role form
+(benchmark/NOTES.md "A first warp-specialised probe").
 
 Not a kernel of the package: an experiment (gluon is experimental in triton 3.6).
 """
@@ -160,22 +161,49 @@ def _ws_consumer(kbufs, pbufs, ready, empty, QT, QS, M_OUT, L_OUT, pid_bh, split
 
 
 @gluon.jit
+def _block_rows(r2t, h, start, hi, HKV: gl.constexpr, BN: gl.constexpr, LK: gl.constexpr, LP: gl.constexpr):
+    pos_k = start + gl.arange(0, BN, gl.SliceLayout(1, LK))
+    row_k = gl.load(r2t + pos_k, mask=pos_k < hi, other=0).to(gl.int64) * HKV + h
+    pos_p = start + gl.arange(0, BN, LP)
+    row_p = gl.load(r2t + pos_p, mask=pos_p < hi, other=0).to(gl.int64) * HKV + h
+    return row_k, row_p
+
+
+@gluon.jit
 def _ws_producer(kbufs, pbufs, ready, empty, KC, KP, r2t, h, lo, hi,
-                 HKV: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr):
+                 HKV: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr, PREFETCH: gl.constexpr):
     LK: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [1, 1], [1, 0])
     LP: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     n = gl.cdiv(hi - lo, BN)
-    for i in range(n):
-        s = i % NB
-        mbarrier.wait(empty.index(s), ((i // NB) & 1) ^ 1)
-        _issue_copies(kbufs.index(s), pbufs.index(s), KC, KP, r2t, h, lo + i * BN, hi, HKV, BN, LK, LP)
-        cp.mbarrier_arrive(ready.index(s), increment_count=False)  # each producer thread, when its copies land
+    if PREFETCH:
+        # the next block's req_to_token rows are loaded before this block's wait and copies: the index
+        # load's latency overlaps them instead of starting each block's chain
+        row_k, row_p = _block_rows(r2t, h, lo, hi, HKV, BN, LK, LP)
+        byte = gl.arange(0, D4, gl.SliceLayout(0, LK))
+        for i in range(n):
+            s = i % NB
+            start = lo + i * BN
+            nxt_k, nxt_p = _block_rows(r2t, h, start + BN, hi, HKV, BN, LK, LP)
+            mbarrier.wait(empty.index(s), ((i // NB) & 1) ^ 1)
+            mk = (start + gl.arange(0, BN, gl.SliceLayout(1, LK))) < hi
+            cp.async_copy_global_to_shared(kbufs.index(s), KC + row_k[:, None] * D4 + byte[None, :], mask=mk[:, None])
+            mp = (start + gl.arange(0, BN, LP)) < hi
+            cp.async_copy_global_to_shared(pbufs.index(s), KP + row_p, mask=mp)
+            cp.mbarrier_arrive(ready.index(s), increment_count=False)
+            row_k = nxt_k
+            row_p = nxt_p
+    else:
+        for i in range(n):
+            s = i % NB
+            mbarrier.wait(empty.index(s), ((i // NB) & 1) ^ 1)
+            _issue_copies(kbufs.index(s), pbufs.index(s), KC, KP, r2t, h, lo + i * BN, hi, HKV, BN, LK, LP)
+            cp.mbarrier_arrive(ready.index(s), increment_count=False)  # each producer thread, when its copies land
 
 
 @gluon.jit
 def ws_keys_kernel(QT, QS, KC, KP, R2T, SEQ, M_OUT, L_OUT, stride_r2t,
                    HKV: gl.constexpr, NS: gl.constexpr, SINK: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr,
-                   NWC: gl.constexpr):
+                   NWC: gl.constexpr, PREFETCH: gl.constexpr = False):
     pid_bh = gl.program_id(0)
     split = gl.program_id(1)
     b = pid_bh // HKV
@@ -192,7 +220,7 @@ def ws_keys_kernel(QT, QS, KC, KP, R2T, SEQ, M_OUT, L_OUT, stride_r2t,
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
         (_ws_consumer, (kbufs, pbufs, ready, empty, QT, QS, M_OUT, L_OUT, pid_bh, split, lo, hi, NS, BN, NB, NWC)),
-        (_ws_producer, (kbufs, pbufs, ready, empty, KC, KP, r2t, h, lo, hi, HKV, BN, NB)),
+        (_ws_producer, (kbufs, pbufs, ready, empty, KC, KP, r2t, h, lo, hi, HKV, BN, NB, PREFETCH)),
     ], [1], [48])
 
 
@@ -292,10 +320,11 @@ def oracle(kc, kp, r2t, q, b, hkv, ctx, ns, sink, bn):
     return m, l
 
 
-def run(kernel, qt, qs, kc, kp, r2t, seq, m_out, l_out, hkv, ns, sink, bn, nb, nwc, b, maxnreg=None):
+def run(kernel, qt, qs, kc, kp, r2t, seq, m_out, l_out, hkv, ns, sink, bn, nb, nwc, b, maxnreg=None, prefetch=None):
     kernel[(b * hkv, ns)](qt, qs, kc, kp.view(torch.int64), r2t, seq, m_out, l_out, r2t.stride(0),
                           HKV=hkv, NS=ns, SINK=sink, BN=bn, NB=nb, NWC=nwc, num_warps=nwc,
-                          **({"maxnreg": maxnreg} if maxnreg else {}))
+                          **({"maxnreg": maxnreg} if maxnreg else {}),
+                          **({"PREFETCH": prefetch} if prefetch is not None else {}))
 
 
 def compile_only(nwc, nb, bn, maxnreg, dump=None):
@@ -304,14 +333,15 @@ def compile_only(nwc, nb, bn, maxnreg, dump=None):
     sig = {"QT": "*fp16", "QS": "*fp32", "KC": "*u8", "KP": "*i64", "R2T": "*i32", "SEQ": "*i32",
            "M_OUT": "*fp32", "L_OUT": "*fp32", "stride_r2t": "i32"}
     out = {}
-    for name, fn in (("ws", ws_keys_kernel), ("sr", sr_keys_kernel)):
-        consts = dict(HKV=8, NS=16, SINK=64, BN=bn, NB=nb, NWC=nwc)
+    for name, fn, extra in (("ws", ws_keys_kernel, {}), ("ws_pf", ws_keys_kernel, {"PREFETCH": True}),
+                            ("sr", sr_keys_kernel, {})):
+        consts = dict(HKV=8, NS=16, SINK=64, BN=bn, NB=nb, NWC=nwc, **extra)
         s = dict(sig, **{k: "constexpr" for k in consts})
         names = list(fn.arg_names)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
         attrs[(names.index("stride_r2t"),)] = [["tt.divisibility", 16]]
         src = GluonASTSource(fn, s, constexprs=consts, attrs=attrs)
-        opts = {"num_warps": nwc, **({"maxnreg": maxnreg} if maxnreg and name == "ws" else {})}
+        opts = {"num_warps": nwc, **({"maxnreg": maxnreg} if maxnreg and name.startswith("ws") else {})}
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         if dump:
             os.makedirs(dump, exist_ok=True)
@@ -336,6 +366,8 @@ def main():
     ap.add_argument("--bn", type=int, default=64, help="keys per block")
     ap.add_argument("--ws-maxnreg", type=lambda t: [int(x) for x in t.split(",")], default=[128, 96],
                     help="register caps for the ws kernel (its warps count by warpgroups: 4 compute + 4)")
+    ap.add_argument("--prefetch-too", action="store_true",
+                    help="also time the ws form whose producer loads the next block's req_to_token rows ahead")
     ap.add_argument("--points", default="8:32768,32:32768,8:131072,32:131072", help="batch:context list")
     args = ap.parse_args()
     if args.compile_only:
@@ -348,17 +380,18 @@ def main():
     hkv, sink = 8, 64
     res = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbps": copy_bandwidth() / 1e9,
            "config": vars(args), "checks": {}, "rows": []}
-    variants = [(f"ws_r{mr}", ws_keys_kernel, mr) for mr in args.ws_maxnreg] + [("sr", sr_keys_kernel, None)]
+    variants = [(f"ws_r{mr}" + ("_pf" if pf else ""), ws_keys_kernel, mr, pf) for mr in args.ws_maxnreg
+                for pf in ((False, True) if args.prefetch_too else (False,))] + [("sr", sr_keys_kernel, None, None)]
     # correctness: small shapes, odd lengths (the last block masked), every variant
     for b, ctx, ns in ((2, 1000, 3), (1, 4099, 5)):
         kc, kp, r2t, q = make_inputs(b, hkv, ctx, 1, dev, seed=ctx)
         qt, qs = query_planes(q.to(dev))
         seq = torch.full((b,), ctx, dtype=torch.int32, device=dev)
         m_ref, l_ref = oracle(kc, kp, r2t, q.to(dev), b, hkv, ctx, ns, sink, args.bn)
-        for name, kern, mr in variants:
+        for name, kern, mr, pf in variants:
             m_out = torch.full((b * hkv, ns, NP), float("nan"), device=dev)
             l_out = torch.full_like(m_out, float("nan"))
-            run(kern, qt, qs, kc, kp, r2t, seq, m_out, l_out, hkv, ns, sink, args.bn, args.nb, args.nwc, b, mr)
+            run(kern, qt, qs, kc, kp, r2t, seq, m_out, l_out, hkv, ns, sink, args.bn, args.nb, args.nwc, b, mr, pf)
             torch.cuda.synchronize()
             em = ((m_out[..., :GQA].double().cpu() - m_ref).abs().max()).item()
             el = ((l_out[..., :GQA].double().cpu() - l_ref).abs() / l_ref.abs().clamp_min(1e-30)).max().item()
@@ -374,15 +407,15 @@ def main():
         seq = torch.full((b,), ctx, dtype=torch.int32, device=dev)
         ns = max(1, math.ceil(3 * 132 * 2 / (b * hkv)))  # ~6 programs per SM, one round
         row = {"batch": b, "context": ctx, "bytes": nbytes, "splits": ns}
-        for name, kern, mr in variants:
+        for name, kern, mr, pf in variants:
             m_out = torch.empty(b * copies * hkv, ns, NP, device=dev)
             l_out = torch.empty_like(m_out)
             fns = []
             for c in range(copies):
                 sl = slice(c * b, (c + 1) * b)
-                fns.append(lambda sl=sl, kern=kern, mr=mr: run(kern, qt[sl.start * hkv:sl.stop * hkv], qs[sl.start * hkv:sl.stop * hkv],
+                fns.append(lambda sl=sl, kern=kern, mr=mr, pf=pf: run(kern, qt[sl.start * hkv:sl.stop * hkv], qs[sl.start * hkv:sl.stop * hkv],
                                                        kc, kp, r2t[sl], seq, m_out, l_out, hkv, ns, sink, args.bn,
-                                                       args.nb, args.nwc, b, mr))
+                                                       args.nb, args.nwc, b, mr, pf))
             ms = bench(fns)
             row[f"{name}_ms"] = ms
             row[f"{name}_pct_copy"] = 100 * nbytes / (ms * 1e-3) / res["copy_bandwidth_gbps"] / 1e9

@@ -125,6 +125,6 @@ def test_ws_probe_compiles_for_sm90():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout)
-    assert set(res) == {"ws", "sr"}
+    assert set(res) == {"ws", "ws_pf", "sr"}
     assert res["ws"]["registers"] <= 128 and res["ws"]["hmma"] > 0 and res["sr"]["hmma"] > 0
     assert res["ws"]["stack_bytes"] == 0 and res["sr"]["stack_bytes"] == 0
