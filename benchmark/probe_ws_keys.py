@@ -108,26 +108,47 @@ def _query(QT, QS, pid_bh, MMA: gl.constexpr, B_OP: gl.constexpr, LQ: gl.constex
 
 
 @gluon.jit
-def _issue_copies(kbuf, pbuf, KC, KP, r2t, h, start, hi, HKV: gl.constexpr, BN: gl.constexpr, LK: gl.constexpr,
-                  LP: gl.constexpr):
-    """cp.async of one block's code rows [BN, D4] and parameter words [BN] (rows past hi: zeros)."""
+def _block_rows(r2t, h, start, hi, HKV: gl.constexpr, BN: gl.constexpr, LK: gl.constexpr, LP: gl.constexpr):
+    """Pool rows (slot·Hkv + h) of one block's positions, in the layouts of its two copies (rows past hi: 0)."""
     pos_k = start + gl.arange(0, BN, gl.SliceLayout(1, LK))
-    mk = pos_k < hi
-    row_k = gl.load(r2t + pos_k, mask=mk, other=0).to(gl.int64) * HKV + h
-    byte = gl.arange(0, D4, gl.SliceLayout(0, LK))
-    cp.async_copy_global_to_shared(kbuf, KC + row_k[:, None] * D4 + byte[None, :], mask=mk[:, None])
+    row_k = gl.load(r2t + pos_k, mask=pos_k < hi, other=0).to(gl.int64) * HKV + h
     pos_p = start + gl.arange(0, BN, LP)
-    mp = pos_p < hi
-    row_p = gl.load(r2t + pos_p, mask=mp, other=0).to(gl.int64) * HKV + h
-    cp.async_copy_global_to_shared(pbuf, KP + row_p, mask=mp)
+    row_p = gl.load(r2t + pos_p, mask=pos_p < hi, other=0).to(gl.int64) * HKV + h
+    return row_k, row_p
 
 
 @gluon.jit
-def _rows(b, split, SEQ, NS: gl.constexpr, SINK: gl.constexpr, BN: gl.constexpr):
+def _copy_codes(kbuf, KC, row_k, mk, LK: gl.constexpr):
+    """cp.async of a block's code rows [BN, D4] (masked rows: zeros)."""
+    byte = gl.arange(0, D4, gl.SliceLayout(0, LK))
+    cp.async_copy_global_to_shared(kbuf, KC + row_k[:, None] * D4 + byte[None, :], mask=mk[:, None])
+
+
+@gluon.jit
+def _issue_copies(kbuf, pbuf, KC, KP, r2t, h, start, hi, HKV: gl.constexpr, BN: gl.constexpr, LK: gl.constexpr,
+                  LP: gl.constexpr):
+    """Rows and cp.async of one block's code rows [BN, D4] and parameter words [BN] (rows past hi: zeros), each
+    index load right before its copy (the order that was measured)."""
+    pos_k = start + gl.arange(0, BN, gl.SliceLayout(1, LK))
+    mk = pos_k < hi
+    _copy_codes(kbuf, KC, gl.load(r2t + pos_k, mask=mk, other=0).to(gl.int64) * HKV + h, mk, LK)
+    pos_p = start + gl.arange(0, BN, LP)
+    mp = pos_p < hi
+    cp.async_copy_global_to_shared(pbuf, KP + gl.load(r2t + pos_p, mask=mp, other=0).to(gl.int64) * HKV + h,
+                                   mask=mp)
+
+
+@gluon.jit
+def _program(SEQ, R2T, stride_r2t, HKV: gl.constexpr, NS: gl.constexpr, SINK: gl.constexpr, BN: gl.constexpr):
+    """(pid_bh, split, KV head, rows [lo, hi), req_to_token row) of this program: the history [SINK, L) cut into
+    NS chunks of whole blocks, as the decode kernel's splits."""
+    pid_bh = gl.program_id(0)
+    split = gl.program_id(1)
+    b = pid_bh // HKV
     L = gl.load(SEQ + b)
     chunk = gl.cdiv(gl.cdiv(gl.maximum(L - SINK, 0), NS), BN) * BN
     lo = SINK + split * chunk
-    return lo, gl.minimum(lo + chunk, L)
+    return pid_bh, split, pid_bh % HKV, lo, gl.minimum(lo + chunk, L), R2T + b.to(gl.int64) * stride_r2t
 
 
 @gluon.jit
@@ -161,15 +182,6 @@ def _ws_consumer(kbufs, pbufs, ready, empty, QT, QS, M_OUT, L_OUT, pid_bh, split
 
 
 @gluon.jit
-def _block_rows(r2t, h, start, hi, HKV: gl.constexpr, BN: gl.constexpr, LK: gl.constexpr, LP: gl.constexpr):
-    pos_k = start + gl.arange(0, BN, gl.SliceLayout(1, LK))
-    row_k = gl.load(r2t + pos_k, mask=pos_k < hi, other=0).to(gl.int64) * HKV + h
-    pos_p = start + gl.arange(0, BN, LP)
-    row_p = gl.load(r2t + pos_p, mask=pos_p < hi, other=0).to(gl.int64) * HKV + h
-    return row_k, row_p
-
-
-@gluon.jit
 def _ws_producer(kbufs, pbufs, ready, empty, KC, KP, r2t, h, lo, hi,
                  HKV: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr, PREFETCH: gl.constexpr):
     LK: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [1, 1], [1, 0])
@@ -179,16 +191,13 @@ def _ws_producer(kbufs, pbufs, ready, empty, KC, KP, r2t, h, lo, hi,
         # the next block's req_to_token rows are loaded before this block's wait and copies: the index
         # load's latency overlaps them instead of starting each block's chain
         row_k, row_p = _block_rows(r2t, h, lo, hi, HKV, BN, LK, LP)
-        byte = gl.arange(0, D4, gl.SliceLayout(0, LK))
         for i in range(n):
             s = i % NB
             start = lo + i * BN
             nxt_k, nxt_p = _block_rows(r2t, h, start + BN, hi, HKV, BN, LK, LP)
             mbarrier.wait(empty.index(s), ((i // NB) & 1) ^ 1)
-            mk = (start + gl.arange(0, BN, gl.SliceLayout(1, LK))) < hi
-            cp.async_copy_global_to_shared(kbufs.index(s), KC + row_k[:, None] * D4 + byte[None, :], mask=mk[:, None])
-            mp = (start + gl.arange(0, BN, LP)) < hi
-            cp.async_copy_global_to_shared(pbufs.index(s), KP + row_p, mask=mp)
+            _copy_codes(kbufs.index(s), KC, row_k, (start + gl.arange(0, BN, gl.SliceLayout(1, LK))) < hi, LK)
+            cp.async_copy_global_to_shared(pbufs.index(s), KP + row_p, mask=(start + gl.arange(0, BN, LP)) < hi)
             cp.mbarrier_arrive(ready.index(s), increment_count=False)
             row_k = nxt_k
             row_p = nxt_p
@@ -204,12 +213,7 @@ def _ws_producer(kbufs, pbufs, ready, empty, KC, KP, r2t, h, lo, hi,
 def ws_keys_kernel(QT, QS, KC, KP, R2T, SEQ, M_OUT, L_OUT, stride_r2t,
                    HKV: gl.constexpr, NS: gl.constexpr, SINK: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr,
                    NWC: gl.constexpr, PREFETCH: gl.constexpr = False):
-    pid_bh = gl.program_id(0)
-    split = gl.program_id(1)
-    b = pid_bh // HKV
-    h = pid_bh % HKV
-    lo, hi = _rows(b, split, SEQ, NS, SINK, BN)
-    r2t = R2T + b.to(gl.int64) * stride_r2t
+    pid_bh, split, h, lo, hi, r2t = _program(SEQ, R2T, stride_r2t, HKV, NS, SINK, BN)
     SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=4, max_phase=2, order=[1, 0])
     kbufs = gl.allocate_shared_memory(gl.int8, [NB, BN, D4], SMEM)
     pbufs = gl.allocate_shared_memory(gl.int64, [NB, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -232,12 +236,7 @@ def sr_keys_kernel(QT, QS, KC, KP, R2T, SEQ, M_OUT, L_OUT, stride_r2t,
                    HKV: gl.constexpr, NS: gl.constexpr, SINK: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr,
                    NWC: gl.constexpr):
     """The same consumer; the compute warps issue the copies NB − 1 blocks ahead (Triton's pipeliner shape)."""
-    pid_bh = gl.program_id(0)
-    split = gl.program_id(1)
-    b = pid_bh // HKV
-    h = pid_bh % HKV
-    lo, hi = _rows(b, split, SEQ, NS, SINK, BN)
-    r2t = R2T + b.to(gl.int64) * stride_r2t
+    pid_bh, split, h, lo, hi, r2t = _program(SEQ, R2T, stride_r2t, HKV, NS, SINK, BN)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NWC, 1], instr_shape=[16, 8])
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
@@ -332,6 +331,8 @@ def compile_only(nwc, nb, bn, maxnreg, dump=None):
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {"QT": "*fp16", "QS": "*fp32", "KC": "*u8", "KP": "*i64", "R2T": "*i32", "SEQ": "*i32",
            "M_OUT": "*fp32", "L_OUT": "*fp32", "stride_r2t": "i32"}
+    sys.path.insert(0, os.path.dirname(__file__))
+    from inspect_decode_sass import count, sass_of
     out = {}
     for name, fn, extra in (("ws", ws_keys_kernel, {}), ("ws_pf", ws_keys_kernel, {"PREFETCH": True}),
                             ("sr", sr_keys_kernel, {})):
@@ -347,8 +348,6 @@ def compile_only(nwc, nb, bn, maxnreg, dump=None):
             os.makedirs(dump, exist_ok=True)
             with open(os.path.join(dump, f"probe_{name}.ptx"), "w") as f:
                 f.write(k.asm["ptx"])
-        sys.path.insert(0, os.path.dirname(__file__))
-        from inspect_decode_sass import count, sass_of
         c = count(k, sass_of(k))
         out[name] = {key: c[key] for key in ("registers", "stack_bytes", "shared_bytes", "sass_instructions", "hmma",
                                              "ldgsts", "bar_sync")}
@@ -378,6 +377,7 @@ def main():
     from bench_decode import bench, copy_bandwidth, n_copies  # noqa: E402
     dev = "cuda"
     hkv, sink = 8, 64
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     res = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbps": copy_bandwidth() / 1e9,
            "config": vars(args), "checks": {}, "rows": []}
     variants = [(f"ws_r{mr}" + ("_pf" if pf else ""), ws_keys_kernel, mr, pf) for mr in args.ws_maxnreg
@@ -405,7 +405,7 @@ def main():
         kc, kp, r2t, q = make_inputs(b, hkv, ctx, copies, dev)
         qt, qs = query_planes(q.to(dev))
         seq = torch.full((b,), ctx, dtype=torch.int32, device=dev)
-        ns = max(1, math.ceil(3 * 132 * 2 / (b * hkv)))  # ~6 programs per SM, one round
+        ns = max(1, math.ceil(6 * num_sms / (b * hkv)))  # ~6 programs per SM, one round
         row = {"batch": b, "context": ctx, "bytes": nbytes, "splits": ns}
         for name, kern, mr, pf in variants:
             m_out = torch.empty(b * copies * hkv, ns, NP, device=dev)
@@ -419,7 +419,7 @@ def main():
             ms = bench(fns)
             row[f"{name}_ms"] = ms
             row[f"{name}_pct_copy"] = 100 * nbytes / (ms * 1e-3) / res["copy_bandwidth_gbps"] / 1e9
-        fns, keep = read_fns(nbytes, copies, torch.cuda.get_device_properties(0).multi_processor_count)
+        fns, keep = read_fns(nbytes, copies, num_sms)
         ms = bench(fns)
         row["read_ms"] = ms
         row["read_pct_copy"] = 100 * nbytes / (ms * 1e-3) / res["copy_bandwidth_gbps"] / 1e9
