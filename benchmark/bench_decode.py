@@ -49,9 +49,19 @@ def n_copies(bytes_one):
     return max(1, min(8, math.ceil(4 * L2_BYTES / max(bytes_one, 1))))
 
 
-def bench(fns, graph=True):
-    """Median ms of one call, rotating over the copies in fns. The calls are captured in a CUDA
+# Calls per timed graph replay, at least: do_bench's per-replay cost (the graph's launch, and the write-back
+# of the 256 MB L2 flush it runs between replays) lands on the replay's first call. With one call per replay
+# it measured ~9 us per call on H100 (Qwen3 64k batch 8: 185.5 us per call vs 176.2 us from stage-1 start to
+# merge end; benchmark/probe_decode_fixed_cost.py); a served decode step replays one graph for all layers.
+MIN_CALLS_PER_REPLAY = 8
+
+
+def bench(fns, graph=True, min_calls=MIN_CALLS_PER_REPLAY):
+    """Median ms of one call, rotating over the copies in fns (a whole number of rounds, >= min_calls calls
+    per replay, so that a copy is read again only after all the others). The calls are captured in a CUDA
     graph (as SGLang runs decode), so host-side launch overhead does not count."""
+    fns = list(fns) * max(1, -(-min_calls // max(len(fns), 1)))
+
     def run_all():
         for f in fns:
             f()

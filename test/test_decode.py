@@ -30,7 +30,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     _interp._patch_lang_tensor = _patch_lang_tensor
 
-from sglang_oscar.kernels.decode import oscar_decode
+from sglang_oscar.kernels.decode import default_merge_splits, oscar_decode
 from sglang_oscar.kernels.layout import LayerCache
 from sglang_oscar.quant.attention import dequantize_rows, mixed_decode_reference
 from sglang_oscar.quant.intq import quantize
@@ -609,6 +609,38 @@ def test_decode_no_sink_rows_at_all():
     run_and_check(case, missing_sink_int2=True)
 
 
+@pytest.mark.parametrize("merge_splits", [1, 2, 4])
+def test_decode_merge_splits_with_missing_sink_rows(merge_splits):
+    """The merge's programs each take D / merge_splits output dims; the missing-sink path scores with all D
+    dims of K but accumulates only its slice of V. D 128, G 32/64: slices of 32 dims cross V groups."""
+    case = make_case([30, 5, 70], hkv=2, gqa=3, d=128, gk=32, gv=64, sink=8, window=16, seed=53)
+    case = drop_sink_rows(case, {(0, 1), (0, 6), *((1, p) for p in range(5)), (2, 0)})
+    run_and_check(case, missing_sink_int2=True, num_splits=3, merge_splits=merge_splits)
+
+
+def test_decode_merge_splits_all_rows_present():
+    case = make_case([12, 300, 41], hkv=1, gqa=4, d=64, seed=59)
+    run_and_check(case, merge_splits=2)
+
+
+@pytest.mark.parametrize("query_heads,head_dim,expect", [
+    (32, 128, 4),  # Qwen3-8B batch 1: 32 heads on 132 SMs -> 4 programs of 32 dims each
+    (64, 128, 2), (128, 128, 1), (256, 128, 1),  # batch 2 / 4 / 8
+    (9, 64, 2),  # SmolLM2 batch 1: capped at 32 dims per program
+    (12, 128, 4),  # GLM-4.7 TP8 batch 1
+    (200, 256, 1),
+])
+def test_default_merge_splits(query_heads, head_dim, expect):
+    assert default_merge_splits(query_heads, head_dim, 132) == expect
+
+
+@pytest.mark.parametrize("bad", [0, 3, 8])  # 8: 8 dims per program < MERGE_MIN_DIMS
+def test_decode_rejects_bad_merge_splits(bad):
+    case = make_case([20], hkv=1, gqa=2, d=64, seed=0)
+    with pytest.raises(ValueError, match="merge_splits"):
+        oscar_decode(**case, merge_splits=bad)
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
@@ -666,6 +698,14 @@ def test_gpu_lazy_rescale_ramp(gqa, d, gk, gv, lazy):
     case = make_case([9000, 3000, 100], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, sink=64, window=256, seed=5 + gqa)
     _ramp_history_scores(case, slow=0.02, steep=0.2, knee=[4000, 10 ** 6, 10 ** 6])
     run_and_check(case, tol=1e-2, lazy_rescale=lazy)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("merge_splits", [1, 2, 4])
+def test_gpu_bf16_merge_splits(merge_splits):
+    case = make_case([9000, 70], hkv=2, gqa=4, d=128, sink=64, window=256, ring_starts=[8900, 0], seed=61)
+    case = drop_sink_rows(case, {(0, 3), (1, 0), (1, 63)})
+    run_and_check(case, tol=1e-2, missing_sink_int2=True, merge_splits=merge_splits)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -732,12 +732,13 @@ def _oscar_decode_stage1(
 
 
 @triton.jit
-def _dequant_rows(C, P32, row, use, D: tl.constexpr, G: tl.constexpr, LEVEL_A: tl.constexpr,
+def _dequant_rows(C, P32, row, use, d0, DN: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LEVEL_A: tl.constexpr,
                   CODEBOOK: tl.constexpr):
-    """INT2 rows `row` [N] (slot·Hkv + h) as fp32 [N, D]: min + scale·level[code]; 0 where ~use."""
+    """Dims [d0, d0 + DN) of the INT2 rows `row` [N] (slot·Hkv + h) as fp32 [N, DN]: min + scale·level[code];
+    0 where ~use."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
-    offs_d = tl.arange(0, D)
+    offs_d = d0 + tl.arange(0, DN)
     m = use[:, None]
     byte = tl.load(C + row[:, None] * D4 + (offs_d % D4)[None, :], mask=m, other=0).to(tl.int32)
     code = (byte >> (2 * (offs_d // D4))[None, :]) & 3
@@ -751,13 +752,15 @@ def _dequant_rows(C, P32, row, use, D: tl.constexpr, G: tl.constexpr, LEVEL_A: t
 
 
 @triton.jit
-def _sink_rows(C, P32, S_ROWS, slot, srow, in_sink, h, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-               LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr):
-    """fp32 [N, D] rows of sink positions: the BF16 sink row where srow >= 0, else the INT2 form."""
-    offs_d = tl.arange(0, D)
+def _sink_rows(C, P32, S_ROWS, slot, srow, in_sink, h, d0, DN: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+               G: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr):
+    """Dims [d0, d0 + DN) of sink positions' rows as fp32 [N, DN]: the BF16 sink row where srow >= 0, else
+    the INT2 form."""
+    offs_d = d0 + tl.arange(0, DN)
     has = in_sink & (srow >= 0)
     x = tl.load(S_ROWS + (srow * HKV + h)[:, None] * D + offs_d[None, :], mask=has[:, None], other=0.0)
-    return x.to(tl.float32) + _dequant_rows(C, P32, slot * HKV + h, in_sink & (srow < 0), D, G, LEVEL_A, CODEBOOK)
+    return x.to(tl.float32) + _dequant_rows(C, P32, slot * HKV + h, in_sink & (srow < 0), d0, DN, D, G, LEVEL_A,
+                                            CODEBOOK)
 
 
 @triton.jit
@@ -768,11 +771,14 @@ def _oscar_decode_merge(
     SINK: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, BLOCK_T: tl.constexpr,
     NS: tl.constexpr, SS: tl.constexpr, NS_TOTAL: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+    DC: tl.constexpr,  # output dims per program: program (pid, c) merges dims [c·DC, (c + 1)·DC)
     PDL: tl.constexpr,  # launched as a programmatic dependent of stage 1: wait for its writes here
 ):
     pid = tl.program_id(0)  # b * Hq + hq
+    d0 = tl.program_id(1) * DC
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, D)
+    offs_d = d0 + tl.arange(0, DC)
+    offs_k = tl.arange(0, D)
     mask_s = offs_s < NS_TOTAL
     if PDL:
         gdc_wait()
@@ -791,23 +797,23 @@ def _oscar_decode_merge(
     n = tl.minimum(L, SINK)
     m_x = tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), 0)
     l_x = tl.sum(tl.zeros([BLOCK_T], tl.float32), 0)
-    acc_x = tl.zeros([D], tl.float32)
+    acc_x = tl.zeros([DC], tl.float32)
     if n_missing > 0:
         lse = tl.where(sink_part, float("-inf"), lse)
         r2t = REQ_TO_TOKEN + tl.load(REQ_IDX + b).to(tl.int64) * stride_r2t
-        q = tl.load(Q + pid * D + offs_d).to(tl.float32) * qk_scale
+        q = tl.load(Q + pid * D + offs_k).to(tl.float32) * qk_scale  # scores need all D dims
         for start in range(0, n, BLOCK_T):
             pos = start + tl.arange(0, BLOCK_T)
             in_sink = pos < n
             slot = tl.load(r2t + pos, mask=in_sink, other=0).to(tl.int64)
             srow = tl.load(SINK_TABLE + slot, mask=in_sink, other=0).to(tl.int64)
-            k = _sink_rows(KC, KP32, SK, slot, srow, in_sink, h, HKV, D, GK, K_A, K_CODEBOOK)
+            k = _sink_rows(KC, KP32, SK, slot, srow, in_sink, h, 0, D, HKV, D, GK, K_A, K_CODEBOOK)
             s = tl.where(in_sink, tl.sum(k * q[None, :], 1), float("-inf"))
             m_new = tl.maximum(m_x, tl.max(s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_x - m_safe)
             p = tl.exp2(s - m_safe)
-            v = _sink_rows(VC, VP32, SV, slot, srow, in_sink, h, HKV, D, GV, V_A, V_CODEBOOK)
+            v = _sink_rows(VC, VP32, SV, slot, srow, in_sink, h, d0, DC, HKV, D, GV, V_A, V_CODEBOOK)
             acc_x = acc_x * alpha + tl.sum(p[:, None] * v, 0)
             l_x = l_x * alpha + tl.sum(p, 0)
             m_x = m_new
@@ -906,6 +912,8 @@ FILL_MIN_ROWS = 4096
 FOLD_FILL_MIN_ROWS = 512
 LARGE_NP_FILL_MIN_ROWS = 1024
 FOLD_LONG_SPLIT_ROWS = 8192
+# The merge's programs each take >= this many output dims of a query head (default_merge_splits).
+MERGE_MIN_DIMS = 32
 
 
 def _rounds_fill(programs: int, slots: int) -> float:
@@ -951,6 +959,16 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
     if long_split_rows and heads * ns > slots and max_context > ns * long_split_rows:
         ns = filled(int(min(triton.cdiv(max_context, long_split_rows), cap, 128)))
     return ns
+
+
+def default_merge_splits(query_heads: int, head_dim: int, num_sms: int = 132) -> int:
+    """Merge programs per query head: where the B·Hq heads leave SMs idle (small batch), split each head's
+    D output dims over up to num_sms / (B·Hq) programs (a power of two, >= MERGE_MIN_DIMS dims each), so
+    that each program loads a slice of the partials instead of all of them."""
+    n = 1
+    while 2 * n * query_heads <= num_sms and head_dim // (2 * n) >= MERGE_MIN_DIMS:
+        n *= 2
+    return n
 
 
 def default_block_n(np_: int, head_dim: int) -> int:
@@ -1022,6 +1040,7 @@ def oscar_decode(
     peel_tail: Optional[bool] = None,
     lazy_rescale: Optional[float] = None,
     fold_halves: Optional[bool] = None,
+    merge_splits: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
@@ -1041,6 +1060,8 @@ def oscar_decode(
     units (None: PEEL_TAIL / LAZY_RESCALE; 0 rescales every block; at most MAX_LAZY_RESCALE).
     fold_halves: the INT2 loop's tiles as [BLOCK_N/2, 2·NP] (None: FOLD_HALVES where NP < 8, D <= 128, block_n
     is a multiple of 32 and peel_tail / lazy_rescale are off; then maxnreg defaults to FOLD_MAXNREG on the GPU).
+    merge_splits: programs per query head in the merge, each merging D / merge_splits output dims (a power of
+    two, D / merge_splits >= MERGE_MIN_DIMS; None: default_merge_splits).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -1160,7 +1181,12 @@ def oscar_decode(
         PDL_TRIGGER=use_pdl,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
-    _oscar_decode_merge[(B * Hq,)](
+    if merge_splits is None:
+        merge_splits = default_merge_splits(B * Hq, D, _num_sms(q.device))
+    if merge_splits < 1 or merge_splits & (merge_splits - 1) or D // merge_splits < MERGE_MIN_DIMS:
+        raise ValueError(f"merge_splits must be a power of two with D / merge_splits >= {MERGE_MIN_DIMS} "
+                         f"(D = {D}), got {merge_splits}")
+    _oscar_decode_merge[(B * Hq, merge_splits)](
         o_part, lse_part, out,
         q, cache.k_codes, kp32, cache.v_codes, vp32, sink_k, sink_v, cache.sink_table,
         req_to_token, req_pool_indices, seq_lens, float(sm_scale) * LOG2E, req_to_token.stride(0),
@@ -1168,7 +1194,8 @@ def oscar_decode(
         K_A=float(k_level_a if k_level_a is not None else 1.0),
         V_A=float(v_level_a if v_level_a is not None else 1.0),
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None, BLOCK_T=16,
-        NS=ns, SS=ss, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, PDL=use_pdl,
+        NS=ns, SS=ss, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, DC=D // merge_splits,
+        PDL=use_pdl,
         num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
     )
     return out

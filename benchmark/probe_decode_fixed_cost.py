@@ -1,0 +1,141 @@
+"""Where the time of one decode layer-call goes at small batch: stage 1, the merge, and the gaps.
+
+bench_decode times whole calls (CUDA-graph replay); at batch 1 the call costs ~10 us more than its
+INT2 loop streams at the batch-32 rate (benchmark/NOTES.md "Fixed cost at batch 1"). This probe
+replays the same graphs under torch.profiler (CUPTI kernel records are kept for graph launches) and
+splits each call into stage-1 time, merge time and the gaps between kernels, next to the graph of two
+empty Triton kernels per call (the floor of a two-kernel call). Writes $OUT/probe_decode_fixed_cost_<device>.json.
+
+    python benchmark/probe_decode_fixed_cost.py [--contexts 8192,32768,65536,131072] [--batches 1,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import MODELS, bench, make_oscar, n_copies, oscar_bytes, oscar_fns  # noqa: E402
+from sglang_oscar.kernels import decode  # noqa: E402
+
+
+@triton.jit
+def _empty(x):
+    pass
+
+
+def kernel_records(graph, replays=20):
+    """Kernel (name, start_us, dur_us) of `replays` graph replays, in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        trace = json.load(f)
+    os.unlink(path)
+    ev = [(e["name"], float(e["ts"]), float(e["dur"])) for e in trace["traceEvents"]
+          if e.get("cat") == "kernel" and "dur" in e]
+    return sorted(ev, key=lambda e: e[1])
+
+
+def split_calls(ev):
+    """Per call (a stage-1 kernel and the merge after it): stage-1 us, merge us, span us (stage-1 start to
+    merge end), and the gap to the next call's start."""
+    calls = []
+    i = 0
+    while i + 1 < len(ev):
+        if "stage1" in ev[i][0] and "merge" in ev[i + 1][0]:
+            s, m = ev[i], ev[i + 1]
+            nxt = ev[i + 2][1] if i + 2 < len(ev) else None
+            calls.append(dict(stage1=s[2], merge=m[2], overlap=max(0.0, s[1] + s[2] - m[1]),
+                              span=m[1] + m[2] - s[1], gap_next=None if nxt is None else nxt - (m[1] + m[2])))
+            i += 2
+        else:
+            i += 1
+    return calls
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS))
+    ap.add_argument("--contexts", default="8192,32768,65536,131072")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--splits", default="", help="extra explicit split counts to time at batch 1 (comma list)")
+    ap.add_argument("--variants", default="",
+                    help="extra oscar_decode keyword sets at every point, 'name:key=int,key=int;name2:...'")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    hq, hkv, d = MODELS[args.model]
+    dev = torch.cuda.get_device_name()
+    rows = []
+
+    # floor: two empty kernels per call, same number of calls per graph as the decode graphs use
+    x = torch.empty(1, device="cuda")
+    for copies in (1, 8):
+        us = 1e3 * bench([lambda: (_empty[(1,)](x), _empty[(1,)](x))] * copies)
+        rows.append(dict(kind="two_empty_kernels", copies=copies, us_per_call=us))
+        print(f"two empty kernels, {copies} calls per graph: {us:.2f} us per call", flush=True)
+
+    for b in [int(v) for v in args.batches.split(",")]:
+        for ctx in [int(v) for v in args.contexts.split(",")]:
+            q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
+            copies = n_copies(oscar_bytes(b, hq, hkv, d, ctx))
+            cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies)
+            variants = [("default", {})]
+            if b == 1:
+                variants.append(("no_pdl", dict(pdl=False)))
+                variants += [(f"ns{n}", dict(num_splits=n)) for n in (int(v) for v in args.splits.split(",") if v)]
+            for spec in filter(None, args.variants.split(";")):
+                name, _, kws = spec.partition(":")
+                variants.append((name, {k: int(v) for k, v in (kv.split("=") for kv in kws.split(",") if kv)}))
+            for name, kw in variants:
+                fns = oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, **kw)
+                us = 1e3 * bench(fns)
+                # the same calls, captured again for the profiler
+                for f in fns:
+                    f()
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for f in fns:
+                        f()
+                calls = split_calls(kernel_records(g))
+                r = dict(kind="decode", model=args.model, batch=b, context=ctx, variant=name, copies=copies,
+                         us_per_call=us, calls_profiled=len(calls),
+                         **{k: med(c[k] for c in calls) for k in ("stage1", "merge", "overlap", "span", "gap_next")})
+                rows.append(r)
+                print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+            del cache, r2t
+            torch.cuda.empty_cache()
+
+    out = dict(device=dev, versions=dict(torch=torch.__version__, triton=triton.__version__), rows=rows,
+               splits_rule=dict(fold_fill_min_rows=decode.FOLD_FILL_MIN_ROWS))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"probe_decode_fixed_cost_{dev.replace(' ', '_')}.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
