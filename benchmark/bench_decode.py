@@ -411,11 +411,12 @@ def main():
 
 
 def plot(res, path):
-    try:  # the SGLang runtime bundle ships a 5-line IPython stand-in without get_ipython
+    try:  # the SGLang runtime bundle ships a 5-line IPython stand-in (no get_ipython, no version_info) that
+        # matplotlib would take for IPython: hide it, so that matplotlib sees no IPython at all
         import IPython
 
-        if not hasattr(IPython, "get_ipython"):
-            IPython.get_ipython = lambda: None
+        if not hasattr(IPython, "version_info"):
+            sys.modules["IPython"] = None
     except ImportError:
         pass
     import matplotlib
