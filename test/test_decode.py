@@ -30,7 +30,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     _interp._patch_lang_tensor = _patch_lang_tensor
 
-from sglang_oscar.kernels.decode import default_merge_splits, oscar_decode
+from sglang_oscar.kernels.decode import default_merge_splits, default_window_splits, oscar_decode
 from sglang_oscar.kernels.layout import LayerCache
 from sglang_oscar.quant.attention import dequantize_rows, mixed_decode_reference
 from sglang_oscar.quant.intq import quantize
@@ -632,6 +632,33 @@ def test_decode_merge_splits_all_rows_present():
 ])
 def test_default_merge_splits(query_heads, head_dim, expect):
     assert default_merge_splits(query_heads, head_dim, 132) == expect
+
+
+@pytest.mark.parametrize("heads,ns,slots,expect", [
+    (8, 95, 792, (2, 2)),  # Qwen3-8B batch 1, 64k/128k: 760 INT2 + 64 window programs > 792 slots -> 792
+    (8, 64, 792, (4, 4)),  # 32k: 576 programs, one round already
+    (8, 97, 792, (4, 4)),  # 776 + 32 > 792 even halved: unchanged
+    (16, 48, 792, (4, 4)),  # batch 2: 768 + 128; halved 832 > 792
+    (64, 12, 792, (4, 4)),  # batch 8: INT2 programs alone nearly fill the round; halved 1024
+    (8, 100, 792, (4, 4)),  # INT2 programs alone take two rounds
+])
+def test_default_window_splits(heads, ns, slots, expect):
+    assert default_window_splits(heads, ns, 64, 256, slots) == expect
+
+
+def test_decode_halves_window_programs_into_one_round(monkeypatch):
+    """With 7 SMs (28 slots of 4 programs) 2 requests x 2 KV heads x 3 splits fit, + 4 sink + 4 ring programs
+    each do not, + 2 + 2 do: oscar_decode launches 2 + 2, and the result still matches the oracle."""
+    from sglang_oscar.kernels import decode as dec
+
+    seen = []
+    orig = dec.default_window_splits
+    monkeypatch.setattr(dec, "default_window_splits", lambda *a: seen.append(orig(*a)) or seen[-1])
+    monkeypatch.setattr(dec, "_num_sms", lambda device: 7)
+    case = make_case([700, 333], hkv=2, gqa=2, d=64, sink=64, window=256, seed=67)
+    run_and_check(case, num_splits=3, maxnreg=256)
+    assert seen[-1] == (2, 2)
+    run_and_check(case, num_splits=3, maxnreg=256, sink_splits=4, ring_splits=4)  # explicit counts win
 
 
 @pytest.mark.parametrize("bad", [0, 3, 8])  # 8: 8 dims per program < MERGE_MIN_DIMS

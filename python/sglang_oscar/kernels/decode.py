@@ -961,6 +961,23 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
     return ns
 
 
+def default_window_splits(heads: int, num_splits: int, sink: int, window: int, slots: int) -> tuple:
+    """(sink programs, ring programs) per (request, KV head): ceil(S / SINK_ROWS_PER_SPLIT) and
+    ceil(W / RING_ROWS_PER_SPLIT), halved once where that brings a launch whose INT2 programs fit one round of
+    `slots` resident programs, but whose window programs spill past it, back into one round (so no window
+    program trails the round, and the merge launches early through PDL). H100, Qwen3-8B batch 1 at 64k (95
+    splits + 8 window programs per head = 824 programs for 792 slots): 0.95x the time, 0.99x at 128k; halving
+    to 1 + 1 measured slower (the 256-row ring program gets longest; benchmark/NOTES.md "Fixed cost at small
+    batch")."""
+    ss = max(1, triton.cdiv(sink, SINK_ROWS_PER_SPLIT))
+    rs = triton.cdiv(window, RING_ROWS_PER_SPLIT)
+    if heads * num_splits <= slots < heads * (num_splits + ss + rs):
+        ss2, rs2 = triton.cdiv(ss, 2), triton.cdiv(rs, 2)
+        if heads * (num_splits + ss2 + rs2) <= slots:
+            return ss2, rs2
+    return ss, rs
+
+
 def default_merge_splits(query_heads: int, head_dim: int, num_sms: int = 132) -> int:
     """Merge programs per query head: where the B·Hq heads leave SMs idle (small batch), split each head's
     D output dims over up to num_sms / (B·Hq) programs (a power of two, >= MERGE_MIN_DIMS dims each), so
@@ -1133,10 +1150,11 @@ def oscar_decode(
         num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
                                         ctas_per_sm=ctas, **split_rule)
     ns = num_splits
-    rs = ring_splits if ring_splits is not None else triton.cdiv(window, RING_ROWS_PER_SPLIT)
+    ss_auto, rs_auto = default_window_splits(B * Hkv, ns, sink, window, ctas * _num_sms(q.device))
+    rs = ring_splits if ring_splits is not None else rs_auto
     if rs < 1:
         raise ValueError(f"ring_splits must be >= 1, got {rs}")
-    ss = sink_splits if sink_splits is not None else max(1, triton.cdiv(sink, SINK_ROWS_PER_SPLIT))
+    ss = sink_splits if sink_splits is not None else ss_auto
     if ss < 1:
         raise ValueError(f"sink_splits must be >= 1, got {ss}")
     ns_total = ns + ss + rs
