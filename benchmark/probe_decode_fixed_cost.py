@@ -1,7 +1,7 @@
 """Where the time of one decode layer-call goes at small batch: stage 1, the merge, and the gaps.
 
 bench_decode times whole calls (CUDA-graph replay); at batch 1 the call costs ~10 us more than its
-INT2 loop streams at the batch-32 rate (benchmark/NOTES.md "Fixed cost at batch 1"). This probe
+INT2 loop streams at the batch-32 rate (benchmark/NOTES.md "Fixed cost at small batch"). This probe
 replays the same graphs under torch.profiler (CUPTI kernel records are kept for graph launches) and
 splits each call into stage-1 time, merge time and the gaps between kernels, next to the graph of two
 empty Triton kernels per call (the floor of a two-kernel call). Writes $OUT/probe_decode_fixed_cost_<device>.json.
