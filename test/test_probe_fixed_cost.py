@@ -1,0 +1,33 @@
+"""benchmark/probe_decode_fixed_cost.py's pairing of CUPTI kernel records into calls (pure Python, CPU)."""
+
+import os
+import sys
+
+import pytest
+
+import kernel_utils  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmark"))
+from probe_decode_fixed_cost import split_calls  # noqa: E402
+
+
+def test_split_calls_pairs_stage1_with_the_next_merge():
+    ev = [  # (name, start us, duration us), sorted by start
+        ("_oscar_decode_stage1", 0.0, 30.0),
+        ("_oscar_decode_merge", 28.0, 4.0),  # PDL: launched before stage 1 ended
+        ("_oscar_decode_stage1", 32.5, 31.0),
+        ("_oscar_decode_merge", 64.0, 2.0),
+        ("some_other_kernel", 66.5, 1.0),
+        ("_oscar_decode_stage1", 68.0, 10.0),  # no merge after it: not a call
+    ]
+    calls = split_calls(ev)
+    assert len(calls) == 2
+    a, b = calls
+    assert a["stage1"] == 30.0 and a["merge"] == 4.0
+    assert a["overlap"] == pytest.approx(2.0) and a["span"] == pytest.approx(32.0)
+    assert a["gap_next"] == pytest.approx(0.5)
+    assert b["overlap"] == 0.0 and b["span"] == pytest.approx(33.5) and b["gap_next"] == pytest.approx(0.5)
+
+
+def test_split_calls_without_merges_is_empty():
+    assert split_calls([("_oscar_decode_stage1", 0.0, 1.0), ("_oscar_decode_stage1", 2.0, 1.0)]) == []
