@@ -43,8 +43,20 @@ def source(path, top=15):
     i_src, i_ex = hdr.index("Source"), hdr.index("Instructions Executed")
     i_all = hdr.index("Warp Stall Sampling (All Samples)")
     reasons = [i for i, h in enumerate(hdr) if h.startswith("stall_") and "Not Issued" not in h]
-    hot = max(int(r[i_ex] or 0) for r in data)
-    loop = [r for r in data if int(r[i_ex] or 0) == hot]  # the INT2 loop: the most executed instructions
+    ex = [int(r[i_ex] or 0) for r in data]
+    # the INT2 loop: the rows around its MMAs (the most executed HMMAs) executed at least as often as they are.
+    # (At batch 1 the splits' trip counts differ, so "the most executed instruction" alone can miss the loop.)
+    mma = [i for i, r in enumerate(data) if "HMMA" in r[i_src]]
+    hot = max(ex[i] for i in mma) if mma else max(ex)
+    core = [i for i in mma if ex[i] == hot] or [ex.index(hot)]
+    first, last = min(core), max(core)
+    while first > 0 and ex[first - 1] >= hot:
+        first -= 1
+    while last + 1 < len(data) and ex[last + 1] >= hot:
+        last += 1
+    loop = data[first:last + 1]
+    samples = [int(r[i_all] or 0) for r in data]
+    total = max(sum(samples), 1)
     by_reason = collections.Counter()
     for r in loop:
         for i in reasons:
@@ -54,6 +66,9 @@ def source(path, top=15):
         "samples_total": sum(int(r[i_all] or 0) for r in data),
         "int2_loop_instructions": len(loop),
         "int2_loop_samples": sum(int(r[i_all] or 0) for r in loop),
+        "samples_by_region": {"before_loop": round(sum(samples[:first]) / total, 4),
+                              "int2_loop": round(sum(samples[first:last + 1]) / total, 4),
+                              "after_loop": round(sum(samples[last + 1:]) / total, 4)},
         "int2_loop_samples_by_reason": dict(by_reason.most_common()),
         "most_stalled": [{"sass": r[i_src].strip(), "samples": int(r[i_all] or 0),
                           "reasons": {hdr[i]: int(r[i]) for i in reasons if r[i] not in ("", "0")}} for r in worst],
