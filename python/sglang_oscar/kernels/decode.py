@@ -475,9 +475,9 @@ def _halves_sum(x, NP: tl.constexpr):
 @triton.jit
 def _int2_split_folded(
     Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
-    split, b, h, base_hi, hist_hi, r2t, qk_scale,
+    split, b, h, L, ring_start_ptr, r2t, qk_scale,
     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-    SINK: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
+    SINK: tl.constexpr, WINDOW: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
     NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr,
@@ -494,8 +494,6 @@ def _int2_split_folded(
     NSP: tl.constexpr = 4 * NCH
     BM: tl.constexpr = BLOCK_N // 2
     NPF: tl.constexpr = 2 * NP
-    lo, hi = _split_rows(split, base_hi, hist_hi, SINK, NS, BLOCK_N)
-
     offs_j = tl.arange(0, NPF)
     jh = offs_j % NP  # head of folded column j
     jk = offs_j // NP  # half of folded column j
@@ -511,6 +509,9 @@ def _int2_split_folded(
     # blockdiag(qᵀ, qᵀ) per sub-plane [2·CH, NPF] (the mask keeps one block per column), so the group
     # sums come out per folded column
     qts, qsum = _query_sub_planes(q_colj[None, :] + cc[:, None], q_mask, qk_scale, NPF, D, GK, NGK, CH, SUB, DT)
+    # the rows after q's loads: they need seq_lens, q does not (so q's loads are in flight while L arrives)
+    base_hi, hist_hi = _history_end(split, L, ring_start_ptr, SINK, WINDOW, NS, BLOCK_N)
+    lo, hi = _split_rows(split, base_hi, hist_hi, SINK, NS, BLOCK_N)
 
     m_i = tl.full([NPF], float("-inf"), tl.float32)  # the same value in both halves of a head
     l_t = tl.zeros([BM, NPF], tl.float32)
@@ -695,17 +696,17 @@ def _oscar_decode_stage1(
     L = tl.load(SEQ_LENS + b)
     r = tl.load(REQ_IDX + b).to(tl.int64)
     r2t = REQ_TO_TOKEN + r * stride_r2t
-    base_hi, hist_hi = _history_end(split, L, RING_START + r, SINK, WINDOW, NS, BLOCK_N)
 
     if split < NS:
         if FOLD:
             _int2_split_folded(
                 Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
-                split, b, h, base_hi, hist_hi, r2t, qk_scale,
-                HKV, GQA, D, GK, GV, SINK, NS, NS_TOTAL, NP,
+                split, b, h, L, RING_START + r, r2t, qk_scale,
+                HKV, GQA, D, GK, GV, SINK, WINDOW, NS, NS_TOTAL, NP,
                 BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
             )
         else:
+            base_hi, hist_hi = _history_end(split, L, RING_START + r, SINK, WINDOW, NS, BLOCK_N)
             _int2_split(
                 Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
                 split, b, h, base_hi, hist_hi, r2t, qk_scale,
