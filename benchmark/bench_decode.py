@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import subprocess
@@ -28,7 +27,8 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 from sglang_oscar.kernels.decode import _num_sms, default_num_splits, oscar_decode  # noqa: E402
 from sglang_oscar.kernels.layout import LayerCache  # noqa: E402
-from read_roofline import read_fns  # noqa: E402  (benchmark/, next to this script)
+from bench_write import device_tag, write_json  # noqa: E402  (benchmark/, next to this script)
+from read_roofline import read_fns  # noqa: E402
 
 # layer shapes per GPU (q heads, KV heads, head_dim); the default table runs the first two. qwen3-32b: GQA 8
 # (the unfolded kernel, NP = 8); glm-4.7-tp8: 96 q / 8 KV heads split over 8 GPUs, GQA 12 (NP = 16)
@@ -56,6 +56,21 @@ def n_copies(bytes_one):
 MIN_CALLS_PER_REPLAY = 8
 
 
+def capture_graph(fns):
+    """A CUDA graph of the calls fns (already compiled), after one warm-up run on a side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    return g
+
+
 def bench(fns, graph=True, min_calls=MIN_CALLS_PER_REPLAY):
     """Median ms of one call, rotating over the copies in fns (a whole number of rounds, >= min_calls calls
     per replay, so that a copy is read again only after all the others). The calls are captured in a CUDA
@@ -69,15 +84,7 @@ def bench(fns, graph=True, min_calls=MIN_CALLS_PER_REPLAY):
     torch.cuda.synchronize()
     if graph:
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                run_all()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                run_all()
-            ms = triton.testing.do_bench(g.replay, warmup=30, rep=200, return_mode="median")
+            ms = triton.testing.do_bench(capture_graph(fns).replay, warmup=30, rep=200, return_mode="median")
             return ms / len(fns)
         except Exception as e:  # noqa: BLE001
             print("  graph capture failed, timing eagerly:", type(e).__name__, str(e)[:120], flush=True)
@@ -391,15 +398,11 @@ def main():
                     rows.append(row)
                     print(f"{impl:20s} {model:9s} ctx={ctx:6d} b={b:3d}  {ms:8.4f} ms  {gbps:7.0f} GB/s  "
                           f"{row['pct_copy_bw']:5.1f}% copy", flush=True)
-    tag = dev.replace(" ", "_").replace("/", "_")
+    tag = device_tag(dev)
     res = dict(device=dev, copy_bandwidth_gbps=copy_bw / 1e9, versions=versions(), correctness_rel_err=errs,
                sink=SINK, window=WINDOW, k_group=GK, v_group=GV, rows=rows, oscar_variants=variants,
                wall_s=time.time() - t0)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"decode_kernel_{tag}.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print("wrote", path)
+    write_json(args.out, "decode_kernel", dev, res)
     try:
         plot(res, os.path.join(args.out, f"decode_kernel_{tag}.png"))
     except Exception as e:  # noqa: BLE001

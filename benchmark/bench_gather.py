@@ -26,7 +26,6 @@ SGLang runtime provides it). Writes $OUT/gather_kernel_<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -36,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_write import bench, copy_gbps, git_commit  # noqa: E402
+from bench_write import bench, copy_gbps, git_commit, write_json  # noqa: E402
 
 MODELS = {
     "Qwen3-8B": dict(q_heads=32, kv_heads=8, head_dim=128, layers=36, group=128),
@@ -158,11 +157,7 @@ def main() -> None:
                 print({k: v for k, v in row.items() if k not in meta})
                 del keys, vals
                 torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"gather_kernel_{dev_name.replace(' ', '_')}.json")
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
-    print("wrote", path)
+    write_json(args.out, "gather_kernel", dev_name, rows)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,21 @@ def git_commit() -> str:
         return "unknown"
 
 
+def device_tag(name: str) -> str:
+    """The device name as a file-name part ("NVIDIA H100 80GB HBM3" -> "NVIDIA_H100_80GB_HBM3")."""
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def write_json(out_dir: str, stem: str, device: str, obj) -> str:
+    """Write obj to OUT_DIR/<stem>_<device tag>.json (the results file of a benchmark run) and say where."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{stem}_{device_tag(device)}.json")
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+    print("wrote", path)
+    return path
+
+
 def prefill_flops(m: dict, n: int) -> float:
     """Dense GEMM FLOPs (q,k,v,o projections, SwiGLU MLP, LM head on the last token) + causal attention."""
     h, d, hq, hkv = m["hidden"], m["head_dim"], m["q_heads"], m["kv_heads"]
@@ -197,12 +212,7 @@ def main() -> None:
                 del inputs
                 torch.cuda.empty_cache()
 
-    os.makedirs(args.out, exist_ok=True)
-    safe = "".join(c if c.isalnum() else "_" for c in dev_name)
-    path = os.path.join(args.out, f"write_kernel_{safe}.json")
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"wrote {path}")
+    write_json(args.out, "write_kernel", dev_name, rows)
 
 
 if __name__ == "__main__":

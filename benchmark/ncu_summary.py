@@ -63,9 +63,9 @@ def source(path, top=15):
             by_reason[hdr[i]] += int(r[i] or 0)
     worst = sorted(loop, key=lambda r: -int(r[i_all] or 0))[:top]
     return {
-        "samples_total": sum(int(r[i_all] or 0) for r in data),
+        "samples_total": sum(samples),
         "int2_loop_instructions": len(loop),
-        "int2_loop_samples": sum(int(r[i_all] or 0) for r in loop),
+        "int2_loop_samples": sum(samples[first:last + 1]),
         "samples_by_region": {"before_loop": round(sum(samples[:first]) / total, 4),
                               "int2_loop": round(sum(samples[first:last + 1]) / total, 4),
                               "after_loop": round(sum(samples[last + 1:]) / total, 4)},

@@ -20,10 +20,10 @@ import tempfile
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import MODELS, bench, make_oscar, n_copies, oscar_bytes, oscar_fns  # noqa: E402
+from bench_decode import MODELS, bench, capture_graph, make_oscar, n_copies, oscar_bytes, oscar_fns  # noqa: E402
+from bench_write import write_json  # noqa: E402
 from sglang_oscar.kernels import decode  # noqa: E402
 
 
@@ -111,15 +111,7 @@ def main():
             for name, kw in variants:
                 fns = oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, **kw)
                 us = 1e3 * bench(fns)
-                # the same calls, captured again for the profiler
-                for f in fns:
-                    f()
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for f in fns:
-                        f()
-                calls = split_calls(kernel_records(g))
+                calls = split_calls(kernel_records(capture_graph(fns)))  # the copies' calls once, for the profiler
                 r = dict(kind="decode", model=args.model, batch=b, context=ctx, variant=name, copies=copies,
                          us_per_call=us, calls_profiled=len(calls),
                          **{k: med(c[k] for c in calls) for k in ("stage1", "merge", "overlap", "span", "gap_next")})
@@ -130,11 +122,7 @@ def main():
 
     out = dict(device=dev, versions=dict(torch=torch.__version__, triton=triton.__version__), rows=rows,
                splits_rule=dict(fold_fill_min_rows=decode.FOLD_FILL_MIN_ROWS))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"probe_decode_fixed_cost_{dev.replace(' ', '_')}.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", path)
+    write_json(args.out, "probe_decode_fixed_cost", dev, out)
 
 
 if __name__ == "__main__":
