@@ -1151,7 +1151,8 @@ def oscar_decode(
         num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
                                         ctas_per_sm=ctas, **split_rule)
     ns = num_splits
-    ss_auto, rs_auto = default_window_splits(B * Hkv, ns, sink, window, ctas * _num_sms(q.device))
+    slots = ctas * _num_sms(q.device)  # stage-1 programs resident at once (one round)
+    ss_auto, rs_auto = default_window_splits(B * Hkv, ns, sink, window, slots)
     rs = ring_splits if ring_splits is not None else rs_auto
     if rs < 1:
         raise ValueError(f"ring_splits must be >= 1, got {rs}")
@@ -1166,7 +1167,7 @@ def oscar_decode(
     elif out.shape != q.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
 
-    use_pdl = (PDL if pdl is None else bool(pdl)) and q.is_cuda and B * Hkv * ns_total <= ctas * _num_sms(q.device)
+    use_pdl = (PDL if pdl is None else bool(pdl)) and q.is_cuda and B * Hkv * ns_total <= slots
     fp32 = q.dtype == torch.float32
     dt = tl.float32 if fp32 else tl.float16
     wdt = tl.float32 if cache.ring_k.dtype == torch.float32 or fp32 else (
