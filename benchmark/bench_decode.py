@@ -17,7 +17,6 @@ import argparse
 import itertools
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -27,7 +26,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 from sglang_oscar.kernels.decode import _num_sms, default_num_splits, oscar_decode  # noqa: E402
 from sglang_oscar.kernels.layout import LayerCache  # noqa: E402
-from bench_write import device_tag, write_json  # noqa: E402  (benchmark/, next to this script)
+from bench_write import device_tag, git_commit, write_json  # noqa: E402  (benchmark/, next to this script)
 from read_roofline import read_fns  # noqa: E402
 
 # layer shapes per GPU (q heads, KV heads, head_dim); the default table runs the first two. qwen3-32b: GQA 8
@@ -268,10 +267,7 @@ def versions():
             v[name] = __import__(name).__version__
         except Exception as e:  # noqa: BLE001
             v[name] = f"unavailable: {type(e).__name__}: {e}"[:200]
-    try:
-        v["git_commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001
-        v["git_commit"] = "unknown"
+    v["git_commit"] = git_commit()  # OSCAR_COMMIT where set: the device copy's git metadata can be stale
     return v
 
 

@@ -22,6 +22,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
+from bench_write import git_commit  # noqa: E402
 from bench_decode import MODELS, bench, capture_graph, make_oscar, n_copies, oscar_bytes, oscar_fns  # noqa: E402
 from bench_write import write_json  # noqa: E402
 from sglang_oscar.kernels import decode  # noqa: E402
@@ -120,7 +121,7 @@ def main():
             del cache, r2t
             torch.cuda.empty_cache()
 
-    out = dict(device=dev, versions=dict(torch=torch.__version__, triton=triton.__version__), rows=rows,
+    out = dict(device=dev, versions=dict(torch=torch.__version__, triton=triton.__version__, git_commit=git_commit()), rows=rows,
                splits_rule=dict(fold_fill_min_rows=decode.FOLD_FILL_MIN_ROWS))
     write_json(args.out, "probe_decode_fixed_cost", dev, out)
 

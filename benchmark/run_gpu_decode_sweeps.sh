@@ -7,6 +7,9 @@
 # At most 3 runs: the device returns 8 files.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# the commit the results name: prefix the device command with OSCAR_COMMIT=<the hash of the commit that
+# travels>, written out where the call is made (on the device machine the git metadata can be stale)
+[ -n "${OSCAR_COMMIT:-}" ] || echo "warning: OSCAR_COMMIT unset: results name the device copy's git HEAD, which can be stale" >&2
 if [ $(( $# % 2 )) -ne 0 ] || [ $# -eq 0 ] || [ $# -gt 6 ]; then
   echo "usage: $0 NAME \"bench args\" [NAME \"bench args\" ...] (1-3 runs)" >&2; exit 2
 fi

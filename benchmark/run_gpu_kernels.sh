@@ -4,6 +4,9 @@
 #   [BENCH_WRITE=0] [TESTS=0] bash benchmark/run_gpu_kernels.sh [bench_decode.py args...]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# the commit the results name: prefix the device command with OSCAR_COMMIT=<the hash of the commit that
+# travels>, written out where the call is made (on the device machine the git metadata can be stale)
+[ -n "${OSCAR_COMMIT:-}" ] || echo "warning: OSCAR_COMMIT unset: results name the device copy's git HEAD, which can be stale" >&2
 SITE=$HOME/sgl-site
 if [ -d .devb/b ] && ls .devb/b/*.tgz >/dev/null 2>&1; then tar xzf .devb/b/*.tgz -C "$SITE"; fi
 if [ ! -d "$SITE/sglang" ] || [ ! -d "$SITE/flashinfer" ]; then

@@ -4,6 +4,9 @@
 #   bash benchmark/run_gpu_write.sh [bench_write.py args...]      (default: --decode-only)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# the commit the results name: prefix the device command with OSCAR_COMMIT=<the hash of the commit that
+# travels>, written out where the call is made (on the device machine the git metadata can be stale)
+[ -n "${OSCAR_COMMIT:-}" ] || echo "warning: OSCAR_COMMIT unset: results name the device copy's git HEAD, which can be stale" >&2
 export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu_state.txt"
 python3 -m pytest -q test/test_write.py -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/pytest_write_gpu.txt"
