@@ -55,7 +55,8 @@ def build(out_dir: str) -> tuple[ctypes.CDLL, str]:
         raise RuntimeError(f"nvcc failed:\n{log}")
     lib = ctypes.CDLL(so)
     i, p = ctypes.c_int, ctypes.c_void_p
-    lib.probe_launch.argtypes = [i, i, i, i, p, p, p, p, p, p, p, i, p, p, i, i, i, p, p, p, p]
+    ll = ctypes.c_longlong
+    lib.probe_launch.argtypes = [i, i, i, i, p, p, p, p, p, p, p, i, p, p, i, i, i, p, p, p, ll, ll, ll, ll, i, p]
     lib.probe_launch.restype = i
     for f in (lib.probe_prepare, lib.probe_occupancy):
         f.argtypes, f.restype = [i, i], i
@@ -125,16 +126,30 @@ class Probe:
         return (torch.empty(bh, nsw, GQA, D, device=dev), torch.empty(bh, nsw, GQA, device=dev),
                 torch.empty(bh, nsw, GQA, device=dev))
 
-    def launch(self, qb, qs, cache, r2t, req_idx, seq, parts, grid_y):
+    def launch(self, qb, qs, pool, r2t, req_idx, seq, parts, grid_y, load_only=False):
         o, m, l = parts
         bh = qb.shape[0]
+        kc, vc, kp, vp, strides = pool
         rc = self.lib.probe_launch(
-            self.nstage, self.warps, bh, grid_y, qb.data_ptr(), qs.data_ptr(), cache.k_codes.data_ptr(),
-            cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(), r2t.data_ptr(),
-            r2t.stride(0), req_idx.data_ptr(), seq.data_ptr(), HKV, SINK, WINDOW, o.data_ptr(), m.data_ptr(),
-            l.data_ptr(), torch.cuda.current_stream().cuda_stream)
+            self.nstage, self.warps, bh, grid_y, qb.data_ptr(), qs.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+            kp.data_ptr(), vp.data_ptr(), r2t.data_ptr(), r2t.stride(0), req_idx.data_ptr(), seq.data_ptr(), HKV,
+            SINK, WINDOW, o.data_ptr(), m.data_ptr(), l.data_ptr(), *strides, int(load_only),
+            torch.cuda.current_stream().cuda_stream)
         if rc:
             raise RuntimeError(f"probe_launch -> cuda error {rc}")
+
+
+LAYOUTS = ("pool", "head_major")
+
+
+def pool_buffers(cache, layout):
+    """(k codes, v codes, k params, v params, strides) as the kernel reads them: the pool's own
+    [slot, Hkv, .] buffers, or head-major [Hkv, slot, .] copies of them (a layout experiment)."""
+    n = cache.num_slots
+    if layout == "pool":
+        return cache.k_codes, cache.v_codes, cache.k_params, cache.v_params, (HKV * 32, 32, HKV, 1)
+    hm = [t.transpose(0, 1).contiguous() for t in (cache.k_codes, cache.v_codes, cache.k_params, cache.v_params)]
+    return (*hm, (32, n * 32, 1, n))
 
 
 def merge(parts, b):
@@ -169,7 +184,7 @@ def reference(q, cache, r2t, req_idx, seq, sm_scale):
     return out
 
 
-def check(probe, lens, seed):
+def check(probe, lens, seed, layout):
     """Max error of the merged probe output against reference(), relative to the output's max."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     b, ctx = len(lens), max(lens)
@@ -185,7 +200,7 @@ def check(probe, lens, seed):
     parts = probe.partials(b * HKV, gy)
     for t in parts:
         t.fill_(float("nan"))  # poisoned: every partial must be written
-    probe.launch(qb, qs, cache, r2t, req_idx, seq, parts, gy)
+    probe.launch(qb, qs, pool_buffers(cache, layout), r2t, req_idx, seq, parts, gy)
     torch.cuda.synchronize()
     got = merge(parts, b).double()
     ref = reference(q, cache, r2t, req_idx, seq, sm_scale)
@@ -201,7 +216,7 @@ def check(probe, lens, seed):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--configs", default="4:3,4:2,4:4,8:2", help="warps:stages per CTA")
+    ap.add_argument("--configs", default="4:3,4:4,4:2", help="warps:stages per CTA")
     ap.add_argument("--rounds", default="1,2", help="waves of resident CTAs to size the splits")
     ap.add_argument("--contexts", default="32768,65536,131072")
     ap.add_argument("--batches", default="1,8,32")
@@ -220,7 +235,8 @@ def main():
     errs = {}
     for p in probes:
         for name, lens in cases.items():
-            errs[f"{p.warps}:{p.nstage}:{name}"] = check(p, lens, seed=len(errs))
+            for layout in LAYOUTS:
+                errs[f"{p.warps}:{p.nstage}:{layout}:{name}"] = check(p, lens, seed=len(errs), layout=layout)
     print("max error / max |ref| against float64:", {k: f"{v:.1e}" for k, v in errs.items()}, flush=True)
     tol = 2e-2  # fp16 q' and p.scale operands (relative 2^-11 each), fp32 accumulation, ex2.approx
     bad = {k: v for k, v in errs.items() if not v < tol}
@@ -250,30 +266,47 @@ def main():
             del keep
             qb, qs = query_operands(q, 1 / math.sqrt(D))
             best = None
-            for p in probes:
-                for rounds in (int(x) for x in args.rounds.split(",")):
-                    gy = p.grid_y(b * HKV, ctx, rounds, sms)
-                    parts = p.partials(b * HKV, gy)
-                    idx = [torch.arange(c * b, (c + 1) * b, dtype=torch.int32, device="cuda") for c in range(copies)]
-                    fns = [lambda i=i, p=p, gy=gy, parts=parts: p.launch(qb, qs, cache, r2t, i, seq, parts, gy)
-                           for i in idx]
-                    ms = bench(fns)
-                    key = f"{p.warps}:{p.nstage}:r{rounds}"
-                    row.setdefault("probe_ms", {})[key] = ms
-                    row.setdefault("probe_grid_y", {})[key] = gy
-                    if best is None or ms < best[1]:
-                        best = (key, ms)
+            idx = [torch.arange(c * b, (c + 1) * b, dtype=torch.int32, device="cuda") for c in range(copies)]
+            r2t_scattered = torch.randperm(cache.num_slots, device="cuda").to(torch.int32).view(r2t.shape)
+            for layout in LAYOUTS:
+                pool = pool_buffers(cache, layout)
+                for p in probes:
+                    for rounds in (int(x) for x in args.rounds.split(",")):
+                        gy = p.grid_y(b * HKV, ctx, rounds, sms)
+                        parts = p.partials(b * HKV, gy)
+                        for load_only in (False, True):
+                            if load_only and (p is not probes[0] or rounds != 1):
+                                continue  # the gather alone: one config is enough
+                            fns = [lambda i=i, p=p, gy=gy, parts=parts, pool=pool, lo=load_only, r=r2t:
+                                   p.launch(qb, qs, pool, r, i, seq, parts, gy, lo) for i in idx]
+                            ms = bench(fns)
+                            key = f"{layout}:{p.warps}:{p.nstage}:r{rounds}" + (":load_only" if load_only else "")
+                            row.setdefault("probe_ms", {})[key] = ms
+                            row.setdefault("probe_grid_y", {})[key] = gy
+                            if not load_only and (best is None or ms < best[1]):
+                                best = (key, ms)
+                            if not load_only and layout == "pool":
+                                row["probe_pool_best_ms"] = min(row.get("probe_pool_best_ms", 1e9), ms)
+                # the same, with every request's slots scattered over the pool (a fragmented allocator)
+                gy = probes[0].grid_y(b * HKV, ctx, 1, sms)
+                parts = probes[0].partials(b * HKV, gy)
+                fns = [lambda i=i, gy=gy, parts=parts, pool=pool, r=r2t_scattered: probes[0].launch(
+                    qb, qs, pool, r, i, seq, parts, gy) for i in idx]
+                row["probe_ms"][f"{layout}:{probes[0].warps}:{probes[0].nstage}:r1:scattered"] = bench(fns)
+                del pool
             row["probe_best"], row["probe_best_ms"] = best
             row["probe_pct_of_read"] = 100 * row["read_probe_bytes_ms"] / best[1]
             row["oscar_pct_of_read"] = 100 * row["read_oscar_bytes_ms"] / row["oscar_ms"]
+            row["probe_pool_pct_of_read"] = 100 * row["read_probe_bytes_ms"] / row["probe_pool_best_ms"]
             row["probe_pct_copy_bw"] = 100 * probe_bytes / (best[1] * 1e-3) / copy_bw
             row["oscar_pct_copy_bw"] = 100 * nbytes / (row["oscar_ms"] * 1e-3) / copy_bw
             rows.append(row)
             print(f"ctx {ctx:6d} b {b:2d}: oscar {row['oscar_ms'] * 1e3:7.1f} us ({row['oscar_pct_of_read']:.0f}% of "
                   f"its read, {row['oscar_pct_copy_bw']:.0f}% copy bw) | probe history {best[1] * 1e3:7.1f} us "
-                  f"[{best[0]}] ({row['probe_pct_of_read']:.0f}% of its read, {row['probe_pct_copy_bw']:.0f}% copy bw)"
+                  f"[{best[0]}] ({row['probe_pct_of_read']:.0f}% of its read, {row['probe_pct_copy_bw']:.0f}% copy bw; "
+                  f"pool layout {row['probe_pool_pct_of_read']:.0f}%)"
                   f" | all {', '.join(f'{k} {v * 1e3:.1f}' for k, v in row['probe_ms'].items())}", flush=True)
-            del cache, r2t
+            del cache, r2t, r2t_scattered
             torch.cuda.empty_cache()
     res = {"device": dev, "sms": sms, "copy_bw_gbps": copy_bw / 1e9, "errors": errs, "tolerance": tol,
            "configs": {f"{p.warps}:{p.nstage}": {"registers": p.regs, "local_bytes": p.local_bytes,

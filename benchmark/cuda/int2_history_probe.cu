@@ -83,6 +83,11 @@ struct Args {
   float* m_part;        // [BH, nsw, 4]
   float* l_part;
   int r2t_stride, hkv, sink, window, nsw;
+  // element strides of (slot, head) in the code buffers (bytes) and the param buffers (8-byte words):
+  // the pool's [slot, Hkv, .] layout is (Hkv*32, 32) / (Hkv, 1); a head-major [Hkv, slot, .] one is
+  // (32, slots*32) / (1, slots)
+  long long c_slot, c_head, p_slot, p_head;
+  int load_only;        // 1: the copies and waits alone (the gather's own ceiling)
 };
 
 template <int NSTAGE>
@@ -127,19 +132,25 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   auto issue = [&](int blk) {
     if (blk < nblocks) {
       const uint32_t st = sbase + (blk % NSTAGE) * kStageBytes;
-      const int p0 = lo + blk * kTok + lane;
+      const int pos0 = lo + blk * kTok;
+      // codes: lanes 2i, 2i+1 copy the two 16-byte halves of token i (+16k), so that one instruction
+      // covers 16 whole rows (contiguous where the layout and the slots are)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int tok = (lane >> 1) + 16 * k, half = lane & 1;
+        const int s = __shfl_sync(0xffffffffu, k < 2 ? s0 : s1, tok & 31);
+        const int n = (pos0 + tok) < hi ? 16 : 0;
+        const long long off = s * a.c_slot + h * a.c_head + 16 * half;
+        cp_async16(st + tok * 32 + 16 * half, a.kc + off, n);
+        cp_async16(st + kVcOff + tok * 32 + 16 * half, a.vc + off, n);
+      }
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        const int s = k ? s1 : s0;
-        const int ok = (p0 + 32 * k) < hi;
-        const size_t row = (size_t)s * a.hkv + h;
         const int tok = lane + 32 * k;
-        cp_async16(st + tok * 32, a.kc + row * 32, ok ? 16 : 0);
-        cp_async16(st + tok * 32 + 16, a.kc + row * 32 + 16, ok ? 16 : 0);
-        cp_async16(st + kVcOff + tok * 32, a.vc + row * 32, ok ? 16 : 0);
-        cp_async16(st + kVcOff + tok * 32 + 16, a.vc + row * 32 + 16, ok ? 16 : 0);
-        cp_async8(st + kKpOff + tok * 8, a.kp + row, ok ? 8 : 0);
-        cp_async8(st + kVpOff + tok * 8, a.vp + row, ok ? 8 : 0);
+        const int n = (pos0 + tok) < hi ? 8 : 0;
+        const long long off = (k ? s1 : s0) * a.p_slot + h * a.p_head;
+        cp_async8(st + kKpOff + tok * 8, a.kp + off, n);
+        cp_async8(st + kVpOff + tok * 8, a.vp + off, n);
       }
     }
     cp_commit();  // an empty group past the end keeps the wait count uniform
@@ -168,7 +179,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     const int pos0 = lo + blk * kTok;
     const bool full = pos0 + kTok <= hi;
 #pragma unroll 1
-    for (int j = 0; j < kTok / 16; ++j) {
+    for (int j = 0; j < (a.load_only ? 0 : kTok / 16); ++j) {
       const uint8_t* kcs = st + j * 16 * 32;
       const uint2 kw0 = *reinterpret_cast<const uint2*>(kcs + sg * 32 + t * 8);
       const uint2 kw1 = *reinterpret_cast<const uint2*>(kcs + (sg + 8) * 32 + t * 8);
@@ -328,10 +339,11 @@ int probe_attributes(int nstage, int* regs, int* local_bytes) { DISPATCH(nstage,
 int probe_launch(int nstage, int warps, int bh, int grid_y, const void* qb, const void* qs, const void* kc,
                  const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride, const int* req_idx,
                  const int* seq_lens, int hkv, int sink, int window, float* o_part, float* m_part, float* l_part,
+                 long long c_slot, long long c_head, long long p_slot, long long p_head, int load_only,
                  void* stream) {
   Args a{(const uint32_t*)qb, (const float*)qs, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
          (const uint2*)vp, r2t, req_idx, seq_lens, o_part, m_part, l_part, r2t_stride, hkv, sink, window,
-         grid_y * warps};
+         grid_y * warps, c_slot, c_head, p_slot, p_head, load_only};
   DISPATCH(nstage, launch, a, bh, warps, grid_y, (cudaStream_t)stream)
 }
 
