@@ -216,7 +216,8 @@ def check(probe, lens, seed, layout):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--configs", default="4:3,4:4,4:2", help="warps:stages per CTA")
+    ap.add_argument("--configs", default="4:2,4:3,4:4", help="warps:stages per CTA (the first also times "
+                    "load_only and the scattered slot orders)")
     ap.add_argument("--rounds", default="1,2", help="waves of resident CTAs to size the splits")
     ap.add_argument("--contexts", default="32768,65536,131072")
     ap.add_argument("--batches", default="1,8,32")
@@ -268,6 +269,11 @@ def main():
             best = None
             idx = [torch.arange(c * b, (c + 1) * b, dtype=torch.int32, device="cuda") for c in range(copies)]
             r2t_scattered = torch.randperm(cache.num_slots, device="cuda").to(torch.int32).view(r2t.shape)
+            # pages of 64 slots in a random order, contiguous inside (a paged pool, page_size 64, fragmented)
+            page = 64
+            perm = torch.randperm(cache.num_slots // page, device="cuda").to(torch.int32)
+            pos = torch.arange(cache.num_slots, device="cuda", dtype=torch.int32)
+            r2t_paged = (perm[pos // page] * page + pos % page).view(r2t.shape)
             for layout in LAYOUTS:
                 pool = pool_buffers(cache, layout)
                 for p in probes:
@@ -293,6 +299,9 @@ def main():
                 fns = [lambda i=i, gy=gy, parts=parts, pool=pool, r=r2t_scattered: probes[0].launch(
                     qb, qs, pool, r, i, seq, parts, gy) for i in idx]
                 row["probe_ms"][f"{layout}:{probes[0].warps}:{probes[0].nstage}:r1:scattered"] = bench(fns)
+                fns = [lambda i=i, gy=gy, parts=parts, pool=pool, r=r2t_paged: probes[0].launch(
+                    qb, qs, pool, r, i, seq, parts, gy) for i in idx]
+                row["probe_ms"][f"{layout}:{probes[0].warps}:{probes[0].nstage}:r1:pages64_scattered"] = bench(fns)
                 del pool
             row["probe_best"], row["probe_best_ms"] = best
             row["probe_pct_of_read"] = 100 * row["read_probe_bytes_ms"] / best[1]
@@ -306,7 +315,7 @@ def main():
                   f"[{best[0]}] ({row['probe_pct_of_read']:.0f}% of its read, {row['probe_pct_copy_bw']:.0f}% copy bw; "
                   f"pool layout {row['probe_pool_pct_of_read']:.0f}%)"
                   f" | all {', '.join(f'{k} {v * 1e3:.1f}' for k, v in row['probe_ms'].items())}", flush=True)
-            del cache, r2t, r2t_scattered
+            del cache, r2t, r2t_scattered, r2t_paged
             torch.cuda.empty_cache()
     res = {"device": dev, "sms": sms, "copy_bw_gbps": copy_bw / 1e9, "errors": errs, "tolerance": tol,
            "configs": {f"{p.warps}:{p.nstage}": {"registers": p.regs, "local_bytes": p.local_bytes,
