@@ -1,0 +1,157 @@
+"""CPU check of the register layouts of benchmark/cuda/int2_history_probe.cu (the hand-written history loop).
+
+The GPU run of benchmark/probe_cuda_history.py compares the kernel with a float64 reference; this test pins the
+index scheme on CPU so that a change to it (token order sigma, PRMT selectors, plane masks, the lane -> dims map of
+the q fragments built by probe_cuda_history.query_operands, the movmatrix hand-over of p to the V dot) fails in CI.
+It emulates one 16-token tile per PTX's fragment definitions of mma.m16n8k16 (row.col, fp16 in, fp32 out) and of
+movmatrix.m8n8.trans, then compares the K and V dots with direct products on random codes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmark"))
+probe = pytest.importorskip("probe_cuda_history")
+
+CU_SOURCE = os.path.join(os.path.dirname(__file__), "..", "benchmark", "cuda", "int2_history_probe.cu")
+K_SELECTORS = (0x1100, 0x3322)  # bytes (0, 1) / (2, 3) of a word -> low bytes of two halfwords
+V_SELECTORS = (0x4400, 0x5511, 0x6622, 0x7733)  # byte k of word a and of word b -> two halfwords
+
+
+def prmt(a, b, sel):
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(src[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def halves(u):
+    return np.array([u], dtype=np.uint32).view(np.float16).astype(np.float64)
+
+
+def pack(x0, x1):
+    return int(np.array([x0, x1], dtype=np.float16).view(np.uint32)[0])
+
+
+def mma(acc, a_regs, b_regs):
+    """acc[lane][4] += A.B with A [16, 16] / B [16, 8] spread over lanes as PTX defines for m16n8k16."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        a = [halves(r) for r in a_regs[lane]]
+        A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2] = a[0], a[1]
+        A[g, 2 * t + 8:2 * t + 10], A[g + 8, 2 * t + 8:2 * t + 10] = a[2], a[3]
+        b = [halves(r) for r in b_regs[lane]]
+        B[2 * t:2 * t + 2, g], B[2 * t + 8:2 * t + 10, g] = b[0], b[1]
+    C = A @ B
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        acc[lane] += np.array([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]])
+
+
+def movmatrix_trans(regs):
+    M = np.zeros((8, 8))
+    for lane in range(32):
+        M[lane >> 2, 2 * (lane & 3):2 * (lane & 3) + 2] = halves(regs[lane])
+    return [pack(M.T[lane >> 2, 2 * (lane & 3)], M.T[lane >> 2, 2 * (lane & 3) + 1]) for lane in range(32)]
+
+
+def sigma(g):
+    return (g >> 1) + 4 * (g & 1)
+
+
+def word(row, off):
+    return sum(int(row[off + i]) << (8 * i) for i in range(4))
+
+
+def codes(byts):
+    return np.concatenate([(byts >> (2 * p)) & 3 for p in range(4)], 1)  # dims p*32 + j
+
+
+def test_selectors_match_the_kernel_source():
+    src = open(CU_SOURCE).read()
+    for sel in K_SELECTORS + V_SELECTORS:
+        assert f"0x{sel:04x}" in src.lower()
+    assert "(g >> 1) + 4 * (g & 1)" in src  # sigma
+    assert "0x00030003u << (2 * p)" in src  # plane masks
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_k_dot_with_the_driver_q_fragments(seed):
+    rng = np.random.default_rng(seed)
+    kc = rng.integers(0, 256, (16, 32))
+    q = torch.from_numpy(rng.standard_normal((1, 32, 128)) * 0.5).to(torch.bfloat16)
+    sm_scale = 1 / math.sqrt(128)
+    qb, qs = probe.query_operands(q, sm_scale)  # KV head 0: q heads 0..3
+    qb = qb[0].numpy().view(np.uint32)
+    acc = [np.zeros((32, 4)), np.zeros((32, 4))]
+    for ks in range(8):
+        p, hh = ks // 2, ks % 2
+        m = 0x00030003 << (2 * p)
+        a_regs = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            w0, w1 = word(kc[sigma(g)], t * 8 + 4 * hh), word(kc[sigma(g) + 8], t * 8 + 4 * hh)
+            lo, hi = K_SELECTORS
+            a_regs.append([prmt(w0, 0, lo) & m, prmt(w1, 0, lo) & m, prmt(w0, 0, hi) & m, prmt(w1, 0, hi) & m])
+        mma(acc[p // 2], a_regs, [[int(qb[lane, 2 * ks]), int(qb[lane, 2 * ks + 1])] for lane in range(32)])
+    K = codes(kc)
+    c0 = sm_scale * probe.LOG2E
+    qf = q[0].double().numpy() * c0
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for e in range(4):
+            row, head = sigma(g) + 8 * (e >> 1), (2 * t + (e & 1)) & 3
+            # group 0 in units of 2^-24, group 1 of 2^-20 (the kernel's sc1 / 16 and exp2(s' 2^24 - m))
+            for grp, unit in ((0, 2.0 ** 24), (1, 2.0 ** 20)):
+                want = (qf[head, 64 * grp:64 * grp + 64] * K[row, 64 * grp:64 * grp + 64]).sum()
+                assert acc[grp][lane, e] * unit == pytest.approx(want, rel=2e-3, abs=2e-3)
+    # the min term's group sums
+    for grp in range(2):
+        np.testing.assert_allclose(qs[0, grp].numpy() * 2.0 ** 24, qf[:4, 64 * grp:64 * grp + 64].sum(-1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_v_dot_from_the_k_accumulator_layout(seed):
+    rng = np.random.default_rng(seed + 10)
+    vc = rng.integers(0, 256, (16, 32))
+    P = rng.random((16, 4))  # p of token (tile row) and head
+    vs = rng.random((16, 2)) * 0.3 + 0.05  # V scale of token and group
+    h01, h23 = [], []
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        gsel, ra, rb = t >> 1, sigma(g), sigma(g) + 8
+        h01.append(pack(P[ra, (2 * t) & 3] * vs[ra, gsel], P[ra, (2 * t + 1) & 3] * vs[ra, gsel]))
+        h23.append(pack(P[rb, (2 * t) & 3] * vs[rb, gsel], P[rb, (2 * t + 1) & 3] * vs[rb, gsel]))
+    b0, b1 = movmatrix_trans(h01), movmatrix_trans(h23)
+    o = [np.zeros((32, 4)) for _ in range(8)]
+    for mt in range(8):
+        p, hb = mt >> 1, mt & 1
+        m = 0x00030003 << (2 * p)
+        a_regs = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            wa, wb, wc, wd = (word(vc[r], 4 * g) for r in (t, t + 4, t + 8, t + 12))
+            e = [prmt(wa, wb, s) for s in V_SELECTORS]
+            f = [prmt(wc, wd, s) for s in V_SELECTORS]
+            a_regs.append([e[2 * hb] & m, e[2 * hb + 1] & m, f[2 * hb] & m, f[2 * hb + 1] & m])
+        mma(o[mt], a_regs, [[b0[lane], b1[lane]] for lane in range(32)])
+    V = codes(vc)
+    seen = set()
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        gsel, head0 = t >> 1, (2 * t) & 3
+        for i in range(4):  # the kernel's epilogue: m-tiles of the lane's V group
+            mt = 4 * gsel + i
+            p, hb = mt >> 1, mt & 1
+            d0 = p * 32 + 4 * g + 2 * hb
+            for e, (head, d) in enumerate(((head0, d0), (head0 + 1, d0), (head0, d0 + 1), (head0 + 1, d0 + 1))):
+                want = sum(P[tok, head] * vs[tok, d // 64] * V[tok, d] for tok in range(16))
+                assert o[mt][lane, e] * 2.0 ** (24 - 2 * p) == pytest.approx(want, rel=3e-3, abs=1e-3)
+                seen.add((head, d))
+    assert len(seen) == 4 * 128  # every output of the tile written once
