@@ -35,6 +35,7 @@ sys.path.insert(0, HERE)
 from bench_decode import (GK, GV, SINK, WINDOW, bench, copy_bandwidth, make_oscar, n_copies,  # noqa: E402
                           oscar_bytes, oscar_fns)
 from bench_write import git_commit, write_json  # noqa: E402
+from sglang_oscar.kernels.decode import oscar_decode  # noqa: E402
 from read_roofline import read_fns  # noqa: E402
 
 LOG2E = 1.4426950408889634
@@ -152,6 +153,40 @@ def pool_buffers(cache, layout):
     return (*hm, (32, n * 32, 1, n))
 
 
+def head_major_oscar_fns(q, cache, r2t, seq, rs, b, copies, req_pool_indices=None, **kw):
+    """The production Triton call on head-major copies of the pool, unchanged kernel: each (request, KV head)
+    becomes a request of a one-KV-head cache whose slots are h * S + slot, so the kernel's row (slot * 1 + 0)
+    walks [Hkv, S, .] buffers. Same bytes and work as oscar_fns; only the addresses differ (an experiment:
+    does the Triton loop gain from the layout alone?). req_pool_indices: per copy (default: rows c*b ..)."""
+    import dataclasses
+
+    n, nsr, w, dev = cache.num_slots, cache.sink_k.shape[0], WINDOW, cache.k_codes.device
+    hm = lambda t: t.transpose(0, 1).contiguous().view(HKV * t.shape[0], 1, *t.shape[2:])  # noqa: E731
+    rows = cache.ring_k.shape[0] // w
+
+    def ring(t):
+        return t.view(rows, w, HKV, D).permute(0, 2, 1, 3).reshape(rows * HKV * w, 1, D).contiguous()
+
+    heads = torch.arange(HKV, device=dev, dtype=torch.int32)
+    st = cache.sink_table
+    table = torch.where(st[None, :] >= 0, heads[:, None] * nsr + st[None, :], -1).flatten().to(torch.int32)
+    fake = dataclasses.replace(cache, k_codes=hm(cache.k_codes), v_codes=hm(cache.v_codes), k_params=hm(cache.k_params),
+                               v_params=hm(cache.v_params), sink_k=hm(cache.sink_k), sink_v=hm(cache.sink_v),
+                               ring_k=ring(cache.ring_k), ring_v=ring(cache.ring_v), sink_table=table)
+    r2t_f = (heads[None, :, None] * n + r2t[:, None, :]).reshape(r2t.shape[0] * HKV, r2t.shape[1]).contiguous()
+    seq_f = seq.repeat_interleave(HKV)
+    rs_f = rs.repeat_interleave(HKV)
+    q_f = q.reshape(b * HKV, GQA, D)
+    out = torch.empty_like(q_f)
+    fns = []
+    for c in range(copies):
+        req = req_pool_indices[c] if req_pool_indices else torch.arange(c * b, (c + 1) * b, device=dev, dtype=torch.int32)
+        idx = (req[:, None].to(torch.int32) * HKV + heads).flatten()
+        fns.append(lambda idx=idx: oscar_decode(q_f, fake, r2t_f, idx, seq_f, rs_f, sink=SINK, window=WINDOW,
+                                                sm_scale=1 / math.sqrt(D), out=out, **kw))
+    return fns, (fake, r2t_f, q_f, out, seq_f, rs_f)
+
+
 def merge(parts, b):
     """[B, Hq, D] from the per-warp partials (m, l in log2 units; an empty split has l = 0)."""
     o, m, l = parts
@@ -259,6 +294,15 @@ def main():
             probe_bytes = b * HKV * hist * (2 * D // 4 + (D // GK) * 4 + (D // GV) * 4) + b * hist * 4
             row = {"context": ctx, "batch": b, "copies": copies, "oscar_bytes": nbytes, "probe_bytes": probe_bytes}
             row["oscar_ms"] = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, D))
+            fns, keep = head_major_oscar_fns(q, cache, r2t, seq, rs, b, copies)
+            want = oscar_decode(q, cache, r2t, torch.arange(b, dtype=torch.int32, device="cuda"), seq, rs, sink=SINK,
+                                window=WINDOW, sm_scale=1 / math.sqrt(D))
+            got = fns[0]().view_as(want)
+            row["oscar_head_major_max_diff"] = (got.float() - want.float()).abs().max().item()
+            if not row["oscar_head_major_max_diff"] <= 1e-2 * want.float().abs().max().item():
+                raise SystemExit(f"oscar on head-major copies differs: {row['oscar_head_major_max_diff']}")
+            row["oscar_head_major_ms"] = bench(fns)
+            del keep, fns
             fns, keep = read_fns(probe_bytes, copies, sms)
             row["read_probe_bytes_ms"] = bench(fns)
             del keep
@@ -313,7 +357,8 @@ def main():
             print(f"ctx {ctx:6d} b {b:2d}: oscar {row['oscar_ms'] * 1e3:7.1f} us ({row['oscar_pct_of_read']:.0f}% of "
                   f"its read, {row['oscar_pct_copy_bw']:.0f}% copy bw) | probe history {best[1] * 1e3:7.1f} us "
                   f"[{best[0]}] ({row['probe_pct_of_read']:.0f}% of its read, {row['probe_pct_copy_bw']:.0f}% copy bw; "
-                  f"pool layout {row['probe_pool_pct_of_read']:.0f}%)"
+                  f"pool layout {row['probe_pool_pct_of_read']:.0f}%) | oscar on head-major copies "
+                  f"{row['oscar_head_major_ms'] * 1e3:.1f} us"
                   f" | all {', '.join(f'{k} {v * 1e3:.1f}' for k, v in row['probe_ms'].items())}", flush=True)
             del cache, r2t, r2t_scattered, r2t_paged
             torch.cuda.empty_cache()

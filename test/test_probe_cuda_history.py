@@ -1,4 +1,5 @@
-"""CPU check of the register layouts of benchmark/cuda/int2_history_probe.cu (the hand-written history loop).
+"""CPU checks of benchmark/probe_cuda_history.py: the register layouts of benchmark/cuda/int2_history_probe.cu
+(the hand-written history loop), and the head-major twin of the Triton call it times.
 
 The GPU run of benchmark/probe_cuda_history.py compares the kernel with a float64 reference; this test pins the
 index scheme on CPU so that a change to it (token order sigma, PRMT selectors, plane masks, the lane -> dims map of
@@ -155,3 +156,26 @@ def test_v_dot_from_the_k_accumulator_layout(seed):
                 assert o[mt][lane, e] * 2.0 ** (24 - 2 * p) == pytest.approx(want, rel=3e-3, abs=1e-3)
                 seen.add((head, d))
     assert len(seen) == 4 * 128  # every output of the tile written once
+
+
+def test_head_major_copies_give_the_same_triton_output(monkeypatch):
+    """probe_cuda_history.head_major_oscar_fns runs the production Triton call on head-major copies of the pool
+    (each (request, KV head) as a one-head request): it must compute exactly what the normal call does, or its
+    timing compares different work. Interpreter on CPU (fp32), sinks, ring_start and scattered slots included."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_decode import make_case
+
+    from sglang_oscar.kernels.decode import oscar_decode
+
+    monkeypatch.setattr(probe, "SINK", 8)
+    monkeypatch.setattr(probe, "WINDOW", 16)
+    case = make_case([300, 77, 150], hkv=probe.HKV, gqa=probe.GQA, d=probe.D, sink=8, window=16,
+                     ring_starts=[0, 20, 0])
+    kw = dict(num_splits=3, block_n=32)
+    want = oscar_decode(**case, **kw)
+    b = case["q"].shape[0]
+    fns, _ = probe.head_major_oscar_fns(case["q"], case["cache"], case["req_to_token"], case["seq_lens"],
+                                        case["ring_start"], b, 1, req_pool_indices=[case["req_pool_indices"]], **kw)
+    got = fns[0]().view_as(want)
+    assert torch.isfinite(want).all()
+    assert torch.equal(got, want)
