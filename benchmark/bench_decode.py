@@ -103,10 +103,10 @@ def oscar_bytes(b, hq, hkv, d, ctx):
     return b * (hkv * (hist * per_tok_head + win) + idx) + 2 * b * hq * d * 2
 
 
-def make_oscar(b, hkv, d, ctx, copies):
+def make_oscar(b, hkv, d, ctx, copies, page=1):
     tokens = b * ctx
     cache = LayerCache.empty(tokens * copies, hkv, d, k_group=GK, v_group=GV, num_sink_rows=b * SINK * copies,
-                             max_reqs=b * copies, window=WINDOW, sink=SINK, device="cuda")
+                             max_reqs=b * copies, window=WINDOW, sink=SINK, device="cuda", page=page)
     for t in (cache.k_codes, cache.v_codes):
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device="cuda"))
     for p in (cache.k_params, cache.v_params):
@@ -257,6 +257,11 @@ def correctness_check():
         out = oscar_decode(**case)
         ref = mixed_decode_reference(**case)
         errs[f"gqa{gqa}_d{d}"] = float((out.double().cpu() - ref).norm() / ref.norm())
+        case = make_case([3000, 777, 40], hkv=2, gqa=gqa, d=d, sink=SINK, window=WINDOW, ring_starts=[0, 700, 0],
+                         pool_page=64)
+        out = oscar_decode(**case)
+        ref = mixed_decode_reference(**case)
+        errs[f"gqa{gqa}_d{d}_page64"] = float((out.double().cpu() - ref).norm() / ref.norm())
     return errs
 
 
@@ -279,7 +284,8 @@ def main():
     ap.add_argument("--models", default="qwen3-8b,smollm2")
     ap.add_argument("--impls", default="oscar,read_same_bytes,copy_same_traffic,flashinfer_bf16,flashinfer_fp8,"
                     "sglang_triton_bf16", help="read_same_bytes / copy_same_traffic: a streaming read of the bytes "
-                    "of one oscar call (benchmark/read_roofline.py) / a copy moving them: the size's ceiling")
+                    "of one oscar call (benchmark/read_roofline.py) / a copy moving them: the size's ceiling; oscar_pageN: the first "
+                    "oscar config on a pool in pages of N (kernels/records.py)")
     ap.add_argument("--oscar-configs", default="auto:2:3,64:2:3",
                     help="BLOCK_N|auto:num_warps:num_stages[:rN][:wN][:ringN][:sinkN][:wfB][:pdlB][:subB][:peelB]"
                          "[:lazyT][:foldB] (rN: maxnreg N, wN: split_waves N, ringN: ring_splits N, sinkN: "
@@ -320,14 +326,19 @@ def main():
                 q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
                 for impl in impls:
                     try:
-                        if impl in ("oscar", "oscar_prev", "read_same_bytes", "copy_same_traffic"):
+                        page = int(impl[len("oscar_page"):]) if impl.startswith("oscar_page") else 1
+                        if impl in ("oscar", "oscar_prev", "read_same_bytes", "copy_same_traffic") or page > 1:
                             nbytes = oscar_bytes(b, hq, hkv, d, ctx)  # the ceilings move the oscar call's bytes
                             if nbytes > MEM_CAP:
                                 continue
                             copies = n_copies(nbytes)
-                        if impl in ("oscar", "oscar_prev"):
-                            cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies)
-                        if impl == "oscar_prev":
+                        if impl in ("oscar", "oscar_prev") or page > 1:
+                            cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies, page=page)
+                        if page > 1:  # the first config on a pool in pages of `page` (kernels/records.py)
+                            ms, cfg = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, **cfgs[0][1])), \
+                                f"{cfgs[0][0]}:page{page}"
+                            del cache, r2t
+                        elif impl == "oscar_prev":
                             kw = {k: v for k, v in cfgs[0][1].items() if k in prev_params}
                             ms, cfg = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, decode=prev_decode, **kw)), \
                                 "prev:" + cfgs[0][0]

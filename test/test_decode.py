@@ -43,8 +43,9 @@ PAGE = 16
 
 
 def make_case(lens, *, hkv=2, gqa=2, d=64, gk=64, gv=64, sink=8, window=16, ring_starts=None,
-              dtype=None, device=DEV, seed=0, extra_reqs=1):
-    """A random mixed cache holding len(lens) requests, and the decode inputs."""
+              dtype=None, device=DEV, seed=0, extra_reqs=1, pool_page=1):
+    """A random mixed cache holding len(lens) requests, and the decode inputs. pool_page: the pool's page
+    size (kernels/layout.py; the slot assignment below uses pages of PAGE either way)."""
     g = torch.Generator().manual_seed(seed)
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     b = len(lens)
@@ -53,6 +54,7 @@ def make_case(lens, *, hkv=2, gqa=2, d=64, gk=64, gv=64, sink=8, window=16, ring
     # pool slots in pages of PAGE, pages shuffled: consecutive positions cross page boundaries
     pages_per_req = math.ceil(max_ctx / PAGE)
     num_slots = max_reqs * pages_per_req * PAGE + PAGE
+    num_slots = -(-num_slots // pool_page) * pool_page
     perm = torch.randperm(max_reqs * pages_per_req, generator=g) + 1  # page 0 unused
     req_to_token = torch.zeros(max_reqs, max_ctx, dtype=torch.int32)
     for r in range(max_reqs):
@@ -68,7 +70,8 @@ def make_case(lens, *, hkv=2, gqa=2, d=64, gk=64, gv=64, sink=8, window=16, ring
         ring_start[req_idx[i]] = rs
     num_sink_rows = b * sink + 3
     cache = LayerCache.empty(num_slots, hkv, d, k_group=gk, v_group=gv, num_sink_rows=num_sink_rows,
-                             max_reqs=max_reqs, window=window, sink=sink, window_dtype=dtype, device="cpu")
+                             max_reqs=max_reqs, window=window, sink=sink, window_dtype=dtype, device="cpu",
+                             page=pool_page)
     cache.k_codes.copy_(torch.randint(0, 256, cache.k_codes.shape, generator=g, dtype=torch.uint8))
     cache.v_codes.copy_(torch.randint(0, 256, cache.v_codes.shape, generator=g, dtype=torch.uint8))
     for prm in (cache.k_params, cache.v_params):
@@ -749,3 +752,30 @@ def test_gpu_cuda_graph_capture():
     ref = mixed_decode_reference(**case)
     err = (out.double().cpu() - ref).norm() / ref.norm()
     assert err < 1e-2
+
+
+@pytest.mark.parametrize("pool_page,d,gqa,fold", [(4, 64, 2, None), (16, 128, 4, None), (64, 64, 3, False),
+                                                  (16, 128, 4, True)])
+def test_decode_paged_pool(pool_page, d, gqa, fold):
+    """Pools in pages (kernels/records.py): the history, the folded / unfolded loops and the merge's sink
+    positions read as INT2 all find a slot's record at ((s // P) * Hkv + h) * P + s % P. Slots are assigned
+    in pages of 16 in random order, so requests cross pool pages mid-page."""
+    case = make_case([150, 33, 97], hkv=2, gqa=gqa, d=d, sink=8, window=16, ring_starts=[0, 0, 40],
+                     pool_page=pool_page, seed=pool_page)
+    assert case["cache"].k_codes.shape == (case["cache"].num_slots // pool_page, 2, pool_page, d // 4)
+    run_and_check(case, num_splits=3, block_n=32, fold_halves=fold)
+    # some sink positions without a sink row: read as INT2 by the merge
+    case["cache"].sink_table[case["req_to_token"][case["req_pool_indices"][0], :3].long()] = -1
+    run_and_check(case, missing_sink_int2=True, num_splits=2, block_n=32, fold_halves=fold)
+
+
+def test_decode_paged_pool_equals_unpaged():
+    """The same rows in a paged and an unpaged pool give the same output (bit-exact on the interpreter)."""
+    flat = make_case([130, 61], hkv=2, gqa=2, d=64, sink=8, window=16, pool_page=1, seed=5)
+    paged = make_case([130, 61], hkv=2, gqa=2, d=64, sink=8, window=16, pool_page=8, seed=5)
+    slots = torch.arange(flat["cache"].num_slots)
+    for name in ("k_codes", "v_codes", "k_params", "v_params"):
+        paged["cache"].set_rows(name, slots, flat["cache"].rows(name, slots))
+    a = oscar_decode(**flat, num_splits=3, block_n=32)
+    b = oscar_decode(**paged, num_splits=3, block_n=32)
+    assert torch.isfinite(a).all() and torch.equal(a, b)

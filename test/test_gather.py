@@ -27,16 +27,17 @@ def _kernels():
     return LayerCache, oscar_write_kv, oscar_gather_prefixes, oscar_gather_prefix
 
 
-def engine_cache(lengths, ring_starts, *, D=64, H=2, gk=32, gv=64, S=4, W=6, ka=1.0, va=1.0, seed=0, drop_sink=()):
+def engine_cache(lengths, ring_starts, *, D=64, H=2, gk=32, gv=64, S=4, W=6, ka=1.0, va=1.0, seed=0, drop_sink=(),
+                 page=1):
     """Write every request's tokens [0, L) like the engine: INT2 always, sink rows for p < S,
     ring rows for p in [max(ring_start, L − W), L). Returns cache, req_to_token, pool indices."""
     LayerCache, oscar_write_kv, _, _ = _kernels()
     g = gen(seed)
     b = len(lengths)
     max_len = max(max(lengths), 1)
-    num_slots = sum(lengths) + 8
+    num_slots = -(-(sum(lengths) + 8) // page) * page
     cache = LayerCache.empty(num_slots, H, D, k_group=gk, v_group=gv, num_sink_rows=S * b, max_reqs=b + 1,
-                             window=W, sink=S, window_dtype=ACT_DTYPE, device=DEVICE)
+                             window=W, sink=S, window_dtype=ACT_DTYPE, device=DEVICE, page=page)
     for t in cache.buffers().values():
         poison_(t)
     cache.sink_table.fill_(-1)
@@ -112,6 +113,16 @@ def test_gather_missing_sink_rows_read_int2():
     slots = r2t[idx[1], :4].long()
     want = dequantize_slots(cache.k_codes[slots], cache.k_params[slots], cache.k_group, 1.0)
     assert_rows_close(k[3:7], want, "INT2 form of the sink positions", rel=1e-6)
+
+
+@pytest.mark.parametrize("page", [4, 16])
+def test_gather_paged_pool(page):
+    """Pools in pages (kernels/records.py): written by the write kernel and read by the gather kernel in the
+    same paged layout, INT2 positions included (missing sink rows too), against the oracle."""
+    lengths, ring_starts = [3, 17, 0, 40, 25], [0, 0, 0, 8, 21]
+    cache, r2t, idx = engine_cache(lengths, ring_starts, drop_sink={(1, 2), (4, 0)}, seed=page, page=page)
+    assert cache.k_codes.shape[2] == page
+    check(cache, r2t, idx, lengths, ring_starts)
 
 
 def test_gather_chunk_already_in_ring_and_levels():

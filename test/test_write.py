@@ -60,13 +60,15 @@ def t_exact64(x, mat, mean, clip, group, params):
     return tt.reshape(t, h, d)
 
 
-def make_case(T, D, H, gk, gv, *, per_head, mean, v_absorbed, seed, window_dtype=ACT_DTYPE, act_dtype=ACT_DTYPE):
+def make_case(T, D, H, gk, gv, *, per_head, mean, v_absorbed, seed, window_dtype=ACT_DTYPE, act_dtype=ACT_DTYPE,
+              page=1):
     LayerCache, _, _ = _imports()
     g = gen(seed)
     num_slots, sink_rows, max_reqs, window = T + 5, T + 2, 2, max(T, 4)
+    num_slots = -(-num_slots // page) * page
     cache = LayerCache.empty(
         num_slots, H, D, k_group=gk, v_group=gv, num_sink_rows=sink_rows, max_reqs=max_reqs,
-        window=window, sink=64, window_dtype=window_dtype, device=DEVICE,
+        window=window, sink=64, window_dtype=window_dtype, device=DEVICE, page=page,
     )
     for t in cache.buffers().values():
         poison_(t)
@@ -104,11 +106,13 @@ def run_and_check(cache, k, v, slots, sink_dst, ring_dst, kmat, kmean, vmat, *, 
         ("k", k, kmat, kmean, k_clip, ka, cache.k_group),
         ("v", v, vmat, None, v_clip, va, cache.v_group),
     ):
-        codes, params = getattr(cache, f"{side}_codes"), getattr(cache, f"{side}_params")
-        rcodes, rparams = getattr(ref, f"{side}_codes"), getattr(ref, f"{side}_params")
+        # [num_slots, H, ...] by slot, whatever the pool's page size (LayerCache.rows)
+        every = torch.arange(cache.num_slots, device=DEVICE)
+        codes, params = cache.rows(f"{side}_codes", every), cache.rows(f"{side}_params", every)
+        rcodes, rparams = ref.rows(f"{side}_codes", every), ref.rows(f"{side}_params", every)
         # untouched slots keep the poison
-        assert same_or_both_nan(codes[~written], getattr(before, f"{side}_codes")[~written]).all(), f"{side}: stray code writes"
-        assert same_or_both_nan(params[~written], getattr(before, f"{side}_params")[~written]).all(), f"{side}: stray param writes"
+        assert same_or_both_nan(codes[~written], before.rows(f"{side}_codes", every)[~written]).all(), f"{side}: stray code writes"
+        assert same_or_both_nan(params[~written], before.rows(f"{side}_params", every)[~written]).all(), f"{side}: stray param writes"
         got_p, want_p = params[slots], rparams[slots]
         assert not got_p.isnan().any(), f"{side}: params not written"
         assert_within_bf16_ulp(got_p, want_p, f"{side} params")
@@ -141,6 +145,15 @@ CASES = [
     (33, 128, 1, 64, 64, True, True, False, 0.9, 0.9, 1.0, 1.0),
     (5, 256, 2, 128, 64, False, True, True, 0.95, 1.0, 1.0, 0.9),
 ]
+
+
+@pytest.mark.parametrize("page,T,block_t", [(4, 7, None), (16, 33, None), (64, 33, 16), (8, 5, 1)])
+def test_write_paged_pool(page, T, block_t):
+    """Pools in pages (kernels/records.py): codes and params land at the slot's record in [page, H, P, .], for the
+    dot tiles and the one-token programs; checked through LayerCache.rows against the oracle as above."""
+    case = make_case(T, 128, 3, 64, 32, per_head=True, mean=True, v_absorbed=False, seed=page + T, page=page)
+    assert case[0].k_codes.shape == (case[0].num_slots // page, 3, page, 32)
+    run_and_check(*case, k_clip=0.9, v_clip=1.0, ka=1.0, va=1.0, **({"block_t": block_t} if block_t else {}))
 
 
 @pytest.mark.parametrize("T,D,H,gk,gv,per_head,mean,v_abs,k_clip,v_clip,ka,va", CASES)
@@ -226,6 +239,10 @@ def test_write_errors():
         LayerCache.empty(4, 2, 64, k_group=16, device=DEVICE)
     with pytest.raises(ValueError, match="group size 128 is larger"):
         LayerCache.empty(4, 2, 64, v_group=128, device=DEVICE)
+    with pytest.raises(ValueError, match="page size 3 is not supported"):
+        LayerCache.empty(12, 2, 64, page=3, device=DEVICE)
+    with pytest.raises(ValueError, match="not a whole number of pages of 8"):
+        LayerCache.empty(12, 2, 64, page=8, device=DEVICE)
     with pytest.raises(TypeError, match="float32"):
         oscar_write_kv(k, v, slots, sd, rd, cache, k_transform=kmat.to(torch.bfloat16))
     with pytest.raises(ValueError, match="k_transform must have shape"):

@@ -65,6 +65,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .layout import check_shape
+from .records import pool_record
 
 LOG2E = 1.4426950408889634
 SUPPORTED_QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -298,7 +299,7 @@ def _int2_block(
     HKV: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BLOCK_N: tl.constexpr,
     K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
     DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr, CH: tl.constexpr,
-    SUB: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr,
+    SUB: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr, PAGE: tl.constexpr,
 ):
     """BLOCK_N history rows [start, start + BLOCK_N) of one split: scores, online softmax, V dots.
     MASKED: rows >= hi are masked (the tail block only; full blocks carry no predicates or selects).
@@ -314,7 +315,7 @@ def _int2_block(
     pos = start + tl.arange(0, BLOCK_N)
     mask_n = pos < hi
     slot = _load(r2t + pos, mask_n, MASKED).to(tl.int64)
-    row = slot * HKV + h  # [N]
+    row = pool_record(slot, h, HKV, PAGE)  # [N] (slot, head) records (kernels/records.py)
     kbs = []
     vbs = []
     for k in tl.static_range(NCH):
@@ -388,6 +389,7 @@ def _int2_split(
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
     NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PEEL: tl.constexpr, LAZY: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     """One split of the INT2 history [SINK, hist_hi), transposed: tokens in M, the GQA heads in N
     (padded to NP = next power of two, not 16), so the softmax and the scale / min algebra run on
@@ -435,13 +437,13 @@ def _int2_split(
         m_i, l_t, accs, accmin = _int2_block(
             KC, KP32, KP64, VC, VP32, VP64, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
             HKV, D, GK, GV, BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
-            False, LAZY,
+            False, LAZY, PAGE,
         )
     for start in range(hi_full, hi, BLOCK_N):
         m_i, l_t, accs, accmin = _int2_block(
             KC, KP32, KP64, VC, VP32, VP64, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
             HKV, D, GK, GV, BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
-            True, LAZY,
+            True, LAZY, PAGE,
         )
 
     # ---- epilogue: reduce the token lanes, then add the min terms, normalise, store oᵀ
@@ -480,7 +482,7 @@ def _int2_split_folded(
     SINK: tl.constexpr, WINDOW: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
-    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr,
+    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PAGE: tl.constexpr,
 ):
     """_int2_split with the two halves of each block of BLOCK_N tokens side by side in N ("folded"):
     the score / softmax / min tiles are [BM = BLOCK_N/2, 2·NP] instead of [BLOCK_N, NP]. With NP = 4
@@ -527,11 +529,11 @@ def _int2_split_folded(
         pos_b = pos_a + BM
         mask_a = pos_a < hi
         mask_b = pos_b < hi
-        row_a = tl.load(r2t + pos_a, mask=mask_a, other=0).to(tl.int64) * HKV + h  # [BM]
-        row_b = tl.load(r2t + pos_b, mask=mask_b, other=0).to(tl.int64) * HKV + h
+        row_a = pool_record(tl.load(r2t + pos_a, mask=mask_a, other=0).to(tl.int64), h, HKV, PAGE)  # [BM]
+        row_b = pool_record(tl.load(r2t + pos_b, mask=mask_b, other=0).to(tl.int64), h, HKV, PAGE)
         pos = start + offs_n
         mask_n = pos < hi
-        row = tl.load(r2t + pos, mask=mask_n, other=0).to(tl.int64) * HKV + h  # [BLOCK_N], for V
+        row = pool_record(tl.load(r2t + pos, mask=mask_n, other=0).to(tl.int64), h, HKV, PAGE)  # [BLOCK_N], for V
         row_k = _fold_pick(row_a, row_b, ck)  # [BM, 2·CH]: token t in the first CH columns, t + BM after
         mask_k = _fold_pick(mask_a, mask_b, ck)
         mask_f = _fold_pick(mask_a, mask_b, jk)  # [BM, NPF]
@@ -680,6 +682,7 @@ def _oscar_decode_stage1(
     FOLD: tl.constexpr,  # the two halves of a block side by side in N (_int2_split_folded)
     WINDOW_FIRST: tl.constexpr,  # launch the SS + RS window programs before the INT2 ones
     PDL_TRIGGER: tl.constexpr,  # let the merge launch now (its programs wait for this grid's writes)
+    PAGE: tl.constexpr,  # pool page size: the record rule of kernels/records.py
 ):
     if PDL_TRIGGER:
         gdc_launch_dependents()
@@ -703,7 +706,7 @@ def _oscar_decode_stage1(
                 Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
                 split, b, h, L, RING_START + r, r2t, qk_scale,
                 HKV, GQA, D, GK, GV, SINK, WINDOW, NS, NS_TOTAL, NP,
-                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
+                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PAGE,
             )
         else:
             base_hi, hist_hi = _history_end(split, L, RING_START + r, SINK, WINDOW, NS, BLOCK_N)
@@ -711,7 +714,7 @@ def _oscar_decode_stage1(
                 Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
                 split, b, h, base_hi, hist_hi, r2t, qk_scale,
                 HKV, GQA, D, GK, GV, SINK, NS, NS_TOTAL, NP,
-                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PEEL, LAZY,
+                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PEEL, LAZY, PAGE,
             )
     else:
         recent_lo = tl.maximum(tl.maximum(L - WINDOW, SINK), tl.load(RING_START + r))
@@ -754,14 +757,14 @@ def _dequant_rows(C, P32, row, use, d0, DN: tl.constexpr, D: tl.constexpr, G: tl
 
 @triton.jit
 def _sink_rows(C, P32, S_ROWS, slot, srow, in_sink, h, d0, DN: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-               G: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr):
+               G: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, PAGE: tl.constexpr):
     """Dims [d0, d0 + DN) of sink positions' rows as fp32 [N, DN]: the BF16 sink row where srow >= 0, else
     the INT2 form."""
     offs_d = d0 + tl.arange(0, DN)
     has = in_sink & (srow >= 0)
     x = tl.load(S_ROWS + (srow * HKV + h)[:, None] * D + offs_d[None, :], mask=has[:, None], other=0.0)
-    return x.to(tl.float32) + _dequant_rows(C, P32, slot * HKV + h, in_sink & (srow < 0), d0, DN, D, G, LEVEL_A,
-                                            CODEBOOK)
+    return x.to(tl.float32) + _dequant_rows(C, P32, pool_record(slot, h, HKV, PAGE), in_sink & (srow < 0), d0, DN, D,
+                                            G, LEVEL_A, CODEBOOK)
 
 
 @triton.jit
@@ -774,6 +777,7 @@ def _oscar_decode_merge(
     NS: tl.constexpr, SS: tl.constexpr, NS_TOTAL: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
     DC: tl.constexpr,  # output dims per program: program (pid, c) merges dims [c·DC, (c + 1)·DC)
     PDL: tl.constexpr,  # launched as a programmatic dependent of stage 1: wait for its writes here
+    PAGE: tl.constexpr,  # pool page size (kernels/records.py), for the sink positions read as INT2
 ):
     pid = tl.program_id(0)  # b * Hq + hq
     d0 = tl.program_id(1) * DC
@@ -808,13 +812,13 @@ def _oscar_decode_merge(
             in_sink = pos < n
             slot = tl.load(r2t + pos, mask=in_sink, other=0).to(tl.int64)
             srow = tl.load(SINK_TABLE + slot, mask=in_sink, other=0).to(tl.int64)
-            k = _sink_rows(KC, KP32, SK, slot, srow, in_sink, h, 0, D, HKV, D, GK, K_A, K_CODEBOOK)
+            k = _sink_rows(KC, KP32, SK, slot, srow, in_sink, h, 0, D, HKV, D, GK, K_A, K_CODEBOOK, PAGE)
             s = tl.where(in_sink, tl.sum(k * q[None, :], 1), float("-inf"))
             m_new = tl.maximum(m_x, tl.max(s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_x - m_safe)
             p = tl.exp2(s - m_safe)
-            v = _sink_rows(VC, VP32, SV, slot, srow, in_sink, h, d0, DC, HKV, D, GV, V_A, V_CODEBOOK)
+            v = _sink_rows(VC, VP32, SV, slot, srow, in_sink, h, d0, DC, HKV, D, GV, V_A, V_CODEBOOK, PAGE)
             acc_x = acc_x * alpha + tl.sum(p[:, None] * v, 0)
             l_x = l_x * alpha + tl.sum(p, 0)
             m_x = m_new
@@ -1087,10 +1091,10 @@ def oscar_decode(
         raise ValueError(f"q dtype {q.dtype} is not supported (use one of {SUPPORTED_QUERY_DTYPES})")
     B, Hq, D = q.shape
     Hkv = cache.k_codes.shape[1]
-    if cache.k_codes.shape[2] * 4 != D:
-        raise ValueError(f"q head_dim {D} does not match the cache's {cache.k_codes.shape[2] * 4}")
-    gk = D // cache.k_params.shape[2]
-    gv = D // cache.v_params.shape[2]
+    if cache.head_dim != D:
+        raise ValueError(f"q head_dim {D} does not match the cache's {cache.head_dim}")
+    gk = D // cache.k_params.shape[-2]
+    gv = D // cache.v_params.shape[-2]
     check_shape(D, gk, "K: ")
     check_shape(D, gv, "V: ")
     if Hq % Hkv:
@@ -1198,7 +1202,7 @@ def oscar_decode(
         DT=dt, WDT=wdt, FAST_CVT=not fp32,
         NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub, PEEL=peel, LAZY=lazy, FOLD=fold,
         WINDOW_FIRST=WINDOW_FIRST if window_first is None else bool(window_first),
-        PDL_TRIGGER=use_pdl,
+        PDL_TRIGGER=use_pdl, PAGE=cache.page,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if merge_splits is None:
@@ -1215,7 +1219,7 @@ def oscar_decode(
         V_A=float(v_level_a if v_level_a is not None else 1.0),
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None, BLOCK_T=16,
         NS=ns, SS=ss, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, DC=D // merge_splits,
-        PDL=use_pdl,
+        PDL=use_pdl, PAGE=cache.page,
         num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
     )
     return out

@@ -30,6 +30,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .records import pool_record
     from .write import _to_window
 
     @triton.jit
@@ -37,6 +38,7 @@ if HAS_TRITON:
         out_ptr, stride_on, codes_ptr, params_ptr, sink_ptr, ring_ptr,
         rows, slot, srow, rrow, use_sink, use_ring, use_q, h,
         H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LV1: tl.constexpr, LV2: tl.constexpr,
+        PAGE: tl.constexpr,
     ):
         # Plane by plane: byte j of a head holds elements j, j+Q, j+2Q, j+3Q (quarter planes), so
         # each code byte is loaded once and plane s is (byte >> 2s) & 3 for the Q elements
@@ -47,8 +49,9 @@ if HAS_TRITON:
         NG: tl.constexpr = D // G
         offs_j = tl.arange(0, Q)
         qm = use_q[:, None]
-        byte = tl.load(codes_ptr + slot[:, None] * (H * Q) + h * Q + offs_j[None, :], mask=qm, other=0).to(tl.int32)
-        p_row = params_ptr + slot * (H * NG * 2) + h * (NG * 2)
+        rec = pool_record(slot, h, H, PAGE)  # (slot, head) records (kernels/records.py)
+        byte = tl.load(codes_ptr + rec[:, None] * Q + offs_j[None, :], mask=qm, other=0).to(tl.int32)
+        p_row = params_ptr + rec * (NG * 2)
         out_row = out_ptr + rows.to(tl.int64)[:, None] * stride_on + h * D + offs_j[None, :]
         valid = (use_sink | use_ring | use_q)[:, None]
         any_window = tl.max((use_sink | use_ring).to(tl.int32), axis=0) > 0
@@ -82,7 +85,7 @@ if HAS_TRITON:
         H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
         S: tl.constexpr, W: tl.constexpr, HAS_RING_END: tl.constexpr, HAS_SINK_TABLE: tl.constexpr,
         K_LV1: tl.constexpr, K_LV2: tl.constexpr, V_LV1: tl.constexpr, V_LV2: tl.constexpr,
-        SEARCH_STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
+        SEARCH_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         h = tl.program_id(1)
@@ -120,9 +123,9 @@ if HAS_TRITON:
             rrow = rpool
         use_q = valid & (srow < 0) & ~use_ring
         _gather_side(out_k_ptr, stride_okn, k_codes_ptr, k_params_ptr, sink_k_ptr, ring_k_ptr,
-                     rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GK, K_LV1, K_LV2)
+                     rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GK, K_LV1, K_LV2, PAGE)
         _gather_side(out_v_ptr, stride_ovn, v_codes_ptr, v_params_ptr, sink_v_ptr, ring_v_ptr,
-                     rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GV, V_LV1, V_LV2)
+                     rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GV, V_LV1, V_LV2, PAGE)
 
 
 def _levels(a: float) -> tuple:
@@ -197,7 +200,7 @@ def oscar_gather_prefixes(
         H=h, D=d, GK=pool.k_group, GV=pool.v_group, S=pool.sink, W=pool.window,
         HAS_RING_END=ring_ends is not None, HAS_SINK_TABLE=pool.sink_table is not None,
         K_LV1=k1, K_LV2=k2, V_LV1=v1, V_LV2=v2,
-        SEARCH_STEPS=max(1, b.bit_length()), BLOCK_N=block_n, num_warps=4,
+        SEARCH_STEPS=max(1, b.bit_length()), BLOCK_N=block_n, PAGE=pool.page, num_warps=4,
     )
 
 

@@ -1,9 +1,11 @@
 """The per-layer buffers of the OSCAR KV cache, shared by the write, gather and decode kernels.
 
-Per layer (Hkv KV heads, head_dim D, group sizes Gk / Gv):
+Per layer (Hkv KV heads, head_dim D, group sizes Gk / Gv, page size P):
 
-    k_codes   uint8 [num_slots, Hkv, D/4]        quarter-plane packed INT2 (quant/pack.py)
-    k_params  bf16  [num_slots, Hkv, D/Gk, 2]    (scale, min) per group
+    k_codes   uint8 [num_slots, Hkv, D/4]        quarter-plane packed INT2 (quant/pack.py), P = 1
+              uint8 [num_slots/P, Hkv, P, D/4]   P > 1: slot s is row s % P of page s // P, so the
+                                                 rows of one KV head are contiguous within a page
+    k_params  bf16  [num_slots, Hkv, D/Gk, 2]    (scale, min) per group (P > 1: [num_slots/P, Hkv, P, D/Gk, 2])
     v_codes, v_params                            likewise with Gv
     sink_k, sink_v  [num_sink_rows, Hkv, D]      transformed rows of positions < sink (window dtype)
     ring_k, ring_v  [max_reqs * window, Hkv, D]  transformed rows of the recent window;
@@ -11,7 +13,9 @@ Per layer (Hkv KV heads, head_dim D, group sizes Gk / Gv):
     sink_table int32 [num_slots]                 pool slot -> sink row, -1 = none
 
 Every slot always holds the INT2 form; sink and ring rows are extra BF16 copies. All buffers
-must be contiguous (the kernels compute offsets from the shapes).
+must be contiguous (the kernels compute offsets from the shapes; the record of (slot, head) is
+kernels/records.py:pool_record). rows() / set_rows() read and write [n, Hkv, ...] by slot in
+either layout (the oracles and tests use them).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from ..config import SUPPORTED_GROUPS, SUPPORTED_HEAD_DIMS, check_head_dim
 
 PARAM_DTYPE = torch.bfloat16
+SUPPORTED_PAGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WINDOW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -34,6 +39,21 @@ def check_shape(head_dim: int, group: int, what: str = "") -> None:
     if group not in SUPPORTED_GROUPS:
         raise ValueError(f"{what}group size {group} is not supported by the OSCAR kernels (use one of {SUPPORTED_GROUPS})")
     check_head_dim(head_dim, group)
+
+
+def check_page(page: int, num_slots: Optional[int] = None) -> None:
+    """Raise a clear error for a page size the kernels do not support, or a pool that is not whole pages."""
+    if page not in SUPPORTED_PAGES:
+        raise ValueError(f"page size {page} is not supported by the OSCAR pool (use one of {SUPPORTED_PAGES})")
+    if num_slots is not None and num_slots % page:
+        raise ValueError(f"a pool of {num_slots} slots is not a whole number of pages of {page}")
+
+
+def pool_shape(num_slots: int, kv_heads: int, tail: tuple, page: int) -> tuple:
+    """Shape of a code / param buffer: [num_slots, Hkv, *tail] at page 1, [num_slots/page, Hkv, page, *tail] else."""
+    if page == 1:
+        return (num_slots, kv_heads, *tail)
+    return (num_slots // page, kv_heads, page, *tail)
 
 
 @dataclasses.dataclass
@@ -51,10 +71,11 @@ class LayerCache:
     window: int = 256
     sink: int = 64
     sink_table: Optional[torch.Tensor] = None
+    page: int = 1
 
     @property
     def num_slots(self) -> int:
-        return self.k_codes.shape[0]
+        return self.k_codes.shape[0] * self.page
 
     @property
     def kv_heads(self) -> int:
@@ -62,7 +83,24 @@ class LayerCache:
 
     @property
     def head_dim(self) -> int:
-        return self.k_codes.shape[2] * 4
+        return self.k_codes.shape[-1] * 4
+
+    def rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """Buffer `name` (k_codes, k_params, v_codes, v_params) at `slots`: [n, Hkv, ...], either layout."""
+        t = getattr(self, name)
+        slots = slots.long().to(t.device)
+        if self.page == 1:
+            return t[slots]
+        return t[slots // self.page, :, slots % self.page]
+
+    def set_rows(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Write [n, Hkv, ...] values into buffer `name` at `slots` (either layout)."""
+        t = getattr(self, name)
+        slots = slots.long().to(t.device)
+        if self.page == 1:
+            t[slots] = values
+        else:
+            t[slots // self.page, :, slots % self.page] = values
 
     @classmethod
     def empty(
@@ -80,17 +118,19 @@ class LayerCache:
         window_dtype: torch.dtype = torch.bfloat16,
         device=None,
         with_sink_table: bool = True,
+        page: int = 1,
     ) -> "LayerCache":
         """Uninitialised buffers (torch.empty) of the right shapes; the sink table is all -1."""
         check_shape(head_dim, k_group, "K: ")
         check_shape(head_dim, v_group, "V: ")
+        check_page(page, num_slots)
         d, h = head_dim, kv_heads
 
         def codes():
-            return torch.empty(num_slots, h, d // 4, dtype=torch.uint8, device=device)
+            return torch.empty(pool_shape(num_slots, h, (d // 4,), page), dtype=torch.uint8, device=device)
 
         def params(g):
-            return torch.empty(num_slots, h, d // g, 2, dtype=PARAM_DTYPE, device=device)
+            return torch.empty(pool_shape(num_slots, h, (d // g, 2), page), dtype=PARAM_DTYPE, device=device)
 
         def rows(n):
             return torch.empty(n, h, d, dtype=window_dtype, device=device)
@@ -99,7 +139,7 @@ class LayerCache:
         return cls(
             codes(), params(k_group), codes(), params(v_group),
             rows(num_sink_rows), rows(num_sink_rows), rows(max_reqs * window), rows(max_reqs * window),
-            k_group, v_group, window, sink, table,
+            k_group, v_group, window, sink, table, page,
         )
 
     def buffers(self) -> dict:
@@ -111,15 +151,16 @@ class LayerCache:
 
     def validate(self) -> None:
         """Check shapes, dtypes, devices and contiguity; raise ValueError with the offending buffer."""
-        n, h, d = self.num_slots, self.kv_heads, self.head_dim
+        n, h, d, pg = self.num_slots, self.kv_heads, self.head_dim, self.page
         check_shape(d, self.k_group, "K: ")
         check_shape(d, self.v_group, "V: ")
+        check_page(pg)
         dev = self.k_codes.device
         expect = {
-            "k_codes": ((n, h, d // 4), torch.uint8),
-            "v_codes": ((n, h, d // 4), torch.uint8),
-            "k_params": ((n, h, d // self.k_group, 2), PARAM_DTYPE),
-            "v_params": ((n, h, d // self.v_group, 2), PARAM_DTYPE),
+            "k_codes": (pool_shape(n, h, (d // 4,), pg), torch.uint8),
+            "v_codes": (pool_shape(n, h, (d // 4,), pg), torch.uint8),
+            "k_params": (pool_shape(n, h, (d // self.k_group, 2), pg), PARAM_DTYPE),
+            "v_params": (pool_shape(n, h, (d // self.v_group, 2), pg), PARAM_DTYPE),
         }
         for name, (shape, dtype) in expect.items():
             t = getattr(self, name)

@@ -44,6 +44,8 @@ try:
     import triton
     import triton.language as tl
 
+    from .records import pool_record
+
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised only without triton
     HAS_TRITON = False
@@ -90,7 +92,7 @@ if HAS_TRITON:
         H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
         HAS_MAT: tl.constexpr, HAS_MEAN: tl.constexpr, CLIP_N: tl.constexpr,
         TH0: tl.constexpr, TH1: tl.constexpr, TH2: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr,
     ):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         tmask = offs_t < T
@@ -152,8 +154,9 @@ if HAS_TRITON:
         code = (t >= TH0).to(tl.int32) + (t >= TH1).to(tl.int32) + (t >= TH2).to(tl.int32)  # in [0, 3]
 
         slot = tl.load(slots_ptr + offs_t, mask=tmask, other=0).to(tl.int64)
+        rec = pool_record(slot, h, H, PAGE)  # [BLOCK_T] (slot, head) records (kernels/records.py)
         offs_g = tl.arange(0, NG)
-        p_ptr = params_ptr + slot[:, None] * (H * NG * 2) + h * (NG * 2) + offs_g[None, :] * 2
+        p_ptr = params_ptr + rec[:, None] * (NG * 2) + offs_g[None, :] * 2
         pmask = tmask[:, None]
         tl.store(p_ptr, scale_r.to(tl.bfloat16), mask=pmask)  # exact: already a bf16 value
         tl.store(p_ptr + 1, min_r.to(tl.bfloat16), mask=pmask)
@@ -164,7 +167,7 @@ if HAS_TRITON:
         shift = (tl.arange(0, 4) * 2)[None, :, None]
         packed = tl.sum(c4 << shift, axis=1).to(tl.uint8)
         offs_q = tl.arange(0, Q)
-        tl.store(codes_ptr + slot[:, None] * (H * Q) + h * Q + offs_q[None, :], packed, mask=pmask)
+        tl.store(codes_ptr + rec[:, None] * Q + offs_q[None, :], packed, mask=pmask)
 
     @triton.jit
     def _oscar_write_kv_kernel(
@@ -179,7 +182,7 @@ if HAS_TRITON:
         K_CLIP_N: tl.constexpr, V_CLIP_N: tl.constexpr,
         K_TH0: tl.constexpr, K_TH1: tl.constexpr, K_TH2: tl.constexpr,
         V_TH0: tl.constexpr, V_TH1: tl.constexpr, V_TH2: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr,
     ):
         t0 = tl.program_id(0) * BLOCK_T
         h = tl.program_id(1)
@@ -187,13 +190,13 @@ if HAS_TRITON:
             _write_side(
                 k_ptr, stride_kt, stride_kh, kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh,
                 slots_ptr, sink_dst_ptr, ring_dst_ptr, k_codes_ptr, k_params_ptr, sink_k_ptr, ring_k_ptr,
-                T, t0, h, H, D, GK, True, HAS_KMEAN, K_CLIP_N, K_TH0, K_TH1, K_TH2, BLOCK_T, BLOCK_K, PRECISION,
+                T, t0, h, H, D, GK, True, HAS_KMEAN, K_CLIP_N, K_TH0, K_TH1, K_TH2, BLOCK_T, BLOCK_K, PRECISION, PAGE,
             )
         else:
             _write_side(
                 v_ptr, stride_vt, stride_vh, vmat_ptr, stride_vmh, kmean_ptr, 0,
                 slots_ptr, sink_dst_ptr, ring_dst_ptr, v_codes_ptr, v_params_ptr, sink_v_ptr, ring_v_ptr,
-                T, t0, h, H, D, GV, HAS_VMAT, False, V_CLIP_N, V_TH0, V_TH1, V_TH2, BLOCK_T, BLOCK_K, PRECISION,
+                T, t0, h, H, D, GV, HAS_VMAT, False, V_CLIP_N, V_TH0, V_TH1, V_TH2, BLOCK_T, BLOCK_K, PRECISION, PAGE,
             )
 
 
@@ -337,5 +340,5 @@ def oscar_write_kv(
         HAS_KMEAN=k_mean is not None, HAS_VMAT=v_transform is not None,
         K_CLIP_N=k_n, V_CLIP_N=v_n,
         K_TH0=kth[0], K_TH1=kth[1], K_TH2=kth[2], V_TH0=vth[0], V_TH1=vth[1], V_TH2=vth[2],
-        BLOCK_T=bt, BLOCK_K=bk, PRECISION=precision, num_warps=num_warps,
+        BLOCK_T=bt, BLOCK_K=bk, PRECISION=precision, PAGE=pool.page, num_warps=num_warps,
     )

@@ -59,14 +59,14 @@ def gather_kv(cache, req_to_token, r: int, length: int, ring_start: int, sink: i
         v = torch.empty_like(k)
         k[~missing] = cache.sink_k.cpu()[have].double()
         v[~missing] = cache.sink_v.cpu()[have].double()
-        k[missing] = dequantize_rows(cache.k_codes.cpu()[s], cache.k_params.cpu()[s], k_level_a)
-        v[missing] = dequantize_rows(cache.v_codes.cpu()[s], cache.v_params.cpu()[s], v_level_a)
+        k[missing] = dequantize_rows(cache.rows("k_codes", s).cpu(), cache.rows("k_params", s).cpu(), k_level_a)
+        v[missing] = dequantize_rows(cache.rows("v_codes", s).cpu(), cache.rows("v_params", s).cpu(), v_level_a)
         ks.append(k)
         vs.append(v)
     if hist_hi > hist_lo:
         s = slots[hist_lo:hist_hi]
-        ks.append(dequantize_rows(cache.k_codes.cpu()[s], cache.k_params.cpu()[s], k_level_a))
-        vs.append(dequantize_rows(cache.v_codes.cpu()[s], cache.v_params.cpu()[s], v_level_a))
+        ks.append(dequantize_rows(cache.rows("k_codes", s).cpu(), cache.rows("k_params", s).cpu(), k_level_a))
+        vs.append(dequantize_rows(cache.rows("v_codes", s).cpu(), cache.rows("v_params", s).cpu(), v_level_a))
     if length > recent_lo:
         pos = torch.arange(recent_lo, length)
         rows = r * window + pos % window

@@ -47,15 +47,15 @@ def write_reference(
 ) -> None:
     """What oscar_write_kv does, in place on `cache`: INT2 form at every slot, window rows where dst >= 0."""
     sides = (
-        (k, k_transform, k_mean, cache.k_group, k_clip, k_level_a, cache.k_codes, cache.k_params, cache.sink_k, cache.ring_k),
-        (v, v_transform, None, cache.v_group, v_clip, v_level_a, cache.v_codes, cache.v_params, cache.sink_v, cache.ring_v),
+        (k, k_transform, k_mean, cache.k_group, k_clip, k_level_a, "k_codes", "k_params", cache.sink_k, cache.ring_k),
+        (v, v_transform, None, cache.v_group, v_clip, v_level_a, "v_codes", "v_params", cache.sink_v, cache.ring_v),
     )
     slots = slots.long()
     for x, mat, mean, group, clip, a, codes, params, sink, ring in sides:
         xt = transform_side(x, mat, mean)
         q = quantize_side(xt, group, clip, a)
-        codes[slots] = pack_int2(q.codes)
-        params[slots] = q.params().to(params.dtype)
+        cache.set_rows(codes, slots, pack_int2(q.codes))
+        cache.set_rows(params, slots, q.params().to(getattr(cache, params).dtype))
         for dst, buf in ((sink_dst, sink), (ring_dst, ring)):
             sel = dst >= 0
             buf[dst[sel].long()] = xt[sel].to(buf.dtype)
@@ -94,8 +94,8 @@ def gather_reference(
         r, n, rs = int(r), int(n), int(rs)
         end = n if ring_ends is None else int(ring_ends[i])
         slots = req_to_token[r, :n].long()
-        k = dequantize_slots(cache.k_codes[slots], cache.k_params[slots], cache.k_group, k_level_a)
-        v = dequantize_slots(cache.v_codes[slots], cache.v_params[slots], cache.v_group, v_level_a)
+        k = dequantize_slots(cache.rows("k_codes", slots), cache.rows("k_params", slots), cache.k_group, k_level_a)
+        v = dequantize_slots(cache.rows("v_codes", slots), cache.rows("v_params", slots), cache.v_group, v_level_a)
         k, v = k.to(dtype), v.to(dtype)
         lo = max(s, rs, end - w)
         for p in range(n):
