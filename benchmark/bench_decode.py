@@ -285,7 +285,8 @@ def main():
     ap.add_argument("--impls", default="oscar,read_same_bytes,copy_same_traffic,flashinfer_bf16,flashinfer_fp8,"
                     "sglang_triton_bf16", help="read_same_bytes / copy_same_traffic: a streaming read of the bytes "
                     "of one oscar call (benchmark/read_roofline.py) / a copy moving them: the size's ceiling; oscar_pageN: the first "
-                    "oscar config on a pool in pages of N (kernels/records.py)")
+                    "oscar config on a pool in pages of N (kernels/records.py); oscar_cuda[_pageN]: the CUDA history "
+                    "(kernels/history_cuda.py), qwen3-8b shapes only")
     ap.add_argument("--oscar-configs", default="auto:2:3,64:2:3",
                     help="BLOCK_N|auto:num_warps:num_stages[:rN][:wN][:ringN][:sinkN][:wfB][:pdlB][:subB][:peelB]"
                          "[:lazyT][:foldB] (rN: maxnreg N, wN: split_waves N, ringN: ring_splits N, sinkN: "
@@ -326,17 +327,23 @@ def main():
                 q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
                 for impl in impls:
                     try:
-                        page = int(impl[len("oscar_page"):]) if impl.startswith("oscar_page") else 1
-                        if impl in ("oscar", "oscar_prev", "read_same_bytes", "copy_same_traffic") or page > 1:
+                        # oscar_pageN / oscar_cuda / oscar_cuda_pageN: the first config on a pool in pages of N,
+                        # with the Triton or the CUDA history (kernels/records.py, kernels/history_cuda.py)
+                        variant = impl.startswith(("oscar_page", "oscar_cuda"))
+                        page = int(impl.rsplit("page", 1)[1]) if variant and "page" in impl else 1
+                        if impl in ("oscar", "oscar_prev", "read_same_bytes", "copy_same_traffic") or variant:
                             nbytes = oscar_bytes(b, hq, hkv, d, ctx)  # the ceilings move the oscar call's bytes
                             if nbytes > MEM_CAP:
                                 continue
                             copies = n_copies(nbytes)
-                        if impl in ("oscar", "oscar_prev") or page > 1:
+                        if impl in ("oscar", "oscar_prev") or variant:
                             cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies, page=page)
-                        if page > 1:  # the first config on a pool in pages of `page` (kernels/records.py)
-                            ms, cfg = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, **cfgs[0][1])), \
-                                f"{cfgs[0][0]}:page{page}"
+                        if variant:
+                            kw = dict(cfgs[0][1])
+                            if impl.startswith("oscar_cuda"):
+                                kw = {"history_kernel": "cuda"}
+                            ms, cfg = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, **kw)), \
+                                f"{'cuda' if 'cuda' in impl else cfgs[0][0]}:page{page}"
                             del cache, r2t
                         elif impl == "oscar_prev":
                             kw = {k: v for k, v in cfgs[0][1].items() if k in prev_params}

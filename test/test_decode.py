@@ -779,3 +779,54 @@ def test_decode_paged_pool_equals_unpaged():
     a = oscar_decode(**flat, num_splits=3, block_n=32)
     b = oscar_decode(**paged, num_splits=3, block_n=32)
     assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+# ---- the CUDA history stage (kernels/history_cuda.py) -------------------------------------------
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and nvcc)")
+
+
+def test_cuda_history_rejects_what_it_does_not_cover():
+    case = make_case([40, 30], hkv=2, gqa=2, d=64, device="cpu")
+    with pytest.raises(ValueError, match="history_kernel='cuda' covers head_dim 128, GQA 4"):
+        oscar_decode(**case, history_kernel="cuda")
+    case = make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        oscar_decode(**case, history_kernel="cuda")
+    with pytest.raises(ValueError, match="history_kernel must be"):
+        oscar_decode(**case, history_kernel="cutlass")
+
+
+@requires_cuda
+@pytest.mark.parametrize("pool_page", [1, 64])
+@pytest.mark.parametrize("lens,ring_starts", [
+    ([5001], [0]),  # batch 1, odd length
+    ([3000, 777, 330, 70], [0, 700, 0, 0]),  # ring_start > L - W, a request without history, L < S + W
+    ([400 + 613 * i for i in range(64)], None),  # batch 64
+])
+def test_cuda_history_matches_the_oracle(pool_page, lens, ring_starts):
+    case = make_case(lens, hkv=2, gqa=4, d=128, gk=64, gv=64, sink=64, window=256, ring_starts=ring_starts,
+                     pool_page=pool_page, seed=len(lens) + pool_page)
+    run_and_check(case, history_kernel="cuda")
+    # sink positions without a sink row still go through the merge's INT2 path
+    r0 = case["req_pool_indices"][0]
+    case["cache"].sink_table[case["req_to_token"][r0, :5].long()] = -1
+    run_and_check(case, missing_sink_int2=True, history_kernel="cuda")
+
+
+@requires_cuda
+def test_cuda_history_explicit_splits_and_graph_capture():
+    case = make_case([2000, 1500], hkv=2, gqa=4, d=128, sink=64, window=256, pool_page=64, seed=3)
+    run_and_check(case, history_kernel="cuda", num_splits=8)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        oscar_decode(**case, history_kernel="cuda", num_splits=6)
+    out = torch.full_like(case["q"], float("nan"))
+    oscar_decode(**case, history_kernel="cuda", out=out)  # build and warm up outside the capture
+    want = out.clone()
+    out.fill_(float("nan"))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        oscar_decode(**case, history_kernel="cuda", out=out)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

@@ -1063,6 +1063,7 @@ def oscar_decode(
     lazy_rescale: Optional[float] = None,
     fold_halves: Optional[bool] = None,
     merge_splits: Optional[int] = None,
+    history_kernel: str = "triton",
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
@@ -1084,6 +1085,9 @@ def oscar_decode(
     is a multiple of 32 and peel_tail / lazy_rescale are off; then maxnreg defaults to FOLD_MAXNREG on the GPU).
     merge_splits: programs per query head in the merge, each merging D / merge_splits output dims (a power of
     two, D / merge_splits >= MERGE_MIN_DIMS; None: default_merge_splits).
+    history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128, GQA 4, groups 64,
+    uniform levels; one split per warp, num_splits a multiple of 4, None: its own rule; the Triton stage 1 then
+    runs the window programs only). An unsupported shape raises instead of falling back.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -1143,6 +1147,13 @@ def oscar_decode(
     if fold and maxnreg is None and q.is_cuda:
         maxnreg = FOLD_MAXNREG
     q = transform_query(q, q_transform, Hkv).contiguous()
+    if history_kernel not in ("triton", "cuda"):
+        raise ValueError(f"history_kernel must be 'triton' or 'cuda', got {history_kernel!r}")
+    hist_cuda = history_kernel == "cuda"
+    if hist_cuda:
+        from . import history_cuda
+
+        history_cuda.check_supported(D, group, gk, gv, k_level_a is not None or v_level_a is not None, q.device)
     # resident stage-1 programs per SM if registers bound them (4 at 128:2:3, 6 folded), for the wave fill
     ctas = max(1, 65536 // ((maxnreg or 256) * 32 * num_warps))
     if num_splits is None:
@@ -1152,8 +1163,12 @@ def oscar_decode(
             split_rule = dict(fill_min_rows=LARGE_NP_FILL_MIN_ROWS)
         else:
             split_rule = {}
-        num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
-                                        ctas_per_sm=ctas, **split_rule)
+        if hist_cuda:  # the merge holds all partials of a head in one tile of <= 128, windows included
+            num_splits = history_cuda.default_num_splits(B * Hkv, req_to_token.shape[1], _num_sms(q.device),
+                                                         max_splits=128 - 8)
+        else:
+            num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
+                                            ctas_per_sm=ctas, **split_rule)
     ns = num_splits
     slots = ctas * _num_sms(q.device)  # stage-1 programs resident at once (one round)
     ss_auto, rs_auto = default_window_splits(B * Hkv, ns, sink, window, slots)
@@ -1171,14 +1186,15 @@ def oscar_decode(
     elif out.shape != q.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
 
-    use_pdl = (PDL if pdl is None else bool(pdl)) and q.is_cuda and B * Hkv * ns_total <= slots
+    # PDL chains the merge to the one stage-1 launch; with the CUDA history there are two
+    use_pdl = (PDL if pdl is None else bool(pdl)) and q.is_cuda and B * Hkv * ns_total <= slots and not hist_cuda
     fp32 = q.dtype == torch.float32
     dt = tl.float32 if fp32 else tl.float16
     wdt = tl.float32 if cache.ring_k.dtype == torch.float32 or fp32 else (
         tl.bfloat16 if cache.ring_k.dtype == torch.bfloat16 else tl.float16
     )
     block_m = max(16, triton.next_power_of_2(group))
-    grid = (B * Hkv, ns_total)
+    grid = (B * Hkv, ss + rs if hist_cuda else ns_total)  # cuda: window programs only (WINDOW_FIRST order)
     ngk, ngv = D // gk, D // gv
     kp32 = cache.k_params.view(torch.int32)
     vp32 = cache.v_params.view(torch.int32)
@@ -1187,6 +1203,9 @@ def oscar_decode(
     sink_k, sink_v = cache.sink_k, cache.sink_v
     if sink_k.shape[0] == 0:  # no sink rows at all: stage 1 clamps row -1 to 0, which must exist
         sink_k = sink_v = torch.zeros(1, Hkv, D, dtype=sink_k.dtype, device=sink_k.device)
+    if hist_cuda:
+        history_cuda.launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, sink=sink, window=window,
+                            sm_scale=sm_scale, ns=ns, ns_total=ns_total, o_part=o_part, lse_part=lse_part)
     _oscar_decode_stage1[grid](
         q, cache.k_codes, kp32, kp64, cache.v_codes, vp32, vp64,
         sink_k, sink_v, cache.ring_k, cache.ring_v, cache.sink_table,
@@ -1201,7 +1220,7 @@ def oscar_decode(
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None,
         DT=dt, WDT=wdt, FAST_CVT=not fp32,
         NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub, PEEL=peel, LAZY=lazy, FOLD=fold,
-        WINDOW_FIRST=WINDOW_FIRST if window_first is None else bool(window_first),
+        WINDOW_FIRST=True if hist_cuda else (WINDOW_FIRST if window_first is None else bool(window_first)),
         PDL_TRIGGER=use_pdl, PAGE=cache.page,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )

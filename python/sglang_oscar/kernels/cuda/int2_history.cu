@@ -1,0 +1,359 @@
+// The INT2 history splits of OSCAR decode attention, hand-written (kernels/history_cuda.py builds, checks and
+// launches it; kernels/decode.py runs the window programs and the LSE merge around it).
+//
+// Why CUDA for this one stage: on H100 the Triton history loop is issue-bound at about the time that the pool's
+// gather allows, and this loop spends ~0.7x of its instructions; on a paged pool (kernels/records.py, pages of
+// 64) it reads at 86-101% of a streaming read of its bytes at batch >= 8 (benchmark/NOTES.md "A hand-written
+// history loop"; the probe benchmark/cuda/int2_history_probe.cu is the experiment it grew from).
+//
+// Shapes: D 128, GQA 4 (one warp's 8 columns = 4 heads x 2 V groups), K and V groups of 64, uniform levels.
+// Each warp owns one split of [sink, R) with R = min(max(L - window, sink, ring_start), L), the rows the
+// Triton path reads as INT2 (kernels/decode.py _history_end), and stores the partial like _store_split:
+// o / l per (request, query head, split) in o_part [B, Hq, NS_TOTAL, 128] and lse = m + log2 l (-inf for an
+// empty split) in lse_part [B, Hq, NS_TOTAL], splits [0, nsw).
+//
+// Per warp and 16-token tile (all in registers, no CTA barrier):
+//   K dot  S^T[16 tokens, 8 cols] = codes[16, 128] . q'[128, 8]: 8 x mma m16n8k16, cols 4..7 repeat
+//          heads 0..3, two accumulators (groups). Codes enter as fp16 subnormals c.2^(2p-24) (plane p): one
+//          PRMT spreads two bytes into two halfwords for all four planes, one AND per two codes per plane;
+//          q' carries 4^(2g-p) (kernels/history_cuda.py query_operands).
+//   scores s' = acc0.sc0 + acc1.sc1/16 + mn0.Q0 + mn1.Q1 (units of 2^-24 log2), lazy max: the row-max
+//          shuffles and the rescale run only when a score passes m + 8 (a warp vote).
+//   V dot  O^T[128 dims, 8 cols] += V^T codes[128, 16] . (p.vscale)^T[16, 8]: cols 0..3 carry p.scale of V
+//          group 0, cols 4..7 of group 1; the K accumulator becomes the B operand with two movmatrix.trans.
+//   Token order inside a tile (sigma) makes every shared-memory load conflict-free.
+// test/test_probe_cuda_history.py emulates these register layouts on the CPU.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kTok = 64;                 // tokens per pipeline stage of a warp
+constexpr int kStageBytes = kTok * 80;   // K codes 32 + V codes 32 + K params 8 + V params 8 per token
+constexpr int kVcOff = kTok * 32, kKpOff = kTok * 64, kVpOff = kTok * 72;
+constexpr float kTwo24 = 16777216.0f;
+constexpr float kLazy = 8.0f;            // log2 units a score may pass the running max without a rescale
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int n) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int n) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+__device__ __forceinline__ uint32_t movm_trans(uint32_t a) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
+  return d;
+}
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+
+struct Args {
+  const uint32_t* qb;   // [BH, 32 lanes, 16] half2: each lane's B fragments of q' (host-permuted)
+  const float* qs;      // [BH, 2 groups, 4 heads]: c0 . sum of q over the group, times 2^-24
+  const uint8_t* kc;    // [slots, Hkv, 32]
+  const uint8_t* vc;
+  const uint2* kp;      // [slots, Hkv] (sc0, mn0, sc1, mn1) bf16
+  const uint2* vp;
+  const int* r2t;
+  const int* req_idx;   // [B]
+  const int* seq_lens;  // [B]
+  const int* ring_start;  // [max_reqs], by pool row
+  float* o_part;        // [B, Hq, ns_total, 128]
+  float* lse_part;      // [B, Hq, ns_total]
+  int r2t_stride, hkv, sink, window, nsw, ns_total;
+  int page_log2;        // the pool's page size P = 2^page_log2: record ((s >> k) * Hkv + h) * P + (s & (P - 1))
+};
+
+template <int NSTAGE>
+__global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3, gsel = t >> 1;
+  const int bh = blockIdx.x, b = bh / a.hkv, h = bh - b * a.hkv;
+  const int widx = blockIdx.y * nwarps + warp;
+  const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem) + warp * NSTAGE * kStageBytes;
+  const uint8_t* wbase = smem + warp * NSTAGE * kStageBytes;
+
+  // q' fragments and the group sums of this lane's two columns (2t, 2t+1 -> heads (2t)&3, +1)
+  uint32_t qb[16];
+  {
+    const uint4* src = reinterpret_cast<const uint4*>(a.qb + ((size_t)bh * 32 + lane) * 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint4 v = src[i];
+      qb[4 * i] = v.x; qb[4 * i + 1] = v.y; qb[4 * i + 2] = v.z; qb[4 * i + 3] = v.w;
+    }
+  }
+  const int head0 = (2 * t) & 3;
+  const float q00 = a.qs[bh * 8 + head0], q01 = a.qs[bh * 8 + head0 + 1];
+  const float q10 = a.qs[bh * 8 + 4 + head0], q11 = a.qs[bh * 8 + 4 + head0 + 1];
+
+  const int L = a.seq_lens[b];
+  const int req = a.req_idx[b];
+  const int hist_lo = a.sink;
+  const int hist_hi = min(max(max(L - a.window, a.sink), a.ring_start[req]), L);
+  const int n = hist_hi - hist_lo;
+  const int chunk = ((n + a.nsw - 1) / a.nsw + 15) & ~15;
+  const int lo = min(hist_lo + widx * chunk, hist_hi), hi = min(lo + chunk, hist_hi);
+  const int nblocks = (hi - lo + kTok - 1) / kTok;
+  const int* r2t_row = a.r2t + (size_t)req * a.r2t_stride;
+  const int pmask = (1 << a.page_log2) - 1;
+  // record of (slot s, head h): kernels/records.py pool_record
+  auto record = [&](int s) -> long long {
+    return ((long long)(s >> a.page_log2) * a.hkv + h) * (pmask + 1) + (s & pmask);
+  };
+
+  // the slots of the next block to issue (lane's tokens: lane and lane + 32)
+  int s0 = 0, s1 = 0;
+  auto load_slots = [&](int blk) {
+    const int p0 = lo + blk * kTok + lane, p1 = p0 + 32;
+    s0 = (blk < nblocks && p0 < hi) ? __ldg(r2t_row + p0) : 0;
+    s1 = (blk < nblocks && p1 < hi) ? __ldg(r2t_row + p1) : 0;
+  };
+  auto issue = [&](int blk) {
+    if (blk < nblocks) {
+      const uint32_t st = sbase + (blk % NSTAGE) * kStageBytes;
+      const int pos0 = lo + blk * kTok;
+      // codes: lanes 2i, 2i+1 copy the two 16-byte halves of token i (+16k), so that one instruction
+      // covers 16 whole rows (contiguous where the layout and the slots are)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int tok = (lane >> 1) + 16 * k, half = lane & 1;
+        const int s = __shfl_sync(0xffffffffu, k < 2 ? s0 : s1, tok & 31);
+        const int n = (pos0 + tok) < hi ? 16 : 0;
+        const long long off = record(s) * 32 + 16 * half;
+        cp_async16(st + tok * 32 + 16 * half, a.kc + off, n);
+        cp_async16(st + kVcOff + tok * 32 + 16 * half, a.vc + off, n);
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int tok = lane + 32 * k;
+        const int n = (pos0 + tok) < hi ? 8 : 0;
+        const long long off = record(k ? s1 : s0);
+        cp_async8(st + kKpOff + tok * 8, a.kp + off, n);
+        cp_async8(st + kVpOff + tok * 8, a.vp + off, n);
+      }
+    }
+    cp_commit();  // an empty group past the end keeps the wait count uniform
+  };
+
+  float o[8][4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f, lv0 = 0.f, lv1 = 0.f;
+  float thr0 = (m0 + kLazy) / kTwo24, thr1 = thr0;
+
+  const int sg = (g >> 1) + 4 * (g & 1);  // sigma(g): the tile row of M-row g
+  load_slots(0);
+#pragma unroll
+  for (int s = 0; s < NSTAGE - 1; ++s) {
+    issue(s);
+    load_slots(s + 1);
+  }
+
+  for (int blk = 0; blk < nblocks; ++blk) {
+    issue(blk + NSTAGE - 1);
+    load_slots(blk + NSTAGE);
+    cp_wait<NSTAGE - 1>();
+    __syncwarp();
+    const uint8_t* st = wbase + (blk % NSTAGE) * kStageBytes;
+    const int pos0 = lo + blk * kTok;
+    const bool full = pos0 + kTok <= hi;
+#pragma unroll 1
+    for (int j = 0; j < kTok / 16; ++j) {
+      const uint8_t* kcs = st + j * 16 * 32;
+      const uint2 kw0 = *reinterpret_cast<const uint2*>(kcs + sg * 32 + t * 8);
+      const uint2 kw1 = *reinterpret_cast<const uint2*>(kcs + (sg + 8) * 32 + t * 8);
+      // two bytes -> the low bytes of two halfwords, shared by the four planes
+      const uint32_t lo0x = prmt(kw0.x, 0, 0x1100), hi0x = prmt(kw0.x, 0, 0x3322);
+      const uint32_t lo0y = prmt(kw0.y, 0, 0x1100), hi0y = prmt(kw0.y, 0, 0x3322);
+      const uint32_t lo1x = prmt(kw1.x, 0, 0x1100), hi1x = prmt(kw1.x, 0, 0x3322);
+      const uint32_t lo1y = prmt(kw1.y, 0, 0x1100), hi1y = prmt(kw1.y, 0, 0x3322);
+      float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const uint32_t M = 0x00030003u << (2 * p);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int ks = 2 * p + hh;
+          const uint32_t a0 = (hh ? lo0y : lo0x) & M, a1 = (hh ? lo1y : lo1x) & M;
+          const uint32_t a2 = (hh ? hi0y : hi0x) & M, a3 = (hh ? hi1y : hi1x) & M;
+          if (p < 2) mma16816(acc0, a0, a1, a2, a3, qb[2 * ks], qb[2 * ks + 1]);
+          else mma16816(acc1, a0, a1, a2, a3, qb[2 * ks], qb[2 * ks + 1]);
+        }
+      }
+      const uint2* kps = reinterpret_cast<const uint2*>(st + kKpOff) + j * 16;
+      const uint2 pr0 = kps[sg], pr1 = kps[sg + 8];
+      const float sc0a = bf_lo(pr0.x), mn0a = bf_hi(pr0.x), sc1a = bf_lo(pr0.y) * 0.0625f, mn1a = bf_hi(pr0.y);
+      const float sc0b = bf_lo(pr1.x), mn0b = bf_hi(pr1.x), sc1b = bf_lo(pr1.y) * 0.0625f, mn1b = bf_hi(pr1.y);
+      float s[4];
+      s[0] = fmaf(mn1a, q10, fmaf(mn0a, q00, fmaf(acc1[0], sc1a, acc0[0] * sc0a)));
+      s[1] = fmaf(mn1a, q11, fmaf(mn0a, q01, fmaf(acc1[1], sc1a, acc0[1] * sc0a)));
+      s[2] = fmaf(mn1b, q10, fmaf(mn0b, q00, fmaf(acc1[2], sc1b, acc0[2] * sc0b)));
+      s[3] = fmaf(mn1b, q11, fmaf(mn0b, q01, fmaf(acc1[3], sc1b, acc0[3] * sc0b)));
+      if (!full) {
+        const int pa = pos0 + j * 16 + sg;
+        if (pa >= hi) s[0] = s[1] = -INFINITY;
+        if (pa + 8 >= hi) s[2] = s[3] = -INFINITY;
+      }
+      const bool up = (s[0] > thr0) | (s[1] > thr1) | (s[2] > thr0) | (s[3] > thr1);
+      if (__any_sync(0xffffffffu, up)) {  // rare after the first tiles: the exact max and a rescale
+        float c0 = fmaxf(s[0], s[2]), c1 = fmaxf(s[1], s[3]);
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) {
+          c0 = fmaxf(c0, __shfl_xor_sync(0xffffffffu, c0, x));
+          c1 = fmaxf(c1, __shfl_xor_sync(0xffffffffu, c1, x));
+        }
+        const float n0 = fmaxf(m0, c0 * kTwo24), n1 = fmaxf(m1, c1 * kTwo24);
+        const float al0 = ex2(m0 - n0), al1 = ex2(m1 - n1);
+        m0 = n0; m1 = n1;
+        thr0 = (m0 + kLazy) / kTwo24; thr1 = (m1 + kLazy) / kTwo24;
+        l0 *= al0; l1 *= al1; lv0 *= al0; lv1 *= al1;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { o[i][0] *= al0; o[i][1] *= al1; o[i][2] *= al0; o[i][3] *= al1; }
+      }
+      const float p0 = ex2(fmaf(s[0], kTwo24, -m0)), p1 = ex2(fmaf(s[1], kTwo24, -m1));
+      const float p2 = ex2(fmaf(s[2], kTwo24, -m0)), p3 = ex2(fmaf(s[3], kTwo24, -m1));
+      l0 += p0 + p2; l1 += p1 + p3;
+      const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + kVpOff) + j * 32;
+      const uint32_t vr0 = vps[sg * 2 + gsel], vr1 = vps[(sg + 8) * 2 + gsel];
+      const float vsa = bf_lo(vr0), vma = bf_hi(vr0), vsb = bf_lo(vr1), vmb = bf_hi(vr1);
+      lv0 = fmaf(p0, vma, fmaf(p2, vmb, lv0));
+      lv1 = fmaf(p1, vma, fmaf(p3, vmb, lv1));
+      const uint32_t b0 = movm_trans(h2u(__floats2half2_rn(p0 * vsa, p1 * vsa)));
+      const uint32_t b1 = movm_trans(h2u(__floats2half2_rn(p2 * vsb, p3 * vsb)));
+      const uint8_t* vcs = st + kVcOff + j * 16 * 32 + 4 * g;
+      const uint32_t wA = *reinterpret_cast<const uint32_t*>(vcs + t * 32);
+      const uint32_t wB = *reinterpret_cast<const uint32_t*>(vcs + (t + 4) * 32);
+      const uint32_t wC = *reinterpret_cast<const uint32_t*>(vcs + (t + 8) * 32);
+      const uint32_t wD = *reinterpret_cast<const uint32_t*>(vcs + (t + 12) * 32);
+      const uint32_t e0 = prmt(wA, wB, 0x4400), e1 = prmt(wA, wB, 0x5511);
+      const uint32_t e2 = prmt(wA, wB, 0x6622), e3 = prmt(wA, wB, 0x7733);
+      const uint32_t f0 = prmt(wC, wD, 0x4400), f1 = prmt(wC, wD, 0x5511);
+      const uint32_t f2 = prmt(wC, wD, 0x6622), f3 = prmt(wC, wD, 0x7733);
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt) {
+        const int p = mt >> 1, hb = mt & 1;
+        const uint32_t M = 0x00030003u << (2 * p);
+        mma16816(o[mt], (hb ? e2 : e0) & M, (hb ? e3 : e1) & M, (hb ? f2 : f0) & M, (hb ? f3 : f1) & M, b0, b1);
+      }
+    }
+    __syncwarp();  // this stage is refilled by the next iteration's issue
+  }
+  cp_wait<0>();
+
+#pragma unroll
+  for (int x = 4; x < 32; x <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+    lv0 += __shfl_xor_sync(0xffffffffu, lv0, x);
+    lv1 += __shfl_xor_sync(0xffffffffu, lv1, x);
+  }
+  // partials as kernels/decode.py _store_split writes them: o / l and lse = m + log2 l (log2 units)
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  const int hq0 = h * 4 + head0;  // this lane's heads hq0, hq0 + 1
+  float* op0 = a.o_part + (((size_t)b * a.hkv * 4 + hq0) * a.ns_total + widx) * 128;
+  float* op1 = op0 + (size_t)a.ns_total * 128;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // lanes t < 2 hold the dims of V group 0 (m-tiles 0..3), t >= 2 those of group 1 (4..7); a select,
+    // not o[4 * gsel + i], which would put o in local memory
+    float c[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[e] = gsel ? o[4 + i][e] : o[i][e];
+    const int mt = 4 * gsel + i, p = mt >> 1, hb = mt & 1;
+    const float fac = __int_as_float((127 + 24 - 2 * p) << 23);  // 2^(24 - 2p), undoes the subnormal codes
+    const int d0 = p * 32 + 4 * g + 2 * hb;
+    op0[d0] = fmaf(c[0], fac, lv0) * inv0;
+    op1[d0] = fmaf(c[1], fac, lv1) * inv1;
+    op0[d0 + 1] = fmaf(c[2], fac, lv0) * inv0;
+    op1[d0 + 1] = fmaf(c[3], fac, lv1) * inv1;
+  }
+  if (g == 0 && t < 2) {
+    float* lp = a.lse_part + ((size_t)b * a.hkv * 4 + hq0) * a.ns_total + widx;
+    lp[0] = l0 > 0.f ? m0 + __log2f(l0) : -INFINITY;
+    lp[a.ns_total] = l1 > 0.f ? m1 + __log2f(l1) : -INFINITY;
+  }
+}
+
+template <int NSTAGE>
+int launch(const Args& a, int bh, int warps, int grid_y, cudaStream_t stream) {
+  const int smem = warps * NSTAGE * kStageBytes;
+  int2_history_kernel<NSTAGE><<<dim3(bh, grid_y), warps * 32, smem, stream>>>(a);
+  return (int)cudaGetLastError();
+}
+
+template <int NSTAGE>
+int prepare(int warps) {  // the dynamic shared-memory limit, once, before any graph capture
+  return (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   warps * NSTAGE * kStageBytes);
+}
+
+template <int NSTAGE>
+int occupancy(int warps) {
+  int n = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE>, warps * 32, warps * NSTAGE * kStageBytes);
+  return n;
+}
+
+template <int NSTAGE>
+int attributes(int* regs, int* local_bytes) {
+  cudaFuncAttributes fa;
+  const int rc = (int)cudaFuncGetAttributes(&fa, int2_history_kernel<NSTAGE>);
+  *regs = fa.numRegs;
+  *local_bytes = (int)fa.localSizeBytes;
+  return rc;
+}
+
+}  // namespace
+
+#define DISPATCH(NS, FN, ...)              \
+  switch (NS) {                             \
+    case 2: return FN<2>(__VA_ARGS__);      \
+    case 3: return FN<3>(__VA_ARGS__);      \
+    case 4: return FN<4>(__VA_ARGS__);      \
+    default: return -1;                     \
+  }
+
+extern "C" {
+
+int oscar_history_prepare(int nstage, int warps) { DISPATCH(nstage, prepare, warps) }
+int oscar_history_occupancy(int nstage, int warps) { DISPATCH(nstage, occupancy, warps) }
+int oscar_history_attributes(int nstage, int* regs, int* local_bytes) { DISPATCH(nstage, attributes, regs, local_bytes) }
+
+int oscar_history_launch(int nstage, int warps, int bh, int grid_y, const void* qb, const void* qs, const void* kc,
+                         const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride,
+                         const int* req_idx, const int* seq_lens, const int* ring_start, int hkv, int sink, int window,
+                         float* o_part, float* lse_part, int ns_total, int page_log2, void* stream) {
+  Args a{(const uint32_t*)qb, (const float*)qs, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
+         (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
+         grid_y * warps, ns_total, page_log2};
+  DISPATCH(nstage, launch, a, bh, warps, grid_y, (cudaStream_t)stream)
+}
+
+}  // extern "C"

@@ -1,0 +1,167 @@
+"""The INT2 history stage of oscar_decode in CUDA (kernels/cuda/int2_history.cu): build, checks, launch.
+
+oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) and the Triton stage 1
+for the window programs only, then the usual merge. It covers one shape family, the one it was written and
+measured for (D 128, GQA 4, K and V groups of 64, uniform INT2 levels: Qwen3-8B, Qwen3-4B/14B-like layers);
+anything else raises with the reason instead of falling back. It pays on a pool in pages (kernels/records.py):
+on H100, page 64, it reads at 86-101% of a streaming read of its bytes at batch >= 8 against 0.65-0.75 for the
+Triton loop (benchmark/NOTES.md).
+
+Build: nvcc (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin) compiles the source once per (source, GPU arch,
+nvcc) into $SGLANG_OSCAR_CACHE (default ~/.cache/sglang_oscar) and the library is loaded with ctypes (no
+Python extension, no ninja). The Triton path needs none of this; CPU CI covers this kernel's register layouts
+through test/test_probe_cuda_history.py and the GPU tests compare it with the oracle.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import threading
+from typing import Optional
+
+import torch
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "int2_history.cu")
+HEAD_DIM, GQA, GROUP = 128, 4, 64
+WARPS, STAGES = 4, 2  # per CTA; 4 x 2 was the fastest of 4:2 / 4:3 / 4:4 / 8:2 on H100 (results/probe_cuda_history_*)
+MIN_ROWS_PER_SPLIT = 256
+LOG2E = 1.4426950408889634
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_occupancy: dict = {}
+
+
+class CudaHistoryUnavailable(RuntimeError):
+    pass
+
+
+def check_supported(head_dim: int, group: int, k_group: int, v_group: int, codebook: bool, device) -> None:
+    """Raise ValueError / CudaHistoryUnavailable saying why history_kernel="cuda" cannot run this call."""
+    if (head_dim, group, k_group, v_group) != (HEAD_DIM, GQA, GROUP, GROUP) or codebook:
+        raise ValueError(
+            f"history_kernel='cuda' covers head_dim {HEAD_DIM}, GQA {GQA}, K/V groups {GROUP} with uniform levels; "
+            f"this call has head_dim {head_dim}, GQA {group}, groups {k_group}/{v_group}"
+            f"{', a codebook' if codebook else ''}: use history_kernel='triton'")
+    if torch.device(device).type != "cuda":
+        raise ValueError("history_kernel='cuda' needs CUDA tensors")
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise CudaHistoryUnavailable("history_kernel='cuda' needs sm_80 or newer (mma.sync, cp.async)")
+
+
+def _nvcc() -> str:
+    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"),
+                 "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.exists(cand):
+            return cand
+    raise CudaHistoryUnavailable("history_kernel='cuda' builds its kernel with nvcc, which was not found on PATH, "
+                                 "in $CUDA_HOME/bin or /usr/local/cuda/bin: install the CUDA toolkit or use "
+                                 "history_kernel='triton'")
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernel library (built on first use, then cached on disk and in the process)."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        nvcc = _nvcc()
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"{major}{minor}"
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        src = open(SOURCE, "rb").read()
+        key = hashlib.sha256(src + arch.encode() + version.encode()).hexdigest()[:16]
+        cache = os.environ.get("SGLANG_OSCAR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sglang_oscar"))
+        os.makedirs(cache, exist_ok=True)
+        so = os.path.join(cache, f"int2_history_{key}.so")
+        if not os.path.exists(so):
+            tmp = f"{so}.{os.getpid()}.tmp"
+            cmd = [nvcc, "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared", "-Xcompiler", "-fPIC",
+                   "-o", tmp, SOURCE]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode:
+                raise CudaHistoryUnavailable(f"nvcc failed to build {SOURCE}:\n{res.stderr[-2000:]}")
+            os.replace(tmp, so)  # atomic: concurrent builders (TP ranks) each write their own tmp file
+        lib = ctypes.CDLL(so)
+        i, p = ctypes.c_int, ctypes.c_void_p
+        lib.oscar_history_launch.argtypes = [i, i, i, i, p, p, p, p, p, p, p, i, p, p, p, i, i, i, p, p, i, i, p]
+        lib.oscar_history_launch.restype = i
+        for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
+            f.argtypes, f.restype = [i, i], i
+        rc = lib.oscar_history_prepare(STAGES, WARPS)
+        if rc:
+            raise CudaHistoryUnavailable(f"cudaFuncSetAttribute for the history kernel failed (cuda error {rc})")
+        _occupancy[torch.cuda.current_device()] = lib.oscar_history_occupancy(STAGES, WARPS)
+        _lib = lib
+        return lib
+
+
+def default_num_splits(heads: int, max_context: int, num_sms: int, max_splits: int) -> int:
+    """History splits per (request, KV head), one per warp: one round of resident CTAs, >= MIN_ROWS_PER_SPLIT rows
+    per split, a multiple of WARPS, at most max_splits (the merge's tile)."""
+    library()
+    ctas = _occupancy.get(torch.cuda.current_device(), 4)
+    want = max(1, round(num_sms * ctas / max(heads, 1)))
+    rows = max(max_context, 1) // (MIN_ROWS_PER_SPLIT * WARPS)
+    cap = max(1, max_splits // WARPS)
+    return WARPS * max(1, min(want, rows, cap))
+
+
+def query_operands(q: torch.Tensor, sm_scale: float, kv_heads: int):
+    """q [B, Hq, 128] (transformed) -> each lane's B fragments qb [B*Hkv, 32, 16] int32 (fp16 pairs of
+    q' = c0 q 4^(2g - p), c0 = sm_scale log2 e; dims of reg 2ks + w of lane (g, t): p*32 + t*8 + 4hh + 2w + (0, 1)
+    with ks = 2p + hh, head g & 3) and qs [B*Hkv, 2, 4] fp32 (c0 times the group sums of q, times 2^-24)."""
+    b = q.shape[0]
+    dev = q.device
+    qf = q.float().reshape(b * kv_heads, GQA, HEAD_DIM) * (sm_scale * LOG2E)
+    plane = torch.arange(HEAD_DIM, device=dev) // 32
+    qp = (qf * torch.pow(4.0, (2 * (plane // 2) - plane).float())).to(torch.float16)
+    dims, heads = _lane_maps(dev)
+    qb = qp[:, heads, dims].contiguous().view(torch.int32).reshape(b * kv_heads, 32, 16)
+    qs = torch.stack([qf[..., :64].sum(-1), qf[..., 64:].sum(-1)], 1) * 2.0 ** -24
+    return qb.contiguous(), qs.contiguous()
+
+
+_MAPS: dict = {}
+
+
+def _lane_maps(dev):
+    if dev not in _MAPS:
+        lane = torch.arange(32)
+        t, g = lane & 3, lane >> 2
+        reg = torch.arange(16)
+        ks, w = reg // 2, reg % 2
+        p, hh = ks // 2, ks % 2
+        byte = t[:, None] * 8 + 4 * hh[None, :] + 2 * w[None, :]  # [32, 16]
+        d0 = p[None, :] * 32 + byte
+        dims = torch.stack([d0, d0 + 1], -1)  # [32, 16, 2]
+        heads = (g & 3)[:, None, None].expand(32, 16, 2)
+        _MAPS[dev] = (dims.to(dev), heads.contiguous().to(dev))
+    return _MAPS[dev]
+
+
+def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
+           o_part, lse_part) -> None:
+    """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128]."""
+    lib = library()
+    if ns % WARPS:
+        raise ValueError(f"history_kernel='cuda' runs one split per warp, {WARPS} warps per CTA: num_splits must be "
+                         f"a multiple of {WARPS}, got {ns}")
+    page = cache.page
+    hkv = cache.kv_heads
+    b = q.shape[0]
+    qb, qs = query_operands(q, sm_scale, hkv)
+    req = req_pool_indices.to(torch.int32)
+    rc = lib.oscar_history_launch(
+        STAGES, WARPS, b * hkv, ns // WARPS, qb.data_ptr(), qs.data_ptr(), cache.k_codes.data_ptr(),
+        cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(), req_to_token.data_ptr(),
+        req_to_token.stride(0), req.data_ptr(), seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
+        o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), torch.cuda.current_stream().cuda_stream)
+    if rc:
+        raise RuntimeError(f"history_kernel='cuda' launch failed (cuda error {rc})")
