@@ -1163,9 +1163,8 @@ def oscar_decode(
             split_rule = dict(fill_min_rows=LARGE_NP_FILL_MIN_ROWS)
         else:
             split_rule = {}
-        if hist_cuda:  # the merge holds all partials of a head in one tile of <= 128, windows included
-            num_splits = history_cuda.default_num_splits(B * Hkv, req_to_token.shape[1], _num_sms(q.device),
-                                                         max_splits=128 - 8)
+        if hist_cuda:
+            num_splits = history_cuda.default_num_splits(B * Hkv, req_to_token.shape[1], _num_sms(q.device))
         else:
             num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
                                             ctas_per_sm=ctas, **split_rule)

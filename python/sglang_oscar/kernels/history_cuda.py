@@ -31,6 +31,7 @@ HEAD_DIM, GQA, GROUP = 128, 4, 64
 WARPS, STAGES = 4, 2  # per CTA; 4 x 2 was the fastest of 4:2 / 4:3 / 4:4 / 8:2 on H100 (results/probe_cuda_history_*)
 MIN_ROWS_PER_SPLIT = 256
 LOG2E = 1.4426950408889634
+Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel's q_dtype codes
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -90,7 +91,8 @@ def library() -> ctypes.CDLL:
             os.replace(tmp, so)  # atomic: concurrent builders (TP ranks) each write their own tmp file
         lib = ctypes.CDLL(so)
         i, p = ctypes.c_int, ctypes.c_void_p
-        lib.oscar_history_launch.argtypes = [i, i, i, i, p, p, p, p, p, p, p, i, p, p, p, i, i, i, p, p, i, i, p]
+        lib.oscar_history_launch.argtypes = [i, i, i, i, p, i, ctypes.c_float, p, p, p, p, p, i, p, p, p, i, i, i, p, p,
+                                             i, i, p]
         lib.oscar_history_launch.restype = i
         for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
             f.argtypes, f.restype = [i, i], i
@@ -102,48 +104,16 @@ def library() -> ctypes.CDLL:
         return lib
 
 
-def default_num_splits(heads: int, max_context: int, num_sms: int, max_splits: int) -> int:
+def default_num_splits(heads: int, max_context: int, num_sms: int, max_splits: int = 248) -> int:
     """History splits per (request, KV head), one per warp: one round of resident CTAs, >= MIN_ROWS_PER_SPLIT rows
-    per split, a multiple of WARPS, at most max_splits (the merge's tile)."""
+    per split, a multiple of WARPS, at most max_splits (the merge holds a head's partials, windows included, in
+    one tile of next_pow2(splits) <= 256)."""
     library()
     ctas = _occupancy.get(torch.cuda.current_device(), 4)
     want = max(1, round(num_sms * ctas / max(heads, 1)))
     rows = max(max_context, 1) // (MIN_ROWS_PER_SPLIT * WARPS)
     cap = max(1, max_splits // WARPS)
     return WARPS * max(1, min(want, rows, cap))
-
-
-def query_operands(q: torch.Tensor, sm_scale: float, kv_heads: int):
-    """q [B, Hq, 128] (transformed) -> each lane's B fragments qb [B*Hkv, 32, 16] int32 (fp16 pairs of
-    q' = c0 q 4^(2g - p), c0 = sm_scale log2 e; dims of reg 2ks + w of lane (g, t): p*32 + t*8 + 4hh + 2w + (0, 1)
-    with ks = 2p + hh, head g & 3) and qs [B*Hkv, 2, 4] fp32 (c0 times the group sums of q, times 2^-24)."""
-    b = q.shape[0]
-    dev = q.device
-    qf = q.float().reshape(b * kv_heads, GQA, HEAD_DIM) * (sm_scale * LOG2E)
-    plane = torch.arange(HEAD_DIM, device=dev) // 32
-    qp = (qf * torch.pow(4.0, (2 * (plane // 2) - plane).float())).to(torch.float16)
-    dims, heads = _lane_maps(dev)
-    qb = qp[:, heads, dims].contiguous().view(torch.int32).reshape(b * kv_heads, 32, 16)
-    qs = torch.stack([qf[..., :64].sum(-1), qf[..., 64:].sum(-1)], 1) * 2.0 ** -24
-    return qb.contiguous(), qs.contiguous()
-
-
-_MAPS: dict = {}
-
-
-def _lane_maps(dev):
-    if dev not in _MAPS:
-        lane = torch.arange(32)
-        t, g = lane & 3, lane >> 2
-        reg = torch.arange(16)
-        ks, w = reg // 2, reg % 2
-        p, hh = ks // 2, ks % 2
-        byte = t[:, None] * 8 + 4 * hh[None, :] + 2 * w[None, :]  # [32, 16]
-        d0 = p[None, :] * 32 + byte
-        dims = torch.stack([d0, d0 + 1], -1)  # [32, 16, 2]
-        heads = (g & 3)[:, None, None].expand(32, 16, 2)
-        _MAPS[dev] = (dims.to(dev), heads.contiguous().to(dev))
-    return _MAPS[dev]
 
 
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
@@ -156,10 +126,11 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     page = cache.page
     hkv = cache.kv_heads
     b = q.shape[0]
-    qb, qs = query_operands(q, sm_scale, hkv)
-    req = req_pool_indices.to(torch.int32)
+    req = req_pool_indices if req_pool_indices.dtype == torch.int32 else req_pool_indices.to(torch.int32)
+    # q [B, Hq, 128] contiguous; each warp builds its operands from it (no extra launches)
     rc = lib.oscar_history_launch(
-        STAGES, WARPS, b * hkv, ns // WARPS, qb.data_ptr(), qs.data_ptr(), cache.k_codes.data_ptr(),
+        STAGES, WARPS, b * hkv, ns // WARPS, q.data_ptr(), Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
+        cache.k_codes.data_ptr(),
         cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(), req_to_token.data_ptr(),
         req_to_token.stride(0), req.data_ptr(), seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
         o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), torch.cuda.current_stream().cuda_stream)

@@ -16,13 +16,14 @@
 //   K dot  S^T[16 tokens, 8 cols] = codes[16, 128] . q'[128, 8]: 8 x mma m16n8k16, cols 4..7 repeat
 //          heads 0..3, two accumulators (groups). Codes enter as fp16 subnormals c.2^(2p-24) (plane p): one
 //          PRMT spreads two bytes into two halfwords for all four planes, one AND per two codes per plane;
-//          q' carries 4^(2g-p) (kernels/history_cuda.py query_operands).
+//          q' carries 4^(2g-p) (built per warp in the prologue from q).
 //   scores s' = acc0.sc0 + acc1.sc1/16 + mn0.Q0 + mn1.Q1 (units of 2^-24 log2), lazy max: the row-max
 //          shuffles and the rescale run only when a score passes m + 8 (a warp vote).
 //   V dot  O^T[128 dims, 8 cols] += V^T codes[128, 16] . (p.vscale)^T[16, 8]: cols 0..3 carry p.scale of V
 //          group 0, cols 4..7 of group 1; the K accumulator becomes the B operand with two movmatrix.trans.
 //   Token order inside a tile (sigma) makes every shared-memory load conflict-free.
 // test/test_probe_cuda_history.py emulates these register layouts on the CPU.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -73,8 +74,9 @@ __device__ __forceinline__ float ex2(float x) {
 __device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
 struct Args {
-  const uint32_t* qb;   // [BH, 32 lanes, 16] half2: each lane's B fragments of q' (host-permuted)
-  const float* qs;      // [BH, 2 groups, 4 heads]: c0 . sum of q over the group, times 2^-24
+  const void* q;        // [B, Hq, 128] (transformed), bf16 / fp16 / fp32 (q_dtype 0 / 1 / 2)
+  int q_dtype;
+  float c0;             // sm_scale * log2(e)
   const uint8_t* kc;    // [slots, Hkv, 32]
   const uint8_t* vc;
   const uint2* kp;      // [slots, Hkv] (sc0, mn0, sc1, mn1) bf16
@@ -99,19 +101,37 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem) + warp * NSTAGE * kStageBytes;
   const uint8_t* wbase = smem + warp * NSTAGE * kStageBytes;
 
-  // q' fragments and the group sums of this lane's two columns (2t, 2t+1 -> heads (2t)&3, +1)
+  // q' = c0 q 4^(2g - p) as this lane's B fragments: reg 2ks + w of k-step ks = (plane p, half hh) holds dims
+  // p*32 + t*8 + 4hh + 2w + (0, 1) of head g & 3 (cols 4..7 repeat heads 0..3); and the group sums of q
+  const int head0 = (2 * t) & 3;  // this lane's accumulator columns 2t, 2t+1 are heads head0, head0 + 1
   uint32_t qb[16];
+  float gs0 = 0.f, gs1 = 0.f;
   {
-    const uint4* src = reinterpret_cast<const uint4*>(a.qb + ((size_t)bh * 32 + lane) * 16);
+    const size_t qrow = ((size_t)b * a.hkv * 4 + h * 4 + (g & 3)) * 128;
+    auto load_q = [&](size_t i) -> float {
+      if (a.q_dtype == 0) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.q)[i]);
+      if (a.q_dtype == 1) return __half2float(reinterpret_cast<const __half*>(a.q)[i]);
+      return reinterpret_cast<const float*>(a.q)[i];
+    };
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      uint4 v = src[i];
-      qb[4 * i] = v.x; qb[4 * i + 1] = v.y; qb[4 * i + 2] = v.z; qb[4 * i + 3] = v.w;
+    for (int r = 0; r < 16; ++r) {
+      const int ks = r >> 1, w = r & 1, p = ks >> 1, hh = ks & 1;
+      const int d = p * 32 + t * 8 + 4 * hh + 2 * w;
+      const float x0 = load_q(qrow + d) * a.c0, x1 = load_q(qrow + d + 1) * a.c0;
+      if (p < 2) gs0 += x0 + x1; else gs1 += x0 + x1;
+      const float f = (p & 1) ? 0.25f : 1.f;
+      qb[r] = h2u(__floats2half2_rn(x0 * f, x1 * f));
     }
   }
-  const int head0 = (2 * t) & 3;
-  const float q00 = a.qs[bh * 8 + head0], q01 = a.qs[bh * 8 + head0 + 1];
-  const float q10 = a.qs[bh * 8 + 4 + head0], q11 = a.qs[bh * 8 + 4 + head0 + 1];
+#pragma unroll
+  for (int x = 1; x < 4; x <<= 1) {  // the quad's four lanes hold all 128 dims of head g & 3
+    gs0 += __shfl_xor_sync(0xffffffffu, gs0, x);
+    gs1 += __shfl_xor_sync(0xffffffffu, gs1, x);
+  }
+  const float q00 = __shfl_sync(0xffffffffu, gs0, head0 * 4) / kTwo24;  // quad g = head holds its sums
+  const float q01 = __shfl_sync(0xffffffffu, gs0, (head0 + 1) * 4) / kTwo24;
+  const float q10 = __shfl_sync(0xffffffffu, gs1, head0 * 4) / kTwo24;
+  const float q11 = __shfl_sync(0xffffffffu, gs1, (head0 + 1) * 4) / kTwo24;
 
   const int L = a.seq_lens[b];
   const int req = a.req_idx[b];
@@ -346,11 +366,11 @@ int oscar_history_prepare(int nstage, int warps) { DISPATCH(nstage, prepare, war
 int oscar_history_occupancy(int nstage, int warps) { DISPATCH(nstage, occupancy, warps) }
 int oscar_history_attributes(int nstage, int* regs, int* local_bytes) { DISPATCH(nstage, attributes, regs, local_bytes) }
 
-int oscar_history_launch(int nstage, int warps, int bh, int grid_y, const void* qb, const void* qs, const void* kc,
+int oscar_history_launch(int nstage, int warps, int bh, int grid_y, const void* q, int q_dtype, float c0, const void* kc,
                          const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride,
                          const int* req_idx, const int* seq_lens, const int* ring_start, int hkv, int sink, int window,
                          float* o_part, float* lse_part, int ns_total, int page_log2, void* stream) {
-  Args a{(const uint32_t*)qb, (const float*)qs, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
+  Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
          grid_y * warps, ns_total, page_log2};
   DISPATCH(nstage, launch, a, bh, warps, grid_y, (cudaStream_t)stream)
