@@ -787,6 +787,9 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 
 def test_cuda_history_rejects_what_it_does_not_cover():
+    from sglang_oscar.kernels import history_cuda
+
+    assert os.path.exists(history_cuda.SOURCE)  # shipped as package data (pyproject.toml)
     case = make_case([40, 30], hkv=2, gqa=2, d=64, device="cpu")
     with pytest.raises(ValueError, match="history_kernel='cuda' covers head_dim 128, GQA 4"):
         oscar_decode(**case, history_kernel="cuda")
