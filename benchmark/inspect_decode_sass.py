@@ -41,7 +41,7 @@ SCALARS = {"qk_scale": "fp32", "stride_r2t": "i32"}
 
 
 def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=None, num_warps=2, num_stages=3, ns=16, fast_cvt=True,
-                   maxnreg=None, subnormal=None, peel=None, lazy=None, fold=None):
+                   maxnreg=None, subnormal=None, peel=None, lazy=None, fold=None, page=1):
     fn = decode._oscar_decode_stage1
     group = hq // hkv
     np_ = max(decode.MIN_NP, triton.next_power_of_2(group))
@@ -61,7 +61,7 @@ def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=None, num_warps=2, num_stag
         BLOCK_N=block_n, BLOCK_W=16, K_A=1.0, V_A=1.0, K_CODEBOOK=False, V_CODEBOOK=False,
         DT=tl.float16, WDT=tl.bfloat16, FAST_CVT=fast_cvt, NGK=d // gk, NGV=d // gv, CH=min(gk, gv, d // 4),
         SUB=decode.SUBNORMAL_CODES if subnormal is None else subnormal,
-        PEEL=peel, LAZY=lazy, FOLD=bool(fold),
+        PEEL=peel, LAZY=lazy, FOLD=bool(fold), PAGE=page,  # pool page size (kernels/records.py)
     )
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
