@@ -22,6 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmark"))
 probe = pytest.importorskip("probe_cuda_history")
 
 CU_SOURCE = os.path.join(os.path.dirname(__file__), "..", "benchmark", "cuda", "int2_history_probe.cu")
+# the production kernel (kernels/history_cuda.py) grew from the probe and keeps its register layouts
+PRODUCTION_SOURCE = os.path.join(os.path.dirname(__file__), "..", "python", "sglang_oscar", "kernels", "cuda",
+                                 "int2_history.cu")
 K_SELECTORS = (0x1100, 0x3322)  # bytes (0, 1) / (2, 3) of a word -> low bytes of two halfwords
 V_SELECTORS = (0x4400, 0x5511, 0x6622, 0x7733)  # byte k of word a and of word b -> two halfwords
 
@@ -74,8 +77,9 @@ def codes(byts):
     return np.concatenate([(byts >> (2 * p)) & 3 for p in range(4)], 1)  # dims p*32 + j
 
 
-def test_selectors_match_the_kernel_source():
-    src = open(CU_SOURCE).read()
+@pytest.mark.parametrize("source", [CU_SOURCE, PRODUCTION_SOURCE])
+def test_selectors_match_the_kernel_source(source):
+    src = open(source).read()
     for sel in K_SELECTORS + V_SELECTORS:
         assert f"0x{sel:04x}" in src.lower()
     assert "(g >> 1) + 4 * (g & 1)" in src  # sigma

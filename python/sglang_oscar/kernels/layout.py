@@ -85,22 +85,22 @@ class LayerCache:
     def head_dim(self) -> int:
         return self.k_codes.shape[-1] * 4
 
+    def _slot_index(self, slots: torch.Tensor, device) -> tuple:
+        """Index of `slots` into a code / param buffer: [slots] at page 1, [slots // P, :, slots % P] else."""
+        slots = slots.long().to(device)
+        if self.page == 1:
+            return (slots,)
+        return (slots // self.page, slice(None), slots % self.page)
+
     def rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         """Buffer `name` (k_codes, k_params, v_codes, v_params) at `slots`: [n, Hkv, ...], either layout."""
         t = getattr(self, name)
-        slots = slots.long().to(t.device)
-        if self.page == 1:
-            return t[slots]
-        return t[slots // self.page, :, slots % self.page]
+        return t[self._slot_index(slots, t.device)]
 
     def set_rows(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Write [n, Hkv, ...] values into buffer `name` at `slots` (either layout)."""
         t = getattr(self, name)
-        slots = slots.long().to(t.device)
-        if self.page == 1:
-            t[slots] = values
-        else:
-            t[slots // self.page, :, slots % self.page] = values
+        t[self._slot_index(slots, t.device)] = values
 
     @classmethod
     def empty(

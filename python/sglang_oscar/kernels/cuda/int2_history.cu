@@ -341,15 +341,6 @@ int occupancy(int warps) {
   return n;
 }
 
-template <int NSTAGE>
-int attributes(int* regs, int* local_bytes) {
-  cudaFuncAttributes fa;
-  const int rc = (int)cudaFuncGetAttributes(&fa, int2_history_kernel<NSTAGE>);
-  *regs = fa.numRegs;
-  *local_bytes = (int)fa.localSizeBytes;
-  return rc;
-}
-
 }  // namespace
 
 #define DISPATCH(NS, FN, ...)              \
@@ -364,7 +355,6 @@ extern "C" {
 
 int oscar_history_prepare(int nstage, int warps) { DISPATCH(nstage, prepare, warps) }
 int oscar_history_occupancy(int nstage, int warps) { DISPATCH(nstage, occupancy, warps) }
-int oscar_history_attributes(int nstage, int* regs, int* local_bytes) { DISPATCH(nstage, attributes, regs, local_bytes) }
 
 int oscar_history_launch(int nstage, int warps, int bh, int grid_y, const void* q, int q_dtype, float c0, const void* kc,
                          const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride,
