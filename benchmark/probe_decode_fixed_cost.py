@@ -55,19 +55,29 @@ def kernel_records(graph, replays=20):
 
 
 def split_calls(ev):
-    """Per call (a stage-1 kernel and the merge after it): stage-1 us, merge us, span us (stage-1 start to
-    merge end), and the gap to the next call's start."""
+    """Per call (a stage-1 kernel, with history_kernel="cuda" the CUDA history kernel after it, and the merge):
+    stage-1 us, history us (None without it), their overlap (PDL), merge us, the merge's overlap with the
+    producers before it, span us (stage-1 start to merge end), and the gap to the next call's start."""
     calls = []
     i = 0
     while i + 1 < len(ev):
-        if "stage1" in ev[i][0] and "merge" in ev[i + 1][0]:
-            s, m = ev[i], ev[i + 1]
-            nxt = ev[i + 2][1] if i + 2 < len(ev) else None
-            calls.append(dict(stage1=s[2], merge=m[2], overlap=max(0.0, s[1] + s[2] - m[1]),
-                              span=m[1] + m[2] - s[1], gap_next=None if nxt is None else nxt - (m[1] + m[2])))
-            i += 2
-        else:
+        if "stage1" not in ev[i][0]:
             i += 1
+            continue
+        j, hist = i + 1, None
+        if "int2_history" in ev[j][0]:
+            hist, j = ev[j], j + 1
+        if j >= len(ev) or "merge" not in ev[j][0]:
+            i += 1
+            continue
+        s, m = ev[i], ev[j]
+        produced = max(s[1] + s[2], hist[1] + hist[2] if hist else 0.0)
+        nxt = ev[j + 1][1] if j + 1 < len(ev) else None
+        calls.append(dict(stage1=s[2], history=hist[2] if hist else None,
+                          history_overlap=max(0.0, s[1] + s[2] - hist[1]) if hist else None, merge=m[2],
+                          overlap=max(0.0, produced - m[1]), span=m[1] + m[2] - s[1],
+                          gap_next=None if nxt is None else nxt - (m[1] + m[2])))
+        i = j + 1
     return calls
 
 
@@ -84,7 +94,10 @@ def main():
     ap.add_argument("--splits", default="", help="extra explicit split counts to time at batch 1 (comma list)")
     ap.add_argument("--variants", default="",
                     help="extra oscar_decode keyword sets at every point, 'name:key=int,key=int;name2:...'")
+    ap.add_argument("--history-kernel", default="triton", choices=("triton", "cuda"))
+    ap.add_argument("--page", type=int, default=1, help="pool page size (kernels/records.py)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
     hq, hkv, d = MODELS[args.model]
     dev = torch.cuda.get_device_name()
@@ -101,7 +114,7 @@ def main():
         for ctx in [int(v) for v in args.contexts.split(",")]:
             q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
             copies = n_copies(oscar_bytes(b, hq, hkv, d, ctx))
-            cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies)
+            cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=args.page)
             variants = [("default", {})]
             if b == 1:
                 variants.append(("no_pdl", dict(pdl=False)))
@@ -110,12 +123,16 @@ def main():
                 name, _, kws = spec.partition(":")
                 variants.append((name, {k: int(v) for k, v in (kv.split("=") for kv in kws.split(",") if kv)}))
             for name, kw in variants:
+                if args.history_kernel == "cuda":
+                    kw = dict(kw, history_kernel="cuda")
                 fns = oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, **kw)
                 us = 1e3 * bench(fns)
                 calls = split_calls(kernel_records(capture_graph(fns)))  # the copies' calls once, for the profiler
                 r = dict(kind="decode", model=args.model, batch=b, context=ctx, variant=name, copies=copies,
-                         us_per_call=us, calls_profiled=len(calls),
-                         **{k: med(c[k] for c in calls) for k in ("stage1", "merge", "overlap", "span", "gap_next")})
+                         history_kernel=args.history_kernel, page=args.page, us_per_call=us,
+                         calls_profiled=len(calls),
+                         **{k: med(c[k] for c in calls) for k in ("stage1", "history", "history_overlap", "merge",
+                                                                  "overlap", "span", "gap_next")})
                 rows.append(r)
                 print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
             del cache, r2t
@@ -123,7 +140,7 @@ def main():
 
     out = dict(device=dev, versions=dict(torch=torch.__version__, triton=triton.__version__, git_commit=git_commit()), rows=rows,
                splits_rule=dict(fold_fill_min_rows=decode.FOLD_FILL_MIN_ROWS))
-    write_json(args.out, "probe_decode_fixed_cost", dev, out)
+    write_json(args.out, "probe_decode_fixed_cost" + (f"_{args.tag}" if args.tag else ""), dev, out)
 
 
 if __name__ == "__main__":

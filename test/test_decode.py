@@ -821,8 +821,6 @@ def test_cuda_history_matches_the_oracle(pool_page, lens, ring_starts):
 def test_cuda_history_explicit_splits_and_graph_capture():
     case = make_case([2000, 1500], hkv=2, gqa=4, d=128, sink=64, window=256, pool_page=64, seed=3)
     run_and_check(case, history_kernel="cuda", num_splits=8)
-    with pytest.raises(ValueError, match="multiple of 4"):
-        oscar_decode(**case, history_kernel="cuda", num_splits=6)
     out = torch.full_like(case["q"], float("nan"))
     oscar_decode(**case, history_kernel="cuda", out=out)  # build and warm up outside the capture
     want = out.clone()
@@ -833,3 +831,21 @@ def test_cuda_history_explicit_splits_and_graph_capture():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@requires_cuda
+def test_cuda_history_split_counts_pdl_and_index_dtypes():
+    """One partial per CTA (its 4 warps merged in shared memory): any split count, including CTAs whose warps
+    are partly or wholly empty; SGLang's int64 req_pool_indices read as they are; PDL on or off the same bits."""
+    case = make_case([2000, 1500, 333], hkv=2, gqa=4, d=128, sink=64, window=256, pool_page=64, seed=11)
+    for ns in (1, 3, 8, 37):  # 37 CTAs x 4 warps over 1680 / 1180 / 13 rows: many empty warps and CTAs
+        run_and_check(case, history_kernel="cuda", num_splits=ns)
+    want = oscar_decode(**case, history_kernel="cuda", num_splits=5)
+    got64 = oscar_decode(**{**case, "req_pool_indices": case["req_pool_indices"].long()}, history_kernel="cuda",
+                         num_splits=5)
+    no_pdl = oscar_decode(**case, history_kernel="cuda", num_splits=5, pdl=False)
+    assert torch.isfinite(want).all() and torch.equal(got64, want) and torch.equal(no_pdl, want)
+    with pytest.raises(ValueError, match="seq_lens as int32"):
+        oscar_decode(**{**case, "seq_lens": case["seq_lens"].long()}, history_kernel="cuda")
+    with pytest.raises(ValueError, match="num_splits must be in"):
+        oscar_decode(**case, history_kernel="cuda", num_splits=0)

@@ -31,3 +31,20 @@ def test_split_calls_pairs_stage1_with_the_next_merge():
 
 def test_split_calls_without_merges_is_empty():
     assert split_calls([("_oscar_decode_stage1", 0.0, 1.0), ("_oscar_decode_stage1", 2.0, 1.0)]) == []
+
+
+def test_split_calls_with_the_cuda_history_between_stage1_and_merge():
+    ev = [
+        ("_oscar_decode_stage1", 0.0, 5.0),  # the window programs
+        ("void (anonymous namespace)::int2_history_kernel<2>(Args)", 3.0, 20.0),  # PDL: starts before they end
+        ("_oscar_decode_merge", 21.0, 3.0),  # PDL: launched after the history loop
+        ("_oscar_decode_stage1", 24.5, 5.0),
+        ("void (anonymous namespace)::int2_history_kernel<2>(Args)", 29.5, 20.0),
+        ("_oscar_decode_merge", 49.5, 2.0),
+    ]
+    a, b = split_calls(ev)
+    assert a["stage1"] == 5.0 and a["history"] == 20.0 and a["merge"] == 3.0
+    assert a["history_overlap"] == pytest.approx(2.0) and a["overlap"] == pytest.approx(2.0)
+    assert a["span"] == pytest.approx(24.0) and a["gap_next"] == pytest.approx(0.5)
+    assert b["history_overlap"] == 0.0 and b["overlap"] == 0.0 and b["span"] == pytest.approx(27.0)
+    assert b["gap_next"] is None

@@ -1086,8 +1086,8 @@ def oscar_decode(
     merge_splits: programs per query head in the merge, each merging D / merge_splits output dims (a power of
     two, D / merge_splits >= MERGE_MIN_DIMS; None: default_merge_splits).
     history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128, GQA 4, groups 64,
-    uniform levels; one split per warp, num_splits a multiple of 4, None: its own rule; the Triton stage 1 then
-    runs the window programs only). An unsupported shape raises instead of falling back.
+    uniform levels; one split per CTA of 4 warps, None: its own rule; the Triton stage 1 then runs the window
+    programs only, before it). An unsupported shape raises instead of falling back.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -1185,8 +1185,10 @@ def oscar_decode(
     elif out.shape != q.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
 
-    # PDL chains the merge to the one stage-1 launch; with the CUDA history there are two
-    use_pdl = (PDL if pdl is None else bool(pdl)) and q.is_cuda and B * Hkv * ns_total <= slots and not hist_cuda
+    # PDL chains the merge to the one stage-1 launch where its grid fits one round. With the CUDA history the
+    # chain is window programs -> history (launched as their dependent; it waits for them before its stores and
+    # lets the merge launch after its loop) -> merge, at any grid size.
+    use_pdl = (PDL if pdl is None else bool(pdl)) and q.is_cuda and (hist_cuda or B * Hkv * ns_total <= slots)
     fp32 = q.dtype == torch.float32
     dt = tl.float32 if fp32 else tl.float16
     wdt = tl.float32 if cache.ring_k.dtype == torch.float32 or fp32 else (
@@ -1202,9 +1204,6 @@ def oscar_decode(
     sink_k, sink_v = cache.sink_k, cache.sink_v
     if sink_k.shape[0] == 0:  # no sink rows at all: stage 1 clamps row -1 to 0, which must exist
         sink_k = sink_v = torch.zeros(1, Hkv, D, dtype=sink_k.dtype, device=sink_k.device)
-    if hist_cuda:
-        history_cuda.launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, sink=sink, window=window,
-                            sm_scale=sm_scale, ns=ns, ns_total=ns_total, o_part=o_part, lse_part=lse_part)
     _oscar_decode_stage1[grid](
         q, cache.k_codes, kp32, kp64, cache.v_codes, vp32, vp64,
         sink_k, sink_v, cache.ring_k, cache.ring_v, cache.sink_table,
@@ -1223,6 +1222,10 @@ def oscar_decode(
         PDL_TRIGGER=use_pdl, PAGE=cache.page,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
+    if hist_cuda:
+        history_cuda.launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, sink=sink, window=window,
+                            sm_scale=sm_scale, ns=ns, ns_total=ns_total, o_part=o_part, lse_part=lse_part,
+                            pdl=use_pdl)
     if merge_splits is None:
         merge_splits = default_merge_splits(B * Hq, D, _num_sms(q.device))
     if merge_splits < 1 or merge_splits & (merge_splits - 1) or D // merge_splits < MERGE_MIN_DIMS:

@@ -1,7 +1,8 @@
 """The INT2 history stage of oscar_decode in CUDA (kernels/cuda/int2_history.cu): build, checks, launch.
 
-oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) and the Triton stage 1
-for the window programs only, then the usual merge. It covers one shape family, the one it was written and
+oscar_decode(..., history_kernel="cuda") runs the Triton stage 1 for the window programs only, then this kernel for
+the history splits [0, NS) (one split per CTA; its warps merge in shared memory), started early as a programmatic
+dependent of the window launch, then the usual merge (PDL on this kernel). It covers one shape family, the one it was written and
 measured for (D 128, GQA 4, K and V groups of 64, uniform INT2 levels: Qwen3-8B, Qwen3-4B/14B-like layers);
 anything else raises with the reason instead of falling back. It pays on a pool in pages (kernels/records.py):
 on H100, page 64, it reads at 86-101% of a streaming read of its bytes at batch >= 8 against 0.65-0.75 for the
@@ -91,8 +92,8 @@ def library() -> ctypes.CDLL:
             os.replace(tmp, so)  # atomic: concurrent builders (TP ranks) each write their own tmp file
         lib = ctypes.CDLL(so)
         i, p = ctypes.c_int, ctypes.c_void_p
-        lib.oscar_history_launch.argtypes = [i, i, i, i, p, i, ctypes.c_float, p, p, p, p, p, i, p, p, p, i, i, i, p, p,
-                                             i, i, p]
+        lib.oscar_history_launch.argtypes = [i, i, i, i, p, i, ctypes.c_float, p, p, p, p, p, i, p, i, p, p, i, i, i,
+                                             p, p, i, i, i, p]
         lib.oscar_history_launch.restype = i
         for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
             f.argtypes, f.restype = [i, i], i
@@ -105,34 +106,45 @@ def library() -> ctypes.CDLL:
 
 
 def default_num_splits(heads: int, max_context: int, num_sms: int, max_splits: int = 248) -> int:
-    """History splits per (request, KV head), one per warp: one round of resident CTAs, >= MIN_ROWS_PER_SPLIT rows
-    per split, a multiple of WARPS, at most max_splits (the merge holds a head's partials, windows included, in
-    one tile of next_pow2(splits) <= 256)."""
+    """History splits (CTAs) per (request, KV head): one round of resident CTAs, >= MIN_ROWS_PER_SPLIT rows per
+    warp, at most max_splits (the merge holds a head's partials, windows included, in one tile of
+    next_pow2(splits) <= 256). Shapes only (max_context = req_to_token's width), so CUDA-graph capturable."""
     library()
     ctas = _occupancy.get(torch.cuda.current_device(), 4)
-    want = max(1, round(num_sms * ctas / max(heads, 1)))
+    want = max(1, (num_sms * ctas) // max(heads, 1))
     rows = max(max_context, 1) // (MIN_ROWS_PER_SPLIT * WARPS)
-    cap = max(1, max_splits // WARPS)
-    return WARPS * max(1, min(want, rows, cap))
+    return max(1, min(want, rows, max_splits))
+
+
+_INDEX_DTYPES = {torch.int32: 0, torch.int64: 1}
 
 
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
-           o_part, lse_part) -> None:
-    """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128]."""
+           o_part, lse_part, pdl: bool = False) -> None:
+    """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128].
+
+    pdl: launch as a programmatic dependent of the previous kernel on the stream (the window programs); the
+    kernel waits for it before its stores, so a merge launched with PDL after this one sees both."""
     lib = library()
-    if ns % WARPS:
-        raise ValueError(f"history_kernel='cuda' runs one split per warp, {WARPS} warps per CTA: num_splits must be "
-                         f"a multiple of {WARPS}, got {ns}")
+    if not 1 <= ns <= ns_total:
+        raise ValueError(f"history_kernel='cuda': num_splits must be in [1, {ns_total}], got {ns}")
+    for name, t in (("req_to_token", req_to_token), ("seq_lens", seq_lens), ("ring_start", ring_start)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"history_kernel='cuda' reads {name} as int32, got {t.dtype}")
+    if req_pool_indices.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"history_kernel='cuda' reads req_pool_indices as int32 or int64, got {req_pool_indices.dtype}")
+    if not (req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q.is_contiguous()):
+        raise ValueError("history_kernel='cuda' needs contiguous q, req_pool_indices and seq_lens")
     page = cache.page
     hkv = cache.kv_heads
     b = q.shape[0]
-    req = req_pool_indices if req_pool_indices.dtype == torch.int32 else req_pool_indices.to(torch.int32)
     # q [B, Hq, 128] contiguous; each warp builds its operands from it (no extra launches)
     rc = lib.oscar_history_launch(
-        STAGES, WARPS, b * hkv, ns // WARPS, q.data_ptr(), Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
-        cache.k_codes.data_ptr(),
-        cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(), req_to_token.data_ptr(),
-        req_to_token.stride(0), req.data_ptr(), seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
-        o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), torch.cuda.current_stream().cuda_stream)
+        STAGES, WARPS, b * hkv, ns, q.data_ptr(), Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
+        cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(),
+        req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
+        _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
+        o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), int(bool(pdl)),
+        torch.cuda.current_stream().cuda_stream)
     if rc:
         raise RuntimeError(f"history_kernel='cuda' launch failed (cuda error {rc})")

@@ -7,10 +7,17 @@
 // history loop"; the probe benchmark/cuda/int2_history_probe.cu is the experiment it grew from).
 //
 // Shapes: D 128, GQA 4 (one warp's 8 columns = 4 heads x 2 V groups), K and V groups of 64, uniform levels.
-// Each warp owns one split of [sink, R) with R = min(max(L - window, sink, ring_start), L), the rows the
-// Triton path reads as INT2 (kernels/decode.py _history_end), and stores the partial like _store_split:
-// o / l per (request, query head, split) in o_part [B, Hq, NS_TOTAL, 128] and lse = m + log2 l (-inf for an
-// empty split) in lse_part [B, Hq, NS_TOTAL], splits [0, nsw).
+// Each CTA owns one split of [sink, R) with R = min(max(L - window, sink, ring_start), L), the rows the
+// Triton path reads as INT2 (kernels/decode.py _history_end); its warps take consecutive sub-ranges, run the
+// loop below independently, and merge their (m, l, O) in shared memory at the end, so that the merge kernel
+// reads one partial per CTA, not per warp (at batch 1 the per-warp partials were ~10-20% of the bytes read).
+// The CTA stores its partial like _store_split: o / l per (request, query head, split) in
+// o_part [B, Hq, NS_TOTAL, 128] and lse = m + log2 l (-inf for an empty split) in lse_part [B, Hq, NS_TOTAL],
+// splits [0, gridDim.y).
+//
+// Launch order (kernels/decode.py): the Triton window programs first, then this kernel as a programmatic
+// dependent (PDL), so that it starts while they run; it waits for them (griddepcontrol.wait) before its
+// stores, which makes the merge's own wait on this grid cover both producers.
 //
 // Per warp and 16-token tile (all in registers, no CTA barrier):
 //   K dot  S^T[16 tokens, 8 cols] = codes[16, 128] . q'[128, 8]: 8 x mma m16n8k16, cols 4..7 repeat
@@ -82,13 +89,14 @@ struct Args {
   const uint2* kp;      // [slots, Hkv] (sc0, mn0, sc1, mn1) bf16
   const uint2* vp;
   const int* r2t;
-  const int* req_idx;   // [B]
+  const void* req_idx;  // [B] int32, or int64 when req_idx_64 (SGLang's req_pool_indices: no per-call cast)
   const int* seq_lens;  // [B]
   const int* ring_start;  // [max_reqs], by pool row
   float* o_part;        // [B, Hq, ns_total, 128]
   float* lse_part;      // [B, Hq, ns_total]
   int r2t_stride, hkv, sink, window, nsw, ns_total;
   int page_log2;        // the pool's page size P = 2^page_log2: record ((s >> k) * Hkv + h) * P + (s & (P - 1))
+  int req_idx_64;
 };
 
 template <int NSTAGE>
@@ -134,7 +142,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const float q11 = __shfl_sync(0xffffffffu, gs1, (head0 + 1) * 4) / kTwo24;
 
   const int L = a.seq_lens[b];
-  const int req = a.req_idx[b];
+  const int req = a.req_idx_64 ? (int)reinterpret_cast<const long long*>(a.req_idx)[b]
+                                : reinterpret_cast<const int*>(a.req_idx)[b];
   const int hist_lo = a.sink;
   const int hist_hi = min(max(max(L - a.window, a.sink), a.ring_start[req]), L);
   const int n = hist_hi - hist_lo;
@@ -294,11 +303,18 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     lv0 += __shfl_xor_sync(0xffffffffu, lv0, x);
     lv1 += __shfl_xor_sync(0xffffffffu, lv1, x);
   }
-  // partials as kernels/decode.py _store_split writes them: o / l and lse = m + log2 l (log2 units)
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  const int hq0 = h * 4 + head0;  // this lane's heads hq0, hq0 + 1
-  float* op0 = a.o_part + (((size_t)b * a.hkv * 4 + hq0) * a.ns_total + widx) * 128;
-  float* op1 = op0 + (size_t)a.ns_total * 128;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the merge may launch and wait
+#endif
+
+  // The CTA's merge. Each warp parks its unnormalised O = c.2^(24-2p) + lv (4 heads x 128 dims), m and l in
+  // shared memory (the pipeline stages are free now); then thread e of the CTA combines output e (+ k.threads)
+  // over the warps: M = max m_w, O = sum 2^(m_w - M) O_w, L = sum 2^(m_w - M) l_w. An empty warp has l = 0 and
+  // m = -1e30, so it weighs 0 (or all weigh 1 and L = 0: an empty split, o 0 and lse -inf).
+  __syncthreads();  // every warp is past its last stage read
+  float* so = reinterpret_cast<float*>(smem);  // [nwarps][4 heads][128]
+  float* sml = so + nwarps * 512;              // [nwarps][4 heads] (m, l)
+  float* ow = so + warp * 512;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     // lanes t < 2 hold the dims of V group 0 (m-tiles 0..3), t >= 2 those of group 1 (4..7); a select,
@@ -309,23 +325,51 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     const int mt = 4 * gsel + i, p = mt >> 1, hb = mt & 1;
     const float fac = __int_as_float((127 + 24 - 2 * p) << 23);  // 2^(24 - 2p), undoes the subnormal codes
     const int d0 = p * 32 + 4 * g + 2 * hb;
-    op0[d0] = fmaf(c[0], fac, lv0) * inv0;
-    op1[d0] = fmaf(c[1], fac, lv1) * inv1;
-    op0[d0 + 1] = fmaf(c[2], fac, lv0) * inv0;
-    op1[d0 + 1] = fmaf(c[3], fac, lv1) * inv1;
+    ow[head0 * 128 + d0] = fmaf(c[0], fac, lv0);
+    ow[(head0 + 1) * 128 + d0] = fmaf(c[1], fac, lv1);
+    ow[head0 * 128 + d0 + 1] = fmaf(c[2], fac, lv0);
+    ow[(head0 + 1) * 128 + d0 + 1] = fmaf(c[3], fac, lv1);
   }
   if (g == 0 && t < 2) {
-    float* lp = a.lse_part + ((size_t)b * a.hkv * 4 + hq0) * a.ns_total + widx;
-    lp[0] = l0 > 0.f ? m0 + __log2f(l0) : -INFINITY;
-    lp[a.ns_total] = l1 > 0.f ? m1 + __log2f(l1) : -INFINITY;
+    float* ml = sml + (warp * 4 + head0) * 2;
+    ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
+  }
+#if __CUDA_ARCH__ >= 900
+  // the window programs (the previous launch) are done before any partial of this call is stored, so the
+  // merge's wait on this grid covers them too
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+  __syncthreads();
+  const int split = blockIdx.y;
+  for (int e = threadIdx.x; e < 512; e += blockDim.x) {
+    const int hl = e >> 7, d = e & 127;
+    float M = -1e30f;
+    for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sml[(w * 4 + hl) * 2]);
+    float L = 0.f, O = 0.f;
+    for (int w = 0; w < nwarps; ++w) {
+      const float wt = ex2(sml[(w * 4 + hl) * 2] - M);
+      L = fmaf(wt, sml[(w * 4 + hl) * 2 + 1], L);
+      O = fmaf(wt, so[(w * 4 + hl) * 128 + d], O);
+    }
+    const size_t row = (size_t)b * a.hkv * 4 + h * 4 + hl;
+    a.o_part[(row * a.ns_total + split) * 128 + d] = L > 0.f ? O / L : 0.f;
+    if (d == 0) a.lse_part[row * a.ns_total + split] = L > 0.f ? M + __log2f(L) : -INFINITY;
   }
 }
 
 template <int NSTAGE>
-int launch(const Args& a, int bh, int warps, int grid_y, cudaStream_t stream) {
-  const int smem = warps * NSTAGE * kStageBytes;
-  int2_history_kernel<NSTAGE><<<dim3(bh, grid_y), warps * 32, smem, stream>>>(a);
-  return (int)cudaGetLastError();
+int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(bh, grid_y);
+  cfg.blockDim = dim3(warps * 32);
+  cfg.dynamicSmemBytes = warps * NSTAGE * kStageBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the window programs run
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, int2_history_kernel<NSTAGE>, a);
 }
 
 template <int NSTAGE>
@@ -358,12 +402,13 @@ int oscar_history_occupancy(int nstage, int warps) { DISPATCH(nstage, occupancy,
 
 int oscar_history_launch(int nstage, int warps, int bh, int grid_y, const void* q, int q_dtype, float c0, const void* kc,
                          const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride,
-                         const int* req_idx, const int* seq_lens, const int* ring_start, int hkv, int sink, int window,
-                         float* o_part, float* lse_part, int ns_total, int page_log2, void* stream) {
+                         const void* req_idx, int req_idx_64, const int* seq_lens, const int* ring_start, int hkv,
+                         int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
+                         void* stream) {
   Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
-         grid_y * warps, ns_total, page_log2};
-  DISPATCH(nstage, launch, a, bh, warps, grid_y, (cudaStream_t)stream)
+         grid_y * warps, ns_total, page_log2, req_idx_64};
+  DISPATCH(nstage, launch, a, bh, warps, grid_y, pdl, (cudaStream_t)stream)
 }
 
 }  // extern "C"
