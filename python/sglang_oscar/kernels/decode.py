@@ -683,6 +683,8 @@ def _oscar_decode_stage1(
     WINDOW_FIRST: tl.constexpr,  # launch the SS + RS window programs before the INT2 ones
     PDL_TRIGGER: tl.constexpr,  # let the merge launch now (its programs wait for this grid's writes)
     PAGE: tl.constexpr,  # pool page size: the record rule of kernels/records.py
+    PDL_WAIT: tl.constexpr = False,  # window programs launched after the CUDA history: exit only after it has
+    # (its partials visible), so that the merge's wait on this grid covers both producers
 ):
     if PDL_TRIGGER:
         gdc_launch_dependents()
@@ -729,6 +731,8 @@ def _oscar_decode_stage1(
             split, r, L, recent_lo, r2t, q_row, out_row, lse_ptr, mask_m, qk_scale, h,
             HKV, D, SINK, WINDOW, NS, SS, RS, BLOCK_M, BLOCK_W, WDT,
         )
+    if PDL_WAIT:
+        gdc_wait()
 
 
 # --------------------------------------------------------------------------------------------
@@ -1087,7 +1091,7 @@ def oscar_decode(
     two, D / merge_splits >= MERGE_MIN_DIMS; None: default_merge_splits).
     history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128, GQA 4, groups 64,
     uniform levels; one split per CTA of 4 warps, None: its own rule; the Triton stage 1 then runs the window
-    programs only, before it). An unsupported shape raises instead of falling back.
+    programs only, after it, in its tail). An unsupported shape raises instead of falling back.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -1186,8 +1190,8 @@ def oscar_decode(
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
 
     # PDL chains the merge to the one stage-1 launch where its grid fits one round. With the CUDA history the
-    # chain is window programs -> history (launched as their dependent; it waits for them before its stores and
-    # lets the merge launch after its loop) -> merge, at any grid size.
+    # chain is history (lets its dependents launch at once) -> window programs (launched as its dependent: they
+    # run in the SM slots its CTAs free, i.e. in its tail, and exit only after it has) -> merge, at any grid size.
     use_pdl = (PDL if pdl is None else bool(pdl)) and q.is_cuda and (hist_cuda or B * Hkv * ns_total <= slots)
     fp32 = q.dtype == torch.float32
     dt = tl.float32 if fp32 else tl.float16
@@ -1204,6 +1208,10 @@ def oscar_decode(
     sink_k, sink_v = cache.sink_k, cache.sink_v
     if sink_k.shape[0] == 0:  # no sink rows at all: stage 1 clamps row -1 to 0, which must exist
         sink_k = sink_v = torch.zeros(1, Hkv, D, dtype=sink_k.dtype, device=sink_k.device)
+    if hist_cuda:
+        # a plain launch (it reads q, written by the kernel before it); it lets the window programs launch early
+        history_cuda.launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, sink=sink, window=window,
+                            sm_scale=sm_scale, ns=ns, ns_total=ns_total, o_part=o_part, lse_part=lse_part)
     _oscar_decode_stage1[grid](
         q, cache.k_codes, kp32, kp64, cache.v_codes, vp32, vp64,
         sink_k, sink_v, cache.ring_k, cache.ring_v, cache.sink_table,
@@ -1219,13 +1227,10 @@ def oscar_decode(
         DT=dt, WDT=wdt, FAST_CVT=not fp32,
         NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub, PEEL=peel, LAZY=lazy, FOLD=fold,
         WINDOW_FIRST=True if hist_cuda else (WINDOW_FIRST if window_first is None else bool(window_first)),
-        PDL_TRIGGER=use_pdl, PAGE=cache.page,
+        PDL_TRIGGER=use_pdl, PAGE=cache.page, PDL_WAIT=use_pdl and hist_cuda,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+        **({"launch_pdl": True} if use_pdl and hist_cuda else {}),
     )
-    if hist_cuda:
-        history_cuda.launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, sink=sink, window=window,
-                            sm_scale=sm_scale, ns=ns, ns_total=ns_total, o_part=o_part, lse_part=lse_part,
-                            pdl=use_pdl)
     if merge_splits is None:
         merge_splits = default_merge_splits(B * Hq, D, _num_sms(q.device))
     if merge_splits < 1 or merge_splits & (merge_splits - 1) or D // merge_splits < MERGE_MIN_DIMS:

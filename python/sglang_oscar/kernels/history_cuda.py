@@ -1,8 +1,8 @@
 """The INT2 history stage of oscar_decode in CUDA (kernels/cuda/int2_history.cu): build, checks, launch.
 
-oscar_decode(..., history_kernel="cuda") runs the Triton stage 1 for the window programs only, then this kernel for
-the history splits [0, NS) (one split per CTA; its warps merge in shared memory), started early as a programmatic
-dependent of the window launch, then the usual merge (PDL on this kernel). It covers one shape family, the one it was written and
+oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) (one split per CTA; its
+warps merge in shared memory), then the Triton stage 1 for the window programs only, launched as a programmatic
+dependent so that they run in this kernel's tail, then the usual merge (PDL). It covers one shape family, the one it was written and
 measured for (D 128, GQA 4, K and V groups of 64, uniform INT2 levels: Qwen3-8B, Qwen3-4B/14B-like layers);
 anything else raises with the reason instead of falling back. It pays on a pool in pages (kernels/records.py):
 on H100, page 64, it reads at 86-101% of a streaming read of its bytes at batch >= 8 against 0.65-0.75 for the
@@ -123,8 +123,9 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
            o_part, lse_part, pdl: bool = False) -> None:
     """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128].
 
-    pdl: launch as a programmatic dependent of the previous kernel on the stream (the window programs); the
-    kernel waits for it before its stores, so a merge launched with PDL after this one sees both."""
+    The kernel lets its dependents launch at once (griddepcontrol.launch_dependents); a kernel launched after it
+    with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
+    itself as a programmatic dependent of the previous one; it then waits for that one before anything else."""
     lib = library()
     if not 1 <= ns <= ns_total:
         raise ValueError(f"history_kernel='cuda': num_splits must be in [1, {ns_total}], got {ns}")

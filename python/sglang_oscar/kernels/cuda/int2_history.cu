@@ -15,9 +15,9 @@
 // o_part [B, Hq, NS_TOTAL, 128] and lse = m + log2 l (-inf for an empty split) in lse_part [B, Hq, NS_TOTAL],
 // splits [0, gridDim.y).
 //
-// Launch order (kernels/decode.py): the Triton window programs first, then this kernel as a programmatic
-// dependent (PDL), so that it starts while they run; it waits for them (griddepcontrol.wait) before its
-// stores, which makes the merge's own wait on this grid cover both producers.
+// Launch order (kernels/decode.py): this kernel, then the Triton window programs as its programmatic dependents
+// (it lets them launch at once: they take the SM slots its CTAs free, i.e. run in its tail, and wait for it
+// before they exit), then the merge, which waits for the window grid and through it for this one.
 //
 // Per warp and 16-token tile (all in registers, no CTA barrier):
 //   K dot  S^T[16 tokens, 8 cols] = codes[16, 128] . q'[128, 8]: 8 x mma m16n8k16, cols 4..7 repeat
@@ -97,6 +97,7 @@ struct Args {
   int r2t_stride, hkv, sink, window, nsw, ns_total;
   int page_log2;        // the pool's page size P = 2^page_log2: record ((s >> k) * Hkv + h) * P + (s & (P - 1))
   int req_idx_64;
+  int pdl;              // launched as a programmatic dependent: wait for the previous kernel first
 };
 
 template <int NSTAGE>
@@ -108,38 +109,10 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int widx = blockIdx.y * nwarps + warp;
   const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem) + warp * NSTAGE * kStageBytes;
   const uint8_t* wbase = smem + warp * NSTAGE * kStageBytes;
-
-  // q' = c0 q 4^(2g - p) as this lane's B fragments: reg 2ks + w of k-step ks = (plane p, half hh) holds dims
-  // p*32 + t*8 + 4hh + 2w + (0, 1) of head g & 3 (cols 4..7 repeat heads 0..3); and the group sums of q
-  const int head0 = (2 * t) & 3;  // this lane's accumulator columns 2t, 2t+1 are heads head0, head0 + 1
-  uint32_t qb[16];
-  float gs0 = 0.f, gs1 = 0.f;
-  {
-    const size_t qrow = ((size_t)b * a.hkv * 4 + h * 4 + (g & 3)) * 128;
-    auto load_q = [&](size_t i) -> float {
-      if (a.q_dtype == 0) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.q)[i]);
-      if (a.q_dtype == 1) return __half2float(reinterpret_cast<const __half*>(a.q)[i]);
-      return reinterpret_cast<const float*>(a.q)[i];
-    };
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      const int ks = r >> 1, w = r & 1, p = ks >> 1, hh = ks & 1;
-      const int d = p * 32 + t * 8 + 4 * hh + 2 * w;
-      const float x0 = load_q(qrow + d) * a.c0, x1 = load_q(qrow + d + 1) * a.c0;
-      if (p < 2) gs0 += x0 + x1; else gs1 += x0 + x1;
-      const float f = (p & 1) ? 0.25f : 1.f;
-      qb[r] = h2u(__floats2half2_rn(x0 * f, x1 * f));
-    }
-  }
-#pragma unroll
-  for (int x = 1; x < 4; x <<= 1) {  // the quad's four lanes hold all 128 dims of head g & 3
-    gs0 += __shfl_xor_sync(0xffffffffu, gs0, x);
-    gs1 += __shfl_xor_sync(0xffffffffu, gs1, x);
-  }
-  const float q00 = __shfl_sync(0xffffffffu, gs0, head0 * 4) / kTwo24;  // quad g = head holds its sums
-  const float q01 = __shfl_sync(0xffffffffu, gs0, (head0 + 1) * 4) / kTwo24;
-  const float q10 = __shfl_sync(0xffffffffu, gs1, head0 * 4) / kTwo24;
-  const float q11 = __shfl_sync(0xffffffffu, gs1, (head0 + 1) * 4) / kTwo24;
+#if __CUDA_ARCH__ >= 900
+  if (a.pdl) asm volatile("griddepcontrol.wait;\n" ::: "memory");  // launched early: the previous kernel wrote q
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the window programs may launch now
+#endif
 
   const int L = a.seq_lens[b];
   const int req = a.req_idx_64 ? (int)reinterpret_cast<const long long*>(a.req_idx)[b]
@@ -204,6 +177,39 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     issue(s);
     load_slots(s + 1);
   }
+
+  // built while the first stages' copies are in flight
+  // q' = c0 q 4^(2g - p) as this lane's B fragments: reg 2ks + w of k-step ks = (plane p, half hh) holds dims
+  // p*32 + t*8 + 4hh + 2w + (0, 1) of head g & 3 (cols 4..7 repeat heads 0..3); and the group sums of q
+  const int head0 = (2 * t) & 3;  // this lane's accumulator columns 2t, 2t+1 are heads head0, head0 + 1
+  uint32_t qb[16];
+  float gs0 = 0.f, gs1 = 0.f;
+  {
+    const size_t qrow = ((size_t)b * a.hkv * 4 + h * 4 + (g & 3)) * 128;
+    auto load_q = [&](size_t i) -> float {
+      if (a.q_dtype == 0) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.q)[i]);
+      if (a.q_dtype == 1) return __half2float(reinterpret_cast<const __half*>(a.q)[i]);
+      return reinterpret_cast<const float*>(a.q)[i];
+    };
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      const int ks = r >> 1, w = r & 1, p = ks >> 1, hh = ks & 1;
+      const int d = p * 32 + t * 8 + 4 * hh + 2 * w;
+      const float x0 = load_q(qrow + d) * a.c0, x1 = load_q(qrow + d + 1) * a.c0;
+      if (p < 2) gs0 += x0 + x1; else gs1 += x0 + x1;
+      const float f = (p & 1) ? 0.25f : 1.f;
+      qb[r] = h2u(__floats2half2_rn(x0 * f, x1 * f));
+    }
+  }
+#pragma unroll
+  for (int x = 1; x < 4; x <<= 1) {  // the quad's four lanes hold all 128 dims of head g & 3
+    gs0 += __shfl_xor_sync(0xffffffffu, gs0, x);
+    gs1 += __shfl_xor_sync(0xffffffffu, gs1, x);
+  }
+  const float q00 = __shfl_sync(0xffffffffu, gs0, head0 * 4) / kTwo24;  // quad g = head holds its sums
+  const float q01 = __shfl_sync(0xffffffffu, gs0, (head0 + 1) * 4) / kTwo24;
+  const float q10 = __shfl_sync(0xffffffffu, gs1, head0 * 4) / kTwo24;
+  const float q11 = __shfl_sync(0xffffffffu, gs1, (head0 + 1) * 4) / kTwo24;
 
   for (int blk = 0; blk < nblocks; ++blk) {
     issue(blk + NSTAGE - 1);
@@ -303,10 +309,6 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     lv0 += __shfl_xor_sync(0xffffffffu, lv0, x);
     lv1 += __shfl_xor_sync(0xffffffffu, lv1, x);
   }
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the merge may launch and wait
-#endif
-
   // The CTA's merge. Each warp parks its unnormalised O = c.2^(24-2p) + lv (4 heads x 128 dims), m and l in
   // shared memory (the pipeline stages are free now); then thread e of the CTA combines output e (+ k.threads)
   // over the warps: M = max m_w, O = sum 2^(m_w - M) O_w, L = sum 2^(m_w - M) l_w. An empty warp has l = 0 and
@@ -334,11 +336,6 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     float* ml = sml + (warp * 4 + head0) * 2;
     ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
   }
-#if __CUDA_ARCH__ >= 900
-  // the window programs (the previous launch) are done before any partial of this call is stored, so the
-  // merge's wait on this grid covers them too
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
   __syncthreads();
   const int split = blockIdx.y;
   for (int e = threadIdx.x; e < 512; e += blockDim.x) {
@@ -407,7 +404,7 @@ int oscar_history_launch(int nstage, int warps, int bh, int grid_y, const void* 
                          void* stream) {
   Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
-         grid_y * warps, ns_total, page_log2, req_idx_64};
+         grid_y * warps, ns_total, page_log2, req_idx_64, pdl};
   DISPATCH(nstage, launch, a, bh, warps, grid_y, pdl, (cudaStream_t)stream)
 }
 
