@@ -55,29 +55,30 @@ def kernel_records(graph, replays=20):
 
 
 def split_calls(ev):
-    """Per call (a stage-1 kernel, with history_kernel="cuda" the CUDA history kernel after it, and the merge):
-    stage-1 us, history us (None without it), their overlap (PDL), merge us, the merge's overlap with the
-    producers before it, span us (stage-1 start to merge end), and the gap to the next call's start."""
+    """Per call (a stage-1 kernel, with history_kernel="cuda" also the CUDA history kernel, in either order, then
+    the merge): stage-1 us, history us (None without it), how long the two ran at once (PDL), merge us, the
+    merge's overlap with the producers before it, span us (first start to merge end), and the gap to the next
+    call's start. Kernels of anything else between them end the candidate call."""
     calls = []
-    i = 0
-    while i + 1 < len(ev):
-        if "stage1" not in ev[i][0]:
-            i += 1
-            continue
-        j, hist = i + 1, None
-        if "int2_history" in ev[j][0]:
-            hist, j = ev[j], j + 1
-        if j >= len(ev) or "merge" not in ev[j][0]:
-            i += 1
-            continue
-        s, m = ev[i], ev[j]
-        produced = max(s[1] + s[2], hist[1] + hist[2] if hist else 0.0)
-        nxt = ev[j + 1][1] if j + 1 < len(ev) else None
-        calls.append(dict(stage1=s[2], history=hist[2] if hist else None,
-                          history_overlap=max(0.0, s[1] + s[2] - hist[1]) if hist else None, merge=m[2],
-                          overlap=max(0.0, produced - m[1]), span=m[1] + m[2] - s[1],
-                          gap_next=None if nxt is None else nxt - (m[1] + m[2])))
-        i = j + 1
+    pending = []
+    for k, e in enumerate(ev):
+        name = e[0]
+        if "merge" in name:
+            s = next((x for x in pending if "stage1" in x[0]), None)
+            hist = next((x for x in pending if "int2_history" in x[0]), None)
+            if s is not None:
+                first = min(x[1] for x in pending)
+                produced = max(x[1] + x[2] for x in pending)
+                nxt = ev[k + 1][1] if k + 1 < len(ev) else None
+                both = (max(0.0, min(s[1] + s[2], hist[1] + hist[2]) - max(s[1], hist[1])) if hist else None)
+                calls.append(dict(stage1=s[2], history=hist[2] if hist else None, history_overlap=both, merge=e[2],
+                                  overlap=max(0.0, produced - e[1]), span=e[1] + e[2] - first,
+                                  gap_next=None if nxt is None else nxt - (e[1] + e[2])))
+            pending = []
+        elif "stage1" in name or "int2_history" in name:
+            pending = pending + [e] if len(pending) < 2 else [e]
+        else:
+            pending = []
     return calls
 
 

@@ -48,3 +48,18 @@ def test_split_calls_with_the_cuda_history_between_stage1_and_merge():
     assert a["span"] == pytest.approx(24.0) and a["gap_next"] == pytest.approx(0.5)
     assert b["history_overlap"] == 0.0 and b["overlap"] == 0.0 and b["span"] == pytest.approx(27.0)
     assert b["gap_next"] is None
+
+
+def test_split_calls_with_the_history_kernel_first():
+    ev = [
+        ("void (anonymous namespace)::int2_history_kernel<2>(Args)", 0.0, 20.0),
+        ("_oscar_decode_stage1", 15.0, 6.0),  # the window programs in its tail (PDL)
+        ("_oscar_decode_merge", 20.5, 2.0),
+        ("void (anonymous namespace)::int2_history_kernel<2>(Args)", 23.0, 20.0),
+        ("_oscar_decode_stage1", 44.0, 4.0),  # no overlap
+        ("_oscar_decode_merge", 48.5, 2.0),
+    ]
+    a, b = split_calls(ev)
+    assert a["history"] == 20.0 and a["stage1"] == 6.0 and a["history_overlap"] == pytest.approx(5.0)
+    assert a["overlap"] == pytest.approx(0.5) and a["span"] == pytest.approx(22.5) and a["gap_next"] == pytest.approx(0.5)
+    assert b["history_overlap"] == 0.0 and b["overlap"] == 0.0 and b["span"] == pytest.approx(27.5)
