@@ -97,6 +97,8 @@ def main():
                     help="extra oscar_decode keyword sets at every point, 'name:key=int,key=int;name2:...'")
     ap.add_argument("--history-kernel", default="triton", choices=("triton", "cuda"))
     ap.add_argument("--page", type=int, default=1, help="pool page size (kernels/records.py)")
+    ap.add_argument("--cuda-configs", default="",
+                    help="extra CUDA history (stages:warps) per CTA to time at every point, e.g. 3:4,4:4")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
@@ -123,12 +125,22 @@ def main():
             for spec in filter(None, args.variants.split(";")):
                 name, _, kws = spec.partition(":")
                 variants.append((name, {k: int(v) for k, v in (kv.split("=") for kv in kws.split(",") if kv)}))
+            if args.history_kernel == "cuda":
+                variants += [(f"cfg{c}", {"cuda_config": c}) for c in args.cuda_configs.split(",") if c]
             for name, kw in variants:
+                kw = dict(kw)
+                config = kw.pop("cuda_config", None)
                 if args.history_kernel == "cuda":
                     kw = dict(kw, history_kernel="cuda")
+                    from sglang_oscar.kernels import history_cuda
+                    default = (history_cuda.STAGES, history_cuda.WARPS)
+                    if config:
+                        history_cuda.STAGES, history_cuda.WARPS = (int(v) for v in config.split(":"))
                 fns = oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, **kw)
                 us = 1e3 * bench(fns)
                 calls = split_calls(kernel_records(capture_graph(fns)))  # the copies' calls once, for the profiler
+                if args.history_kernel == "cuda":
+                    history_cuda.STAGES, history_cuda.WARPS = default
                 r = dict(kind="decode", model=args.model, batch=b, context=ctx, variant=name, copies=copies,
                          history_kernel=args.history_kernel, page=args.page, us_per_call=us,
                          calls_profiled=len(calls),

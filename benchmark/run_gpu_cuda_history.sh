@@ -4,7 +4,8 @@
 # and the bench_decode table beside the Triton path and the read of the same bytes. FlashInfer baselines
 # join the table when the runtime is staged ($HOME/sgl-site with flashinfer: see run_gpu_kernels.sh).
 #   OSCAR_COMMIT=<hash> bash benchmark/run_gpu_cuda_history.sh
-# env: CONTEXTS (32768,65536,131072), BATCHES (1,2,4,8,32), SPLITS (b1 sweep, 16,33,132,248), TESTS=0 to skip
+# env: CONTEXTS (32768,65536,131072), BATCHES (1,2,4,8,32), SPLITS (b1 sweep, 16,33,132,248), CUDA_CONFIGS
+# (extra stages:warps, e.g. 3:4,4:4), VARIANTS (probe --variants), TESTS / TRITON_PROBE / BENCH = 0 to skip
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -n "${OSCAR_COMMIT:-}" ] || echo "warning: OSCAR_COMMIT unset: results name the device copy's git HEAD" >&2
@@ -18,9 +19,13 @@ if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q test/test_decode.py -k cuda_history -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
 fi
 python3 benchmark/probe_decode_fixed_cost.py --history-kernel cuda --page 64 --contexts "$CONTEXTS" --batches 1,8 \
-  --splits "${SPLITS:-16,33,132,248}" --tag cuda_page64 --out "$OUT" 2>&1 | tee "$OUT/probe_cuda.log"
-python3 benchmark/probe_decode_fixed_cost.py --contexts "$CONTEXTS" --batches 1,8 --tag triton --out "$OUT" 2>&1 \
-  | tee "$OUT/probe_triton.log"
+  --splits "${SPLITS-16,33,132,248}" --cuda-configs "${CUDA_CONFIGS:-}" --variants "${VARIANTS:-}" --tag cuda_page64 \
+  --out "$OUT" 2>&1 | tee "$OUT/probe_cuda.log"
+if [ "${TRITON_PROBE:-1}" = 1 ]; then
+  python3 benchmark/probe_decode_fixed_cost.py --contexts "$CONTEXTS" --batches 1,8 --tag triton --out "$OUT" 2>&1 \
+    | tee "$OUT/probe_triton.log"
+fi
+[ "${BENCH:-1}" = 1 ] || exit 0
 impls=oscar,oscar_cuda_page64,read_same_bytes
 python3 -c "import flashinfer" 2>/dev/null && impls=$impls,flashinfer_bf16,flashinfer_fp8
 python3 benchmark/bench_decode.py --out "$OUT" --models qwen3-8b --contexts "$CONTEXTS" --batches "$BATCHES" \

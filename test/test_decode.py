@@ -845,7 +845,7 @@ def test_cuda_history_split_counts_pdl_and_index_dtypes():
                          num_splits=5)
     no_pdl = oscar_decode(**case, history_kernel="cuda", num_splits=5, pdl=False)
     assert torch.isfinite(want).all() and torch.equal(got64, want) and torch.equal(no_pdl, want)
-    with pytest.raises(ValueError, match="seq_lens as int32"):
+    with pytest.raises(ValueError, match="seq_lens must be torch.int32"):
         oscar_decode(**{**case, "seq_lens": case["seq_lens"].long()}, history_kernel="cuda")
     with pytest.raises(ValueError, match="num_splits must be in"):
         oscar_decode(**case, history_kernel="cuda", num_splits=0)

@@ -29,7 +29,9 @@ import torch
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "int2_history.cu")
 HEAD_DIM, GQA, GROUP = 128, 4, 64
-WARPS, STAGES = 4, 2  # per CTA; 4 x 2 was the fastest of 4:2 / 4:3 / 4:4 / 8:2 on H100 (results/probe_cuda_history_*)
+# per CTA; 4 x 2 was the fastest of 4:2 / 4:3 / 4:4 / 8:2 on H100 at batch >= 8 (results/probe_cuda_history_*);
+# module attributes so that benchmarks can time others (probe_decode_fixed_cost.py --cuda-configs)
+WARPS, STAGES = 4, 2
 MIN_ROWS_PER_SPLIT = 256
 LOG2E = 1.4426950408889634
 Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel's q_dtype codes
@@ -97,20 +99,32 @@ def library() -> ctypes.CDLL:
         lib.oscar_history_launch.restype = i
         for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
             f.argtypes, f.restype = [i, i], i
-        rc = lib.oscar_history_prepare(STAGES, WARPS)
+        _lib = lib
+    occupancy()  # the default configuration's shared-memory limit, before any graph capture
+    return _lib
+
+
+def occupancy(stages: Optional[int] = None, warps: Optional[int] = None) -> int:
+    """Resident CTAs per SM of the kernel at (stages, warps) (default STAGES, WARPS) on the current device; the
+    first call per configuration and device also raises its dynamic shared-memory limit."""
+    lib = _lib if _lib is not None else library()
+    stages, warps = stages or STAGES, warps or WARPS
+    if stages not in (2, 3, 4) or warps not in (1, 2, 4, 8):
+        raise ValueError(f"history_kernel='cuda' builds stages 2-4 and 1/2/4/8 warps per CTA, got {stages}/{warps}")
+    key = (torch.cuda.current_device(), stages, warps)
+    if key not in _occupancy:
+        rc = lib.oscar_history_prepare(stages, warps)
         if rc:
             raise CudaHistoryUnavailable(f"cudaFuncSetAttribute for the history kernel failed (cuda error {rc})")
-        _occupancy[torch.cuda.current_device()] = lib.oscar_history_occupancy(STAGES, WARPS)
-        _lib = lib
-        return lib
+        _occupancy[key] = lib.oscar_history_occupancy(stages, warps)
+    return _occupancy[key]
 
 
 def default_num_splits(heads: int, max_context: int, num_sms: int, max_splits: int = 248) -> int:
     """History splits (CTAs) per (request, KV head): one round of resident CTAs, >= MIN_ROWS_PER_SPLIT rows per
     warp, at most max_splits (the merge holds a head's partials, windows included, in one tile of
     next_pow2(splits) <= 256). Shapes only (max_context = req_to_token's width), so CUDA-graph capturable."""
-    library()
-    ctas = _occupancy.get(torch.cuda.current_device(), 4)
+    ctas = occupancy()
     want = max(1, (num_sms * ctas) // max(heads, 1))
     rows = max(max_context, 1) // (MIN_ROWS_PER_SPLIT * WARPS)
     return max(1, min(want, rows, max_splits))
@@ -127,6 +141,7 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
     itself as a programmatic dependent of the previous one; it then waits for that one before anything else."""
     lib = library()
+    occupancy()  # prepares the configuration (module attributes STAGES / WARPS, set by experiments)
     if not 1 <= ns <= ns_total:
         raise ValueError(f"history_kernel='cuda': num_splits must be in [1, {ns_total}], got {ns}")
     for name, t in (("req_to_token", req_to_token), ("seq_lens", seq_lens), ("ring_start", ring_start)):
