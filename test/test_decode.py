@@ -834,11 +834,17 @@ def test_cuda_history_explicit_splits_and_graph_capture():
 
 
 @requires_cuda
-def test_cuda_history_split_counts_pdl_and_index_dtypes():
-    """One partial per CTA (its 4 warps merged in shared memory): any split count, including CTAs whose warps
+@pytest.mark.parametrize("config", [None, (2, 4), (3, 4), (4, 2)])  # (stages, warps); None: the default
+def test_cuda_history_split_counts_pdl_and_index_dtypes(config, monkeypatch):
+    """One partial per CTA (its warps merged in shared memory): any split count, including CTAs whose warps
     are partly or wholly empty; SGLang's int64 req_pool_indices read as they are; PDL on or off the same bits."""
+    from sglang_oscar.kernels import history_cuda
+
+    if config:
+        monkeypatch.setattr(history_cuda, "STAGES", config[0])
+        monkeypatch.setattr(history_cuda, "WARPS", config[1])
     case = make_case([2000, 1500, 333], hkv=2, gqa=4, d=128, sink=64, window=256, pool_page=64, seed=11)
-    for ns in (1, 3, 8, 37):  # 37 CTAs x 4 warps over 1680 / 1180 / 13 rows: many empty warps and CTAs
+    for ns in (1, 3, 8, 37):  # 37 CTAs x 4-8 warps over 1680 / 1180 / 13 rows: many empty warps and CTAs
         run_and_check(case, history_kernel="cuda", num_splits=ns)
     want = oscar_decode(**case, history_kernel="cuda", num_splits=5)
     got64 = oscar_decode(**{**case, "req_pool_indices": case["req_pool_indices"].long()}, history_kernel="cuda",

@@ -29,9 +29,10 @@ import torch
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "int2_history.cu")
 HEAD_DIM, GQA, GROUP = 128, 4, 64
-# per CTA; 4 x 2 was the fastest of 4:2 / 4:3 / 4:4 / 8:2 on H100 at batch >= 8 (results/probe_cuda_history_*);
-# module attributes so that benchmarks can time others (probe_decode_fixed_cost.py --cuda-configs)
-WARPS, STAGES = 4, 2
+# Per CTA. 8 warps x 2 stages: 0.96-1.00x the time of 4 x 2 at Qwen3-8B 32k-128k batch 1 / 8 in one H100 run
+# (3 x 4 and 4 x 4 slower: 1.02-1.16x; results/probe_decode_fixed_cost_cuda_configs_*), and half the partials.
+# Module attributes, so that benchmarks can time others (probe_decode_fixed_cost.py --cuda-configs).
+WARPS, STAGES = 8, 2
 MIN_ROWS_PER_SPLIT = 256
 LOG2E = 1.4426950408889634
 Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel's q_dtype codes
