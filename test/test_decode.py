@@ -791,7 +791,10 @@ def test_cuda_history_rejects_what_it_does_not_cover():
 
     assert os.path.exists(history_cuda.SOURCE)  # shipped as package data (pyproject.toml)
     case = make_case([40, 30], hkv=2, gqa=2, d=64, device="cpu")
-    with pytest.raises(ValueError, match="history_kernel='cuda' covers head_dim 128, GQA 4"):
+    with pytest.raises(ValueError, match="history_kernel='cuda' covers head_dim 128, GQA 1-8"):
+        oscar_decode(**case, history_kernel="cuda")
+    case = make_case([40, 30], hkv=1, gqa=12, d=128, device="cpu")  # GLM-4.7's ratio: Triton only
+    with pytest.raises(ValueError, match="this call has head_dim 128, GQA 12"):
         oscar_decode(**case, history_kernel="cuda")
     case = make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.float32)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
@@ -855,3 +858,14 @@ def test_cuda_history_split_counts_pdl_and_index_dtypes(config, monkeypatch):
         oscar_decode(**{**case, "seq_lens": case["seq_lens"].long()}, history_kernel="cuda")
     with pytest.raises(ValueError, match="num_splits must be in"):
         oscar_decode(**case, history_kernel="cuda", num_splits=0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("gqa", [1, 3, 5, 8])
+def test_cuda_history_gqa_head_groups(gqa):
+    """GQA != 4: head groups of 4 query heads per CTA column, spare columns of the last group store nothing
+    (the output is poisoned with NaN before the call, so a missing or misplaced head fails the check)."""
+    case = make_case([3001, 1200, 90], hkv=2, gqa=gqa, d=128, sink=64, window=256, ring_starts=[0, 1000, 0],
+                     pool_page=64, seed=20 + gqa)
+    run_and_check(case, history_kernel="cuda")
+    run_and_check(case, history_kernel="cuda", num_splits=3)

@@ -2,11 +2,11 @@
 
 oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) (one split per CTA; its
 warps merge in shared memory), then the Triton stage 1 for the window programs only, launched as a programmatic
-dependent so that they run in this kernel's tail, then the usual merge (PDL). It covers one shape family, the one it was written and
-measured for (D 128, GQA 4, K and V groups of 64, uniform INT2 levels: Qwen3-8B, Qwen3-4B/14B-like layers);
-anything else raises with the reason instead of falling back. It pays on a pool in pages (kernels/records.py):
-on H100, page 64, it reads at 86-101% of a streaming read of its bytes at batch >= 8 against 0.65-0.75 for the
-Triton loop (benchmark/NOTES.md).
+dependent so that they run in this kernel's tail, then the usual merge (PDL). It covers the shape family it was
+written and measured for: D 128, K and V groups of 64, uniform INT2 levels, GQA 1-8 (in head groups of 4: Qwen3
+4B-32B). Anything else raises with the reason instead of falling back. It pays on a pool in pages
+(kernels/records.py): on H100, page 64, Qwen3-8B shapes, 85-89% of copy bandwidth at 64k / 128k batch >= 8
+against 65-67% for the Triton path (benchmark/NOTES.md).
 
 Build: nvcc (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin) compiles the source once per (source, GPU arch,
 nvcc) into $SGLANG_OSCAR_CACHE (default ~/.cache/sglang_oscar) and the library is loaded with ctypes (no
@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "int2_history.cu")
-HEAD_DIM, GQA, GROUP = 128, 4, 64
+HEAD_DIM, GROUP = 128, 64
+MAX_GQA = 8  # query heads per KV head, in head groups of 4 (tested 1-8 on the GPU; Qwen3 4B-32B are 4, 5, 8)
 # Per CTA. 8 warps x 2 stages: 0.96-1.00x the time of 4 x 2 at Qwen3-8B 32k-128k batch 1 / 8 in one H100 run
 # (3 x 4 and 4 x 4 slower: 1.02-1.16x; results/probe_decode_fixed_cost_cuda_configs_*), and half the partials.
 # Module attributes, so that benchmarks can time others (probe_decode_fixed_cost.py --cuda-configs).
@@ -48,10 +49,10 @@ class CudaHistoryUnavailable(RuntimeError):
 
 def check_supported(head_dim: int, group: int, k_group: int, v_group: int, codebook: bool, device) -> None:
     """Raise ValueError / CudaHistoryUnavailable saying why history_kernel="cuda" cannot run this call."""
-    if (head_dim, group, k_group, v_group) != (HEAD_DIM, GQA, GROUP, GROUP) or codebook:
+    if (head_dim, k_group, v_group) != (HEAD_DIM, GROUP, GROUP) or not 1 <= group <= MAX_GQA or codebook:
         raise ValueError(
-            f"history_kernel='cuda' covers head_dim {HEAD_DIM}, GQA {GQA}, K/V groups {GROUP} with uniform levels; "
-            f"this call has head_dim {head_dim}, GQA {group}, groups {k_group}/{v_group}"
+            f"history_kernel='cuda' covers head_dim {HEAD_DIM}, GQA 1-{MAX_GQA}, K/V groups {GROUP} with uniform "
+            f"levels; this call has head_dim {head_dim}, GQA {group}, groups {k_group}/{v_group}"
             f"{', a codebook' if codebook else ''}: use history_kernel='triton'")
     if torch.device(device).type != "cuda":
         raise ValueError("history_kernel='cuda' needs CUDA tensors")
@@ -95,7 +96,7 @@ def library() -> ctypes.CDLL:
             os.replace(tmp, so)  # atomic: concurrent builders (TP ranks) each write their own tmp file
         lib = ctypes.CDLL(so)
         i, p = ctypes.c_int, ctypes.c_void_p
-        lib.oscar_history_launch.argtypes = [i, i, i, i, p, i, ctypes.c_float, p, p, p, p, p, i, p, i, p, p, i, i, i,
+        lib.oscar_history_launch.argtypes = [i, i, i, i, i, p, i, ctypes.c_float, p, p, p, p, p, i, p, i, p, p, i, i, i,
                                              p, p, i, i, i, p]
         lib.oscar_history_launch.restype = i
         for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
@@ -122,7 +123,7 @@ def occupancy(stages: Optional[int] = None, warps: Optional[int] = None) -> int:
 
 
 def default_num_splits(heads: int, max_context: int, num_sms: int, max_splits: int = 248) -> int:
-    """History splits (CTAs) per (request, KV head): one round of resident CTAs, >= MIN_ROWS_PER_SPLIT rows per
+    """History splits (CTAs) per (request, KV head, head group of 4) = `heads` CTA columns: one round of resident CTAs, >= MIN_ROWS_PER_SPLIT rows per
     warp, at most max_splits (the merge holds a head's partials, windows included, in one tile of
     next_pow2(splits) <= 256). Shapes only (max_context = req_to_token's width), so CUDA-graph capturable."""
     ctas = occupancy()
@@ -136,7 +137,8 @@ _INDEX_DTYPES = {torch.int32: 0, torch.int64: 1}
 
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
            o_part, lse_part, pdl: bool = False) -> None:
-    """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128].
+    """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128], Hq a
+    multiple of the cache's KV heads.
 
     The kernel lets its dependents launch at once (griddepcontrol.launch_dependents); a kernel launched after it
     with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
@@ -154,10 +156,12 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         raise ValueError("history_kernel='cuda' needs contiguous q, req_pool_indices and seq_lens")
     page = cache.page
     hkv = cache.kv_heads
-    b = q.shape[0]
+    b, hq = q.shape[0], q.shape[1]
+    if hq % hkv or not 1 <= hq // hkv <= MAX_GQA:
+        raise ValueError(f"history_kernel='cuda' covers GQA 1-{MAX_GQA}: q has {hq} heads for {hkv} KV heads")
     # q [B, Hq, 128] contiguous; each warp builds its operands from it (no extra launches)
     rc = lib.oscar_history_launch(
-        STAGES, WARPS, b * hkv, ns, q.data_ptr(), Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
+        STAGES, WARPS, b * hkv, hq // hkv, ns, q.data_ptr(), Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
         cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,

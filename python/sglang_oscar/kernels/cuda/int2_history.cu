@@ -6,7 +6,10 @@
 // 64) it reads at 86-101% of a streaming read of its bytes at batch >= 8 (benchmark/NOTES.md "A hand-written
 // history loop"; the probe benchmark/cuda/int2_history_probe.cu is the experiment it grew from).
 //
-// Shapes: D 128, GQA 4 (one warp's 8 columns = 4 heads x 2 V groups), K and V groups of 64, uniform levels.
+// Shapes: D 128, K and V groups of 64, uniform levels, any GQA ratio: a warp's 8 columns are 4 query heads x 2 V
+// groups, so a KV head with GQA > 4 is read by ceil(GQA / 4) CTAs side by side in the grid (head groups; they
+// run at the same time, so the second read of the same pages is mostly served by L2), and with GQA % 4 != 0
+// the last group's spare columns carry a zero query and store nothing.
 // Each CTA owns one split of [sink, R) with R = min(max(L - window, sink, ring_start), L), the rows the
 // Triton path reads as INT2 (kernels/decode.py _history_end); its warps take consecutive sub-ranges, run the
 // loop below independently, and merge their (m, l, O) in shared memory at the end, so that the merge kernel
@@ -98,6 +101,7 @@ struct Args {
   int page_log2;        // the pool's page size P = 2^page_log2: record ((s >> k) * Hkv + h) * P + (s & (P - 1))
   int req_idx_64;
   int pdl;              // launched as a programmatic dependent: wait for the previous kernel first
+  int gqa, hgroups;     // query heads per KV head; head groups of 4 per KV head (grid x = (b * hkv + h) * hgroups + hg)
 };
 
 template <int NSTAGE>
@@ -105,7 +109,9 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3, gsel = t >> 1;
-  const int bh = blockIdx.x, b = bh / a.hkv, h = bh - b * a.hkv;
+  const int bh = blockIdx.x / a.hgroups, hg = blockIdx.x - bh * a.hgroups, b = bh / a.hkv, h = bh - b * a.hkv;
+  const int hq_base = b * a.hkv * a.gqa + h * a.gqa + hg * 4;  // query head of local head 0 of this group
+  const int nh = min(4, a.gqa - hg * 4);                         // valid local heads of this group
   const int widx = blockIdx.y * nwarps + warp;
   const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem) + warp * NSTAGE * kStageBytes;
   const uint8_t* wbase = smem + warp * NSTAGE * kStageBytes;
@@ -185,7 +191,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   uint32_t qb[16];
   float gs0 = 0.f, gs1 = 0.f;
   {
-    const size_t qrow = ((size_t)b * a.hkv * 4 + h * 4 + (g & 3)) * 128;
+    const bool qvalid = (g & 3) < nh;  // a spare column: zero query (its scores are 0; nothing is stored)
+    const size_t qrow = (size_t)(hq_base + (qvalid ? (g & 3) : 0)) * 128;
     auto load_q = [&](size_t i) -> float {
       if (a.q_dtype == 0) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.q)[i]);
       if (a.q_dtype == 1) return __half2float(reinterpret_cast<const __half*>(a.q)[i]);
@@ -195,7 +202,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     for (int r = 0; r < 16; ++r) {
       const int ks = r >> 1, w = r & 1, p = ks >> 1, hh = ks & 1;
       const int d = p * 32 + t * 8 + 4 * hh + 2 * w;
-      const float x0 = load_q(qrow + d) * a.c0, x1 = load_q(qrow + d + 1) * a.c0;
+      const float x0 = qvalid ? load_q(qrow + d) * a.c0 : 0.f, x1 = qvalid ? load_q(qrow + d + 1) * a.c0 : 0.f;
       if (p < 2) gs0 += x0 + x1; else gs1 += x0 + x1;
       const float f = (p & 1) ? 0.25f : 1.f;
       qb[r] = h2u(__floats2half2_rn(x0 * f, x1 * f));
@@ -340,6 +347,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int split = blockIdx.y;
   for (int e = threadIdx.x; e < 512; e += blockDim.x) {
     const int hl = e >> 7, d = e & 127;
+    if (hl >= nh) continue;
     float M = -1e30f;
     for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sml[(w * 4 + hl) * 2]);
     float L = 0.f, O = 0.f;
@@ -348,7 +356,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       L = fmaf(wt, sml[(w * 4 + hl) * 2 + 1], L);
       O = fmaf(wt, so[(w * 4 + hl) * 128 + d], O);
     }
-    const size_t row = (size_t)b * a.hkv * 4 + h * 4 + hl;
+    const size_t row = (size_t)hq_base + hl;
     a.o_part[(row * a.ns_total + split) * 128 + d] = L > 0.f ? O / L : 0.f;
     if (d == 0) a.lse_part[row * a.ns_total + split] = L > 0.f ? M + __log2f(L) : -INFINITY;
   }
@@ -397,15 +405,15 @@ extern "C" {
 int oscar_history_prepare(int nstage, int warps) { DISPATCH(nstage, prepare, warps) }
 int oscar_history_occupancy(int nstage, int warps) { DISPATCH(nstage, occupancy, warps) }
 
-int oscar_history_launch(int nstage, int warps, int bh, int grid_y, const void* q, int q_dtype, float c0, const void* kc,
+int oscar_history_launch(int nstage, int warps, int bh, int gqa, int grid_y, const void* q, int q_dtype, float c0, const void* kc,
                          const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride,
                          const void* req_idx, int req_idx_64, const int* seq_lens, const int* ring_start, int hkv,
                          int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
                          void* stream) {
   Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
-         grid_y * warps, ns_total, page_log2, req_idx_64, pdl};
-  DISPATCH(nstage, launch, a, bh, warps, grid_y, pdl, (cudaStream_t)stream)
+         grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, (gqa + 3) / 4};
+  DISPATCH(nstage, launch, a, bh * ((gqa + 3) / 4), warps, grid_y, pdl, (cudaStream_t)stream)
 }
 
 }  // extern "C"
