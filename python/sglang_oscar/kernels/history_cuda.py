@@ -3,8 +3,8 @@
 oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) (one split per CTA; its
 warps merge in shared memory), then the Triton stage 1 for the window programs only, launched as a programmatic
 dependent so that they run in this kernel's tail, then the usual merge (PDL). It covers the shape family it was
-written and measured for: D 128, K and V groups of 64, uniform INT2 levels, GQA 1-8 (in head groups of 4: Qwen3
-4B-32B). Anything else raises with the reason instead of falling back. It pays on a pool in pages
+written and measured for: D 128, K and V groups of 64, uniform INT2 levels, GQA 1-4 (Qwen3-4B / 8B, Llama-3-8B).
+Anything else raises with the reason instead of falling back. It pays on a pool in pages
 (kernels/records.py): on H100, page 64, Qwen3-8B shapes, 85-89% of copy bandwidth at 64k / 128k batch >= 8
 against 65-67% for the Triton path (benchmark/NOTES.md).
 
@@ -29,7 +29,10 @@ import torch
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "int2_history.cu")
 HEAD_DIM, GROUP = 128, 64
-MAX_GQA = 8  # query heads per KV head, in head groups of 4 (tested 1-8 on the GPU; Qwen3 4B-32B are 4, 5, 8)
+# Query heads per KV head. A CTA column holds 4; above 4 the kernel reads each KV head with ceil(GQA / 4) CTA
+# columns (head groups): correct (GPU tests at 5 and 8), but slower than the Triton path on H100 (Qwen3-32B,
+# GQA 8: 0.88-0.95x, results/decode_cuda_history_gqa8_*), so refused; a module attribute for experiments.
+MAX_GQA = 4
 # Per CTA. 8 warps x 2 stages: 0.96-1.00x the time of 4 x 2 at Qwen3-8B 32k-128k batch 1 / 8 in one H100 run
 # (3 x 4 and 4 x 4 slower: 1.02-1.16x; results/probe_decode_fixed_cost_cuda_configs_*), and half the partials.
 # Module attributes, so that benchmarks can time others (probe_decode_fixed_cost.py --cuda-configs).

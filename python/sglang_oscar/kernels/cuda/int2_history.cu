@@ -378,9 +378,11 @@ int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t s
 }
 
 template <int NSTAGE>
-int prepare(int warps) {  // the dynamic shared-memory limit, once, before any graph capture
+int prepare(int) {  // the dynamic shared-memory limit, once, before any graph capture
+  // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
+  // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
   return (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   warps * NSTAGE * kStageBytes);
+                                   8 * NSTAGE * kStageBytes);
 }
 
 template <int NSTAGE>
