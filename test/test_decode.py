@@ -791,7 +791,10 @@ def test_cuda_history_rejects_what_it_does_not_cover():
 
     assert os.path.exists(history_cuda.SOURCE)  # shipped as package data (pyproject.toml)
     case = make_case([40, 30], hkv=2, gqa=2, d=64, device="cpu")
-    with pytest.raises(ValueError, match="history_kernel='cuda' covers head_dim 128, GQA 1-4"):
+    with pytest.raises(ValueError, match="history_kernel='cuda' covers head_dim 128, GQA 1-4, K/V groups 64 or 128"):
+        oscar_decode(**case, history_kernel="cuda")
+    case = make_case([40, 30], hkv=2, gqa=4, d=128, gk=64, gv=32, device="cpu")
+    with pytest.raises(ValueError, match="this call has head_dim 128, GQA 4, groups 64/32"):
         oscar_decode(**case, history_kernel="cuda")
     for gqa in (8, 12):  # Qwen3-32B's and GLM-4.7's ratios: Triton only (head groups measured slower)
         case = make_case([40, 30], hkv=1, gqa=gqa, d=128, device="cpu")
@@ -888,3 +891,14 @@ def test_cuda_history_configurations_in_any_order(monkeypatch):
     run_and_check(case, history_kernel="cuda")  # 2 x 2: prepared after 2 x 8
     monkeypatch.setattr(history_cuda, "WARPS", 8)
     run_and_check(case, history_kernel="cuda")
+
+
+@requires_cuda
+@pytest.mark.parametrize("gk,gv", [(128, 128), (64, 128), (128, 64)])
+@pytest.mark.parametrize("pool_page", [1, 64])
+def test_cuda_history_groups_of_128(gk, gv, pool_page):
+    """K and / or V groups of 128: one (scale, min) pair per row, 4-byte param records."""
+    case = make_case([4001, 1500, 300], hkv=2, gqa=4, d=128, gk=gk, gv=gv, sink=64, window=256,
+                     ring_starts=[0, 0, 0], pool_page=pool_page, seed=40 + gk // 64 + gv // 32 + pool_page)
+    run_and_check(case, history_kernel="cuda")
+    run_and_check(case, history_kernel="cuda", num_splits=7)

@@ -1089,7 +1089,7 @@ def oscar_decode(
     is a multiple of 32 and peel_tail / lazy_rescale are off; then maxnreg defaults to FOLD_MAXNREG on the GPU).
     merge_splits: programs per query head in the merge, each merging D / merge_splits output dims (a power of
     two, D / merge_splits >= MERGE_MIN_DIMS; None: default_merge_splits).
-    history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128, GQA 1-4, groups 64,
+    history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128, GQA 1-4, groups 64/128,
     uniform levels; one split per CTA of 8 warps, None: its own rule; the Triton stage 1 then runs the window
     programs only, after it, in its tail). An unsupported shape raises instead of falling back.
     """

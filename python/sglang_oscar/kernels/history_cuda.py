@@ -3,8 +3,8 @@
 oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) (one split per CTA; its
 warps merge in shared memory), then the Triton stage 1 for the window programs only, launched as a programmatic
 dependent so that they run in this kernel's tail, then the usual merge (PDL). It covers the shape family it was
-written and measured for: D 128, K and V groups of 64, uniform INT2 levels, GQA 1-4 (Qwen3-4B / 8B, Llama-3-8B).
-Anything else raises with the reason instead of falling back. It pays on a pool in pages
+written and measured for: D 128, K and V groups of 64 or 128, uniform INT2 levels, GQA 1-4 (Qwen3-4B / 8B,
+Llama-3-8B). Anything else raises with the reason instead of falling back. It pays on a pool in pages
 (kernels/records.py): on H100, page 64, Qwen3-8B shapes, 85-89% of copy bandwidth at 64k / 128k batch >= 8
 against 65-67% for the Triton path (benchmark/NOTES.md).
 
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "int2_history.cu")
-HEAD_DIM, GROUP = 128, 64
+HEAD_DIM, GROUPS = 128, (64, 128)  # K and V groups, each either
 # Query heads per KV head. A CTA column holds 4; above 4 the kernel reads each KV head with ceil(GQA / 4) CTA
 # columns (head groups): correct (GPU tests at 5 and 8), but slower than the Triton path on H100 (Qwen3-32B,
 # GQA 8: 0.88-0.95x, results/decode_cuda_history_gqa8_*), so refused; a module attribute for experiments.
@@ -52,9 +52,10 @@ class CudaHistoryUnavailable(RuntimeError):
 
 def check_supported(head_dim: int, group: int, k_group: int, v_group: int, codebook: bool, device) -> None:
     """Raise ValueError / CudaHistoryUnavailable saying why history_kernel="cuda" cannot run this call."""
-    if (head_dim, k_group, v_group) != (HEAD_DIM, GROUP, GROUP) or not 1 <= group <= MAX_GQA or codebook:
+    if (head_dim != HEAD_DIM or k_group not in GROUPS or v_group not in GROUPS or not 1 <= group <= MAX_GQA
+            or codebook):
         raise ValueError(
-            f"history_kernel='cuda' covers head_dim {HEAD_DIM}, GQA 1-{MAX_GQA}, K/V groups {GROUP} with uniform "
+            f"history_kernel='cuda' covers head_dim {HEAD_DIM}, GQA 1-{MAX_GQA}, K/V groups 64 or 128 with uniform "
             f"levels; this call has head_dim {head_dim}, GQA {group}, groups {k_group}/{v_group}"
             f"{', a codebook' if codebook else ''}: use history_kernel='triton'")
     if torch.device(device).type != "cuda":
@@ -99,7 +100,7 @@ def library() -> ctypes.CDLL:
             os.replace(tmp, so)  # atomic: concurrent builders (TP ranks) each write their own tmp file
         lib = ctypes.CDLL(so)
         i, p = ctypes.c_int, ctypes.c_void_p
-        lib.oscar_history_launch.argtypes = [i, i, i, i, i, p, i, ctypes.c_float, p, p, p, p, p, i, p, i, p, p, i, i, i,
+        lib.oscar_history_launch.argtypes = [i, i, i, i, i, i, i, p, i, ctypes.c_float, p, p, p, p, p, i, p, i, p, p, i, i, i,
                                              p, p, i, i, i, p]
         lib.oscar_history_launch.restype = i
         for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
@@ -164,7 +165,7 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         raise ValueError(f"history_kernel='cuda' covers GQA 1-{MAX_GQA}: q has {hq} heads for {hkv} KV heads")
     # q [B, Hq, 128] contiguous; each warp builds its operands from it (no extra launches)
     rc = lib.oscar_history_launch(
-        STAGES, WARPS, b * hkv, hq // hkv, ns, q.data_ptr(), Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
+        STAGES, WARPS, b * hkv, hq // hkv, int(cache.k_group == 128), int(cache.v_group == 128), ns, q.data_ptr(), Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
         cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,

@@ -6,7 +6,8 @@
 // 64) it reads at 86-101% of a streaming read of its bytes at batch >= 8 (benchmark/NOTES.md "A hand-written
 // history loop"; the probe benchmark/cuda/int2_history_probe.cu is the experiment it grew from).
 //
-// Shapes: D 128, K and V groups of 64, uniform levels, any GQA ratio: a warp's 8 columns are 4 query heads x 2 V
+// Shapes: D 128, K and V groups of 64 or 128 each (a 128 group has one (scale, min) pair per row: it is copied
+// into the first half of the 8-byte stage slot and serves both 64-dim halves), uniform levels, any GQA ratio: a warp's 8 columns are 4 query heads x 2 V
 // groups, so a KV head with GQA > 4 is read by ceil(GQA / 4) CTAs side by side in the grid (head groups; they
 // run at the same time, so the second read of the same pages is mostly served by L2), and with GQA % 4 != 0
 // the last group's spare columns carry a zero query and store nothing.
@@ -51,6 +52,9 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int n)
 }
 __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int n) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int n) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -102,6 +106,7 @@ struct Args {
   int req_idx_64;
   int pdl;              // launched as a programmatic dependent: wait for the previous kernel first
   int gqa, hgroups;     // query heads per KV head; head groups of 4 per KV head (grid x = (b * hkv + h) * hgroups + hg)
+  int kg128, vg128;     // K / V groups of 128 (params 4 bytes per row) instead of 64 (8 bytes)
 };
 
 template <int NSTAGE>
@@ -161,10 +166,12 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const int tok = lane + 32 * k;
-        const int n = (pos0 + tok) < hi ? 8 : 0;
+        const bool in = (pos0 + tok) < hi;
         const long long off = record(k ? s1 : s0);
-        cp_async8(st + kKpOff + tok * 8, a.kp + off, n);
-        cp_async8(st + kVpOff + tok * 8, a.vp + off, n);
+        if (a.kg128) cp_async4(st + kKpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.kp) + off, in ? 4 : 0);
+        else cp_async8(st + kKpOff + tok * 8, a.kp + off, in ? 8 : 0);
+        if (a.vg128) cp_async4(st + kVpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.vp) + off, in ? 4 : 0);
+        else cp_async8(st + kVpOff + tok * 8, a.vp + off, in ? 8 : 0);
       }
     }
     cp_commit();  // an empty group past the end keeps the wait count uniform
@@ -251,8 +258,9 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       }
       const uint2* kps = reinterpret_cast<const uint2*>(st + kKpOff) + j * 16;
       const uint2 pr0 = kps[sg], pr1 = kps[sg + 8];
-      const float sc0a = bf_lo(pr0.x), mn0a = bf_hi(pr0.x), sc1a = bf_lo(pr0.y) * 0.0625f, mn1a = bf_hi(pr0.y);
-      const float sc0b = bf_lo(pr1.x), mn0b = bf_hi(pr1.x), sc1b = bf_lo(pr1.y) * 0.0625f, mn1b = bf_hi(pr1.y);
+      const uint32_t py0 = a.kg128 ? pr0.x : pr0.y, py1 = a.kg128 ? pr1.x : pr1.y;  // dims 64..127's pair
+      const float sc0a = bf_lo(pr0.x), mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * 0.0625f, mn1a = bf_hi(py0);
+      const float sc0b = bf_lo(pr1.x), mn0b = bf_hi(pr1.x), sc1b = bf_lo(py1) * 0.0625f, mn1b = bf_hi(py1);
       float s[4];
       s[0] = fmaf(mn1a, q10, fmaf(mn0a, q00, fmaf(acc1[0], sc1a, acc0[0] * sc0a)));
       s[1] = fmaf(mn1a, q11, fmaf(mn0a, q01, fmaf(acc1[1], sc1a, acc0[1] * sc0a)));
@@ -283,7 +291,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       const float p2 = ex2(fmaf(s[2], kTwo24, -m0)), p3 = ex2(fmaf(s[3], kTwo24, -m1));
       l0 += p0 + p2; l1 += p1 + p3;
       const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + kVpOff) + j * 32;
-      const uint32_t vr0 = vps[sg * 2 + gsel], vr1 = vps[(sg + 8) * 2 + gsel];
+      const int vsel = a.vg128 ? 0 : gsel;  // this lane's V group pair
+      const uint32_t vr0 = vps[sg * 2 + vsel], vr1 = vps[(sg + 8) * 2 + vsel];
       const float vsa = bf_lo(vr0), vma = bf_hi(vr0), vsb = bf_lo(vr1), vmb = bf_hi(vr1);
       lv0 = fmaf(p0, vma, fmaf(p2, vmb, lv0));
       lv1 = fmaf(p1, vma, fmaf(p3, vmb, lv1));
@@ -407,14 +416,14 @@ extern "C" {
 int oscar_history_prepare(int nstage, int warps) { DISPATCH(nstage, prepare, warps) }
 int oscar_history_occupancy(int nstage, int warps) { DISPATCH(nstage, occupancy, warps) }
 
-int oscar_history_launch(int nstage, int warps, int bh, int gqa, int grid_y, const void* q, int q_dtype, float c0, const void* kc,
+int oscar_history_launch(int nstage, int warps, int bh, int gqa, int kg128, int vg128, int grid_y, const void* q, int q_dtype, float c0, const void* kc,
                          const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride,
                          const void* req_idx, int req_idx_64, const int* seq_lens, const int* ring_start, int hkv,
                          int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
                          void* stream) {
   Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
-         grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, (gqa + 3) / 4};
+         grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, (gqa + 3) / 4, kg128, vg128};
   DISPATCH(nstage, launch, a, bh * ((gqa + 3) / 4), warps, grid_y, pdl, (cudaStream_t)stream)
 }
 
