@@ -304,7 +304,11 @@ def main():
                     help="history split counts to sweep for oscar (comma list; auto = default_num_splits, "
                          "sbN = its rule with small_batch_splits=N, sb0 = 3 waves only, fN = at most N INT2 programs per SM, "
                          "as many as fit, nofill = default_num_splits without its wave-fill step)")
+    ap.add_argument("--group", type=int, default=64, choices=(32, 64, 128),
+                    help="K and V group size of the oscar impls (bytes and layout follow)")
     args = ap.parse_args()
+    global GK, GV
+    GK = GV = args.group
     dev = torch.cuda.get_device_name()
     t0 = time.time()
     copy_bw = copy_bandwidth()
