@@ -1,7 +1,9 @@
 """oscar_int2 attention backend: eager extend, eager or CUDA-graph decode.
 
 Reads the int2 pool exactly as the kernels define it:
-* decode: kernels/decode.py:oscar_decode (INT2 history + BF16 sink + BF16 ring, one launch + merge);
+* decode: kernels/decode.py:oscar_decode (INT2 history + BF16 sink + BF16 ring, one launch + merge;
+  SGLANG_OSCAR_HISTORY_KERNEL=cuda runs the INT2 history in kernels/history_cuda.py instead, checked and
+  built at construction, startup_checks.check_history_kernel);
 * extend: kernels/gather.py rebuilds each request's cached prefix in BF16 in the transformed basis
   (before the chunk is written, so the prefix's last W positions still come from the ring) into a
   ragged K/V buffer, followed by the chunk's own K/V transformed in torch (exact, not quantized: a
@@ -35,6 +37,7 @@ its length forced to 0 in the buffer the decode kernel reads, so the kernel read
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional
 
 import torch
@@ -49,6 +52,8 @@ from .pool import OscarKVPool
 from .write_plan import plan_writes
 
 NAME = "oscar_int2"
+
+logger = logging.getLogger(__name__)
 
 
 def _per_q_head(t: Optional[torch.Tensor], kv_heads: int, q_heads: int) -> Optional[torch.Tensor]:
@@ -147,16 +152,40 @@ class OscarAttnBackend(AttentionBackend):
         self.pool = pool
         opts = options.from_env()
         self.split_waves = opts.decode_waves  # shapes-only split count: graph-capturable
+        self.device = model_runner.device
+        # SGLANG_OSCAR_HISTORY_KERNEL: checked (shape, device) and, for cuda, built with nvcc here, before
+        # any CUDA graph is captured or request served; an unsupported combination refuses to start.
+        self.history_kernel = opts.history_kernel
+        if self.history_kernel != "triton":
+            self._check_history_kernel(model_runner)
         model_dtype = getattr(model_runner, "dtype", None)
         for r in pool.rotations if model_dtype is not None else ():  # made here, not inside a graph capture
             r.q_transform_as(model_dtype)
         self.req_to_token_pool = model_runner.req_to_token_pool
-        self.device = model_runner.device
         self.extend_attention = ExtendAttention(opts.extend_attention, self.device)
         self.plan = None  # extend: WritePlan of the step
         self.meta = None  # extend: ExtendMeta
         self.decode_meta: Optional[DecodeMeta] = None
         self.graph: Optional[GraphBuffers] = None  # set by init_cuda_graph_state
+
+    def _check_history_kernel(self, model_runner) -> None:
+        """startup_checks.check_history_kernel with this rank's attention shape: local query heads as SGLang
+        splits them (num_attention_heads // attn TP size, as RadixAttention.tp_q_head_num), local KV heads,
+        the bundle's groups and whether any layer uses codebook levels (level_a != 1)."""
+        from .startup_checks import check_history_kernel
+
+        pool = self.pool
+        mc = getattr(model_runner, "model_config", None)
+        if mc is None:
+            raise OscarOptionError(f"{options.ENV_HISTORY}={self.history_kernel} needs the model config to check "
+                                   "the attention shape; the model runner has none")
+        q_heads = mc.get_num_attention_heads(pool.setup.shape.tp_size)
+        codebook = any(r.k_level_a != 1.0 or r.v_level_a != 1.0 for r in pool.rotations)
+        check_history_kernel(self.history_kernel, head_dim=pool.head_dim, q_heads=q_heads, kv_heads=pool.head_num,
+                             k_group=pool.setup.plan.k_group, v_group=pool.setup.plan.v_group, codebook=codebook,
+                             device=self.device, page_size=pool.page_size)
+        logger.info("sglang_oscar: decode INT2 history stage: %s (pool page size %d)", self.history_kernel,
+                    pool.page_size)
 
     # ---- metadata (host side, once per forward) -----------------------------------------------
 
@@ -339,7 +368,8 @@ class OscarAttnBackend(AttentionBackend):
                          m.seq_lens, self.pool.ring_start, sink=lc.sink, window=lc.window, sm_scale=layer.scaling,
                          q_transform=r.q_transform_as(q.dtype), split_waves=self.split_waves,
                          k_level_a=None if r.k_level_a == 1.0 else r.k_level_a,
-                         v_level_a=None if r.v_level_a == 1.0 else r.v_level_a)
+                         v_level_a=None if r.v_level_a == 1.0 else r.v_level_a,
+                         history_kernel=self.history_kernel)
         return self._unrotate_v(o, layer).reshape(-1, hq * d)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):

@@ -25,6 +25,10 @@ Accepted (seed names kept so seed launch scripts work unchanged):
     SGLANG_OSCAR_EXTEND_ATTENTION      attention of prefill / extend steps over the rebuilt BF16 prefix:
                                        auto (default: FlashInfer on CUDA, torch SDPA on CPU),
                                        flashinfer, or sdpa (torch, slower on CUDA; for comparison)
+    SGLANG_OSCAR_HISTORY_KERNEL        the INT2 history stage of decode: triton (default, every shape) or
+                                       cuda (kernels/history_cuda.py, the shapes its check_supported
+                                       accepts, e.g. Qwen3-8B; checked and built with nvcc at startup;
+                                       meant for --page-size 64)
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ ENV_SCALE_DTYPE = "SGLANG_MIXED_KV_SCALE_DTYPE"
 ENV_HP_SPLITS = "SGLANG_MIXED_KV_HP_MAX_SPLITS"
 ENV_WAVES = "SGLANG_OSCAR_DECODE_WAVES"
 ENV_EXTEND = "SGLANG_OSCAR_EXTEND_ATTENTION"
+ENV_HISTORY = "SGLANG_OSCAR_HISTORY_KERNEL"
 
 ALL_ENV = (ENV_GROUP, ENV_BUNDLE, ENV_K_PATH, ENV_V_PATH, ENV_K_CLIP, ENV_V_CLIP, ENV_ABSORB_V, ENV_PREFIX,
-           ENV_RECENT, ENV_WINDOWS, ENV_HP_DTYPE, ENV_SCALE_DTYPE, ENV_HP_SPLITS, ENV_WAVES, ENV_EXTEND)
+           ENV_RECENT, ENV_WINDOWS, ENV_HP_DTYPE, ENV_SCALE_DTYPE, ENV_HP_SPLITS, ENV_WAVES, ENV_EXTEND, ENV_HISTORY)
 
 BUILTIN_BUNDLES = ("builtin:identity", "builtin:hadamard")
 DEFAULT_SINK = 64
@@ -62,6 +67,7 @@ DEFAULT_RECENT = 256
 DEFAULT_HP_SPLITS = 8
 DEFAULT_WAVES = 3
 EXTEND_IMPLS = ("auto", "flashinfer", "sdpa")
+HISTORY_KERNELS = ("triton", "cuda")  # oscar_decode(..., history_kernel=...)
 
 # Accepted spellings -> canonical torch dtype name (the seed accepted all of these).
 _DTYPE_ALIASES = {
@@ -95,6 +101,7 @@ class OscarServeConfig:
     absorb_v_rotation: bool = True
     decode_waves: int = DEFAULT_WAVES
     extend_attention: str = "auto"
+    history_kernel: str = "triton"  # "cuda": checked against the model and built at startup (srt/startup_checks.py)
 
     @property
     def rotation_source(self) -> str:
@@ -115,6 +122,7 @@ class OscarServeConfig:
             ENV_HP_DTYPE: self.window_dtype, ENV_SCALE_DTYPE: self.scale_dtype,
             ENV_HP_SPLITS: str(self.hp_max_splits), ENV_ABSORB_V: "1" if self.absorb_v_rotation else "0",
             ENV_WAVES: str(self.decode_waves), ENV_EXTEND: self.extend_attention,
+            ENV_HISTORY: self.history_kernel,
         }
         optional = {ENV_GROUP: self.group_size, ENV_BUNDLE: self.bundle_path, ENV_K_PATH: self.k_rotation_path,
                     ENV_V_PATH: self.v_rotation_path, ENV_K_CLIP: self.k_clip, ENV_V_CLIP: self.v_clip}
@@ -126,7 +134,7 @@ class OscarServeConfig:
         clip = "bundle" if self.k_clip is None and self.v_clip is None else f"K={self.k_clip} V={self.v_clip}"
         return (f"int2 KV: sink={self.sink} recent={self.recent} group={self.group_size or 'auto'} "
                 f"window={self.window_dtype} params={self.scale_dtype} rotation={rot} clip={clip} "
-                f"V={'absorbed' if self.absorb_v_rotation else 'runtime'}")
+                f"V={'absorbed' if self.absorb_v_rotation else 'runtime'} history={self.history_kernel}")
 
 
 def check_group(group: int, head_dim: Optional[int] = None) -> None:
@@ -257,9 +265,13 @@ def from_env(env: Optional[Mapping[str, str]] = None, *, group_size: Optional[in
     extend = str(get(ENV_EXTEND) or "auto").strip().lower()
     if extend not in EXTEND_IMPLS:
         raise OscarOptionError(f"{ENV_EXTEND}={get(ENV_EXTEND)!r}: use one of {EXTEND_IMPLS}")
+    history = str(get(ENV_HISTORY) or "triton").strip().lower()
+    if history not in HISTORY_KERNELS:
+        raise OscarOptionError(f"{ENV_HISTORY}={get(ENV_HISTORY)!r}: use one of {HISTORY_KERNELS} (triton: every "
+                               "supported shape; cuda: the shapes kernels/history_cuda.py covers, e.g. Qwen3-8B)")
 
     return OscarServeConfig(group_size, sink, recent, window_dtype, scale_dtype, splits, bundle, kp, vp,
-                            k_clip, v_clip, absorb, waves, extend)
+                            k_clip, v_clip, absorb, waves, extend, history)
 
 
 def from_argv(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> tuple[list, OscarServeConfig]:

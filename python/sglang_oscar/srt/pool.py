@@ -7,10 +7,21 @@ one ring_start int32 [R + 1] (row 0 = req_to_token's padding request). Memory ma
 srt/capacity.py exactly: cell bytes per slot (size + page_size slots, like SGLang) + the fixed
 window bytes.
 
-Generic SGLang code only sees uint8 tensors: `k_buffer`/`v_buffer` are the packed codes, so code
-that merely moves slot bytes keeps working on the codes, while get_key_buffer / get_value_buffer
-(how attention backends read K/V) raise a clear error instead of handing out bytes as activations. dtype = store_dtype = uint8
-also keeps SGLang's bf16-only fused writers off (models/utils.py enable_fused_set_kv_buffer).
+Generic SGLang code only sees uint8 tensors: `k_buffer`/`v_buffer` are the packed codes (a slot's
+params and window rows live elsewhere, so SGLang code that moves slot bytes would move part of a slot:
+those paths raise, see the list at "paths that would move only part of a slot"), and get_key_buffer /
+get_value_buffer (how attention backends read K/V) raise a clear error instead of handing out bytes as
+activations. dtype = store_dtype = uint8 also keeps SGLang's bf16-only fused writers off (models/utils.py
+enable_fused_set_kv_buffer).
+
+Pages (SGLang's --page-size P, kernels/layout.py): every LayerCache is built with page = P, so the code and
+param buffers are [slots/P, Hkv, P, .] (one KV head's rows of a page contiguous; the CUDA history stage
+needs that to read at speed) and [slots, Hkv, .] at P = 1, the unchanged layout. SGLang allocates
+size + P slots with size a multiple of P (pool_configurator.py floors the token count to whole pages),
+so the pool is whole pages; anything else is refused. The windows, the sink table and ring_start are
+not paged (keyed by sink row / request / slot). What in SGLang indexes the buffers by slot, and what
+this pool does about each, is listed at "paths that would move only part of a slot": each such path
+either works on the paged layout or raises naming the feature; none reads wrong bytes.
 
 Sink rows are released when SGLang frees the slot that owns them: `attach` (called by the
 _init_pools hook) wraps free / free_segment / clear of this pool's allocator instance. The release
@@ -35,8 +46,9 @@ import torch
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from ..kernels.layout import LayerCache
+from ..kernels.layout import SUPPORTED_PAGES, LayerCache
 from .int2_setup import Int2Setup
+from .options import ENV_HISTORY, OscarOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +126,17 @@ class OscarKVPool(MHATokenToKVPool):
         from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 
         s = self.setup
-        slots = self.size + self.page_size  # slot 0's page absorbs padded writes, as in SGLang
+        page = self.page_size
+        if page not in SUPPORTED_PAGES:
+            raise OscarOptionError(f"--page-size {page} is not supported by the int2 KV pool (kernels/layout.py); "
+                                   f"use one of {SUPPORTED_PAGES} (64 for {ENV_HISTORY}=cuda)")
+        if self.size % page:
+            # SGLang 0.5.17 floors the token count to whole pages (DefaultPoolConfigurator.calculate_pool_sizes
+            # and calculate_pool_sizes_from_max_tokens) before it builds the pool, so this means another path
+            # sized it: refuse instead of rounding, the allocator would hand out slots the pool lacks.
+            raise RuntimeError(f"sglang_oscar: SGLang sized the int2 pool to {self.size} tokens, not a whole number "
+                               f"of --page-size {page} pages; the int2 pool stores whole pages")
+        slots = self.size + page  # slot 0's page absorbs padded writes, as in SGLang; whole pages
         ring_reqs = s.max_running_requests + 1  # + req_to_token row 0 (padding request of graph batches)
         pool_ctx = (torch.cuda.use_mem_pool(self.custom_mem_pool) if self.enable_custom_mem_pool else nullcontext())
         with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE), pool_ctx:
@@ -129,20 +151,40 @@ class OscarKVPool(MHATokenToKVPool):
                 lc = LayerCache.empty(slots, self.head_num, self.head_dim, k_group=s.plan.k_group,
                                       v_group=s.plan.v_group, num_sink_rows=s.num_sink_rows, max_reqs=ring_reqs,
                                       window=s.cfg.recent, sink=s.cfg.sink, window_dtype=self.window_dtype,
-                                      device=self.device, with_sink_table=False)
+                                      device=self.device, with_sink_table=False, page=page)
                 for t in lc.buffers().values():
                     t.zero_()  # deterministic scratch slot 0 / ring row 0, like SGLang's zeros
                 lc.sink_table = self.sink_table  # one table for all layers
                 lc.validate()
                 self.layers.append(lc)
+        if self.layers:
+            logger.info("sglang_oscar: int2 pool: %d slots in pages of %d per layer (codes %s, params %s)", slots,
+                        page, tuple(self.layers[0].k_codes.shape), tuple(self.layers[0].k_params.shape))
+        # k_buffer / v_buffer: the packed codes, [slots, Hkv, D/4] at page 1 and [pages, Hkv, P, D/4] else.
+        # SGLang's generic code sees them (descs, memory accounting, the paths listed further down).
         self.k_buffer = [lc.k_codes for lc in self.layers]
         self.v_buffer = [lc.v_codes for lc in self.layers]
         self.k_scale_buffer = self.v_scale_buffer = self.dq_k_buffer = self.dq_v_buffer = None
-        self._kv_buffer_descs = self._build_kv_buffer_descs()
+        self._kv_buffer_descs = self._build_kv_buffer_descs()  # page rows at P > 1 (tokens_per_row = P)
         self._init_data_ptrs_and_strides()
+
+    def _init_data_ptrs_and_strides(self):
+        """SGLang's per-buffer pointer / byte-stride tables: a slot of buffer i at data_ptrs[i] +
+        slot * data_strides[i]. Read only by slot moves: move_kv_cache (speculative decoding; refused below),
+        the HiCache host pools (refused by server_checks) and the KV copy warmup (enable_kv_cache_copy,
+        refused in __init__). At page 1 they are SGLang's own (codes and params of every layer). At P > 1 no
+        per-slot stride exists (slot s of head h is row s % P of page s // P, kernels/records.py), so the
+        tables are objects that raise naming the feature on any use instead of strides that would move
+        whole pages as if they were slots."""
+        if self.page_size == 1:
+            return super()._init_data_ptrs_and_strides()
+        refused = _RefusedSlotTable(self.page_size)
+        self.k_data_ptrs = self.v_data_ptrs = self.data_ptrs = self.data_strides = refused
 
     def _slot_move_pointer_buffers(self):
         # A slot is its codes AND its (scale, min); the windows are keyed by sink row / request, not slot.
+        if self.page_size != 1:
+            raise _RefusedSlotTable(self.page_size).error("slot moves")
         return [*self.k_buffer, *self.v_buffer, *(lc.k_params for lc in self.layers),
                 *(lc.v_params for lc in self.layers)]
 
@@ -277,9 +319,28 @@ class OscarKVPool(MHATokenToKVPool):
                        k_level_a=r.k_level_a, v_level_a=r.v_level_a, validate=validate)
 
     # ---- paths that would move only part of a slot -------------------------------------------
+    #
+    # What in SGLang 0.5.17 reads or writes this pool's buffers by slot, outside the oscar_int2 backend
+    # (audited for the paged pool; the INT2 layout is codes + params + windows + sink table, so every one
+    # of these would miss part of a slot even at page 1, and at P > 1 would also take [pages, Hkv, P, .]
+    # rows for slots):
+    #   get_key_buffer / get_value_buffer / get_kv_buffer (stock attention backends)   raise (above)
+    #   set_kv_buffer (generic writers)                       works: the write kernel, any page size
+    #   set_kv_buffer_prefix_valid (DFlash / dspark writers)  raises (its CUDA path stores raw rows)
+    #   move_kv_cache + data_ptrs / data_strides (speculative decoding)    raise; also refused at startup
+    #   get_cpu_copy / load_cpu_copy (PD decode retraction)   raise; PD refused at startup
+    #   get_contiguous_buf_infos (PD transfer, kv canary)     raises; PD refused at startup
+    #   HiCache host pools (k_data_ptrs, data_ptrs), LMCache / FlexKV connectors (k_buffer rows),
+    #   --kv-canary (k_buffer[0].shape[0] as the slot count)  refused by server_checks.check_server_args
+    #                                                          (kv canary only at --page-size > 1)
+    #   allocator frees (page granularity)                    works: attach() releases whole pages' sink rows
 
     def move_kv_cache(self, *args, **kwargs):
         raise NotImplementedError("int2 KV cache: move_kv_cache (speculative decoding) is not supported")
+
+    def set_kv_buffer_prefix_valid(self, *args, **kwargs):
+        raise NotImplementedError("int2 KV cache: set_kv_buffer_prefix_valid (DFlash speculative decoding / dspark "
+                                  "KV commits) is not supported: its CUDA path stores raw K/V rows by slot")
 
     def get_cpu_copy(self, *args, **kwargs):
         raise NotImplementedError("int2 KV cache: CPU offload of KV (PD decode retraction) is not supported")
@@ -289,3 +350,34 @@ class OscarKVPool(MHATokenToKVPool):
 
     def get_contiguous_buf_infos(self):
         raise NotImplementedError("int2 KV cache: PD disaggregation transfer is not supported")
+
+
+class _RefusedSlotTable:
+    """Stands in for SGLang's slot pointer / stride tables (data_ptrs, data_strides, k_data_ptrs, v_data_ptrs)
+    of a paged int2 pool: any use (an attribute such as data_ptr / numel, indexing, iteration, len) raises
+    naming the reason, where a tensor of page strides would make a slot move copy the wrong bytes."""
+
+    def __init__(self, page: int):
+        self._page = page
+
+    def error(self, what: str = "a slot move (KV copy / offload)") -> RuntimeError:
+        return RuntimeError(f"int2 KV cache with --page-size {self._page}: {what} asked for per-slot pointer / "
+                            f"stride tables, which the paged int2 layout ([pages, Hkv, {self._page}, .]) does not "
+                            "have; that feature is not supported with --kv-cache-dtype int2")
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "_page":
+            raise AttributeError(name)
+        raise self.error()
+
+    def __getitem__(self, item):
+        raise self.error()
+
+    def __iter__(self):
+        raise self.error()
+
+    def __len__(self):
+        raise self.error()
+
+    def __repr__(self):
+        return f"<int2 pool, page {self._page}: no per-slot tables>"

@@ -29,6 +29,8 @@ _UNSUPPORTED = (
     ("enable_page_major_kv_layout", False, "--enable-page-major-kv-layout"),
     ("enable_lora", False, "LoRA (--enable-lora)"),
     ("enable_mixed_chunk", False, "--enable-mixed-chunk (one forward mixing extend and decode)"),
+    ("enable_lmcache", False, "--enable-lmcache (LMCache offloads k_buffer/v_buffer rows only)"),
+    ("enable_flexkv", False, "--enable-flexkv (FlexKV offloads k_buffer/v_buffer rows only)"),
 )
 
 
@@ -50,6 +52,7 @@ def check_server_args(sa) -> None:
             raise OscarOptionError(f"--kv-cache-dtype int2 does not support {what}; drop that option")
     if (getattr(sa, "dcp_size", 1) or 1) > 1:
         raise OscarOptionError("--kv-cache-dtype int2 does not support decode context parallelism (--dcp-size > 1)")
+    check_page_size(sa)
     if getattr(sa, "max_running_requests", None) is None:
         raise OscarOptionError(
             "--kv-cache-dtype int2 needs --max-running-requests: the BF16 recent window is reserved per running "
@@ -63,6 +66,23 @@ def check_server_args(sa) -> None:
         raise OscarOptionError(
             f"--kv-cache-dtype int2 is read only by --attention-backend {BACKEND} (got {sorted(backends) or 'auto'}); "
             f"({ENV_POOL_ONLY}=1 builds the pool behind another backend, for tests only)")
+
+
+def check_page_size(sa) -> None:
+    """--page-size P: the int2 pool stores codes and params in pages of P ([pages, Hkv, P, .], srt/pool.py),
+    which the kernels support for P in kernels/layout.py SUPPORTED_PAGES. At P > 1 SGLang's kv canary would
+    count k_buffer's leading dimension (pages) as slots and hash page rows as token rows: refused."""
+    from ..kernels.layout import SUPPORTED_PAGES
+
+    page = getattr(sa, "page_size", None) or 1
+    if page not in SUPPORTED_PAGES:
+        raise OscarOptionError(f"--kv-cache-dtype int2 supports --page-size {', '.join(map(str, SUPPORTED_PAGES))} "
+                               f"(got {page}); 64 is what SGLANG_OSCAR_HISTORY_KERNEL=cuda was measured with")
+    canary = str(getattr(sa, "kv_canary", "none") or "none").strip().lower()
+    if page > 1 and canary != "none":
+        raise OscarOptionError(f"--kv-cache-dtype int2 with --page-size {page} does not support --kv-canary "
+                               f"{canary} (it reads k_buffer as one row per slot; the int2 pool stores pages); "
+                               "drop --kv-canary or use --page-size 1")
 
 
 def adjust_cuda_graphs(sa) -> "str | None":

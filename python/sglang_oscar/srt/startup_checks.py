@@ -7,6 +7,7 @@ with one message that says what to change, instead of a shape error deep inside 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional
 
 import torch
@@ -14,7 +15,9 @@ import torch
 from ..kernels.layout import check_shape
 from ..rotation.bundle import (ORTHO_TOL, BundleError, RotationBundle, check_expectations, data_free_bundle, load_bundle,
                                load_seed_pt, orthogonality_error)
-from .options import ENV_ABSORB_V, ENV_BUNDLE, GROUP_FLAG, OscarOptionError, OscarServeConfig
+from .options import ENV_ABSORB_V, ENV_BUNDLE, ENV_HISTORY, GROUP_FLAG, OscarOptionError, OscarServeConfig
+
+logger = logging.getLogger(__name__)
 
 # decode.py's MAX_GQA (query heads per KV head the decode kernel holds in one tile); copied so this
 # module imports without triton. test_srt_startup_checks.py checks the two agree where triton exists.
@@ -146,5 +149,54 @@ def plan_rank(cfg: OscarServeConfig, model: ModelInfo, tp_rank: int = 0,
     return StartupPlan(shard, b.k_group, b.v_group, start, end)
 
 
-__all__ = ["BundleError", "MAX_GQA", "ModelInfo", "StartupPlan", "V_ABSORB_ARCHITECTURES", "check_model",
-           "check_v_absorption", "kv_head_range", "load_rotation", "plan_rank"]
+# The page size the CUDA history stage was measured on (benchmark/NOTES.md "The pool in pages and the CUDA
+# history stage"): correct at any page size, but it reaches its read rate only when a request's slots come
+# in runs of 64 (smaller pages: each KV head's rows of a page are fewer, shorter contiguous reads).
+CUDA_HISTORY_PAGE = 64
+
+
+def check_history_kernel(kernel: str, *, head_dim: int, q_heads: int, kv_heads: int, k_group: int, v_group: int,
+                         codebook: bool, device, page_size: int) -> None:
+    """SGLANG_OSCAR_HISTORY_KERNEL against this rank's attention (local q / KV heads) and device, at startup.
+
+    triton: nothing to check (every shape the pool accepts). cuda: the shape must be one the CUDA history
+    stage covers (kernels/history_cuda.check_supported), the device a CUDA GPU (sm_80+), and the kernel is
+    built (nvcc) and loaded here, before CUDA-graph capture and the first request: TP ranks share the on-disk
+    cache and the build is atomic (os.replace), so concurrent ranks are safe. Every refusal says what to
+    change. Warns (does not refuse) below --page-size 64."""
+    if kernel == "triton":
+        return
+    if kernel != "cuda":
+        raise OscarOptionError(f"{ENV_HISTORY}={kernel!r}: use triton or cuda")
+    use_triton = f"set {ENV_HISTORY}=triton (the default; it serves every supported shape)"
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise OscarOptionError(f"{ENV_HISTORY}=cuda runs the INT2 history in a CUDA kernel, but this server runs on "
+                               f"{dev.type}: {use_triton}")
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise OscarOptionError(f"{ENV_HISTORY}=cuda: {q_heads} query heads on this rank are not a multiple of its "
+                               f"{kv_heads} KV heads")
+    from ..kernels import history_cuda
+
+    try:
+        # the kernel module is the authority on what it covers (its message names the covered shapes)
+        history_cuda.check_supported(head_dim, q_heads // kv_heads, k_group, v_group, codebook, dev)
+    except (ValueError, history_cuda.CudaHistoryUnavailable) as e:
+        raise OscarOptionError(
+            f"{ENV_HISTORY}=cuda cannot serve this model on this rank (head_dim {head_dim}, {q_heads} query heads "
+            f"per {kv_heads} KV heads = GQA {q_heads // kv_heads}, groups K={k_group} V={v_group}"
+            f"{', codebook levels' if codebook else ''}): {e}. Serve a covered shape (builtin bundles take their "
+            f"groups from {GROUP_FLAG}) or {use_triton}") from None
+    try:
+        history_cuda.library()  # nvcc build (first server on this machine) or the cached library
+    except history_cuda.CudaHistoryUnavailable as e:
+        raise OscarOptionError(f"{ENV_HISTORY}=cuda: the CUDA history kernel could not be built or loaded: {e}; "
+                               f"install the CUDA toolkit (nvcc) or {use_triton}") from None
+    if page_size < CUDA_HISTORY_PAGE:
+        logger.warning("sglang_oscar: %s=cuda with --page-size %d: correct at any page size, but it was measured "
+                       "(and is fast) with --page-size %d, where a request's rows of one KV head are contiguous "
+                       "per page", ENV_HISTORY, page_size, CUDA_HISTORY_PAGE)
+
+
+__all__ = ["BundleError", "CUDA_HISTORY_PAGE", "MAX_GQA", "ModelInfo", "StartupPlan", "V_ABSORB_ARCHITECTURES",
+           "check_history_kernel", "check_model", "check_v_absorption", "kv_head_range", "load_rotation", "plan_rank"]
