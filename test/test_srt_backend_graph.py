@@ -53,6 +53,9 @@ class _ModelConfig:
     def get_num_kv_heads(self, tp_size):
         return max(1, self.hf_config.num_key_value_heads // tp_size)
 
+    def get_num_attention_heads(self, tp_size):
+        return max(1, self.hf_config.num_attention_heads // tp_size)
+
 
 @pytest.fixture
 def setup(monkeypatch):
@@ -67,48 +70,54 @@ def setup(monkeypatch):
 
 
 class World:
-    """One scheduler's state: pool + request table + allocator + backend, driven by hand."""
+    """One scheduler's state: pool + request table + allocator + backend, driven by hand. page > 1: a paged
+    pool (LayerCache.page) behind SGLang's PagedTokenToKVPoolAllocator; callers then pass the slots."""
 
-    def __init__(self, setup):
-        self.pool = OscarKVPool(SIZE, page_size=1, dtype=torch.uint8, head_num=HKV, head_dim=D, layer_num=2,
+    def __init__(self, setup, page=1, size=SIZE):
+        self.pool = OscarKVPool(size, page_size=page, dtype=torch.uint8, head_num=HKV, head_dim=D, layer_num=2,
                                 device="cpu", enable_memory_saver=False, v_head_dim=D, start_layer=0, end_layer=1,
                                 setup=setup)
         self.r2t = ReqToTokenPool(size=R, max_context_len=CTX, device="cpu", enable_memory_saver=False)
-        self.alloc = TokenToKVPoolAllocator(SIZE, torch.uint8, "cpu", self.pool, need_sort=False)
+        if page == 1:
+            self.alloc = TokenToKVPoolAllocator(size, torch.uint8, "cpu", self.pool, need_sort=False)
+        else:
+            from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+            self.alloc = PagedTokenToKVPoolAllocator(size, page, torch.uint8, "cpu", self.pool, need_sort=False)
         self.pool.attach(self.r2t, self.alloc)
-        runner = types.SimpleNamespace(token_to_kv_pool=self.pool, req_to_token_pool=self.r2t, device="cpu")
+        runner = types.SimpleNamespace(token_to_kv_pool=self.pool, req_to_token_pool=self.r2t, device="cpu",
+                                       model_config=_ModelConfig(**TINY))
         self.backend = OscarAttnBackend(runner)
         self.lens = {}
 
-    def prefill(self, row, length, inputs, prefix_from=None, prefix=0):
+    def prefill(self, row, length, inputs, prefix_from=None, prefix=0, slots=None):
         """A new request in `row`: `prefix` positions shared with row `prefix_from` (radix hit), the rest
-        computed by one eager extend."""
+        computed by one eager extend (into `slots`, else the allocator's). Returns the outputs per layer."""
         self.r2t.req_generation[row] += 1
         if prefix:
             self.r2t.req_to_token[row, :prefix] = self.r2t.req_to_token[prefix_from, :prefix]
-        slots = self.alloc.alloc(length - prefix)
+        slots = self.alloc.alloc(length - prefix) if slots is None else slots
         self.r2t.req_to_token[row, prefix:length] = slots.to(torch.int32)
         self.lens[row] = length
         fb = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1, req_pool_indices=torch.tensor([row]),
                                    extend_prefix_lens_cpu=[prefix], extend_seq_lens_cpu=[length - prefix],
                                    out_cache_loc=slots, seq_lens=torch.tensor([length]))
         self.backend.init_forward_metadata(fb)
-        for layer, (q, k, v) in zip(LAYERS, inputs):
-            self.backend.forward_extend(q, k, v, layer, fb)
+        return [self.backend.forward_extend(q, k, v, layer, fb) for layer, (q, k, v) in zip(LAYERS, inputs)]
 
     def finish(self, row):
         self.alloc.free(self.r2t.req_to_token[row, :self.lens.pop(row)].to(torch.int64))
 
-    def new_tokens(self, rows):
+    def new_tokens(self, rows, slots=None):
         """Scheduler side of a decode step: one slot per request, seq_lens include the new token."""
-        slots = self.alloc.alloc(len(rows))
+        slots = self.alloc.alloc(len(rows)) if slots is None else slots
         for row, slot in zip(rows, slots.tolist()):
             self.r2t.req_to_token[row, self.lens[row]] = slot
             self.lens[row] += 1
         return slots, torch.tensor([self.lens[r] for r in rows])
 
-    def decode_eager(self, rows, inputs):
-        slots, seq = self.new_tokens(rows)
+    def decode_eager(self, rows, inputs, slots=None):
+        slots, seq = self.new_tokens(rows, slots)
         fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=len(rows),
                                    req_pool_indices=torch.tensor(rows), seq_lens=seq, seq_lens_cpu=seq.clone(),
                                    out_cache_loc=slots)
@@ -370,3 +379,178 @@ def test_non_orthogonal_k_transform_served_exactly(monkeypatch, tmp_path, per_he
         assert torch.isfinite(got).all()
         err = (got - ref).abs().max().item()
         assert err < 2e-4, f"layer {layer.layer_id}: max |decode - exact| = {err:.3g}"
+
+
+# ---- the paged pool (--page-size P) ---------------------------------------------------------------
+
+P = 64
+# Pages of each request, in an order no allocator would give (descending, interleaved), so that a request's
+# positions jump between non-adjacent pages; row 4 shares row 2's first page (a page-aligned radix hit).
+PAGES = {1: [6, 2], 2: [8, 3], 3: [5], 4: [8, 1, 7]}
+
+
+def _slot(row, pos):
+    return PAGES[row][pos // P] * P + pos % P
+
+
+def _poison(world):
+    """Every record and window row unreadable until written: codes 0xAB, params / windows NaN. A read of a
+    record the write did not fill (a wrong address rule) gives NaN or a different output."""
+    for lc in world.pool.layers:
+        lc.k_codes.fill_(0xAB)
+        lc.v_codes.fill_(0xAB)
+        for t in (lc.k_params, lc.v_params, lc.sink_k, lc.sink_v, lc.ring_k, lc.ring_v):
+            t.fill_(float("nan"))
+
+
+def test_paged_pool_serves_what_the_flat_pool_serves(setup):
+    """The same requests on the same slot numbers, a page-64 pool vs a page-1 pool: the page changes where a
+    slot's record lives ([pages, Hkv, 64, .]), nothing else, so every extend and decode output and every
+    stored record must be bitwise equal. Covers INT2 history read across non-adjacent pages (row 2: pages 8
+    then 3; row 4: its prefix in row 2's page 8, then pages 1 and 7), a page-aligned radix hit, decode tokens
+    crossing S and a page boundary, a freed request (its page's sink rows released by page)."""
+    flat, paged = World(setup, page=1, size=9 * P), World(setup, page=P, size=8 * P)
+    assert paged.pool.layers[0].page == P and flat.pool.layers[0].page == 1
+    for w in (flat, paged):
+        _poison(w)
+    plan = ((1, 61, 1, None, 0), (2, 93, 2, None, 0), (3, 20, 3, None, 0), (4, 154, 4, 2, 64))
+    for row, length, seed, src, prefix in plan:
+        slots = torch.tensor([_slot(row, p) for p in range(prefix, length)])
+        outs = [w.prefill(row, length, _inputs(length - prefix, seed), prefix_from=src, prefix=prefix,
+                          slots=slots.clone()) for w in (flat, paged)]
+        for layer, (a, b) in enumerate(zip(*outs)):
+            assert torch.isfinite(a).all(), f"extend of row {row} layer {layer} read a poisoned row"
+            assert torch.equal(a, b), f"extend of row {row} layer {layer}: page {P} != page 1"
+    steps = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 4], [2, 1, 4], [1, 2, 4], [4, 2], [1, 2, 4]]
+    for i, rows in enumerate(steps):
+        if i == 2:
+            for w in (flat, paged):
+                w.finish(3)
+        slots = torch.tensor([_slot(r, flat.lens[r]) for r in rows])
+        ins = _inputs(len(rows), seed=200 + i)
+        outs = [w.decode_eager(rows, ins, slots=slots.clone()) for w in (flat, paged)]
+        for layer, (a, b) in enumerate(zip(*outs)):
+            assert torch.isfinite(a).all() and a.abs().sum() > 0, f"step {i} layer {layer}"
+            assert torch.equal(a, b), f"decode step {i} layer {layer}: page {P} != page 1"
+    assert flat.lens == paged.lens == {1: 67, 2: 100, 4: 161}
+    # the INT2 history was read: row 4 decodes at 154..160 with S = 64, W = 16, so 64..~140 come from INT2
+    used = torch.tensor(sorted({_slot(r, p) for r in (1, 2, 4) for p in range(flat.lens[r])}))
+    for lf, lp in zip(flat.pool.layers, paged.pool.layers):
+        for name in ("k_codes", "v_codes", "k_params", "v_params"):
+            assert torch.equal(lf.rows(name, used), lp.rows(name, used)), name
+            # and the paged record of slot s really is row s % 64 of page s // 64
+            t = getattr(lp, name)
+            assert torch.equal(t[used // P, :, used % P], lf.rows(name, used)), name
+        for name in ("sink_k", "sink_v", "ring_k", "ring_v"):
+            torch.testing.assert_close(getattr(lf, name), getattr(lp, name), rtol=0, atol=0, equal_nan=True,
+                                       msg=name)
+    assert torch.equal(flat.pool.sink_table[used], paged.pool.sink_table[used])
+    # row 3's page (5) was freed: its slots hold no sink rows in either pool
+    freed = torch.arange(5 * P, 6 * P)
+    assert (paged.pool.sink_table[freed] == -1).all() and (flat.pool.sink_table[freed] == -1).all()
+
+
+def test_history_kernel_option_reaches_startup_and_decode(setup, monkeypatch):
+    """SGLANG_OSCAR_HISTORY_KERNEL=cuda: refused at backend construction on CPU (before any graph capture or
+    request); with the startup check stubbed, the backend hands history_kernel='cuda' to oscar_decode, whose
+    own check then refuses this shape (head_dim 64) on CPU."""
+    from sglang_oscar.srt import startup_checks
+
+    monkeypatch.setenv(options.ENV_HISTORY, "cuda")
+    with pytest.raises(options.OscarOptionError, match="this server runs on cpu: set SGLANG_OSCAR_HISTORY_KERNEL=triton"):
+        World(setup)
+    seen = []
+    monkeypatch.setattr(startup_checks, "check_history_kernel", lambda kernel, **kw: seen.append((kernel, kw)))
+    w = World(setup, page=P, size=8 * P)
+    assert seen == [("cuda", dict(head_dim=D, q_heads=HQ, kv_heads=HKV, k_group=64, v_group=64, codebook=False,
+                                  device="cpu", page_size=P))]
+    assert w.backend.history_kernel == "cuda"
+    w.prefill(1, 10, _inputs(10, 1), slots=torch.arange(P, P + 10))
+    with pytest.raises(ValueError, match="history_kernel='cuda' covers"):  # head_dim 64 is not covered
+        w.decode_eager([1], _inputs(1, 2), slots=torch.tensor([P + 10]))
+    monkeypatch.setenv(options.ENV_HISTORY, "triton")
+    assert World(setup).backend.history_kernel == "triton" and len(seen) == 1  # triton: no startup check
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (and nvcc for the CUDA history)")
+def test_cuda_history_backend_matches_triton_on_gpu(monkeypatch):
+    """On a GPU, Qwen3-8B rank shapes (8 KV heads, 32 query heads, head_dim 128, groups 128, S 64, W 256, bf16),
+    a page-64 pool in shuffled pages: the backend with SGLANG_OSCAR_HISTORY_KERNEL=cuda decodes what the Triton
+    backend decodes from the same pool (eager and through the graph buffers), to bf16 rounding."""
+    from sglang_oscar.kernels import history_cuda
+    from sglang_oscar.srt import startup_checks
+
+    hkv, hq, d, page, ctx = 8, 32, 128, 64, 4096
+    cfg = dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=1, num_attention_heads=hq,
+               num_key_value_heads=hkv, head_dim=d, hidden_size=4096)
+    for name in options.ALL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in ((options.ENV_BUNDLE, "builtin:hadamard"), (options.ENV_ABSORB_V, "0"),
+                        (options.ENV_GROUP, "128"), (options.ENV_EXTEND, "sdpa")):
+        monkeypatch.setenv(name, value)
+    try:
+        startup_checks.check_history_kernel("cuda", head_dim=d, q_heads=hq, kv_heads=hkv, k_group=128, v_group=128,
+                                            codebook=False, device="cuda", page_size=page)
+    except options.OscarOptionError as e:
+        pytest.skip(f"CUDA history unavailable here: {e}")
+    st = build_setup(options.from_env(), model_info(_ModelConfig(**cfg), 1), tp_rank=0, num_layers=1,
+                     max_running_requests=R)
+    pool = OscarKVPool(100 * page, page_size=page, dtype=torch.uint8, head_num=hkv, head_dim=d, layer_num=1,
+                       device="cuda", enable_memory_saver=False, v_head_dim=d, start_layer=0, end_layer=0, setup=st)
+    r2t = ReqToTokenPool(size=R, max_context_len=ctx, device="cuda", enable_memory_saver=False)
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    pool.attach(r2t, PagedTokenToKVPoolAllocator(100 * page, page, torch.uint8, "cuda", pool, need_sort=False))
+    runner = types.SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=r2t, device="cuda",
+                                   model_config=_ModelConfig(**cfg), dtype=torch.bfloat16)
+    triton_be = OscarAttnBackend(runner)
+    monkeypatch.setenv(options.ENV_HISTORY, "cuda")
+    cuda_be = OscarAttnBackend(runner)
+    assert (triton_be.history_kernel, cuda_be.history_kernel) == ("triton", "cuda") and history_cuda.library()
+    layer = types.SimpleNamespace(layer_id=0, tp_q_head_num=hq, qk_head_dim=d, scaling=d ** -0.5)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pages = torch.randperm(100, generator=g, device="cuda").cpu() + 1  # pages 1..100 (of 101) shuffled
+    lens, slots_of, nxt = {}, {}, 0
+    for row, length in ((1, 3000), (2, 1500), (3, 700)):
+        npg = (length + 16 + page - 1) // page
+        slots_of[row] = (pages[nxt:nxt + npg, None] * page + torch.arange(page)).reshape(-1).cuda()
+        nxt += npg
+        r2t.req_generation[row] += 1
+        slots = slots_of[row][:length]
+        r2t.req_to_token[row, :length] = slots.to(torch.int32)
+        lens[row] = length
+        fb = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1,
+                                   req_pool_indices=torch.tensor([row], device="cuda"), extend_prefix_lens_cpu=[0],
+                                   extend_seq_lens_cpu=[length], out_cache_loc=slots,
+                                   seq_lens=torch.tensor([length], device="cuda"))
+        triton_be.init_forward_metadata(fb)
+        q, k, v = (torch.randn(length, h * d, generator=g, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+        triton_be.forward_extend(q, k, v, layer, fb)
+    rows = [1, 2, 3]
+    cuda_be.init_cuda_graph_state(8, 8)
+    for step in range(4):
+        slots = torch.stack([slots_of[r][lens[r]] for r in rows])
+        for r, s in zip(rows, slots.tolist()):
+            r2t.req_to_token[r, lens[r]] = s
+            lens[r] += 1
+        seq = torch.tensor([lens[r] for r in rows], device="cuda")
+        fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=3, req_pool_indices=torch.tensor(rows, device="cuda"),
+                                   seq_lens=seq, seq_lens_cpu=seq.cpu(), out_cache_loc=slots)
+        q, k, v = (torch.randn(3, h * d, generator=g, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+        triton_be.init_forward_metadata(fb)
+        want = triton_be.forward_decode(q, k, v, layer, fb)  # writes the token
+        cuda_be.init_forward_metadata(fb)  # positions >= S: the plan allocates nothing, changes nothing
+        got = cuda_be.forward_decode(q, k, v, layer, fb, save_kv_cache=False)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"step {step}: cuda history != triton history: {m}")
+        view = types.SimpleNamespace(batch_size=4, forward_mode=ForwardMode.DECODE,
+                                     req_pool_indices=torch.tensor(rows + [0], device="cuda"),
+                                     seq_lens=torch.cat([seq, seq.new_ones(1)]), seq_lens_cpu=torch.cat([seq, seq.new_ones(1)]).cpu(),
+                                     out_cache_loc=slots)
+        cuda_be.init_forward_metadata_out_graph(view)
+        qp, kp, vp = (torch.cat([t, t[:1]]) for t in (q, k, v))
+        got_g = cuda_be.forward_decode(qp, kp, vp, layer, view, save_kv_cache=False)
+        # other split count at batch 4: bf16 rounding, not a wrong buffer (that is O(1))
+        torch.testing.assert_close(got_g[:3].float(), got.float(), rtol=1e-2, atol=1e-2)
+        assert (got_g[3] == 0).all()
+    torch.cuda.synchronize()

@@ -38,6 +38,16 @@ def test_decode_waves(files):
     assert c.decode_waves == 8 and o.from_env(c.to_env()) == c
 
 
+def test_history_kernel(files):
+    assert o.from_env(env(BUNDLE="builtin:hadamard")).history_kernel == "triton"  # the default
+    assert o.from_env(env(BUNDLE="builtin:hadamard", HISTORY="")).history_kernel == "triton"
+    for text, want in (("cuda", "cuda"), (" CUDA ", "cuda"), ("triton", "triton"), ("Triton", "triton")):
+        c = o.from_env(env(BUNDLE="builtin:hadamard", HISTORY=text))
+        assert c.history_kernel == want and o.from_env(c.to_env()) == c  # reaches the schedulers unchanged
+    assert o.ENV_HISTORY == "SGLANG_OSCAR_HISTORY_KERNEL" and o.ENV_HISTORY in o.ALL_ENV
+    assert "history=cuda" in o.from_env(env(BUNDLE="builtin:hadamard", HISTORY="cuda")).summary()
+
+
 def test_flag_popped_and_roundtrip(files):
     argv = ["--model-path", "m", "--kv-cache-quant-group-size", "64", "--kv-cache-dtype", "int2"]
     rest, c = o.from_argv(argv, env(BUNDLE="builtin:hadamard"))
@@ -62,6 +72,8 @@ def test_flag_popped_and_roundtrip(files):
     (dict(HP_SPLITS="0"), "must be >= 1"),
     (dict(WAVES="0"), "must be >= 1"),
     (dict(WAVES="x"), "not an integer"),
+    (dict(HISTORY="cutlass"), "SGLANG_OSCAR_HISTORY_KERNEL='cutlass': use one of ('triton', 'cuda')"),
+    (dict(HISTORY="1"), "SGLANG_OSCAR_HISTORY_KERNEL='1'"),
 ])
 def test_bad_values(kw, msg):
     with pytest.raises(o.OscarOptionError, match=__import__("re").escape(msg)):

@@ -375,6 +375,89 @@ def test_paged_free_releases_whole_pages(int2_env):
     assert (pool.sink_table == -1).all() and bool(pool.sink_row_free.all())
 
 
+def test_paged_pool_layer_caches_follow_pool_shape(int2_env):
+    """--page-size 64: every LayerCache is paged ([pages, Hkv, 64, .], kernels/layout.py pool_shape), the windows
+    and the sink table are not, the bytes still equal the capacity model, and set_kv_buffer's records land at
+    row s % 64 of page s // 64 with the same bytes a flat pool stores for slot s."""
+    from sglang_oscar.kernels.layout import pool_shape
+
+    s = _tiny_setup(int2_env)
+    pool, flat = _pool(s, size=128, page=64), _pool(s, size=191, page=1)
+    slots = 192  # size + page_size: 3 pages
+    for lc in pool.layers:
+        lc.validate()
+        assert lc.page == 64 and lc.num_slots == slots
+        assert lc.k_codes.shape == pool_shape(slots, 2, (16,), 64) == (3, 2, 64, 16)
+        assert lc.v_codes.shape == lc.k_codes.shape
+        assert lc.k_params.shape == lc.v_params.shape == pool_shape(slots, 2, (1, 2), 64) == (3, 2, 64, 1, 2)
+        assert lc.sink_k.shape == (s.num_sink_rows, 2, 64) and lc.ring_k.shape == ((3 + 1) * 16, 2, 64)
+        assert lc.sink_table is pool.sink_table and pool.sink_table.shape == (slots,)
+    assert [b.data_ptr() for b in pool.k_buffer] == [lc.k_codes.data_ptr() for lc in pool.layers]
+    assert flat.layers[0].page == 1 and flat.layers[0].k_codes.shape == (slots, 2, 16)
+    k, v = pool.get_kv_size_bytes()
+    assert k + v == (128 + 64) * s.cell_bytes + s.fixed.total
+    torch.manual_seed(1)
+    loc = torch.tensor([3, 63, 64, 130, 191])
+    kk, vv = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    for p in (pool, flat):
+        p.set_kv_buffer(types.SimpleNamespace(layer_id=1), loc, kk.clone(), vv.clone())
+    got, ref = pool.layers[1], flat.layers[1]
+    for name in ("k_codes", "v_codes", "k_params", "v_params"):
+        t = getattr(got, name)
+        assert torch.equal(t[loc // 64, :, loc % 64], getattr(ref, name)[loc]), name
+        assert torch.equal(got.rows(name, loc), ref.rows(name, loc)), name
+        written = t.reshape(-1, *t.shape[3:]).flatten(1).ne(0).any(1)  # records (page, head, row) touched
+        assert int(written.sum()) <= 5 * 2 and bool(getattr(pool.layers[0], name).eq(0).all()), name
+    assert int(got.k_params.reshape(-1, 2).ne(0).any(1).sum()) == 5 * 2  # 5 slots x 2 heads, one group each
+
+
+def test_paged_pool_refuses_slot_indexed_paths(int2_env):
+    """What SGLang reads or moves by slot cannot work on [pages, Hkv, P, .] buffers: the per-slot pointer /
+    stride tables and every slot-move entry point raise, naming the page size or the feature."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = _pool(_tiny_setup(int2_env), size=128, page=64)
+    for name in ("data_ptrs", "data_strides", "k_data_ptrs", "v_data_ptrs"):
+        table = getattr(pool, name)
+        for use in (lambda t: t.numel(), lambda t: t.data_ptr(), lambda t: t[0], lambda t: len(t), lambda t: list(t)):
+            with pytest.raises(RuntimeError, match="--page-size 64.*not supported with --kv-cache-dtype int2"):
+                use(table)
+    with pytest.raises(RuntimeError, match="--page-size 64: slot moves"):
+        pool._slot_move_pointer_buffers()
+    with pytest.raises(RuntimeError, match="--page-size 64"):  # SGLang's own slot move, if anything reached it
+        pool.use_native_move_kv_cache = False
+        pool._kv_copy_config = {"num_locs_upper": 4, "bytes_per_tile": 128, "byte_tiles": 1, "num_warps": 4}
+        MHATokenToKVPool._move_kv_cache_impl(pool, torch.tensor([5]), torch.tensor([6]))
+    for call, args in ((pool.move_kv_cache, (None, None)), (pool.get_cpu_copy, (None,)),
+                       (pool.load_cpu_copy, (None, None)), (pool.get_contiguous_buf_infos, ()),
+                       (pool.set_kv_buffer_prefix_valid, (None, None, None, None, None))):
+        with pytest.raises(NotImplementedError, match="int2"):
+            call(*args)
+    with pytest.raises(RuntimeError, match="only the oscar_int2 attention backend"):
+        pool.get_value_buffer(0)
+    flat = _pool(_tiny_setup(int2_env), size=96)  # page 1: SGLang's own tables, as before
+    assert flat.data_ptrs.numel() == 8 and flat.data_strides.tolist() == [2 * 16] * 4 + [2 * 1 * 2 * 2] * 4
+
+
+@pytest.mark.parametrize("page,size,match", [(3, 96, "--page-size 3 is not supported"),
+                                             (512, 1024, "--page-size 512 is not supported"),
+                                             (64, 100, "not a whole number of --page-size 64 pages")])
+def test_pool_refuses_pages_it_cannot_store(int2_env, page, size, match):
+    with pytest.raises((options.OscarOptionError, RuntimeError), match=match):
+        _pool(_tiny_setup(int2_env), size=size, page=page)
+
+
+def test_build_mha_kv_pool_hook_builds_pages_of_the_page_size(registered, int2_env):
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    _tiny_setup(int2_env)
+    kvc = fake_kvc(TINY, max_running_requests=3)
+    kvc.pool_page_size = 64
+    pool = KVCacheConfigurator._build_mha_kv_pool(kvc, max_total_num_tokens=128, mha_pool_class=MHATokenToKVPool)
+    assert pool.page_size == 64 and all(lc.page == 64 and lc.k_codes.shape[:3] == (3, 2, 64) for lc in pool.layers)
+
+
 def test_init_pools_hook_rejects_a_foreign_pool_for_int2():
     res = types.SimpleNamespace(token_to_kv_pool=object(), req_to_token_pool=None, token_to_kv_pool_allocator=None)
     with pytest.raises(RuntimeError, match="a pool path this plugin does not hook"):

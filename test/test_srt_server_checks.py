@@ -54,3 +54,34 @@ def test_int2_needs_pinned_requests_and_our_backend(monkeypatch):
     with pytest.raises(OscarOptionError, match="oscar_int2"):
         check_server_args(_sa(attention_backend="flashinfer"))
     check_server_args(_sa())
+
+
+@pytest.mark.parametrize("page", [1, 16, 64, 256])
+def test_page_sizes_the_int2_pool_stores(page, monkeypatch):
+    monkeypatch.delenv("SGLANG_OSCAR_POOL_ONLY", raising=False)
+    check_server_args(_sa(page_size=page))
+    check_server_args(_sa(page_size=None))  # before SGLang's default pass: page 1
+
+
+@pytest.mark.parametrize("page", [3, 48, 512])
+def test_page_sizes_the_kernels_do_not_support(page, monkeypatch):
+    monkeypatch.delenv("SGLANG_OSCAR_POOL_ONLY", raising=False)
+    with pytest.raises(OscarOptionError, match=f"supports --page-size 1, 2, 4, .*256 \\(got {page}\\)"):
+        check_server_args(_sa(page_size=page))
+
+
+def test_kv_canary_only_on_the_flat_pool(monkeypatch):
+    """SGLang's kv canary counts k_buffer.shape[0] as slots and hashes k_buffer rows as tokens: pages at P > 1."""
+    monkeypatch.delenv("SGLANG_OSCAR_POOL_ONLY", raising=False)
+    check_server_args(_sa(page_size=1, kv_canary="log"))
+    check_server_args(_sa(page_size=64, kv_canary="none"))
+    with pytest.raises(OscarOptionError, match="--page-size 64 does not support --kv-canary log"):
+        check_server_args(_sa(page_size=64, kv_canary="log"))
+
+
+@pytest.mark.parametrize("flag,what", [("enable_lmcache", "--enable-lmcache"), ("enable_flexkv", "--enable-flexkv")])
+def test_kv_offload_connectors_refused(flag, what, monkeypatch):
+    """LMCache / FlexKV copy k_buffer / v_buffer rows only (no params, no windows, and pages at P > 1)."""
+    monkeypatch.delenv("SGLANG_OSCAR_POOL_ONLY", raising=False)
+    with pytest.raises(OscarOptionError, match=f"does not support {what}"):
+        check_server_args(_sa(**{flag: True}))

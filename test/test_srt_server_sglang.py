@@ -1,5 +1,5 @@
 """Real SGLang 0.5.17 CPU servers in int2 mode: radix-cache hits, chunked prefill, tensor parallelism
-(gloo), a soak and the eval drivers. All `slow`: each test starts its own servers (30-60 s each on 2
+(gloo), a soak, the eval drivers and the paged pool (--page-size 64 == page 1; ~2 min on 2 cores). All `slow`: each test starts its own servers (30-60 s each on 2
 cores; TP=2/4/8: 56/95/150 s and 4.6/7.0/11.8 GiB RSS). Measured on 2 shared cores: radix 2.5 min,
 sink rows 1 min, chunked 1.6 min, TP=1/2 ~8 min (TP=4/8 with OSCAR_TEST_TP=2,4,8: ~4 min more), soak
 ~6.5 min (500 requests in 366 s in the fresh-clone CI of b675f6b), admission 1 min, eval drivers
@@ -810,3 +810,68 @@ def test_eval_drivers_run_against_the_int2_server(tiny_model, tmp_path):
         print(f"[eval] total {time.time() - t0:.0f} s")
     finally:
         srv.stop()
+
+
+# ---- (i) the paged pool: --page-size 64 ------------------------------------------------------------
+
+PAGE = 64
+
+
+def _exact(model, ids, n):
+    """Greedy ids of the HF fp32 model with an exact cache (no INT2 anywhere)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_page_size_64_serves_the_tokens_of_page_size_1(tiny_model, tmp_path):
+    """--page-size 64 (what SGLANG_OSCAR_HISTORY_KERNEL=cuda is meant for) stores codes and params as
+    [pages, Hkv, 64, .] (srt/pool.py, kernels/records.py): only the addresses of the records change, so a
+    page-64 server must give exactly the page-1 server's greedy tokens and logprobs for the same work:
+    cold prompts of 60 (its decode tokens cross the page boundary at 64), 100 and 150 (prefills over 2 and 3
+    pages), and a radix hit of a 64-token prefix written by an earlier request (page-aligned, so both servers
+    cache the same 64 tokens). S=4 / W=16, so most of the history is INT2: the servers' tokens must differ
+    from exact attention for some prompt, or the comparison would not involve the paged INT2 records. (The
+    window-rule reference is checked on the page-1 server by the tests above.) SGLang runs page 64 on CPU
+    with PagedTokenToKVPoolAllocator, its Triton allocator kernels in the interpreter (TRITON_INTERPRET=1)."""
+    n = 12
+    flat = _Server(tiny_model, tmp_path / "page1.log", *FLAGS, "--max-running-requests", "4", env=ENV)
+    paged = _Server(tiny_model, tmp_path / "page64.log", *FLAGS, "--max-running-requests", "4",
+                    "--page-size", str(PAGE), env=ENV)
+    try:
+        print(f"\n[page 64] two servers ready in {_start(flat, paged):.0f} s")
+        # --max-total-tokens 4096 (+ one page for slot 0's page): the pool is built in pages of 64 / of 1
+        assert "int2 pool: 4160 slots in pages of 64 per layer (codes (65, 2, 64, 16), params (65, 2, 64, 1, 2))" \
+            in paged.text()
+        assert "int2 pool: 4097 slots in pages of 1 per layer (codes (4097, 2, 16), params (4097, 2, 1, 2))" \
+            in flat.text()
+        hf = _hf(tiny_model)
+        rnd = random.Random(64)
+        prompts = {length: _rand_prompt(rnd, length) for length in (60, 100, 150)}
+        int2_changed = []
+        t = time.time()
+        for length, p in prompts.items():
+            got1, got64 = _generate(flat, p, n), _generate(paged, p, n)
+            assert got1[2]["cached_tokens"] == got64[2]["cached_tokens"] == 0
+            _check(f"prompt {length}: page 64 vs page 1", got64[:2], got1[:2], tol=SAME_TOL)
+            int2_changed.append(got64[0] != _exact(hf, p, n))
+        assert any(int2_changed), "no prompt's tokens depend on the INT2 history: the comparison is vacuous"
+
+        q = _rand_prompt(rnd, 100)
+        for srv in (flat, paged):
+            _generate(srv, q[:PAGE], 1)  # writes (and caches) the 64-token prefix
+        hot1, hot64 = _generate(flat, q, n), _generate(paged, q, n)
+        assert hot1[2]["cached_tokens"] == hot64[2]["cached_tokens"] == PAGE
+        _check("radix hit of 64: page 64 vs page 1", hot64[:2], hot1[:2], tol=SAME_TOL)
+        # radix keys are whole pages: a repeated 100-token prompt reuses 99 tokens at page 1, 64 at page 64
+        again1, again64 = _generate(flat, prompts[100], 1), _generate(paged, prompts[100], 1)
+        assert (again1[2]["cached_tokens"], again64[2]["cached_tokens"]) == (99, PAGE)
+        print(f"[page 64] {2 * len(prompts) + 6} requests in {time.time() - t:.0f} s; INT2 history changed the "
+              f"tokens of {sum(int2_changed)} of {len(prompts)} prompts")
+        for srv in (flat, paged):
+            _flush(srv)
+            assert srv.proc.poll() is None and "Traceback" not in srv.text()
+    finally:
+        flat.stop()
+        paged.stop()

@@ -96,3 +96,88 @@ def test_v_absorption_checks_only_the_v_transform(tmp_path):
     with pytest.raises(o.OscarOptionError, match="V transforms have max"):
         s.plan_rank(cfg(bundle_path=str(p)), QWEN3)
     assert s.plan_rank(cfg(bundle_path=str(p), absorb_v_rotation=False), QWEN3).k_group == 64
+
+
+# ---- SGLANG_OSCAR_HISTORY_KERNEL at startup (check_history_kernel) ---------------------------------
+
+QWEN3_8B_RANK = dict(head_dim=128, q_heads=32, kv_heads=8, k_group=64, v_group=64, codebook=False, page_size=64)
+
+
+def test_history_kernel_triton_checks_nothing(monkeypatch):
+    from sglang_oscar.kernels import history_cuda
+
+    monkeypatch.setattr(history_cuda, "library", lambda: pytest.fail("triton must not build the CUDA kernel"))
+    s.check_history_kernel("triton", **{**QWEN3_8B_RANK, "head_dim": 64}, device="cpu")
+
+
+def test_history_kernel_cuda_refused_on_cpu(monkeypatch):
+    from sglang_oscar.kernels import history_cuda
+
+    monkeypatch.setattr(history_cuda, "library", lambda: pytest.fail("no build on a CPU server"))
+    with pytest.raises(o.OscarOptionError, match="this server runs on cpu: set SGLANG_OSCAR_HISTORY_KERNEL=triton"):
+        s.check_history_kernel("cuda", **QWEN3_8B_RANK, device="cpu")
+    with pytest.raises(o.OscarOptionError, match="use triton or cuda"):
+        s.check_history_kernel("cutlass", **QWEN3_8B_RANK, device="cpu")
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(head_dim=64), "head_dim 64"),                       # SmolLM2-like
+    (dict(q_heads=128), "GQA 16"),                            # 128 query heads per 8 KV heads
+    (dict(k_group=32, v_group=32), "groups K=32 V=32"),
+    (dict(v_group=32), "groups K=64 V=32"),
+    (dict(codebook=True), "codebook"),
+])
+def test_history_kernel_cuda_refuses_shapes_it_does_not_cover(monkeypatch, change, named):
+    """Shapes are checked before the device: on a CPU machine device='cuda' reaches the shape check only."""
+    from sglang_oscar.kernels import history_cuda
+
+    monkeypatch.setattr(history_cuda, "library", lambda: pytest.fail("no build for an unsupported shape"))
+    with pytest.raises(o.OscarOptionError) as e:
+        s.check_history_kernel("cuda", **{**QWEN3_8B_RANK, **change}, device="cuda")
+    msg = str(e.value)
+    assert named in msg and "set SGLANG_OSCAR_HISTORY_KERNEL=triton" in msg, msg
+    assert "history_kernel='cuda' covers" in msg and "--kv-cache-quant-group-size" in msg, msg  # the kernel's reason
+
+
+def test_history_kernel_cuda_builds_at_startup_and_warns_below_page_64(monkeypatch, caplog):
+    """With the shape and device accepted (stubbed on CPU), the kernel is built here, once per call; a
+    failed build names nvcc and the way out; --page-size < 64 is served with a warning."""
+    import logging
+
+    from sglang_oscar.kernels import history_cuda
+
+    checked, built = [], []
+    monkeypatch.setattr(history_cuda, "check_supported", lambda *a: checked.append(a))
+    monkeypatch.setattr(history_cuda, "library", lambda: built.append(1))
+    with caplog.at_level(logging.WARNING, logger="sglang_oscar.srt.startup_checks"):
+        s.check_history_kernel("cuda", **QWEN3_8B_RANK, device="cuda")
+    assert len(built) == 1 and checked[0][:5] == (128, 4, 64, 64, False) and not caplog.records  # GQA 32 / 8
+    with caplog.at_level(logging.WARNING, logger="sglang_oscar.srt.startup_checks"):
+        s.check_history_kernel("cuda", **{**QWEN3_8B_RANK, "page_size": 1}, device="cuda")
+    assert len(built) == 2 and "measured (and is fast) with --page-size 64" in caplog.text
+
+    def no_nvcc():
+        raise history_cuda.CudaHistoryUnavailable("nvcc was not found")
+
+    monkeypatch.setattr(history_cuda, "library", no_nvcc)
+    with pytest.raises(o.OscarOptionError, match="nvcc was not found.*install the CUDA toolkit.*=triton"):
+        s.check_history_kernel("cuda", **QWEN3_8B_RANK, device="cuda")
+    with pytest.raises(o.OscarOptionError, match="not a multiple"):
+        s.check_history_kernel("cuda", **{**QWEN3_8B_RANK, "q_heads": 30}, device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (and nvcc)")
+def test_history_kernel_cuda_real_build_on_gpu():
+    """On a GPU: the real check and nvcc build (or a clear refusal naming what to change)."""
+    if torch.cuda.get_device_capability()[0] < 8:
+        with pytest.raises(o.OscarOptionError, match="sm_80"):
+            s.check_history_kernel("cuda", **QWEN3_8B_RANK, device="cuda")
+        return
+    try:
+        s.check_history_kernel("cuda", **QWEN3_8B_RANK, device="cuda")
+    except o.OscarOptionError as e:
+        assert "nvcc" in str(e), e
+        pytest.skip(f"no CUDA toolkit here: {e}")
+    from sglang_oscar.kernels import history_cuda
+
+    assert history_cuda.library() is history_cuda.library()  # built once, cached
