@@ -7,6 +7,7 @@
 #   call 3:                  bash benchmark/serving/serving_session.sh latency2
 #   call 4:                  bash benchmark/serving/serving_session.sh serve
 #   call 5:                  bash benchmark/serving/serving_session.sh throughput100k
+#   (any later call)         bash benchmark/serving/serving_session.sh latency_cuda
 #
 # latency:  bs=1 prefill + decode latency of dummy-weight Qwen3-8B at 8k/32k/64k/100k for int2 and
 #           FlashInfer BF16 (one_batch.py, CUDA graphs,
@@ -16,6 +17,13 @@
 #           graph == eager, capacity, bs=1 latency at 32k/100k through HTTP, job throughput at
 #           8k in / 1k out with 32 concurrent requests
 # throughput100k: job throughput at 100k in / 1k out with the largest batch each mode fits
+# latency_cuda: the paged pool and the CUDA history stage in one call: int2 (G 128, page 1), int2_page64
+#           (--page-size 64, Triton), int2_cuda (the same + SGLANG_OSCAR_HISTORY_KERNEL=cuda, nvcc build at
+#           server start), FlashInfer BF16 / FP8; CONTEXTS, BATCH and MODES override the defaults (batch >= 8
+#           is where the CUDA history measured faster than Triton, benchmark/NOTES.md). Each mode has 110 s,
+#           enough once the JIT caches are warm (an int2_cuda mode took 131 s in all on a fresh H200, 84 s of it
+#           FlashInfer's first JIT in the warmup prefill, then 1 s of graph capture and 1.3 s per 32k prefill):
+#           on a fresh machine run it twice (or after `latency`); a mode cut short is recorded with its error.
 # Startup timeouts are 360 s: on a fresh machine FlashInfer's JIT compile alone took 145 s (FI BF16's
 # prefill CUDA graphs) and > 120 s (int2's first prefill) in call 16's session, and 240 s was cut.
 # Results: $OUT/*.json (commit them to benchmark/results/ with docs/results/serving.md).
@@ -53,5 +61,12 @@ case "${1:-}" in
       --out "$OUT" 2>&1 | filt | tee "$OUT/tp_serve.log"
     pack throughput100k
     ;;
-  *) echo "usage: $0 latency|latency2|serve|throughput100k"; exit 2 ;;
+  latency_cuda)
+    timeout 575 python3 benchmark/serving/one_batch.py --model $M --contexts "${CONTEXTS:-32768,100000}" \
+      --batch "${BATCH:-1}" --graph-max-bs "${BATCH:-1}" --modes "${MODES:-int2,int2_page64,int2_cuda,fi_bf16,fi_fp8}" \
+      --timeout 110 \
+      --out "$OUT" 2>&1 | filt | tee "$OUT/one_batch.log"
+    pack latency_cuda
+    ;;
+  *) echo "usage: $0 latency|latency2|serve|throughput100k|latency_cuda"; exit 2 ;;
 esac
