@@ -11,7 +11,7 @@ import logging
 import os
 
 from . import options
-from .server_checks import INT2, adjust_cuda_graphs, check_server_args, is_int2, pool_only
+from .server_checks import INT2, adjust_cuda_graphs, check_server_args, is_int2
 
 logger = logging.getLogger(__name__)
 
