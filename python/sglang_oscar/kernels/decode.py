@@ -1168,8 +1168,7 @@ def oscar_decode(
         else:
             split_rule = {}
         if hist_cuda:
-            num_splits = history_cuda.default_num_splits(B * Hkv * -(-group // 4), req_to_token.shape[1],
-                                                         _num_sms(q.device))  # CTA columns: head groups of 4
+            num_splits = history_cuda.default_num_splits(B * Hkv, group, req_to_token.shape[1], _num_sms(q.device))
         else:
             num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
                                             ctas_per_sm=ctas, **split_rule)

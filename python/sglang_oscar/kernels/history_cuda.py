@@ -5,7 +5,7 @@ warps merge in shared memory), then the Triton stage 1 for the window programs o
 dependent so that they run in this kernel's tail, then the usual merge (PDL). It covers the shape family it was
 written and measured for: D 128, K and V groups of 64 or 128, uniform INT2 levels, GQA 1-4 (Qwen3-4B / 8B,
 Llama-3-8B). Anything else raises with the reason instead of falling back. It pays on a pool in pages
-(kernels/records.py): on H100, page 64, Qwen3-8B shapes, 85-89% of copy bandwidth at 64k / 128k batch >= 8
+(kernels/records.py): on H100, page 64, Qwen3-8B shapes, 84-90% of copy bandwidth at 64k / 128k batch >= 8
 against 65-67% for the Triton path (benchmark/NOTES.md).
 
 Build: nvcc (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin) compiles the source once per (source, GPU arch,
@@ -78,6 +78,8 @@ def _nvcc() -> str:
 def library() -> ctypes.CDLL:
     """The compiled kernel library (built on first use, then cached on disk and in the process)."""
     global _lib
+    if _lib is not None:  # every decode call comes here: no lock, no device query once loaded
+        return _lib
     with _lock:
         if _lib is not None:
             return _lib
@@ -100,13 +102,13 @@ def library() -> ctypes.CDLL:
             os.replace(tmp, so)  # atomic: concurrent builders (TP ranks) each write their own tmp file
         lib = ctypes.CDLL(so)
         i, p = ctypes.c_int, ctypes.c_void_p
-        lib.oscar_history_launch.argtypes = [i, i, i, i, i, i, i, p, i, ctypes.c_float, p, p, p, p, p, i, p, i, p, p, i, i, i,
-                                             p, p, i, i, i, p]
+        lib.oscar_history_launch.argtypes = [i, i, i, i, i, i, i, p, i, ctypes.c_float, p, p, p, p, p, i, p, i, p, p,
+                                             i, i, i, p, p, i, i, i, p]
         lib.oscar_history_launch.restype = i
         for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
             f.argtypes, f.restype = [i, i], i
         _lib = lib
-    occupancy()  # the default configuration's shared-memory limit, before any graph capture
+    occupancy()  # first load: the default configuration's shared-memory limit, before any graph capture
     return _lib
 
 
@@ -126,12 +128,18 @@ def occupancy(stages: Optional[int] = None, warps: Optional[int] = None) -> int:
     return _occupancy[key]
 
 
-def default_num_splits(heads: int, max_context: int, num_sms: int, max_splits: int = 248) -> int:
-    """History splits (CTAs) per (request, KV head, head group of 4) = `heads` CTA columns: one round of resident CTAs, >= MIN_ROWS_PER_SPLIT rows per
-    warp, at most max_splits (the merge holds a head's partials, windows included, in one tile of
-    next_pow2(splits) <= 256). Shapes only (max_context = req_to_token's width), so CUDA-graph capturable."""
+def cta_columns(kv_heads: int, gqa: int) -> int:
+    """CTA columns of a launch (grid x): one per (request, KV head) and head group of 4 query heads."""
+    return kv_heads * -(-gqa // 4)
+
+
+def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, max_splits: int = 248) -> int:
+    """History splits (CTAs) per CTA column (kv_heads = requests x KV heads): one round of resident CTAs,
+    >= MIN_ROWS_PER_SPLIT rows per warp, at most max_splits (the merge holds a head's partials, windows
+    included, in one tile of next_pow2(splits) <= 256). Shapes only (max_context = req_to_token's width), so
+    CUDA-graph capturable."""
     ctas = occupancy()
-    want = max(1, (num_sms * ctas) // max(heads, 1))
+    want = max(1, (num_sms * ctas) // max(cta_columns(kv_heads, gqa), 1))
     rows = max(max_context, 1) // (MIN_ROWS_PER_SPLIT * WARPS)
     return max(1, min(want, rows, max_splits))
 
@@ -141,31 +149,26 @@ _INDEX_DTYPES = {torch.int32: 0, torch.int64: 1}
 
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
            o_part, lse_part, pdl: bool = False) -> None:
-    """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128], Hq a
-    multiple of the cache's KV heads.
+    """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128].
+    oscar_decode, the caller, has checked the index dtypes and check_supported the shape; this checks only what
+    the kernel adds (the split range, contiguous 1-D inputs).
 
     The kernel lets its dependents launch at once (griddepcontrol.launch_dependents); a kernel launched after it
     with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
     itself as a programmatic dependent of the previous one; it then waits for that one before anything else."""
     lib = library()
-    occupancy()  # prepares the configuration (module attributes STAGES / WARPS, set by experiments)
+    occupancy()  # a dict hit; prepares the configuration where experiments changed STAGES / WARPS
     if not 1 <= ns <= ns_total:
         raise ValueError(f"history_kernel='cuda': num_splits must be in [1, {ns_total}], got {ns}")
-    for name, t in (("req_to_token", req_to_token), ("seq_lens", seq_lens), ("ring_start", ring_start)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"history_kernel='cuda' reads {name} as int32, got {t.dtype}")
-    if req_pool_indices.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"history_kernel='cuda' reads req_pool_indices as int32 or int64, got {req_pool_indices.dtype}")
     if not (req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q.is_contiguous()):
         raise ValueError("history_kernel='cuda' needs contiguous q, req_pool_indices and seq_lens")
     page = cache.page
     hkv = cache.kv_heads
     b, hq = q.shape[0], q.shape[1]
-    if hq % hkv or not 1 <= hq // hkv <= MAX_GQA:
-        raise ValueError(f"history_kernel='cuda' covers GQA 1-{MAX_GQA}: q has {hq} heads for {hkv} KV heads")
     # q [B, Hq, 128] contiguous; each warp builds its operands from it (no extra launches)
     rc = lib.oscar_history_launch(
-        STAGES, WARPS, b * hkv, hq // hkv, int(cache.k_group == 128), int(cache.v_group == 128), ns, q.data_ptr(), Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
+        STAGES, WARPS, b * hkv, hq // hkv, int(cache.k_group == 128), int(cache.v_group == 128), ns, q.data_ptr(),
+        Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
         cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,

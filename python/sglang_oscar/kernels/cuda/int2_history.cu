@@ -7,8 +7,8 @@
 // history loop"; the probe benchmark/cuda/int2_history_probe.cu is the experiment it grew from).
 //
 // Shapes: D 128, K and V groups of 64 or 128 each (a 128 group has one (scale, min) pair per row: it is copied
-// into the first half of the 8-byte stage slot and serves both 64-dim halves), uniform levels, any GQA ratio: a warp's 8 columns are 4 query heads x 2 V
-// groups, so a KV head with GQA > 4 is read by ceil(GQA / 4) CTAs side by side in the grid (head groups; they
+// into the first half of the 8-byte stage slot and serves both 64-dim halves), uniform levels, any GQA ratio
+// (history_cuda.py admits 1-4): a warp's 8 columns are 4 query heads x 2 V groups, so a KV head with GQA > 4 is read by ceil(GQA / 4) CTAs side by side in the grid (head groups; they
 // run at the same time, so the second read of the same pages is mostly served by L2), and with GQA % 4 != 0
 // the last group's spare columns carry a zero query and store nothing.
 // Each CTA owns one split of [sink, R) with R = min(max(L - window, sink, ring_start), L), the rows the
