@@ -4,8 +4,11 @@ GPU activity only, 2 decode steps per trace): the breakdown the paper gives as i
     python benchmark/serving/kernel_table.py OUT/traces [--steps 2] [--json table.json]
 
 Kernels are summed by name, divided by the steps traced, and grouped (attention, KV write, GEMM,
-norm/rope/activation, other); the sum is GPU busy time per step, which is below the step's wall time
-by the idle gaps between kernels.
+norm/rope/activation, other). Kernels chained with programmatic dependent launch (PDL: the CUDA
+history kernel, the window programs and the merge) overlap, so their summed durations count the
+overlap twice: GPU busy time per step is therefore the union of the kernel intervals, and each
+attention call is also reported as its span (first attention kernel's start to last one's end), the
+time the layer actually waits for attention.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import re
 from pathlib import Path
 
 GROUPS = (  # first match wins; patterns are searched in the lower-cased kernel name
-    ("attention: oscar decode", r"_oscar_decode"),
+    ("attention: oscar decode", r"_oscar_decode|int2_history_kernel"),
     ("kv write: oscar", r"_oscar_write|oscar_write|_write_kernel"),
     ("norm / rope / activation", r"rmsnorm|norm::|qknorm|rotary|rope_kernel|silu|act_and_mul|gelu"),
     ("attention: flashinfer", r"flashinfer|batchdecode|batchprefill|persistent"),
@@ -43,18 +46,50 @@ def summarize(path: Path, steps: int) -> dict:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     by_name = collections.Counter()
     calls = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "kernel":
-            by_name[e["name"]] += float(e.get("dur", 0.0))
-            calls[e["name"]] += 1
+    kernels = sorted(((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events
+                      if e.get("ph") == "X" and e.get("cat") == "kernel"))
+    for _, dur, name in kernels:
+        by_name[name] += dur
+        calls[name] += 1
     groups = collections.Counter()
     for n, us in by_name.items():
         groups[group_of(n)] += us
+    spans = attention_spans(kernels)
     return dict(trace=path.name, steps=steps,
-                busy_ms_per_step=round(sum(by_name.values()) / steps / 1e3, 4),
+                busy_ms_per_step=round(union_us(kernels) / steps / 1e3, 4),
+                summed_ms_per_step=round(sum(by_name.values()) / steps / 1e3, 4),
+                attention_calls_per_step=len(spans) / steps,
+                attention_span_us_mean=round(sum(spans) / max(len(spans), 1), 2),
+                attention_span_ms_per_step=round(sum(spans) / steps / 1e3, 4),
                 groups_ms_per_step={g: round(us / steps / 1e3, 4) for g, us in groups.most_common()},
                 kernels=[dict(name=n[:120], group=group_of(n), calls_per_step=calls[n] / steps,
                               ms_per_step=round(us / steps / 1e3, 4)) for n, us in by_name.most_common(25)])
+
+
+def union_us(kernels: list) -> float:
+    """Length of the union of [ts, ts + dur) over kernels sorted by start (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for ts, dur, _ in kernels:
+        if ts + dur > end:
+            total += ts + dur - max(ts, end)
+            end = ts + dur
+    return total
+
+
+def attention_spans(kernels: list) -> list:
+    """One span per attention call: a maximal run of consecutive (by start) attention kernels, from the
+    first start to the last end."""
+    spans, start, end = [], None, None
+    for ts, dur, name in kernels:
+        if group_of(name).startswith("attention"):
+            start = ts if start is None else start
+            end = ts + dur if end is None else max(end, ts + dur)
+        elif start is not None:
+            spans.append(end - start)
+            start = end = None
+    if start is not None:
+        spans.append(end - start)
+    return spans
 
 
 def main() -> None:
@@ -68,7 +103,9 @@ def main() -> None:
         raise SystemExit(f"no *decode*.trace.json[.gz] under {args.traces}")
     tables = [summarize(p, args.steps) for p in files]
     for t in tables:
-        print(f"\n{t['trace']}: GPU busy {t['busy_ms_per_step']:.3f} ms/step")
+        print(f"\n{t['trace']}: GPU busy {t['busy_ms_per_step']:.3f} ms/step (kernels summed "
+              f"{t['summed_ms_per_step']:.3f}); attention {t['attention_calls_per_step']:.0f} calls/step, "
+              f"span {t['attention_span_us_mean']:.1f} us each, {t['attention_span_ms_per_step']:.3f} ms/step")
         for g, ms in t["groups_ms_per_step"].items():
             print(f"  {g:28s} {ms:8.3f} ms")
     if args.json:
