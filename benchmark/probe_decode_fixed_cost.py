@@ -66,12 +66,13 @@ def split_calls(ev):
         if "merge" in name:
             s = next((x for x in pending if "stage1" in x[0]), None)
             hist = next((x for x in pending if "int2_history" in x[0]), None)
-            if s is not None:
+            if s is not None or hist is not None:  # the fused CUDA kernel (window CTAs inside) has no stage 1
                 first = min(x[1] for x in pending)
                 produced = max(x[1] + x[2] for x in pending)
                 nxt = ev[k + 1][1] if k + 1 < len(ev) else None
-                both = (max(0.0, min(s[1] + s[2], hist[1] + hist[2]) - max(s[1], hist[1])) if hist else None)
-                calls.append(dict(stage1=s[2], history=hist[2] if hist else None, history_overlap=both, merge=e[2],
+                both = (max(0.0, min(s[1] + s[2], hist[1] + hist[2]) - max(s[1], hist[1])) if hist and s else None)
+                calls.append(dict(stage1=s[2] if s else None, history=hist[2] if hist else None,
+                                  history_overlap=both if s else None, merge=e[2],
                                   overlap=max(0.0, produced - e[1]), span=e[1] + e[2] - first,
                                   gap_next=None if nxt is None else nxt - (e[1] + e[2])))
             pending = []
@@ -99,6 +100,9 @@ def main():
     ap.add_argument("--page", type=int, default=1, help="pool page size (kernels/records.py)")
     ap.add_argument("--cuda-configs", default="",
                     help="extra CUDA history (stages:warps) per CTA to time at every point, e.g. 3:4,4:4")
+    ap.add_argument("--triton-window", action="store_true",
+                    help="with --history-kernel cuda, also time the window read by the Triton window programs after "
+                         "the kernel (history_cuda.FUSED_WINDOW off) at every point")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
@@ -127,20 +131,24 @@ def main():
                 variants.append((name, {k: int(v) for k, v in (kv.split("=") for kv in kws.split(",") if kv)}))
             if args.history_kernel == "cuda":
                 variants += [(f"cfg{c}", {"cuda_config": c}) for c in args.cuda_configs.split(",") if c]
+                if args.triton_window:  # the window read by the Triton window programs after the kernel (before)
+                    variants.append(("triton_window", {"fused_window": False}))
             for name, kw in variants:
                 kw = dict(kw)
                 config = kw.pop("cuda_config", None)
+                fused = kw.pop("fused_window", True)
                 if args.history_kernel == "cuda":
                     kw = dict(kw, history_kernel="cuda")
                     from sglang_oscar.kernels import history_cuda
-                    default = (history_cuda.STAGES, history_cuda.WARPS)
+                    default = (history_cuda.STAGES, history_cuda.WARPS, history_cuda.FUSED_WINDOW)
+                    history_cuda.FUSED_WINDOW = fused
                     if config:
                         history_cuda.STAGES, history_cuda.WARPS = (int(v) for v in config.split(":"))
                 fns = oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, **kw)
                 us = 1e3 * bench(fns)
                 calls = split_calls(kernel_records(capture_graph(fns)))  # the copies' calls once, for the profiler
                 if args.history_kernel == "cuda":
-                    history_cuda.STAGES, history_cuda.WARPS = default
+                    history_cuda.STAGES, history_cuda.WARPS, history_cuda.FUSED_WINDOW = default
                 r = dict(kind="decode", model=args.model, batch=b, context=ctx, variant=name, copies=copies,
                          history_kernel=args.history_kernel, page=args.page, us_per_call=us,
                          calls_profiled=len(calls),

@@ -5,7 +5,9 @@
 # join the table when the runtime is staged ($HOME/sgl-site with flashinfer: see run_gpu_kernels.sh).
 #   OSCAR_COMMIT=<hash> bash benchmark/run_gpu_cuda_history.sh
 # env: CONTEXTS (32768,65536,131072), BATCHES (1,2,4,8,32), SPLITS (b1 sweep, 16,33,132,248), CUDA_CONFIGS
-# (extra stages:warps, e.g. 3:4,4:4), VARIANTS (probe --variants), TESTS / TRITON_PROBE / BENCH = 0 to skip
+# (extra stages:warps, e.g. 3:4,4:4), VARIANTS (probe --variants), PROBE_BATCHES (1,8), TESTS / TRITON_PROBE /
+# PROBE / BENCH = 0 to skip. The CUDA probe also times the window read by the Triton window programs (--triton-window)
+# beside the default window CTAs, at every point.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -n "${OSCAR_COMMIT:-}" ] || echo "warning: OSCAR_COMMIT unset: results name the device copy's git HEAD" >&2
@@ -16,13 +18,16 @@ CONTEXTS=${CONTEXTS:-32768,65536,131072}
 BATCHES=${BATCHES:-1,2,4,8,32}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu_state.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q test/test_decode.py -k cuda_history -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+  python3 -m pytest -q test/test_decode.py -k "cuda_history or cuda_window" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
 fi
-python3 benchmark/probe_decode_fixed_cost.py --history-kernel cuda --page 64 --contexts "$CONTEXTS" --batches 1,8 \
-  --splits "${SPLITS-16,33,132,248}" --cuda-configs "${CUDA_CONFIGS:-}" --variants "${VARIANTS:-}" --tag cuda_page64 \
-  --out "$OUT" 2>&1 | tee "$OUT/probe_cuda.log"
+if [ "${PROBE:-1}" = 1 ]; then
+  python3 benchmark/probe_decode_fixed_cost.py --history-kernel cuda --page 64 --contexts "$CONTEXTS" \
+    --batches "${PROBE_BATCHES:-1,8}" --triton-window \
+    --splits "${SPLITS-16,33,132,248}" --cuda-configs "${CUDA_CONFIGS:-}" --variants "${VARIANTS:-}" --tag cuda_page64 \
+    --out "$OUT" 2>&1 | tee "$OUT/probe_cuda.log"
+fi
 if [ "${TRITON_PROBE:-1}" = 1 ]; then
-  python3 benchmark/probe_decode_fixed_cost.py --contexts "$CONTEXTS" --batches 1,8 --tag triton --out "$OUT" 2>&1 \
+  python3 benchmark/probe_decode_fixed_cost.py --contexts "$CONTEXTS" --batches "${PROBE_BATCHES:-1,8}" --tag triton --out "$OUT" 2>&1 \
     | tee "$OUT/probe_triton.log"
 fi
 [ "${BENCH:-1}" = 1 ] || exit 0

@@ -801,10 +801,88 @@ def test_cuda_history_rejects_what_it_does_not_cover():
         with pytest.raises(ValueError, match=f"this call has head_dim 128, GQA {gqa}"):
             oscar_decode(**case, history_kernel="cuda")
     case = make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="reads the sink and ring rows as BF16 in its window CTAs; this cache keeps "
+                                         "them as torch.float32"):
+        oscar_decode(**case, history_kernel="cuda")
+    with pytest.raises(ValueError, match="ring_splits / sink_splits set the Triton window programs"):
+        oscar_decode(**make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.bfloat16),
+                     history_kernel="cuda", ring_splits=2)  # checked before the device: CPU CI sees it
+    case = make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         oscar_decode(**case, history_kernel="cuda")
     with pytest.raises(ValueError, match="history_kernel must be"):
         oscar_decode(**case, history_kernel="cutlass")
+
+
+def test_cuda_history_ctypes_signature_matches_the_source():
+    """history_cuda.LAUNCH_ARGTYPES against the C parameters of oscar_history_launch in the .cu source: a parameter
+    added on one side only would shift every later argument (no GPU or nvcc needed)."""
+    import ctypes
+    import re
+
+    from sglang_oscar.kernels import history_cuda
+
+    src = open(history_cuda.SOURCE).read()
+    params = re.search(r"int oscar_history_launch\(([^)]*)\)", src).group(1)
+    kinds = []
+    for prm in (x.strip() for x in params.split(",")):
+        kinds.append(ctypes.c_void_p if "*" in prm else ctypes.c_float if prm.startswith("float") else ctypes.c_int)
+        assert "*" in prm or prm.startswith(("int ", "float ")), prm
+    assert kinds == history_cuda.LAUNCH_ARGTYPES
+
+
+def test_cuda_window_ctas_cover_the_window():
+    from sglang_oscar.kernels import history_cuda
+
+    rows = history_cuda.WINDOW_ROWS_PER_WARP * history_cuda.WARPS
+    for sink, window in [(64, 256), (0, 16), (5, 40), (64, 1000), (130, 129)]:
+        ss, rs = history_cuda.window_ctas(sink, window)
+        assert ss >= 1 and rs >= 1 and ss * rows >= sink and rs * rows >= window
+        assert (ss - 1) * rows < max(sink, 1) and (rs - 1) * rows < window  # no CTA that is always empty
+
+
+@requires_cuda
+@pytest.mark.parametrize("sink,window,lens,ring_starts", [
+    (64, 256, [3, 64, 65, 319, 320, 321, 5000], [0, 0, 0, 0, 0, 300, 4990]),  # L < S, L = S, window edges, ring_start
+    (5, 40, [1, 5, 6, 44, 45, 46, 2001], [0, 0, 0, 0, 0, 40, 1999]),  # sink and window not multiples of 16
+    (64, 1000, [100, 1063, 1064, 1065, 9000], [0, 0, 0, 1060, 0]),  # 8 ring CTAs
+])
+@pytest.mark.parametrize("warps", [8, 2])
+def test_cuda_window_ctas_match_the_oracle(sink, window, lens, ring_starts, warps, monkeypatch):
+    """The sink and ring rows read by the CUDA kernel's own window CTAs (history_cuda.FUSED_WINDOW): lengths on
+    both sides of S, S + W and the window CTAs' 16-row tiles, ring_start past L - W, sink / window sizes that are
+    not multiples of 16, and 2 warps per CTA (5-32 window CTAs per column). Poisoned output (run_and_check); the
+    same case with the Triton window programs (FUSED_WINDOW off) agrees to the oracle too."""
+    from sglang_oscar.kernels import history_cuda
+
+    monkeypatch.setattr(history_cuda, "WARPS", warps)
+    case = make_case(lens, hkv=2, gqa=4, d=128, sink=sink, window=window, ring_starts=ring_starts, pool_page=64,
+                     seed=sink + window + warps)
+    err_fused = run_and_check(case, history_kernel="cuda")
+    run_and_check(case, history_kernel="cuda", num_splits=3)
+    r0 = case["req_pool_indices"][-1]
+    case["cache"].sink_table[case["req_to_token"][r0, :3].long()] = -1  # the merge recomputes that sink range
+    run_and_check(case, missing_sink_int2=True, history_kernel="cuda")
+    monkeypatch.setattr(history_cuda, "FUSED_WINDOW", False)
+    run_and_check(case, missing_sink_int2=True, history_kernel="cuda")
+    assert err_fused < TOL
+
+
+@requires_cuda
+def test_cuda_window_ctas_gqa_and_batch_64(monkeypatch):
+    """Window CTAs with spare columns (GQA 1 and 3) and with 64 requests, PDL on and off bit-equal."""
+    from sglang_oscar.kernels import history_cuda
+
+    monkeypatch.setattr(history_cuda, "MAX_GQA", 8)
+    for gqa in (1, 3, 5):
+        case = make_case([700, 3000, 90], hkv=2, gqa=gqa, d=128, sink=64, window=256, ring_starts=[0, 2900, 0],
+                         pool_page=64, seed=60 + gqa)
+        run_and_check(case, history_kernel="cuda")
+    case = make_case([64 + 97 * i for i in range(64)], hkv=2, gqa=4, d=128, sink=64, window=256, pool_page=64,
+                     seed=70)
+    run_and_check(case, history_kernel="cuda")
+    want = oscar_decode(**case, history_kernel="cuda")
+    assert torch.equal(oscar_decode(**case, history_kernel="cuda", pdl=False), want)
 
 
 @requires_cuda

@@ -63,3 +63,17 @@ def test_split_calls_with_the_history_kernel_first():
     assert a["history"] == 20.0 and a["stage1"] == 6.0 and a["history_overlap"] == pytest.approx(5.0)
     assert a["overlap"] == pytest.approx(0.5) and a["span"] == pytest.approx(22.5) and a["gap_next"] == pytest.approx(0.5)
     assert b["history_overlap"] == 0.0 and b["overlap"] == 0.0 and b["span"] == pytest.approx(27.5)
+
+
+def test_split_calls_with_the_window_in_the_history_kernel():
+    """history_cuda.FUSED_WINDOW: a call is the CUDA kernel and the merge, no stage 1."""
+    ev = [
+        ("void (anonymous namespace)::int2_history_kernel<2>(Args)", 0.0, 20.0),
+        ("_oscar_decode_merge", 18.0, 4.0),  # launched early (PDL), waits for the kernel
+        ("void (anonymous namespace)::int2_history_kernel<2>(Args)", 23.0, 10.0),
+        ("_oscar_decode_merge", 34.0, 2.0),
+    ]
+    a, b = split_calls(ev)
+    assert a["stage1"] is None and a["history_overlap"] is None and a["history"] == 20.0 and a["merge"] == 4.0
+    assert a["overlap"] == pytest.approx(2.0) and a["span"] == pytest.approx(22.0) and a["gap_next"] == pytest.approx(1.0)
+    assert b["overlap"] == 0.0 and b["span"] == pytest.approx(13.0) and b["gap_next"] is None

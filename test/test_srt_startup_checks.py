@@ -147,11 +147,13 @@ def test_history_kernel_cuda_builds_at_startup_and_warns_below_page_64(monkeypat
     from sglang_oscar.kernels import history_cuda
 
     checked, built = [], []
-    monkeypatch.setattr(history_cuda, "check_supported", lambda *a: checked.append(a))
+    real_check = history_cuda.check_supported
+    monkeypatch.setattr(history_cuda, "check_supported", lambda *a, **k: checked.append(a + (k,)))
     monkeypatch.setattr(history_cuda, "library", lambda: built.append(1))
     with caplog.at_level(logging.WARNING, logger="sglang_oscar.srt.startup_checks"):
         s.check_history_kernel("cuda", **QWEN3_8B_RANK, device="cuda")
     assert len(built) == 1 and checked[0][:5] == (128, 4, 64, 64, False) and not caplog.records  # GQA 32 / 8
+    assert checked[0][-1] == {"window_dtype": torch.bfloat16}
     with caplog.at_level(logging.WARNING, logger="sglang_oscar.srt.startup_checks"):
         s.check_history_kernel("cuda", **{**QWEN3_8B_RANK, "page_size": 1}, device="cuda")
     assert len(built) == 2 and "measured (and is fast) with --page-size 64" in caplog.text
@@ -164,6 +166,10 @@ def test_history_kernel_cuda_builds_at_startup_and_warns_below_page_64(monkeypat
         s.check_history_kernel("cuda", **QWEN3_8B_RANK, device="cuda")
     with pytest.raises(o.OscarOptionError, match="not a multiple"):
         s.check_history_kernel("cuda", **{**QWEN3_8B_RANK, "q_heads": 30}, device="cuda")
+    # the real shape check: a float16 window is refused before the device is looked at (the window CTAs read BF16)
+    monkeypatch.setattr(history_cuda, "check_supported", real_check)
+    with pytest.raises(o.OscarOptionError, match="window torch.float16.*rows as BF16 in its window CTAs.*=triton"):
+        s.check_history_kernel("cuda", **QWEN3_8B_RANK, device="cuda", window_dtype=torch.float16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (and nvcc)")

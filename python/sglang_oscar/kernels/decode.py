@@ -1090,8 +1090,9 @@ def oscar_decode(
     merge_splits: programs per query head in the merge, each merging D / merge_splits output dims (a power of
     two, D / merge_splits >= MERGE_MIN_DIMS; None: default_merge_splits).
     history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128, GQA 1-4, groups 64/128,
-    uniform levels; one split per CTA of 8 warps, None: its own rule; the Triton stage 1 then runs the window
-    programs only, after it, in its tail). An unsupported shape raises instead of falling back.
+    uniform levels, BF16 window rows; one split per CTA of 8 warps, num_splits None: its own rule; the sink and
+    ring rows in the same kernel's window CTAs, history_cuda.window_ctas, so ring_splits / sink_splits do not
+    apply). An unsupported shape raises instead of falling back.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -1157,7 +1158,11 @@ def oscar_decode(
     if hist_cuda:
         from . import history_cuda
 
-        history_cuda.check_supported(D, group, gk, gv, k_level_a is not None or v_level_a is not None, q.device)
+        if history_cuda.FUSED_WINDOW and (ring_splits is not None or sink_splits is not None):
+            raise ValueError("ring_splits / sink_splits set the Triton window programs; history_kernel='cuda' reads "
+                             "the window in its own CTAs (history_cuda.window_ctas)")
+        history_cuda.check_supported(D, group, gk, gv, k_level_a is not None or v_level_a is not None, q.device,
+                                     window_dtype=cache.ring_k.dtype)
     # resident stage-1 programs per SM if registers bound them (4 at 128:2:3, 6 folded), for the wave fill
     ctas = max(1, 65536 // ((maxnreg or 256) * 32 * num_warps))
     if num_splits is None:
@@ -1168,13 +1173,17 @@ def oscar_decode(
         else:
             split_rule = {}
         if hist_cuda:
-            num_splits = history_cuda.default_num_splits(B * Hkv, group, req_to_token.shape[1], _num_sms(q.device))
+            num_splits = history_cuda.default_num_splits(B * Hkv, group, req_to_token.shape[1], _num_sms(q.device),
+                                                         window_partials=sum(history_cuda.window_ctas(sink, window)))
         else:
             num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
                                             ctas_per_sm=ctas, **split_rule)
     ns = num_splits
     slots = ctas * _num_sms(q.device)  # stage-1 programs resident at once (one round)
-    ss_auto, rs_auto = default_window_splits(B * Hkv, ns, sink, window, slots)
+    # the CUDA history kernel reads the window in its own CTAs (history_cuda.FUSED_WINDOW), 128 positions each
+    fused_window = hist_cuda and history_cuda.FUSED_WINDOW
+    ss_auto, rs_auto = (history_cuda.window_ctas(sink, window) if fused_window
+                        else default_window_splits(B * Hkv, ns, sink, window, slots))
     rs = ring_splits if ring_splits is not None else rs_auto
     if rs < 1:
         raise ValueError(f"ring_splits must be >= 1, got {rs}")
@@ -1189,9 +1198,10 @@ def oscar_decode(
     elif out.shape != q.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
 
-    # PDL chains the merge to the one stage-1 launch where its grid fits one round. With the CUDA history the
-    # chain is history (lets its dependents launch at once) -> window programs (launched as its dependent: they
-    # run in the SM slots its CTAs free, i.e. in its tail, and exit only after it has) -> merge, at any grid size.
+    # PDL chains the merge to the one stage-1 launch where its grid fits one round. With the CUDA history (it lets
+    # its dependents launch at once) the merge follows it directly, at any grid size: the window is read in the
+    # same grid (FUSED_WINDOW), or, without that, by the Triton window programs launched as its dependents (they
+    # run in the SM slots its CTAs free, i.e. in its tail, and exit only after it has).
     use_pdl = (PDL if pdl is None else bool(pdl)) and q.is_cuda and (hist_cuda or B * Hkv * ns_total <= slots)
     fp32 = q.dtype == torch.float32
     dt = tl.float32 if fp32 else tl.float16
@@ -1209,28 +1219,30 @@ def oscar_decode(
     if sink_k.shape[0] == 0:  # no sink rows at all: stage 1 clamps row -1 to 0, which must exist
         sink_k = sink_v = torch.zeros(1, Hkv, D, dtype=sink_k.dtype, device=sink_k.device)
     if hist_cuda:
-        # a plain launch (it reads q, written by the kernel before it); it lets the window programs launch early
+        # a plain launch (it reads q, written by the kernel before it); it lets its dependents launch early
         history_cuda.launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, sink=sink, window=window,
-                            sm_scale=sm_scale, ns=ns, ns_total=ns_total, o_part=o_part, lse_part=lse_part)
-    _oscar_decode_stage1[grid](
-        q, cache.k_codes, kp32, kp64, cache.v_codes, vp32, vp64,
-        sink_k, sink_v, cache.ring_k, cache.ring_v, cache.sink_table,
-        req_to_token, req_pool_indices, seq_lens, ring_start,
-        o_part, lse_part,
-        float(sm_scale) * LOG2E,
-        req_to_token.stride(0),
-        HKV=Hkv, GQA=group, D=D, GK=gk, GV=gv, SINK=sink, WINDOW=window, NS=ns, SS=ss, RS=rs,
-        BLOCK_M=block_m, NP=np_, BLOCK_N=block_n, BLOCK_W=block_w,
-        K_A=float(k_level_a if k_level_a is not None else 1.0),
-        V_A=float(v_level_a if v_level_a is not None else 1.0),
-        K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None,
-        DT=dt, WDT=wdt, FAST_CVT=not fp32,
-        NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub, PEEL=peel, LAZY=lazy, FOLD=fold,
-        WINDOW_FIRST=True if hist_cuda else (WINDOW_FIRST if window_first is None else bool(window_first)),
-        PDL_TRIGGER=use_pdl, PAGE=cache.page, PDL_WAIT=use_pdl and hist_cuda,
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
-        **({"launch_pdl": True} if use_pdl and hist_cuda else {}),
-    )
+                            sm_scale=sm_scale, ns=ns, ns_total=ns_total, o_part=o_part, lse_part=lse_part,
+                            window_splits=(ss, rs) if fused_window else (0, 0), sink_k=sink_k, sink_v=sink_v)
+    if not fused_window:
+        _oscar_decode_stage1[grid](
+            q, cache.k_codes, kp32, kp64, cache.v_codes, vp32, vp64,
+            sink_k, sink_v, cache.ring_k, cache.ring_v, cache.sink_table,
+            req_to_token, req_pool_indices, seq_lens, ring_start,
+            o_part, lse_part,
+            float(sm_scale) * LOG2E,
+            req_to_token.stride(0),
+            HKV=Hkv, GQA=group, D=D, GK=gk, GV=gv, SINK=sink, WINDOW=window, NS=ns, SS=ss, RS=rs,
+            BLOCK_M=block_m, NP=np_, BLOCK_N=block_n, BLOCK_W=block_w,
+            K_A=float(k_level_a if k_level_a is not None else 1.0),
+            V_A=float(v_level_a if v_level_a is not None else 1.0),
+            K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None,
+            DT=dt, WDT=wdt, FAST_CVT=not fp32,
+            NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub, PEEL=peel, LAZY=lazy, FOLD=fold,
+            WINDOW_FIRST=True if hist_cuda else (WINDOW_FIRST if window_first is None else bool(window_first)),
+            PDL_TRIGGER=use_pdl, PAGE=cache.page, PDL_WAIT=use_pdl and hist_cuda,
+            num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+            **({"launch_pdl": True} if use_pdl and hist_cuda else {}),
+        )
     if merge_splits is None:
         merge_splits = default_merge_splits(B * Hq, D, _num_sms(q.device))
     if merge_splits < 1 or merge_splits & (merge_splits - 1) or D // merge_splits < MERGE_MIN_DIMS:

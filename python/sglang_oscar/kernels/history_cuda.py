@@ -1,10 +1,10 @@
 """The INT2 history stage of oscar_decode in CUDA (kernels/cuda/int2_history.cu): build, checks, launch.
 
 oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) (one split per CTA; its
-warps merge in shared memory), then the Triton stage 1 for the window programs only, launched as a programmatic
-dependent so that they run in this kernel's tail, then the usual merge (PDL). It covers the shape family it was
-written and measured for: D 128, K and V groups of 64 or 128, uniform INT2 levels, GQA 1-4 (Qwen3-4B / 8B,
-Llama-3-8B). Anything else raises with the reason instead of falling back. It pays on a pool in pages
+warps merge in shared memory) and, in the same grid, the BF16 sink and ring rows (window CTAs, FUSED_WINDOW), then
+the usual merge (PDL). It covers the shape family it was written and measured for: D 128, K and V groups of 64 or
+128, uniform INT2 levels, GQA 1-4 (Qwen3-4B / 8B, Llama-3-8B), BF16 sink / ring rows. Anything else raises with
+the reason instead of falling back. It pays on a pool in pages
 (kernels/records.py): on H100, page 64, Qwen3-8B shapes, 84-90% of copy bandwidth at 64k / 128k batch >= 8
 against 65-67% for the Triton path (benchmark/NOTES.md).
 
@@ -38,8 +38,20 @@ MAX_GQA = 4
 # Module attributes, so that benchmarks can time others (probe_decode_fixed_cost.py --cuda-configs).
 WARPS, STAGES = 8, 2
 MIN_ROWS_PER_SPLIT = 256
+# The BF16 sink and ring rows in the kernel's own CTAs (16 positions per warp; partials in the Triton window
+# programs' layout) instead of the Triton window programs launched after it. A module attribute, so that
+# benchmarks time both in one run (probe_decode_fixed_cost.py --cuda-window).
+FUSED_WINDOW = True
+WINDOW_ROWS_PER_WARP = 16
+# The merge reads a query head's partials (history splits + window partials) in one tile of at most this many.
+MAX_PARTIALS = 256
 LOG2E = 1.4426950408889634
 Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel's q_dtype codes
+
+# oscar_history_launch's C parameters in order (test_decode checks them against the source's signature)
+_i, _p = ctypes.c_int, ctypes.c_void_p
+LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
+                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _p]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -50,7 +62,8 @@ class CudaHistoryUnavailable(RuntimeError):
     pass
 
 
-def check_supported(head_dim: int, group: int, k_group: int, v_group: int, codebook: bool, device) -> None:
+def check_supported(head_dim: int, group: int, k_group: int, v_group: int, codebook: bool, device,
+                    window_dtype: torch.dtype = torch.bfloat16) -> None:
     """Raise ValueError / CudaHistoryUnavailable saying why history_kernel="cuda" cannot run this call."""
     if (head_dim != HEAD_DIM or k_group not in GROUPS or v_group not in GROUPS or not 1 <= group <= MAX_GQA
             or codebook):
@@ -58,6 +71,9 @@ def check_supported(head_dim: int, group: int, k_group: int, v_group: int, codeb
             f"history_kernel='cuda' covers head_dim {HEAD_DIM}, GQA 1-{MAX_GQA}, K/V groups 64 or 128 with uniform "
             f"levels; this call has head_dim {head_dim}, GQA {group}, groups {k_group}/{v_group}"
             f"{', a codebook' if codebook else ''}: use history_kernel='triton'")
+    if FUSED_WINDOW and window_dtype != torch.bfloat16:
+        raise ValueError(f"history_kernel='cuda' reads the sink and ring rows as BF16 in its window CTAs; this cache "
+                         f"keeps them as {window_dtype}: keep the window in bfloat16 or use history_kernel='triton'")
     if torch.device(device).type != "cuda":
         raise ValueError("history_kernel='cuda' needs CUDA tensors")
     major, _ = torch.cuda.get_device_capability(device)
@@ -101,12 +117,10 @@ def library() -> ctypes.CDLL:
                 raise CudaHistoryUnavailable(f"nvcc failed to build {SOURCE}:\n{res.stderr[-2000:]}")
             os.replace(tmp, so)  # atomic: concurrent builders (TP ranks) each write their own tmp file
         lib = ctypes.CDLL(so)
-        i, p = ctypes.c_int, ctypes.c_void_p
-        lib.oscar_history_launch.argtypes = [i, i, i, i, i, i, i, p, i, ctypes.c_float, p, p, p, p, p, i, p, i, p, p,
-                                             i, i, i, p, p, i, i, i, p]
-        lib.oscar_history_launch.restype = i
+        lib.oscar_history_launch.argtypes = LAUNCH_ARGTYPES
+        lib.oscar_history_launch.restype = ctypes.c_int
         for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
-            f.argtypes, f.restype = [i, i], i
+            f.argtypes, f.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         _lib = lib
     occupancy()  # first load: the default configuration's shared-memory limit, before any graph capture
     return _lib
@@ -133,33 +147,54 @@ def cta_columns(kv_heads: int, gqa: int) -> int:
     return kv_heads * -(-gqa // 4)
 
 
-def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, max_splits: int = 248) -> int:
+def window_ctas(sink: int, window: int) -> tuple:
+    """(sink CTAs, ring CTAs) per CTA column: WINDOW_ROWS_PER_WARP positions per warp (at least one sink CTA, as
+    the Triton path has one sink program, so that the merge's sink-partial range is never empty)."""
+    rows = WINDOW_ROWS_PER_WARP * WARPS
+    return max(1, -(-sink // rows)), max(1, -(-window // rows))
+
+
+def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, window_partials: int = 8) -> int:
     """History splits (CTAs) per CTA column (kv_heads = requests x KV heads): one round of resident CTAs,
-    >= MIN_ROWS_PER_SPLIT rows per warp, at most max_splits (the merge holds a head's partials, windows
-    included, in one tile of next_pow2(splits) <= 256). Shapes only (max_context = req_to_token's width), so
-    CUDA-graph capturable."""
+    >= MIN_ROWS_PER_SPLIT rows per warp, at most MAX_PARTIALS - window_partials (the merge holds a head's
+    partials, windows included, in one tile). The window CTAs are not counted in the round: they end within a
+    few microseconds. Shapes only (max_context = req_to_token's width), so CUDA-graph capturable."""
     ctas = occupancy()
     want = max(1, (num_sms * ctas) // max(cta_columns(kv_heads, gqa), 1))
     rows = max(max_context, 1) // (MIN_ROWS_PER_SPLIT * WARPS)
-    return max(1, min(want, rows, max_splits))
+    return max(1, min(want, rows, MAX_PARTIALS - window_partials))
 
 
 _INDEX_DTYPES = {torch.int32: 0, torch.int64: 1}
 
 
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
-           o_part, lse_part, pdl: bool = False) -> None:
-    """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128].
-    oscar_decode, the caller, has checked the index dtypes and check_supported the shape; this checks only what
-    the kernel adds (the split range, contiguous 1-D inputs).
+           o_part, lse_part, pdl: bool = False, window_splits: tuple = (0, 0), sink_k=None, sink_v=None) -> None:
+    """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128], and
+    with window_splits = (SS, RS) != (0, 0) (window_ctas) the sink partials [ns, ns + SS) and the ring partials
+    [ns + SS, ns + SS + RS) as well (sink_k / sink_v: the cache's sink rows, or a one-row stand-in where it has
+    none). oscar_decode, the caller, has checked the index dtypes and check_supported the shape; this checks only
+    what the kernel adds (the split range, contiguous 1-D inputs).
 
     The kernel lets its dependents launch at once (griddepcontrol.launch_dependents); a kernel launched after it
     with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
     itself as a programmatic dependent of the previous one; it then waits for that one before anything else."""
     lib = library()
     occupancy()  # a dict hit; prepares the configuration where experiments changed STAGES / WARPS
-    if not 1 <= ns <= ns_total:
-        raise ValueError(f"history_kernel='cuda': num_splits must be in [1, {ns_total}], got {ns}")
+    ss, rs = window_splits
+    if not 1 <= ns <= ns_total - ss - rs:
+        raise ValueError(f"history_kernel='cuda': num_splits must be in [1, {ns_total - ss - rs}], got {ns}")
+    if ss or rs:
+        sink_k = cache.sink_k if sink_k is None else sink_k
+        sink_v = cache.sink_v if sink_v is None else sink_v
+        for x in (sink_k, sink_v, cache.ring_k, cache.ring_v):
+            if x.dtype != torch.bfloat16 or not x.is_contiguous():
+                raise ValueError("history_kernel='cuda' reads contiguous BF16 sink / ring rows in its window CTAs, "
+                                 f"got {x.dtype}: keep the window in bfloat16 or use history_kernel='triton'")
+        win = (sink_k.data_ptr(), sink_v.data_ptr(), cache.ring_k.data_ptr(), cache.ring_v.data_ptr(),
+               cache.sink_table.data_ptr())
+    else:
+        win = (None,) * 5
     if not (req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q.is_contiguous()):
         raise ValueError("history_kernel='cuda' needs contiguous q, req_pool_indices and seq_lens")
     page = cache.page
@@ -172,7 +207,7 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
-        o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), int(bool(pdl)),
+        o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), int(bool(pdl)), *win, ss, rs,
         torch.cuda.current_stream().cuda_stream)
     if rc:
         raise RuntimeError(f"history_kernel='cuda' launch failed (cuda error {rc})")

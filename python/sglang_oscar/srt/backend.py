@@ -183,7 +183,7 @@ class OscarAttnBackend(AttentionBackend):
         codebook = any(r.k_level_a != 1.0 or r.v_level_a != 1.0 for r in pool.rotations)
         check_history_kernel(self.history_kernel, head_dim=pool.head_dim, q_heads=q_heads, kv_heads=pool.head_num,
                              k_group=pool.setup.plan.k_group, v_group=pool.setup.plan.v_group, codebook=codebook,
-                             device=self.device, page_size=pool.page_size)
+                             device=self.device, page_size=pool.page_size, window_dtype=pool.window_dtype)
         logger.info("sglang_oscar: decode INT2 history stage: %s (pool page size %d)", self.history_kernel,
                     pool.page_size)
 

@@ -156,7 +156,7 @@ CUDA_HISTORY_PAGE = 64
 
 
 def check_history_kernel(kernel: str, *, head_dim: int, q_heads: int, kv_heads: int, k_group: int, v_group: int,
-                         codebook: bool, device, page_size: int) -> None:
+                         codebook: bool, device, page_size: int, window_dtype: torch.dtype = torch.bfloat16) -> None:
     """SGLANG_OSCAR_HISTORY_KERNEL against this rank's attention (local q / KV heads) and device, at startup.
 
     triton: nothing to check (every shape the pool accepts). cuda: the shape must be one the CUDA history
@@ -180,12 +180,13 @@ def check_history_kernel(kernel: str, *, head_dim: int, q_heads: int, kv_heads: 
 
     try:
         # the kernel module is the authority on what it covers (its message names the covered shapes)
-        history_cuda.check_supported(head_dim, q_heads // kv_heads, k_group, v_group, codebook, dev)
+        history_cuda.check_supported(head_dim, q_heads // kv_heads, k_group, v_group, codebook, dev,
+                                     window_dtype=window_dtype)
     except (ValueError, history_cuda.CudaHistoryUnavailable) as e:
         raise OscarOptionError(
             f"{ENV_HISTORY}=cuda cannot serve this model on this rank (head_dim {head_dim}, {q_heads} query heads "
             f"per {kv_heads} KV heads = GQA {q_heads // kv_heads}, groups K={k_group} V={v_group}"
-            f"{', codebook levels' if codebook else ''}): {e}. Serve a covered shape (builtin bundles take their "
+            f"{', codebook levels' if codebook else ''}, window {window_dtype}): {e}. Serve a covered shape (builtin bundles take their "
             f"groups from {GROUP_FLAG}) or {use_triton}") from None
     try:
         history_cuda.library()  # nvcc build (first server on this machine) or the cached library

@@ -1,5 +1,5 @@
-// The INT2 history splits of OSCAR decode attention, hand-written (kernels/history_cuda.py builds, checks and
-// launches it; kernels/decode.py runs the window programs and the LSE merge around it).
+// The INT2 history splits of OSCAR decode attention and, in the same grid, its BF16 sink and ring rows, hand-written
+// (kernels/history_cuda.py builds, checks and launches it; kernels/decode.py runs the LSE merge after it).
 //
 // Why CUDA for this one stage: on H100 the Triton history loop is issue-bound at about the time that the pool's
 // gather allows, and this loop spends ~0.7x of its instructions; on a paged pool (kernels/records.py, pages of
@@ -19,9 +19,13 @@
 // o_part [B, Hq, NS_TOTAL, 128] and lse = m + log2 l (-inf for an empty split) in lse_part [B, Hq, NS_TOTAL],
 // splits [0, gridDim.y).
 //
-// Launch order (kernels/decode.py): this kernel, then the Triton window programs as its programmatic dependents
-// (it lets them launch at once: they take the SM slots its CTAs free, i.e. run in its tail, and wait for it
-// before they exit), then the merge, which waits for the window grid and through it for this one.
+// Window CTAs (nwin_sink + nwin_ring > 0; window_cta below): the grid's first rows, blockIdx.y < nwin, read the BF16
+// sink rows [0, min(L, S)) and ring rows [recent_lo, L) (16 per warp, one mma tile) and store partials
+// ns_hist + j, the Triton window programs' layout (split NS + j for sink j < SS, then ring), so that the merge is
+// unchanged. They come first in the grid so that their chains of dependent loads (req_to_token -> sink_table ->
+// row) start first and end inside the history CTAs' time; without them (nwin 0) decode.py runs the Triton window
+// programs after this kernel as its programmatic dependents, as before.
+// Launch order (kernels/decode.py): this kernel lets its dependents launch at once; the merge (PDL) waits for it.
 //
 // Per warp and 16-token tile (all in registers, no CTA barrier):
 //   K dot  S^T[16 tokens, 8 cols] = codes[16, 128] . q'[128, 8]: 8 x mma m16n8k16, cols 4..7 repeat
@@ -78,6 +82,14 @@ __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+__device__ __forceinline__ void mma16816_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 __device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 __device__ __forceinline__ float ex2(float x) {
@@ -107,7 +119,181 @@ struct Args {
   int pdl;              // launched as a programmatic dependent: wait for the previous kernel first
   int gqa, hgroups;     // query heads per KV head; head groups of 4 per KV head (grid x = (b * hkv + h) * hgroups + hg)
   int kg128, vg128;     // K / V groups of 128 (params 4 bytes per row) instead of 64 (8 bytes)
+  // the window CTAs (0 and 0: none, the Triton window programs read the window)
+  const __nv_bfloat16* sk;  // sink rows [rows, Hkv, 128]
+  const __nv_bfloat16* sv;
+  const __nv_bfloat16* rk;  // ring rows [max_reqs * window, Hkv, 128]: position p of pool row r at r * window + p % window
+  const __nv_bfloat16* rv;
+  const int* sink_table;    // [slots]: sink row of a slot, -1 where none (the merge then recomputes the sink range)
+  int nwin_sink, nwin_ring; // window CTAs per CTA column (blockIdx.y < nwin_sink + nwin_ring)
 };
+
+// The CTA's merge. Each warp has parked its unnormalised O (4 heads x 128 dims) and its (m, l) per head in shared
+// memory (so, sml); thread e of the CTA combines output e (+ k.threads) over the warps: M = max m_w,
+// O = sum 2^(m_w - M) O_w, L = sum 2^(m_w - M) l_w. An empty warp has l = 0 and m = -1e30, so it weighs 0 (or all
+// weigh 1 and L = 0: an empty split, o 0 and lse -inf). nan_lse: a window CTA that met a sink position without a
+// sink row stores lse NaN, the merge's signal to drop the sink partials and recompute the sink range.
+__device__ __forceinline__ void store_cta_partial(const Args& a, const float* so, const float* sml, int nwarps, int nh,
+                                                  int hq_base, int split, bool nan_lse) {
+  for (int e = threadIdx.x; e < 512; e += blockDim.x) {
+    const int hl = e >> 7, d = e & 127;
+    if (hl >= nh) continue;
+    float M = -1e30f;
+    for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sml[(w * 4 + hl) * 2]);
+    float L = 0.f, O = 0.f;
+    for (int w = 0; w < nwarps; ++w) {
+      const float wt = ex2(sml[(w * 4 + hl) * 2] - M);
+      L = fmaf(wt, sml[(w * 4 + hl) * 2 + 1], L);
+      O = fmaf(wt, so[(w * 4 + hl) * 128 + d], O);
+    }
+    const size_t row = (size_t)hq_base + hl;
+    a.o_part[(row * a.ns_total + split) * 128 + d] = L > 0.f ? O / L : 0.f;
+    if (d == 0) a.lse_part[row * a.ns_total + split] = nan_lse ? __int_as_float(0x7fc00000) : L > 0.f ? M + __log2f(L) : -INFINITY;
+  }
+}
+
+// XOR swizzle of the 16-byte chunks of a 256-byte BF16 row in shared memory: the K reads (rows g and g + 1 of a
+// quarter warp, chunks 4j + t) and the V reads (rows 2t, chunks 2g + s) are then free of bank conflicts
+__device__ __forceinline__ int swz(int r) { return ((r & 1) << 2) ^ ((r >> 1) & 1) ^ (((r >> 2) & 1) << 2); }
+
+// A window CTA: window CTA j of its column (sink CTAs j < nwin_sink, then ring CTAs). Warp w reads 16 positions,
+// (j' * nwarps + w) * 16 on from the range's start, as one m16n8k16 tile per dot (BF16 operands, fp32 sums):
+//   S^T[16 tokens, 8 cols] = K[16, 128] . (c0 q)^T: the 128 dims in a permuted order (lane t's four k-values of
+//     k-step 2j + e are dims 32j + 8t + 4e + 0..3, the same for q), so that a lane reads whole 16-byte chunks;
+//   O^T[128 dims, 8 cols] += V^T[128, 16] . P^T[16, 8]: m-row g of m-tile mt is dim 16g + 2mt, row g + 8 dim
+//     16g + 2mt + 1 (one 32-bit word of a row), P^T from the score accumulator with two movmatrix.trans.
+// Columns 4..7 repeat heads 0..3 (as in the history loop); lanes t < 2 own the stored ones. Scores, p and the
+// running max are in log2 units (c0 = sm_scale log2 e), as in the history warps, so the CTA merges both alike.
+__device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, int b, int h, int hq_base, int nh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const bool is_sink = j < a.nwin_sink;
+  const int L = a.seq_lens[b];
+  const int req = a.req_idx_64 ? (int)reinterpret_cast<const long long*>(a.req_idx)[b]
+                                : reinterpret_cast<const int*>(a.req_idx)[b];
+  const int range_hi = is_sink ? min(L, a.sink) : L;
+  const int range_lo = is_sink ? 0 : min(max(max(L - a.window, a.sink), a.ring_start[req]), L);
+  const int first = range_lo + ((is_sink ? j : j - a.nwin_sink) * nwarps + warp) * 16;
+  // lanes 0..15: the row of position first + lane (-1: none); a sink position without a sink row is flagged
+  const int pos = first + (lane & 15);
+  long long row = -1;
+  bool missing = false;
+  if (lane < 16 && pos < range_hi) {
+    if (is_sink) {
+      const int sr = __ldg(a.sink_table + __ldg(a.r2t + (size_t)req * a.r2t_stride + pos));
+      if (sr < 0) missing = true;
+      else row = sr;
+    } else {
+      row = (long long)req * a.window + pos % a.window;
+    }
+  }
+  const __nv_bfloat16* kbase = is_sink ? a.sk : a.rk;
+  const __nv_bfloat16* vbase = is_sink ? a.sv : a.rv;
+  const uint32_t st = (uint32_t)__cvta_generic_to_shared(smem) + warp * 8192;  // K tile 4 KB, V tile 4 KB
+  const uint8_t* sts = smem + warp * 8192;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int c = lane + 32 * i, r = c >> 4, ch = c & 15;
+    const long long rr = __shfl_sync(0xffffffffu, row, r);
+    const long long off = rr < 0 ? 0 : (rr * a.hkv + h) * 128 + ch * 8;
+    const uint32_t dst = st + r * 256 + ((ch ^ swz(r)) << 4);
+    cp_async16(dst, kbase + off, rr < 0 ? 0 : 16);
+    cp_async16(dst + 4096, vbase + off, rr < 0 ? 0 : 16);
+  }
+  cp_commit();
+  const bool tok_a = __shfl_sync(0xffffffffu, row, g) >= 0, tok_b = __shfl_sync(0xffffffffu, row, g + 8) >= 0;
+  // c0 q as BF16 B fragments: qw[j][k] = dims 32j + 8t + 2k, +1 of head g & 3 (zero for a spare column)
+  uint32_t qw[4][4];
+  {
+    const bool qvalid = (g & 3) < nh;
+    const size_t qrow = (size_t)(hq_base + (qvalid ? (g & 3) : 0)) * 128;
+    auto load_q = [&](size_t i) -> float {
+      if (a.q_dtype == 0) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.q)[i]);
+      if (a.q_dtype == 1) return __half2float(reinterpret_cast<const __half*>(a.q)[i]);
+      return reinterpret_cast<const float*>(a.q)[i];
+    };
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const size_t d = qrow + 32 * jj + 8 * t + 2 * k;
+        const float x0 = qvalid ? load_q(d) * a.c0 : 0.f, x1 = qvalid ? load_q(d + 1) * a.c0 : 0.f;
+        __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+        qw[jj][k] = *reinterpret_cast<uint32_t*>(&v);
+      }
+    }
+  }
+  cp_wait<0>();
+  __syncwarp();
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    const uint4 k0 = *reinterpret_cast<const uint4*>(sts + g * 256 + (((4 * jj + t) ^ swz(g)) << 4));
+    const uint4 k1 = *reinterpret_cast<const uint4*>(sts + (g + 8) * 256 + (((4 * jj + t) ^ swz(g + 8)) << 4));
+    mma16816_bf16(acc, k0.x, k1.x, k0.y, k1.y, qw[jj][0], qw[jj][1]);
+    mma16816_bf16(acc, k0.z, k1.z, k0.w, k1.w, qw[jj][2], qw[jj][3]);
+  }
+  float s[4] = {tok_a ? acc[0] : -INFINITY, tok_a ? acc[1] : -INFINITY, tok_b ? acc[2] : -INFINITY,
+                tok_b ? acc[3] : -INFINITY};
+  float m0 = fmaxf(s[0], s[2]), m1 = fmaxf(s[1], s[3]);
+#pragma unroll
+  for (int x = 4; x < 32; x <<= 1) {
+    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, x));
+    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, x));
+  }
+  m0 = m0 == -INFINITY ? -1e30f : m0;  // an empty warp: p = 0, l = 0, weighed 0 by the CTA merge
+  m1 = m1 == -INFINITY ? -1e30f : m1;
+  const float p0 = ex2(s[0] - m0), p1 = ex2(s[1] - m1), p2 = ex2(s[2] - m0), p3 = ex2(s[3] - m1);
+  float l0 = p0 + p2, l1 = p1 + p3;
+#pragma unroll
+  for (int x = 4; x < 32; x <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+  }
+  __nv_bfloat162 pa = __floats2bfloat162_rn(p0, p1), pb = __floats2bfloat162_rn(p2, p3);
+  const uint32_t b0 = movm_trans(*reinterpret_cast<uint32_t*>(&pa)), b1 = movm_trans(*reinterpret_cast<uint32_t*>(&pb));
+  float o[8][4];
+#pragma unroll
+  for (int sc = 0; sc < 2; ++sc) {  // chunk 2g + sc of rows 2t, 2t + 1, 2t + 8, 2t + 9: dims 16g + 8sc .. + 7
+    const uint8_t* vt = sts + 4096;
+    const uint4 vA = *reinterpret_cast<const uint4*>(vt + (2 * t) * 256 + (((2 * g + sc) ^ swz(2 * t)) << 4));
+    const uint4 vB = *reinterpret_cast<const uint4*>(vt + (2 * t + 1) * 256 + (((2 * g + sc) ^ swz(2 * t + 1)) << 4));
+    const uint4 vC = *reinterpret_cast<const uint4*>(vt + (2 * t + 8) * 256 + (((2 * g + sc) ^ swz(2 * t + 8)) << 4));
+    const uint4 vD = *reinterpret_cast<const uint4*>(vt + (2 * t + 9) * 256 + (((2 * g + sc) ^ swz(2 * t + 9)) << 4));
+    const uint32_t wa[4] = {vA.x, vA.y, vA.z, vA.w}, wb[4] = {vB.x, vB.y, vB.z, vB.w};
+    const uint32_t wc[4] = {vC.x, vC.y, vC.z, vC.w}, wd[4] = {vD.x, vD.y, vD.z, vD.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int mt = 4 * sc + w;
+      o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+      mma16816_bf16(o[mt], prmt(wa[w], wb[w], 0x5410), prmt(wa[w], wb[w], 0x7632), prmt(wc[w], wd[w], 0x5410),
+                    prmt(wc[w], wd[w], 0x7632), b0, b1);
+    }
+  }
+  // park O, m, l for the CTA merge (the tiles above are dead once every warp is past this barrier)
+  const bool any_missing = __syncthreads_or(missing);
+  float* so = reinterpret_cast<float*>(smem);
+  float* sml = so + nwarps * 512;
+  if (t < 2) {
+    float* ow = so + warp * 512;
+    const int head0 = 2 * t;
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) {
+      const int d = 16 * g + 2 * mt;
+      ow[head0 * 128 + d] = o[mt][0];
+      ow[(head0 + 1) * 128 + d] = o[mt][1];
+      ow[head0 * 128 + d + 1] = o[mt][2];
+      ow[(head0 + 1) * 128 + d + 1] = o[mt][3];
+    }
+    if (g == 0) {
+      float* ml = sml + (warp * 4 + head0) * 2;
+      ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
+    }
+  }
+  __syncthreads();
+  const int ns_hist = gridDim.y - a.nwin_sink - a.nwin_ring;
+  store_cta_partial(a, so, sml, nwarps, nh, hq_base, ns_hist + j, is_sink && any_missing);
+}
 
 template <int NSTAGE>
 __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
@@ -117,13 +303,19 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int bh = blockIdx.x / a.hgroups, hg = blockIdx.x - bh * a.hgroups, b = bh / a.hkv, h = bh - b * a.hkv;
   const int hq_base = b * a.hkv * a.gqa + h * a.gqa + hg * 4;  // query head of local head 0 of this group
   const int nh = min(4, a.gqa - hg * 4);                         // valid local heads of this group
-  const int widx = blockIdx.y * nwarps + warp;
+  const int nwin = a.nwin_sink + a.nwin_ring;
+  const int split = (int)blockIdx.y - nwin;                      // this CTA's history split (< 0: a window CTA)
+  const int widx = split * nwarps + warp;
   const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem) + warp * NSTAGE * kStageBytes;
   const uint8_t* wbase = smem + warp * NSTAGE * kStageBytes;
 #if __CUDA_ARCH__ >= 900
   if (a.pdl) asm volatile("griddepcontrol.wait;\n" ::: "memory");  // launched early: the previous kernel wrote q
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the window programs may launch now
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the window programs / merge may launch now
 #endif
+  if (split < 0) {  // uniform per CTA
+    window_cta(a, smem, blockIdx.y, b, h, hq_base, nh);
+    return;
+  }
 
   const int L = a.seq_lens[b];
   const int req = a.req_idx_64 ? (int)reinterpret_cast<const long long*>(a.req_idx)[b]
@@ -325,10 +517,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     lv0 += __shfl_xor_sync(0xffffffffu, lv0, x);
     lv1 += __shfl_xor_sync(0xffffffffu, lv1, x);
   }
-  // The CTA's merge. Each warp parks its unnormalised O = c.2^(24-2p) + lv (4 heads x 128 dims), m and l in
-  // shared memory (the pipeline stages are free now); then thread e of the CTA combines output e (+ k.threads)
-  // over the warps: M = max m_w, O = sum 2^(m_w - M) O_w, L = sum 2^(m_w - M) l_w. An empty warp has l = 0 and
-  // m = -1e30, so it weighs 0 (or all weigh 1 and L = 0: an empty split, o 0 and lse -inf).
+  // The CTA's merge (store_cta_partial). Each warp parks its unnormalised O = c.2^(24-2p) + lv (4 heads x 128
+  // dims), m and l in shared memory (the pipeline stages are free now).
   __syncthreads();  // every warp is past its last stage read
   float* so = reinterpret_cast<float*>(smem);  // [nwarps][4 heads][128]
   float* sml = so + nwarps * 512;              // [nwarps][4 heads] (m, l)
@@ -353,22 +543,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
   }
   __syncthreads();
-  const int split = blockIdx.y;
-  for (int e = threadIdx.x; e < 512; e += blockDim.x) {
-    const int hl = e >> 7, d = e & 127;
-    if (hl >= nh) continue;
-    float M = -1e30f;
-    for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sml[(w * 4 + hl) * 2]);
-    float L = 0.f, O = 0.f;
-    for (int w = 0; w < nwarps; ++w) {
-      const float wt = ex2(sml[(w * 4 + hl) * 2] - M);
-      L = fmaf(wt, sml[(w * 4 + hl) * 2 + 1], L);
-      O = fmaf(wt, so[(w * 4 + hl) * 128 + d], O);
-    }
-    const size_t row = (size_t)hq_base + hl;
-    a.o_part[(row * a.ns_total + split) * 128 + d] = L > 0.f ? O / L : 0.f;
-    if (d == 0) a.lse_part[row * a.ns_total + split] = L > 0.f ? M + __log2f(L) : -INFINITY;
-  }
+  store_cta_partial(a, so, sml, nwarps, nh, hq_base, split, false);
 }
 
 template <int NSTAGE>
@@ -420,11 +595,15 @@ int oscar_history_launch(int nstage, int warps, int bh, int gqa, int kg128, int 
                          const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride,
                          const void* req_idx, int req_idx_64, const int* seq_lens, const int* ring_start, int hkv,
                          int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
-                         void* stream) {
+                         const void* sk, const void* sv, const void* rk, const void* rv, const int* sink_table,
+                         int nwin_sink, int nwin_ring, void* stream) {
+  // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows) come first in the grid
   Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
-         grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, (gqa + 3) / 4, kg128, vg128};
-  DISPATCH(nstage, launch, a, bh * ((gqa + 3) / 4), warps, grid_y, pdl, (cudaStream_t)stream)
+         grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, (gqa + 3) / 4, kg128, vg128,
+         (const __nv_bfloat16*)sk, (const __nv_bfloat16*)sv, (const __nv_bfloat16*)rk, (const __nv_bfloat16*)rv,
+         sink_table, nwin_sink, nwin_ring};
+  DISPATCH(nstage, launch, a, bh * ((gqa + 3) / 4), warps, grid_y + nwin_sink + nwin_ring, pdl, (cudaStream_t)stream)
 }
 
 }  // extern "C"
