@@ -100,9 +100,11 @@ def main():
     ap.add_argument("--page", type=int, default=1, help="pool page size (kernels/records.py)")
     ap.add_argument("--cuda-configs", default="",
                     help="extra CUDA history (stages:warps) per CTA to time at every point, e.g. 3:4,4:4")
-    ap.add_argument("--triton-window", action="store_true",
-                    help="with --history-kernel cuda, also time the window read by the Triton window programs after "
-                         "the kernel (history_cuda.FUSED_WINDOW off) at every point")
+    ap.add_argument("--cuda-windows", default="",
+                    help="with --history-kernel cuda, other ways to read the window to time at every point: 'triton' "
+                         "(the Triton window programs after the kernel, history_cuda.FUSED_WINDOW off) or "
+                         "'first:ROWS' / 'last:ROWS' (window CTAs before / after the history CTAs, ROWS positions "
+                         "per warp), e.g. triton,first:16,last:32")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
@@ -131,24 +133,31 @@ def main():
                 variants.append((name, {k: int(v) for k, v in (kv.split("=") for kv in kws.split(",") if kv)}))
             if args.history_kernel == "cuda":
                 variants += [(f"cfg{c}", {"cuda_config": c}) for c in args.cuda_configs.split(",") if c]
-                if args.triton_window:  # the window read by the Triton window programs after the kernel (before)
-                    variants.append(("triton_window", {"fused_window": False}))
+                for w in filter(None, args.cuda_windows.split(",")):  # other ways to read the window, same run
+                    variants.append((f"window_{w.replace(':', '')}", {"cuda_window": w}))
             for name, kw in variants:
                 kw = dict(kw)
                 config = kw.pop("cuda_config", None)
-                fused = kw.pop("fused_window", True)
+                window = kw.pop("cuda_window", None)
                 if args.history_kernel == "cuda":
                     kw = dict(kw, history_kernel="cuda")
                     from sglang_oscar.kernels import history_cuda
-                    default = (history_cuda.STAGES, history_cuda.WARPS, history_cuda.FUSED_WINDOW)
-                    history_cuda.FUSED_WINDOW = fused
+                    knobs = ("STAGES", "WARPS", "FUSED_WINDOW", "WINDOW_LAST", "WINDOW_ROWS_PER_WARP")
+                    default = {k: getattr(history_cuda, k) for k in knobs}
+                    if window == "triton":
+                        history_cuda.FUSED_WINDOW = False
+                    elif window:
+                        place, rows = window.split(":")
+                        history_cuda.FUSED_WINDOW, history_cuda.WINDOW_LAST = True, place == "last"
+                        history_cuda.WINDOW_ROWS_PER_WARP = int(rows)
                     if config:
                         history_cuda.STAGES, history_cuda.WARPS = (int(v) for v in config.split(":"))
                 fns = oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, **kw)
                 us = 1e3 * bench(fns)
                 calls = split_calls(kernel_records(capture_graph(fns)))  # the copies' calls once, for the profiler
                 if args.history_kernel == "cuda":
-                    history_cuda.STAGES, history_cuda.WARPS, history_cuda.FUSED_WINDOW = default
+                    for k, v in default.items():
+                        setattr(history_cuda, k, v)
                 r = dict(kind="decode", model=args.model, batch=b, context=ctx, variant=name, copies=copies,
                          history_kernel=args.history_kernel, page=args.page, us_per_call=us,
                          calls_profiled=len(calls),

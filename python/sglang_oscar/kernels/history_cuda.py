@@ -42,7 +42,8 @@ MIN_ROWS_PER_SPLIT = 256
 # programs' layout) instead of the Triton window programs launched after it. A module attribute, so that
 # benchmarks time both in one run (probe_decode_fixed_cost.py --cuda-window).
 FUSED_WINDOW = True
-WINDOW_ROWS_PER_WARP = 16
+WINDOW_ROWS_PER_WARP = 16  # a multiple of 16 (the warp reads them one 16-row tile at a time)
+WINDOW_LAST = False  # the window CTAs after the history CTAs in the grid (else before)
 # The merge reads a query head's partials (history splits + window partials) in one tile of at most this many.
 MAX_PARTIALS = 256
 LOG2E = 1.4426950408889634
@@ -51,7 +52,7 @@ Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel
 # oscar_history_launch's C parameters in order (test_decode checks them against the source's signature)
 _i, _p = ctypes.c_int, ctypes.c_void_p
 LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
-                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _p]
+                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -182,6 +183,9 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     lib = library()
     occupancy()  # a dict hit; prepares the configuration where experiments changed STAGES / WARPS
     ss, rs = window_splits
+    if WINDOW_ROWS_PER_WARP < 16 or WINDOW_ROWS_PER_WARP % 16:
+        raise ValueError(f"history_cuda.WINDOW_ROWS_PER_WARP must be a positive multiple of 16, got "
+                         f"{WINDOW_ROWS_PER_WARP}")
     if not 1 <= ns <= ns_total - ss - rs:
         raise ValueError(f"history_kernel='cuda': num_splits must be in [1, {ns_total - ss - rs}], got {ns}")
     if ss or rs:
@@ -208,6 +212,7 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
         o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), int(bool(pdl)), *win, ss, rs,
+        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST),
         torch.cuda.current_stream().cuda_stream)
     if rc:
         raise RuntimeError(f"history_kernel='cuda' launch failed (cuda error {rc})")

@@ -19,12 +19,11 @@
 // o_part [B, Hq, NS_TOTAL, 128] and lse = m + log2 l (-inf for an empty split) in lse_part [B, Hq, NS_TOTAL],
 // splits [0, gridDim.y).
 //
-// Window CTAs (nwin_sink + nwin_ring > 0; window_cta below): the grid's first rows, blockIdx.y < nwin, read the BF16
-// sink rows [0, min(L, S)) and ring rows [recent_lo, L) (16 per warp, one mma tile) and store partials
-// ns_hist + j, the Triton window programs' layout (split NS + j for sink j < SS, then ring), so that the merge is
-// unchanged. They come first in the grid so that their chains of dependent loads (req_to_token -> sink_table ->
-// row) start first and end inside the history CTAs' time; without them (nwin 0) decode.py runs the Triton window
-// programs after this kernel as its programmatic dependents, as before.
+// Window CTAs (nwin_sink + nwin_ring > 0; window_cta below): rows of the grid before (or, win_last, after) the
+// history CTAs that read the BF16 sink rows [0, min(L, S)) and ring rows [recent_lo, L) (win_tiles mma tiles of 16
+// per warp) and store partials ns_hist + j, the Triton window programs' layout (split NS + j for sink j < SS, then
+// ring), so that the merge is unchanged. Without them (nwin 0) decode.py runs the Triton window programs after
+// this kernel as its programmatic dependents.
 // Launch order (kernels/decode.py): this kernel lets its dependents launch at once; the merge (PDL) waits for it.
 //
 // Per warp and 16-token tile (all in registers, no CTA barrier):
@@ -125,7 +124,9 @@ struct Args {
   const __nv_bfloat16* rk;  // ring rows [max_reqs * window, Hkv, 128]: position p of pool row r at r * window + p % window
   const __nv_bfloat16* rv;
   const int* sink_table;    // [slots]: sink row of a slot, -1 where none (the merge then recomputes the sink range)
-  int nwin_sink, nwin_ring; // window CTAs per CTA column (blockIdx.y < nwin_sink + nwin_ring)
+  int nwin_sink, nwin_ring; // window CTAs per CTA column
+  int win_tiles;            // 16-position tiles per warp of a window CTA
+  int win_last;             // window CTAs after the history CTAs in the grid (else before)
 };
 
 // The CTA's merge. Each warp has parked its unnormalised O (4 heads x 128 dims) and its (m, l) per head in shared
@@ -156,8 +157,9 @@ __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so
 // quarter warp, chunks 4j + t) and the V reads (rows 2t, chunks 2g + s) are then free of bank conflicts
 __device__ __forceinline__ int swz(int r) { return ((r & 1) << 2) ^ ((r >> 1) & 1) ^ (((r >> 2) & 1) << 2); }
 
-// A window CTA: window CTA j of its column (sink CTAs j < nwin_sink, then ring CTAs). Warp w reads 16 positions,
-// (j' * nwarps + w) * 16 on from the range's start, as one m16n8k16 tile per dot (BF16 operands, fp32 sums):
+// A window CTA: window CTA j of its column (sink CTAs j < nwin_sink, then ring CTAs). Warp w reads win_tiles tiles
+// of 16 positions, ((j' * nwarps + w) * win_tiles + k) * 16 on from the range's start, one at a time (the warp's
+// 8 KB of the stage buffers hold one K and one V tile), as m16n8k16 dots with BF16 operands and fp32 sums:
 //   S^T[16 tokens, 8 cols] = K[16, 128] . (c0 q)^T: the 128 dims in a permuted order (lane t's four k-values of
 //     k-step 2j + e are dims 32j + 8t + 4e + 0..3, the same for q), so that a lane reads whole 16-byte chunks;
 //   O^T[128 dims, 8 cols] += V^T[128, 16] . P^T[16, 8]: m-row g of m-tile mt is dim 16g + 2mt, row g + 8 dim
@@ -173,35 +175,11 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
                                 : reinterpret_cast<const int*>(a.req_idx)[b];
   const int range_hi = is_sink ? min(L, a.sink) : L;
   const int range_lo = is_sink ? 0 : min(max(max(L - a.window, a.sink), a.ring_start[req]), L);
-  const int first = range_lo + ((is_sink ? j : j - a.nwin_sink) * nwarps + warp) * 16;
-  // lanes 0..15: the row of position first + lane (-1: none); a sink position without a sink row is flagged
-  const int pos = first + (lane & 15);
-  long long row = -1;
-  bool missing = false;
-  if (lane < 16 && pos < range_hi) {
-    if (is_sink) {
-      const int sr = __ldg(a.sink_table + __ldg(a.r2t + (size_t)req * a.r2t_stride + pos));
-      if (sr < 0) missing = true;
-      else row = sr;
-    } else {
-      row = (long long)req * a.window + pos % a.window;
-    }
-  }
+  const int first0 = range_lo + ((is_sink ? j : j - a.nwin_sink) * nwarps + warp) * a.win_tiles * 16;
   const __nv_bfloat16* kbase = is_sink ? a.sk : a.rk;
   const __nv_bfloat16* vbase = is_sink ? a.sv : a.rv;
   const uint32_t st = (uint32_t)__cvta_generic_to_shared(smem) + warp * 8192;  // K tile 4 KB, V tile 4 KB
   const uint8_t* sts = smem + warp * 8192;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int c = lane + 32 * i, r = c >> 4, ch = c & 15;
-    const long long rr = __shfl_sync(0xffffffffu, row, r);
-    const long long off = rr < 0 ? 0 : (rr * a.hkv + h) * 128 + ch * 8;
-    const uint32_t dst = st + r * 256 + ((ch ^ swz(r)) << 4);
-    cp_async16(dst, kbase + off, rr < 0 ? 0 : 16);
-    cp_async16(dst + 4096, vbase + off, rr < 0 ? 0 : 16);
-  }
-  cp_commit();
-  const bool tok_a = __shfl_sync(0xffffffffu, row, g) >= 0, tok_b = __shfl_sync(0xffffffffu, row, g + 8) >= 0;
   // c0 q as BF16 B fragments: qw[j][k] = dims 32j + 8t + 2k, +1 of head g & 3 (zero for a spare column)
   uint32_t qw[4][4];
   {
@@ -223,52 +201,88 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
       }
     }
   }
-  cp_wait<0>();
-  __syncwarp();
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int jj = 0; jj < 4; ++jj) {
-    const uint4 k0 = *reinterpret_cast<const uint4*>(sts + g * 256 + (((4 * jj + t) ^ swz(g)) << 4));
-    const uint4 k1 = *reinterpret_cast<const uint4*>(sts + (g + 8) * 256 + (((4 * jj + t) ^ swz(g + 8)) << 4));
-    mma16816_bf16(acc, k0.x, k1.x, k0.y, k1.y, qw[jj][0], qw[jj][1]);
-    mma16816_bf16(acc, k0.z, k1.z, k0.w, k1.w, qw[jj][2], qw[jj][3]);
-  }
-  float s[4] = {tok_a ? acc[0] : -INFINITY, tok_a ? acc[1] : -INFINITY, tok_b ? acc[2] : -INFINITY,
-                tok_b ? acc[3] : -INFINITY};
-  float m0 = fmaxf(s[0], s[2]), m1 = fmaxf(s[1], s[3]);
-#pragma unroll
-  for (int x = 4; x < 32; x <<= 1) {
-    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, x));
-    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, x));
-  }
-  m0 = m0 == -INFINITY ? -1e30f : m0;  // an empty warp: p = 0, l = 0, weighed 0 by the CTA merge
-  m1 = m1 == -INFINITY ? -1e30f : m1;
-  const float p0 = ex2(s[0] - m0), p1 = ex2(s[1] - m1), p2 = ex2(s[2] - m0), p3 = ex2(s[3] - m1);
-  float l0 = p0 + p2, l1 = p1 + p3;
-#pragma unroll
-  for (int x = 4; x < 32; x <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-  }
-  __nv_bfloat162 pa = __floats2bfloat162_rn(p0, p1), pb = __floats2bfloat162_rn(p2, p3);
-  const uint32_t b0 = movm_trans(*reinterpret_cast<uint32_t*>(&pa)), b1 = movm_trans(*reinterpret_cast<uint32_t*>(&pb));
   float o[8][4];
 #pragma unroll
-  for (int sc = 0; sc < 2; ++sc) {  // chunk 2g + sc of rows 2t, 2t + 1, 2t + 8, 2t + 9: dims 16g + 8sc .. + 7
-    const uint8_t* vt = sts + 4096;
-    const uint4 vA = *reinterpret_cast<const uint4*>(vt + (2 * t) * 256 + (((2 * g + sc) ^ swz(2 * t)) << 4));
-    const uint4 vB = *reinterpret_cast<const uint4*>(vt + (2 * t + 1) * 256 + (((2 * g + sc) ^ swz(2 * t + 1)) << 4));
-    const uint4 vC = *reinterpret_cast<const uint4*>(vt + (2 * t + 8) * 256 + (((2 * g + sc) ^ swz(2 * t + 8)) << 4));
-    const uint4 vD = *reinterpret_cast<const uint4*>(vt + (2 * t + 9) * 256 + (((2 * g + sc) ^ swz(2 * t + 9)) << 4));
-    const uint32_t wa[4] = {vA.x, vA.y, vA.z, vA.w}, wb[4] = {vB.x, vB.y, vB.z, vB.w};
-    const uint32_t wc[4] = {vC.x, vC.y, vC.z, vC.w}, wd[4] = {vD.x, vD.y, vD.z, vD.w};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const int mt = 4 * sc + w;
-      o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
-      mma16816_bf16(o[mt], prmt(wa[w], wb[w], 0x5410), prmt(wa[w], wb[w], 0x7632), prmt(wc[w], wd[w], 0x5410),
-                    prmt(wc[w], wd[w], 0x7632), b0, b1);
+  for (int mt = 0; mt < 8; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+  float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f;  // an empty warp keeps these: weighed 0 by the CTA merge
+  bool missing = false;
+  for (int tile = 0; tile < a.win_tiles; ++tile) {
+    const int first = first0 + 16 * tile;
+    if (first >= range_hi) break;  // uniform per warp
+    // lanes 0..15: the row of position first + lane (-1: none); a sink position without a sink row is flagged
+    const int pos = first + (lane & 15);
+    long long row = -1;
+    if (lane < 16 && pos < range_hi) {
+      if (is_sink) {
+        const int sr = __ldg(a.sink_table + __ldg(a.r2t + (size_t)req * a.r2t_stride + pos));
+        if (sr < 0) missing = true;
+        else row = sr;
+      } else {
+        row = (long long)req * a.window + pos % a.window;
+      }
     }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int c = lane + 32 * i, r = c >> 4, ch = c & 15;
+      const long long rr = __shfl_sync(0xffffffffu, row, r);
+      const long long off = rr < 0 ? 0 : (rr * a.hkv + h) * 128 + ch * 8;
+      const uint32_t dst = st + r * 256 + ((ch ^ swz(r)) << 4);
+      cp_async16(dst, kbase + off, rr < 0 ? 0 : 16);
+      cp_async16(dst + 4096, vbase + off, rr < 0 ? 0 : 16);
+    }
+    cp_commit();
+    const bool tok_a = __shfl_sync(0xffffffffu, row, g) >= 0, tok_b = __shfl_sync(0xffffffffu, row, g + 8) >= 0;
+    cp_wait<0>();
+    __syncwarp();
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const uint4 k0 = *reinterpret_cast<const uint4*>(sts + g * 256 + (((4 * jj + t) ^ swz(g)) << 4));
+      const uint4 k1 = *reinterpret_cast<const uint4*>(sts + (g + 8) * 256 + (((4 * jj + t) ^ swz(g + 8)) << 4));
+      mma16816_bf16(acc, k0.x, k1.x, k0.y, k1.y, qw[jj][0], qw[jj][1]);
+      mma16816_bf16(acc, k0.z, k1.z, k0.w, k1.w, qw[jj][2], qw[jj][3]);
+    }
+    const float s0 = tok_a ? acc[0] : -INFINITY, s1 = tok_a ? acc[1] : -INFINITY;
+    const float s2 = tok_b ? acc[2] : -INFINITY, s3 = tok_b ? acc[3] : -INFINITY;
+    float c0 = fmaxf(s0, s2), c1 = fmaxf(s1, s3);
+#pragma unroll
+    for (int x = 4; x < 32; x <<= 1) {
+      c0 = fmaxf(c0, __shfl_xor_sync(0xffffffffu, c0, x));
+      c1 = fmaxf(c1, __shfl_xor_sync(0xffffffffu, c1, x));
+    }
+    const float n0 = fmaxf(m0, c0), n1 = fmaxf(m1, c1);  // a tile of masked rows leaves m as it was
+    const float al0 = ex2(m0 - n0), al1 = ex2(m1 - n1);
+    m0 = n0; m1 = n1;
+    const float p0 = ex2(s0 - m0), p1 = ex2(s1 - m1), p2 = ex2(s2 - m0), p3 = ex2(s3 - m1);
+    float t0 = p0 + p2, t1 = p1 + p3;
+#pragma unroll
+    for (int x = 4; x < 32; x <<= 1) {
+      t0 += __shfl_xor_sync(0xffffffffu, t0, x);
+      t1 += __shfl_xor_sync(0xffffffffu, t1, x);
+    }
+    l0 = fmaf(l0, al0, t0);
+    l1 = fmaf(l1, al1, t1);
+    __nv_bfloat162 pa = __floats2bfloat162_rn(p0, p1), pb = __floats2bfloat162_rn(p2, p3);
+    const uint32_t b0 = movm_trans(*reinterpret_cast<uint32_t*>(&pa));
+    const uint32_t b1 = movm_trans(*reinterpret_cast<uint32_t*>(&pb));
+#pragma unroll
+    for (int sc = 0; sc < 2; ++sc) {  // chunk 2g + sc of rows 2t, 2t + 1, 2t + 8, 2t + 9: dims 16g + 8sc .. + 7
+      const uint8_t* vt = sts + 4096;
+      const uint4 vA = *reinterpret_cast<const uint4*>(vt + (2 * t) * 256 + (((2 * g + sc) ^ swz(2 * t)) << 4));
+      const uint4 vB = *reinterpret_cast<const uint4*>(vt + (2 * t + 1) * 256 + (((2 * g + sc) ^ swz(2 * t + 1)) << 4));
+      const uint4 vC = *reinterpret_cast<const uint4*>(vt + (2 * t + 8) * 256 + (((2 * g + sc) ^ swz(2 * t + 8)) << 4));
+      const uint4 vD = *reinterpret_cast<const uint4*>(vt + (2 * t + 9) * 256 + (((2 * g + sc) ^ swz(2 * t + 9)) << 4));
+      const uint32_t wa[4] = {vA.x, vA.y, vA.z, vA.w}, wb[4] = {vB.x, vB.y, vB.z, vB.w};
+      const uint32_t wc[4] = {vC.x, vC.y, vC.z, vC.w}, wd[4] = {vD.x, vD.y, vD.z, vD.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int mt = 4 * sc + w;
+        o[mt][0] *= al0; o[mt][1] *= al1; o[mt][2] *= al0; o[mt][3] *= al1;
+        mma16816_bf16(o[mt], prmt(wa[w], wb[w], 0x5410), prmt(wa[w], wb[w], 0x7632), prmt(wc[w], wd[w], 0x5410),
+                      prmt(wc[w], wd[w], 0x7632), b0, b1);
+      }
+    }
+    __syncwarp();  // the next tile's copies overwrite these buffers
   }
   // park O, m, l for the CTA merge (the tiles above are dead once every warp is past this barrier)
   const bool any_missing = __syncthreads_or(missing);
@@ -303,8 +317,10 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int bh = blockIdx.x / a.hgroups, hg = blockIdx.x - bh * a.hgroups, b = bh / a.hkv, h = bh - b * a.hkv;
   const int hq_base = b * a.hkv * a.gqa + h * a.gqa + hg * 4;  // query head of local head 0 of this group
   const int nh = min(4, a.gqa - hg * 4);                         // valid local heads of this group
-  const int nwin = a.nwin_sink + a.nwin_ring;
-  const int split = (int)blockIdx.y - nwin;                      // this CTA's history split (< 0: a window CTA)
+  const int nwin = a.nwin_sink + a.nwin_ring, ns_hist = (int)gridDim.y - nwin;
+  // this CTA's history split (< 0: window CTA wj)
+  const int split = a.win_last ? ((int)blockIdx.y < ns_hist ? (int)blockIdx.y : -1) : (int)blockIdx.y - nwin;
+  const int wj = a.win_last ? (int)blockIdx.y - ns_hist : (int)blockIdx.y;
   const int widx = split * nwarps + warp;
   const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem) + warp * NSTAGE * kStageBytes;
   const uint8_t* wbase = smem + warp * NSTAGE * kStageBytes;
@@ -313,7 +329,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the window programs / merge may launch now
 #endif
   if (split < 0) {  // uniform per CTA
-    window_cta(a, smem, blockIdx.y, b, h, hq_base, nh);
+    window_cta(a, smem, wj, b, h, hq_base, nh);
     return;
   }
 
@@ -596,13 +612,13 @@ int oscar_history_launch(int nstage, int warps, int bh, int gqa, int kg128, int 
                          const void* req_idx, int req_idx_64, const int* seq_lens, const int* ring_start, int hkv,
                          int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
                          const void* sk, const void* sv, const void* rk, const void* rv, const int* sink_table,
-                         int nwin_sink, int nwin_ring, void* stream) {
-  // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows) come first in the grid
+                         int nwin_sink, int nwin_ring, int win_tiles, int win_last, void* stream) {
+  // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows of the grid) before or after them
   Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
          grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, (gqa + 3) / 4, kg128, vg128,
          (const __nv_bfloat16*)sk, (const __nv_bfloat16*)sv, (const __nv_bfloat16*)rk, (const __nv_bfloat16*)rv,
-         sink_table, nwin_sink, nwin_ring};
+         sink_table, nwin_sink, nwin_ring, win_tiles, win_last};
   DISPATCH(nstage, launch, a, bh * ((gqa + 3) / 4), warps, grid_y + nwin_sink + nwin_ring, pdl, (cudaStream_t)stream)
 }
 
