@@ -848,16 +848,20 @@ def test_cuda_window_ctas_cover_the_window():
     (64, 1000, [100, 1063, 1064, 1065, 9000], [0, 0, 0, 1060, 0]),  # 8 ring CTAs
 ])
 @pytest.mark.parametrize("warps", [8, 2])
-def test_cuda_window_ctas_match_the_oracle(sink, window, lens, ring_starts, warps, monkeypatch):
+@pytest.mark.parametrize("place,rows", [("first", 16), ("last", 32), ("last", 64)])
+def test_cuda_window_ctas_match_the_oracle(sink, window, lens, ring_starts, warps, place, rows, monkeypatch):
     """The sink and ring rows read by the CUDA kernel's own window CTAs (history_cuda.FUSED_WINDOW): lengths on
     both sides of S, S + W and the window CTAs' 16-row tiles, ring_start past L - W, sink / window sizes that are
-    not multiples of 16, and 2 warps per CTA (5-32 window CTAs per column). Poisoned output (run_and_check); the
-    same case with the Triton window programs (FUSED_WINDOW off) agrees to the oracle too."""
+    not multiples of 16, 2 warps per CTA (up to 32 window CTAs per column), window CTAs before or after the history
+    CTAs with 1, 2 or 4 tiles per warp. Poisoned output (run_and_check); the same case with the Triton window
+    programs (FUSED_WINDOW off) agrees to the oracle too."""
     from sglang_oscar.kernels import history_cuda
 
     monkeypatch.setattr(history_cuda, "WARPS", warps)
+    monkeypatch.setattr(history_cuda, "WINDOW_LAST", place == "last")
+    monkeypatch.setattr(history_cuda, "WINDOW_ROWS_PER_WARP", rows)  # 1, 2 or 4 tiles per warp (online max)
     case = make_case(lens, hkv=2, gqa=4, d=128, sink=sink, window=window, ring_starts=ring_starts, pool_page=64,
-                     seed=sink + window + warps)
+                     seed=sink + window + warps + rows)
     err_fused = run_and_check(case, history_kernel="cuda")
     run_and_check(case, history_kernel="cuda", num_splits=3)
     r0 = case["req_pool_indices"][-1]
