@@ -147,9 +147,9 @@ def main():
                     if window == "triton":
                         history_cuda.FUSED_WINDOW = False
                     elif window:
-                        place, rows = window.split(":")
+                        place, per_warp = window.split(":")
                         history_cuda.FUSED_WINDOW, history_cuda.WINDOW_LAST = True, place == "last"
-                        history_cuda.WINDOW_ROWS_PER_WARP = int(rows)
+                        history_cuda.WINDOW_ROWS_PER_WARP = int(per_warp)
                     if config:
                         history_cuda.STAGES, history_cuda.WARPS = (int(v) for v in config.split(":"))
                 fns = oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, **kw)
