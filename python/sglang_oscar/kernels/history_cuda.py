@@ -43,7 +43,7 @@ MIN_ROWS_PER_SPLIT = 256
 # benchmarks time both in one run (probe_decode_fixed_cost.py --cuda-window).
 FUSED_WINDOW = True
 WINDOW_ROWS_PER_WARP = 16  # a multiple of 16 (the warp reads them one 16-row tile at a time)
-WINDOW_LAST = False  # the window CTAs after the history CTAs in the grid (else before)
+WINDOW_LAST = True  # the window CTAs after the history CTAs in the grid (else before)
 # The merge reads a query head's partials (history splits + window partials) in one tile of at most this many.
 MAX_PARTIALS = 256
 LOG2E = 1.4426950408889634
