@@ -183,3 +183,108 @@ def test_head_major_copies_give_the_same_triton_output(monkeypatch):
     got = fns[0]().view_as(want)
     assert torch.isfinite(want).all()
     assert torch.equal(got, want)
+
+
+# ---- the window CTAs of the production kernel (window_cta in kernels/cuda/int2_history.cu) ---------------------
+# BF16 tiles of 16 rows x 128 dims in shared memory, 16-byte chunks XOR-swizzled by row; the layouts below are
+# emulated with fp16 halves (the same 16-bit fragments; small integers, so every sum is exact).
+
+
+def swz(r):
+    return ((r & 1) << 2) ^ ((r >> 1) & 1) ^ (((r >> 2) & 1) << 2)
+
+
+def tile_smem(x):
+    """A [16, 128] tile as the window CTA's cp.async leaves it: chunk ch of row r at r * 256 + (ch ^ swz(r)) * 16."""
+    raw = x.astype(np.float16).view(np.uint8).reshape(16, 16, 16)  # row, chunk, byte
+    smem = np.zeros(16 * 256, np.uint8)
+    for r in range(16):
+        for ch in range(16):
+            off = r * 256 + ((ch ^ swz(r)) << 4)
+            smem[off:off + 16] = raw[r, ch]
+    return smem
+
+
+def lds128(smem, r, ch):
+    """The four 32-bit words of chunk ch of row r (through the swizzle), and the chunk's shared-memory slot."""
+    off = r * 256 + ((ch ^ swz(r)) << 4)
+    return [int(w) for w in smem[off:off + 16].view(np.uint32)], off // 16
+
+
+def assert_conflict_free(slots_per_lane):
+    """A 128-bit shared load is served a quarter warp (8 lanes) at a time; 8 distinct 16-byte slots mod 8 (one
+    128-byte bank row) are conflict-free."""
+    for q in range(4):
+        assert len({slots_per_lane[lane] % 8 for lane in range(8 * q, 8 * q + 8)}) == 8
+
+
+def test_window_tile_layouts_match_the_kernel_source():
+    src = open(PRODUCTION_SOURCE).read()
+    assert "((r & 1) << 2) ^ ((r >> 1) & 1) ^ (((r >> 2) & 1) << 2)" in src  # swz
+    assert "(((4 * jj + t) ^ swz(g)) << 4)" in src  # K chunks 4jj + t of rows g, g + 8
+    assert "(((2 * g + sc) ^ swz(2 * t)) << 4)" in src  # V chunks 2g + sc of rows 2t, 2t + 1, 2t + 8, 2t + 9
+    for sel in ("0x5410", "0x7632"):
+        assert sel in src
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_window_tile_k_and_v_dots(seed):
+    rng = np.random.default_rng(seed + 20)
+    K = rng.integers(-4, 5, (16, 128)).astype(np.float64)
+    V = rng.integers(-4, 5, (16, 128)).astype(np.float64)
+    q = rng.integers(-3, 4, (4, 128)).astype(np.float64)  # c0 q of the CTA's 4 heads
+    P = rng.integers(0, 4, (16, 8)).astype(np.float64)  # p of token and column (columns 4..7 repeat heads 0..3)
+    ks, vs = tile_smem(K), tile_smem(V)
+    # S^T[16 tokens, 8 cols] = K . q^T over the permuted k order: k-step 2jj + e, lane t's k-values are dims
+    # 32jj + 8t + 4e + 0..3 (a0 / a1: + 0, 1; a2 / a3: + 2, 3), q's B fragments the same dims of head g & 3
+    acc = np.zeros((32, 4))
+    for jj in range(4):
+        k0s, k1s, a_e, b_e = [], [], [[], []], [[], []]
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            k0, s0 = lds128(ks, g, 4 * jj + t)
+            k1, s1 = lds128(ks, g + 8, 4 * jj + t)
+            k0s.append(s0)
+            k1s.append(s1)
+            qw = [pack(q[g & 3, 32 * jj + 8 * t + 2 * k], q[g & 3, 32 * jj + 8 * t + 2 * k + 1]) for k in range(4)]
+            for e in range(2):
+                a_e[e].append([k0[2 * e], k1[2 * e], k0[2 * e + 1], k1[2 * e + 1]])
+                b_e[e].append([qw[2 * e], qw[2 * e + 1]])
+        assert_conflict_free(k0s)
+        assert_conflict_free(k1s)
+        for e in range(2):
+            mma(acc, a_e[e], b_e[e])
+    S = K @ q.T
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        np.testing.assert_array_equal(acc[lane], [S[g, (2 * t) & 3], S[g, (2 * t + 1) & 3], S[g + 8, (2 * t) & 3],
+                                                  S[g + 8, (2 * t + 1) & 3]])
+    # O^T[128 dims, 8 cols] += V^T . P^T: m-row g of m-tile mt is dim 16g + 2mt, row g + 8 dim 16g + 2mt + 1; P^T
+    # from the accumulator layout (tokens g, g + 8; columns 2t, 2t + 1) through movmatrix.trans
+    b0 = movmatrix_trans([pack(P[lane >> 2, 2 * (lane & 3)], P[lane >> 2, 2 * (lane & 3) + 1]) for lane in range(32)])
+    b1 = movmatrix_trans([pack(P[8 + (lane >> 2), 2 * (lane & 3)], P[8 + (lane >> 2), 2 * (lane & 3) + 1])
+                          for lane in range(32)])
+    o = [np.zeros((32, 4)) for _ in range(8)]
+    for sc in range(2):
+        words, slots = [], {r: [] for r in range(4)}
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            rows = [lds128(vs, r, 2 * g + sc) for r in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)]
+            for i, (_, slot) in enumerate(rows):
+                slots[i].append(slot)
+            words.append([w for w, _ in rows])
+        for i in range(4):
+            assert_conflict_free(slots[i])
+        for w in range(4):
+            a_regs = []
+            for lane in range(32):
+                wa, wb, wc, wd = (words[lane][i][w] for i in range(4))
+                a_regs.append([prmt(wa, wb, 0x5410), prmt(wa, wb, 0x7632), prmt(wc, wd, 0x5410), prmt(wc, wd, 0x7632)])
+            mma(o[4 * sc + w], a_regs, [[b0[lane], b1[lane]] for lane in range(32)])
+    O = V.T @ P  # [128 dims, 8 cols]
+    for mt in range(8):
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            d = 16 * g + 2 * mt
+            np.testing.assert_array_equal(o[mt][lane], [O[d, 2 * t], O[d, 2 * t + 1], O[d + 1, 2 * t],
+                                                        O[d + 1, 2 * t + 1]])
