@@ -463,7 +463,7 @@ def test_history_kernel_option_reaches_startup_and_decode(setup, monkeypatch):
     monkeypatch.setattr(startup_checks, "check_history_kernel", lambda kernel, **kw: seen.append((kernel, kw)))
     w = World(setup, page=P, size=8 * P)
     assert seen == [("cuda", dict(head_dim=D, q_heads=HQ, kv_heads=HKV, k_group=64, v_group=64, codebook=False,
-                                  device="cpu", page_size=P))]
+                                  device="cpu", page_size=P, window_dtype=w.backend.pool.window_dtype))]
     assert w.backend.history_kernel == "cuda"
     w.prefill(1, 10, _inputs(10, 1), slots=torch.arange(P, P + 10))
     with pytest.raises(ValueError, match="history_kernel='cuda' covers"):  # head_dim 64 is not covered
