@@ -80,6 +80,12 @@ def split_calls(ev):
             pending = pending + [e] if len(pending) < 2 else [e]
         else:
             pending = []
+    if not calls:  # history_cuda.FUSED_MERGE: a call is the CUDA kernel alone
+        hist = [(k, e) for k, e in enumerate(ev) if "int2_history" in e[0]]
+        for k, e in hist:
+            nxt = ev[k + 1][1] if k + 1 < len(ev) else None
+            calls.append(dict(stage1=None, history=e[2], history_overlap=None, merge=None, overlap=None, span=e[2],
+                              gap_next=None if nxt is None else nxt - (e[1] + e[2])))
     return calls
 
 
@@ -102,7 +108,8 @@ def main():
                     help="extra CUDA history (stages:warps) per CTA to time at every point, e.g. 3:4,4:4")
     ap.add_argument("--cuda-windows", default="",
                     help="with --history-kernel cuda, other ways to read the window to time at every point: 'triton' "
-                         "(the Triton window programs after the kernel, history_cuda.FUSED_WINDOW off) or "
+                         "(the Triton window programs after the kernel, history_cuda.FUSED_WINDOW off), "
+                         "'triton_merge' (the window CTAs, then the Triton merge: FUSED_MERGE off) or "
                          "'first:ROWS' / 'last:ROWS' (window CTAs before / after the history CTAs, ROWS positions "
                          "per warp), e.g. triton,first:16,last:32")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -142,10 +149,12 @@ def main():
                 if args.history_kernel == "cuda":
                     kw = dict(kw, history_kernel="cuda")
                     from sglang_oscar.kernels import history_cuda
-                    knobs = ("STAGES", "WARPS", "FUSED_WINDOW", "WINDOW_LAST", "WINDOW_ROWS_PER_WARP")
+                    knobs = ("STAGES", "WARPS", "FUSED_WINDOW", "WINDOW_LAST", "WINDOW_ROWS_PER_WARP", "FUSED_MERGE")
                     default = {k: getattr(history_cuda, k) for k in knobs}
                     if window == "triton":
                         history_cuda.FUSED_WINDOW = False
+                    elif window == "triton_merge":
+                        history_cuda.FUSED_MERGE = False
                     elif window:
                         place, per_warp = window.split(":")
                         history_cuda.FUSED_WINDOW, history_cuda.WINDOW_LAST = True, place == "last"

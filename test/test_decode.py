@@ -807,6 +807,9 @@ def test_cuda_history_rejects_what_it_does_not_cover():
     with pytest.raises(ValueError, match="ring_splits / sink_splits set the Triton window programs"):
         oscar_decode(**make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.bfloat16),
                      history_kernel="cuda", ring_splits=2)  # checked before the device: CPU CI sees it
+    with pytest.raises(ValueError, match="merge_splits sets the Triton merge"):
+        oscar_decode(**make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.bfloat16),
+                     history_kernel="cuda", merge_splits=2)
     case = make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         oscar_decode(**case, history_kernel="cuda")
@@ -866,10 +869,46 @@ def test_cuda_window_ctas_match_the_oracle(sink, window, lens, ring_starts, warp
     run_and_check(case, history_kernel="cuda", num_splits=3)
     r0 = case["req_pool_indices"][-1]
     case["cache"].sink_table[case["req_to_token"][r0, :3].long()] = -1  # the merge recomputes that sink range
+    run_and_check(case, missing_sink_int2=True, history_kernel="cuda")  # INT2 records read into the BF16 tile
+    monkeypatch.setattr(history_cuda, "FUSED_MERGE", False)  # the Triton merge after the window CTAs
     run_and_check(case, missing_sink_int2=True, history_kernel="cuda")
-    monkeypatch.setattr(history_cuda, "FUSED_WINDOW", False)
+    monkeypatch.setattr(history_cuda, "FUSED_WINDOW", False)  # the Triton window programs and merge
     run_and_check(case, missing_sink_int2=True, history_kernel="cuda")
     assert err_fused < TOL
+
+
+@requires_cuda
+def test_cuda_fused_merge_counters_dtypes_and_replays():
+    """The merge by the last CTA of each column (history_cuda.FUSED_MERGE): its counters are zero after every call
+    (eager and graph replays; a counter left behind would make no CTA the last one and leave the poisoned output),
+    the output in q's dtype (bf16, fp16, fp32 queries over BF16 windows), and the Triton merge of the same partials
+    to within rounding (its exp2 and sums differ from the kernel's in the last bits; both end in bf16)."""
+    from sglang_oscar.kernels import history_cuda
+
+    case = make_case([3001, 64, 1500], hkv=2, gqa=4, d=128, sink=64, window=256, ring_starts=[0, 0, 1400],
+                     pool_page=64, seed=80)
+    cnt = history_cuda.counters(case["q"].device)
+    for qdt in (torch.bfloat16, torch.float16, torch.float32):
+        c = {**case, "q": case["q"].to(qdt)}
+        run_and_check(c, history_kernel="cuda")
+        assert int(cnt.abs().sum()) == 0
+    out = torch.full_like(case["q"], float("nan"))
+    oscar_decode(**case, history_kernel="cuda", out=out)
+    want = out.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        oscar_decode(**case, history_kernel="cuda", out=out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and int(cnt.abs().sum()) == 0
+    try:
+        history_cuda.FUSED_MERGE = False
+        unfused = oscar_decode(**case, history_kernel="cuda")
+    finally:
+        history_cuda.FUSED_MERGE = True
+    torch.testing.assert_close(want.float(), unfused.float(), rtol=1e-2, atol=1e-2)
 
 
 @requires_cuda

@@ -77,3 +77,14 @@ def test_split_calls_with_the_window_in_the_history_kernel():
     assert a["stage1"] is None and a["history_overlap"] is None and a["history"] == 20.0 and a["merge"] == 4.0
     assert a["overlap"] == pytest.approx(2.0) and a["span"] == pytest.approx(22.0) and a["gap_next"] == pytest.approx(1.0)
     assert b["overlap"] == 0.0 and b["span"] == pytest.approx(13.0) and b["gap_next"] is None
+
+
+def test_split_calls_with_the_merge_in_the_history_kernel():
+    """history_cuda.FUSED_MERGE: a call is the CUDA kernel alone."""
+    ev = [
+        ("void (anonymous namespace)::int2_history_kernel<2>(Args)", 0.0, 20.0),
+        ("void (anonymous namespace)::int2_history_kernel<2>(Args)", 21.5, 10.0),
+    ]
+    a, b = split_calls(ev)
+    assert a["history"] == 20.0 and a["span"] == 20.0 and a["merge"] is None and a["gap_next"] == pytest.approx(1.5)
+    assert b["span"] == 10.0 and b["gap_next"] is None

@@ -1091,8 +1091,8 @@ def oscar_decode(
     two, D / merge_splits >= MERGE_MIN_DIMS; None: default_merge_splits).
     history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128, GQA 1-4, groups 64/128,
     uniform levels, BF16 window rows; one split per CTA of 8 warps, num_splits None: its own rule; the sink and
-    ring rows in the same kernel's window CTAs, history_cuda.window_ctas, so ring_splits / sink_splits do not
-    apply). An unsupported shape raises instead of falling back.
+    ring rows in the same kernel's window CTAs, history_cuda.window_ctas, and the merge by its last CTA per KV head,
+    so ring_splits / sink_splits / merge_splits do not apply). An unsupported shape raises instead of falling back.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -1161,6 +1161,9 @@ def oscar_decode(
         if history_cuda.FUSED_WINDOW and (ring_splits is not None or sink_splits is not None):
             raise ValueError("ring_splits / sink_splits set the Triton window programs; history_kernel='cuda' reads "
                              "the window in its own CTAs (history_cuda.window_ctas)")
+        if history_cuda.FUSED_WINDOW and history_cuda.FUSED_MERGE and merge_splits is not None:
+            raise ValueError("merge_splits sets the Triton merge; history_kernel='cuda' merges in its own kernel "
+                             "(history_cuda.FUSED_MERGE)")
         history_cuda.check_supported(D, group, gk, gv, k_level_a is not None or v_level_a is not None, q.device,
                                      window_dtype=cache.ring_k.dtype)
     # resident stage-1 programs per SM if registers bound them (4 at 128:2:3, 6 folded), for the wave fill
@@ -1182,6 +1185,7 @@ def oscar_decode(
     slots = ctas * _num_sms(q.device)  # stage-1 programs resident at once (one round)
     # the CUDA history kernel reads the window in its own CTAs (history_cuda.FUSED_WINDOW), 128 positions each
     fused_window = hist_cuda and history_cuda.FUSED_WINDOW
+    fused_merge = fused_window and history_cuda.FUSED_MERGE
     ss_auto, rs_auto = (history_cuda.window_ctas(sink, window) if fused_window
                         else default_window_splits(B * Hkv, ns, sink, window, slots))
     rs = ring_splits if ring_splits is not None else rs_auto
@@ -1222,7 +1226,10 @@ def oscar_decode(
         # a plain launch (it reads q, written by the kernel before it); it lets its dependents launch early
         history_cuda.launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, sink=sink, window=window,
                             sm_scale=sm_scale, ns=ns, ns_total=ns_total, o_part=o_part, lse_part=lse_part,
-                            window_splits=(ss, rs) if fused_window else (0, 0), sink_k=sink_k, sink_v=sink_v)
+                            window_splits=(ss, rs) if fused_window else (0, 0), sink_k=sink_k, sink_v=sink_v,
+                            out=out if fused_merge else None)
+        if fused_merge:
+            return out
     if not fused_window:
         _oscar_decode_stage1[grid](
             q, cache.k_codes, kp32, kp64, cache.v_codes, vp32, vp64,

@@ -1,8 +1,8 @@
 """The INT2 history stage of oscar_decode in CUDA (kernels/cuda/int2_history.cu): build, checks, launch.
 
 oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) (one split per CTA; its
-warps merge in shared memory) and, in the same grid, the BF16 sink and ring rows (window CTAs, FUSED_WINDOW), then
-the usual merge (PDL). It covers the shape family it was written and measured for: D 128, K and V groups of 64 or
+warps merge in shared memory) and, in the same grid, the BF16 sink and ring rows (window CTAs, FUSED_WINDOW); the
+last CTA of each (request, KV head) merges the partials (FUSED_MERGE), so that a decode call is one launch. It covers the shape family it was written and measured for: D 128, K and V groups of 64 or
 128, uniform INT2 levels, GQA 1-4 (Qwen3-4B / 8B, Llama-3-8B), BF16 sink / ring rows. Anything else raises with
 the reason instead of falling back. It pays on a pool in pages
 (kernels/records.py): on H100, page 64, Qwen3-8B shapes, 84-90% of copy bandwidth at 64k / 128k batch >= 8
@@ -44,6 +44,11 @@ MIN_ROWS_PER_SPLIT = 256
 FUSED_WINDOW = True
 WINDOW_ROWS_PER_WARP = 16  # a multiple of 16 (the warp reads them one 16-row tile at a time)
 WINDOW_LAST = True  # the window CTAs after the history CTAs in the grid (else before)
+# The merge in the kernel (with FUSED_WINDOW): the last CTA of a column to finish merges its partials and writes
+# the output, so a decode call is one launch; off, the Triton merge kernel follows (PDL). A column's CTAs count
+# themselves done in a per-device int32 counter (COUNTERS of them, zero between calls).
+FUSED_MERGE = True
+COUNTERS = 1 << 16
 # The merge reads a query head's partials (history splits + window partials) in one tile of at most this many.
 MAX_PARTIALS = 256
 LOG2E = 1.4426950408889634
@@ -52,11 +57,22 @@ Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel
 # oscar_history_launch's C parameters in order (test_decode checks them against the source's signature)
 _i, _p = ctypes.c_int, ctypes.c_void_p
 LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
-                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p]
+                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _p]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _occupancy: dict = {}
+_counters: dict = {}  # device index -> int32 [COUNTERS], zeros (each call leaves it zero)
+
+
+def counters(device) -> torch.Tensor:
+    """The merge's per-column counters on `device`, allocated on first use: library() does it for the current
+    device when it loads, i.e. at server start (startup_checks) or on the first decode call, before any capture."""
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in _counters:
+        _counters[idx] = torch.zeros(COUNTERS, dtype=torch.int32, device=f"cuda:{idx}")
+    return _counters[idx]
 
 
 class CudaHistoryUnavailable(RuntimeError):
@@ -124,6 +140,7 @@ def library() -> ctypes.CDLL:
             f.argtypes, f.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         _lib = lib
     occupancy()  # first load: the default configuration's shared-memory limit, before any graph capture
+    counters(torch.cuda.current_device())
     return _lib
 
 
@@ -170,12 +187,15 @@ _INDEX_DTYPES = {torch.int32: 0, torch.int64: 1}
 
 
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
-           o_part, lse_part, pdl: bool = False, window_splits: tuple = (0, 0), sink_k=None, sink_v=None) -> None:
+           o_part, lse_part, pdl: bool = False, window_splits: tuple = (0, 0), sink_k=None, sink_v=None,
+           out=None) -> None:
     """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128], and
     with window_splits = (SS, RS) != (0, 0) (window_ctas) the sink partials [ns, ns + SS) and the ring partials
     [ns + SS, ns + SS + RS) as well (sink_k / sink_v: the cache's sink rows, or a one-row stand-in where it has
-    none). oscar_decode, the caller, has checked the index dtypes and check_supported the shape; this checks only
-    what the kernel adds (the split range, contiguous 1-D inputs).
+    none). With out (a contiguous [B, Hq, 128] tensor of q's dtype; needs the window partials) the kernel also
+    merges them into out (FUSED_MERGE) and nothing needs to follow. oscar_decode, the caller, has checked the index
+    dtypes and check_supported the shape; this checks only what the kernel adds (the split range, contiguous 1-D
+    inputs, the merge's counters).
 
     The kernel lets its dependents launch at once (griddepcontrol.launch_dependents); a kernel launched after it
     with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
@@ -199,6 +219,18 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
                cache.sink_table.data_ptr())
     else:
         win = (None,) * 5
+    merge = (None, 0, None, 0)
+    if out is not None:
+        if not (ss or rs):
+            raise ValueError("history_kernel='cuda' merges in the kernel only with its window CTAs (window_splits)")
+        if out.dtype != q.dtype or out.shape != q.shape or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
+        cols = cta_columns(q.shape[0] * cache.kv_heads, q.shape[1] // cache.kv_heads)
+        cnt = counters(q.device)
+        if cols > cnt.numel():
+            raise ValueError(f"history_kernel='cuda' merges at most {cnt.numel()} (request, KV head) columns in the "
+                             f"kernel, this call has {cols}: raise history_cuda.COUNTERS")
+        merge = (out.data_ptr(), Q_DTYPES[out.dtype], cnt.data_ptr(), 1)
     if not (req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q.is_contiguous()):
         raise ValueError("history_kernel='cuda' needs contiguous q, req_pool_indices and seq_lens")
     page = cache.page
@@ -212,7 +244,7 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
         o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), int(bool(pdl)), *win, ss, rs,
-        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST),
+        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST), *merge,
         torch.cuda.current_stream().cuda_stream)
     if rc:
         raise RuntimeError(f"history_kernel='cuda' launch failed (cuda error {rc})")

@@ -127,15 +127,19 @@ struct Args {
   int nwin_sink, nwin_ring; // window CTAs per CTA column
   int win_tiles;            // 16-position tiles per warp of a window CTA
   int win_last;             // window CTAs after the history CTAs in the grid (else before)
+  // the merge in this kernel (fused_merge): the last CTA of a column to finish merges the column's partials
+  void* out;                // [B, Hq, 128], dtype code out_dtype (as q_dtype)
+  int out_dtype;
+  int* counters;            // [>= gridDim.x] zero between calls: CTAs of a column done (the last one resets it)
+  int fused_merge;
 };
 
 // The CTA's merge. Each warp has parked its unnormalised O (4 heads x 128 dims) and its (m, l) per head in shared
 // memory (so, sml); thread e of the CTA combines output e (+ k.threads) over the warps: M = max m_w,
 // O = sum 2^(m_w - M) O_w, L = sum 2^(m_w - M) l_w. An empty warp has l = 0 and m = -1e30, so it weighs 0 (or all
-// weigh 1 and L = 0: an empty split, o 0 and lse -inf). nan_lse: a window CTA that met a sink position without a
-// sink row stores lse NaN, the merge's signal to drop the sink partials and recompute the sink range.
+// weigh 1 and L = 0: an empty split, o 0 and lse -inf).
 __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so, const float* sml, int nwarps, int nh,
-                                                  int hq_base, int split, bool nan_lse) {
+                                                  int hq_base, int split) {
   for (int e = threadIdx.x; e < 512; e += blockDim.x) {
     const int hl = e >> 7, d = e & 127;
     if (hl >= nh) continue;
@@ -149,13 +153,79 @@ __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so
     }
     const size_t row = (size_t)hq_base + hl;
     a.o_part[(row * a.ns_total + split) * 128 + d] = L > 0.f ? O / L : 0.f;
-    if (d == 0) a.lse_part[row * a.ns_total + split] = nan_lse ? __int_as_float(0x7fc00000) : L > 0.f ? M + __log2f(L) : -INFINITY;
+    if (d == 0) a.lse_part[row * a.ns_total + split] = L > 0.f ? M + __log2f(L) : -INFINITY;
+  }
+}
+
+// The merge in this kernel (fused_merge): every CTA of column col (one (request, KV head, head group)) counts itself
+// done after its partial is visible device-wide (the fence-then-count pattern of CUDA's threadFenceReduction); the
+// last one reduces the column's ns_total partials per query head, o = sum 2^(lse_s - M) o_s / sum 2^(lse_s - M), in
+// split order (the same bits whichever CTA is last), writes out and resets the counter for the next call.
+__device__ __forceinline__ void merge_column(const Args& a, int col, int hq_base, int nh) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(a.counters + col, 1) == (int)gridDim.y - 1;
+    if (last) a.counters[col] = 0;  // every other CTA of the column has counted: no one touches it until the next call
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < 512; e += blockDim.x) {
+    const int hl = e >> 7, d = e & 127;
+    if (hl >= nh) continue;
+    const size_t row = (size_t)hq_base + hl;
+    const float* lse = a.lse_part + row * a.ns_total;
+    const float* op = a.o_part + row * a.ns_total * 128 + d;
+    float M = -INFINITY;
+    for (int s = 0; s < a.ns_total; ++s) M = fmaxf(M, __ldcg(lse + s));
+    float L = 0.f, O = 0.f;
+    if (M != -INFINITY) {
+      for (int s = 0; s < a.ns_total; ++s) {
+        const float w = ex2(__ldcg(lse + s) - M);  // 0 for an empty split (lse -inf; its o is 0)
+        L += w;
+        O = fmaf(w, __ldcg(op + (size_t)s * 128), O);
+      }
+    }
+    const float x = L > 0.f ? O / L : 0.f;
+    if (a.out_dtype == 0) reinterpret_cast<__nv_bfloat16*>(a.out)[row * 128 + d] = __float2bfloat16_rn(x);
+    else if (a.out_dtype == 1) reinterpret_cast<__half*>(a.out)[row * 128 + d] = __float2half_rn(x);
+    else reinterpret_cast<float*>(a.out)[row * 128 + d] = x;
   }
 }
 
 // XOR swizzle of the 16-byte chunks of a 256-byte BF16 row in shared memory: the K reads (rows g and g + 1 of a
 // quarter warp, chunks 4j + t) and the V reads (rows 2t, chunks 2g + s) are then free of bank conflicts
 __device__ __forceinline__ int swz(int r) { return ((r & 1) << 2) ^ ((r >> 1) & 1) ^ (((r >> 2) & 1) << 2); }
+
+// Dims 8ch .. 8ch + 7 of the K and V rows of pool slot `slot`, head h, dequantized from their INT2 records
+// (min + scale . code, the oracle's form) as BF16 into the tile chunk at dst (K) and dst + 4096 (V): a sink
+// position without a sink row. Codes: byte j of a record holds dims j + 32p in bits 2p, 2p + 1 (kernels/layout.py).
+__device__ __forceinline__ void store_int2_chunk(const Args& a, uint32_t dst, long long slot, int h, int ch) {
+  const int pmask = (1 << a.page_log2) - 1;
+  const long long rec = ((slot >> a.page_log2) * a.hkv + h) * (pmask + 1) + (slot & pmask);
+  const int p = ch >> 2, j0 = (ch & 3) * 8;
+#pragma unroll
+  for (int kv = 0; kv < 2; ++kv) {
+    const uint8_t* codes = (kv ? a.vc : a.kc) + rec * 32 + j0;
+    const bool g128 = kv ? a.vg128 : a.kg128;
+    // the (scale, min) word of this chunk's group: one per row at G = 128, two at G = 64 (dims 0..63, 64..127)
+    const uint32_t* prm = reinterpret_cast<const uint32_t*>(kv ? (const void*)a.vp : (const void*)a.kp);
+    const uint32_t w = g128 ? prm[rec] : prm[rec * 2 + (ch >> 3)];
+    const float sc = bf_lo(w), mn = bf_hi(w);
+    uint32_t out[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float x0 = fmaf(sc, (float)((codes[2 * i] >> (2 * p)) & 3), mn);
+      const float x1 = fmaf(sc, (float)((codes[2 * i + 1] >> (2 * p)) & 3), mn);
+      __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+      out[i] = *reinterpret_cast<uint32_t*>(&v);
+    }
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + kv * 4096), "r"(out[0]), "r"(out[1]),
+                 "r"(out[2]), "r"(out[3]) : "memory");
+  }
+}
 
 // A window CTA: window CTA j of its column (sink CTAs j < nwin_sink, then ring CTAs). Warp w reads win_tiles tiles
 // of 16 positions, ((j' * nwarps + w) * win_tiles + k) * 16 on from the range's start, one at a time (the warp's
@@ -205,18 +275,18 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
 #pragma unroll
   for (int mt = 0; mt < 8; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
   float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f;  // an empty warp keeps these: weighed 0 by the CTA merge
-  bool missing = false;
   for (int tile = 0; tile < a.win_tiles; ++tile) {
     const int first = first0 + 16 * tile;
     if (first >= range_hi) break;  // uniform per warp
-    // lanes 0..15: the row of position first + lane (-1: none); a sink position without a sink row is flagged
+    // lanes 0..15: the row of position first + lane: >= 0 a BF16 row, -1 none (masked), <= -2 a sink position
+    // without a sink row (rare: no sink row was free), whose INT2 record at slot -2 - row is read instead
     const int pos = first + (lane & 15);
     long long row = -1;
     if (lane < 16 && pos < range_hi) {
       if (is_sink) {
-        const int sr = __ldg(a.sink_table + __ldg(a.r2t + (size_t)req * a.r2t_stride + pos));
-        if (sr < 0) missing = true;
-        else row = sr;
+        const int slot = __ldg(a.r2t + (size_t)req * a.r2t_stride + pos);
+        const int sr = __ldg(a.sink_table + slot);
+        row = sr >= 0 ? (long long)sr : -2 - (long long)slot;
       } else {
         row = (long long)req * a.window + pos % a.window;
       }
@@ -227,11 +297,15 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
       const long long rr = __shfl_sync(0xffffffffu, row, r);
       const long long off = rr < 0 ? 0 : (rr * a.hkv + h) * 128 + ch * 8;
       const uint32_t dst = st + r * 256 + ((ch ^ swz(r)) << 4);
-      cp_async16(dst, kbase + off, rr < 0 ? 0 : 16);
-      cp_async16(dst + 4096, vbase + off, rr < 0 ? 0 : 16);
+      if (rr <= -2) {
+        store_int2_chunk(a, dst, -2 - rr, h, ch);
+      } else {
+        cp_async16(dst, kbase + off, rr < 0 ? 0 : 16);
+        cp_async16(dst + 4096, vbase + off, rr < 0 ? 0 : 16);
+      }
     }
     cp_commit();
-    const bool tok_a = __shfl_sync(0xffffffffu, row, g) >= 0, tok_b = __shfl_sync(0xffffffffu, row, g + 8) >= 0;
+    const bool tok_a = __shfl_sync(0xffffffffu, row, g) != -1, tok_b = __shfl_sync(0xffffffffu, row, g + 8) != -1;
     cp_wait<0>();
     __syncwarp();
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -285,7 +359,7 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
     __syncwarp();  // the next tile's copies overwrite these buffers
   }
   // park O, m, l for the CTA merge (the tiles above are dead once every warp is past this barrier)
-  const bool any_missing = __syncthreads_or(missing);
+  __syncthreads();
   float* so = reinterpret_cast<float*>(smem);
   float* sml = so + nwarps * 512;
   if (t < 2) {
@@ -306,7 +380,8 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   }
   __syncthreads();
   const int ns_hist = gridDim.y - a.nwin_sink - a.nwin_ring;
-  store_cta_partial(a, so, sml, nwarps, nh, hq_base, ns_hist + j, is_sink && any_missing);
+  store_cta_partial(a, so, sml, nwarps, nh, hq_base, ns_hist + j);
+  if (a.fused_merge) merge_column(a, blockIdx.x, hq_base, nh);
 }
 
 template <int NSTAGE>
@@ -559,7 +634,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
   }
   __syncthreads();
-  store_cta_partial(a, so, sml, nwarps, nh, hq_base, split, false);
+  store_cta_partial(a, so, sml, nwarps, nh, hq_base, split);
+  if (a.fused_merge) merge_column(a, blockIdx.x, hq_base, nh);
 }
 
 template <int NSTAGE>
@@ -612,13 +688,14 @@ int oscar_history_launch(int nstage, int warps, int bh, int gqa, int kg128, int 
                          const void* req_idx, int req_idx_64, const int* seq_lens, const int* ring_start, int hkv,
                          int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
                          const void* sk, const void* sv, const void* rk, const void* rv, const int* sink_table,
-                         int nwin_sink, int nwin_ring, int win_tiles, int win_last, void* stream) {
+                         int nwin_sink, int nwin_ring, int win_tiles, int win_last, void* out, int out_dtype,
+                         int* counters, int fused_merge, void* stream) {
   // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows of the grid) before or after them
   Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
          grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, (gqa + 3) / 4, kg128, vg128,
          (const __nv_bfloat16*)sk, (const __nv_bfloat16*)sv, (const __nv_bfloat16*)rk, (const __nv_bfloat16*)rv,
-         sink_table, nwin_sink, nwin_ring, win_tiles, win_last};
+         sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge};
   DISPATCH(nstage, launch, a, bh * ((gqa + 3) / 4), warps, grid_y + nwin_sink + nwin_ring, pdl, (cudaStream_t)stream)
 }
 
