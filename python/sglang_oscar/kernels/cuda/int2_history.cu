@@ -161,7 +161,7 @@ __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so
 // done after its partial is visible device-wide (the fence-then-count pattern of CUDA's threadFenceReduction); the
 // last one reduces the column's ns_total partials per query head, o = sum 2^(lse_s - M) o_s / sum 2^(lse_s - M), in
 // split order (the same bits whichever CTA is last), writes out and resets the counter for the next call.
-__device__ __forceinline__ void merge_column(const Args& a, int col, int hq_base, int nh) {
+__device__ __forceinline__ void merge_column(const Args& a, uint8_t* smem, int col, int hq_base, int nh) {
   __shared__ int last;
   __threadfence();
   __syncthreads();
@@ -172,23 +172,39 @@ __device__ __forceinline__ void merge_column(const Args& a, int col, int hq_base
   __syncthreads();
   if (!last) return;
   __threadfence();
+  // the weights 2^(lse_s - M) / L of each head's partials into shared memory (one warp per head, lanes striding
+  // over the splits), then every output reads its partials with independent loads
+  const int n = a.ns_total, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* sw = reinterpret_cast<float*>(smem);  // [4][n]; the CTA's own merge is done with this memory
+  for (int hw = warp; hw < nh; hw += (int)(blockDim.x >> 5)) {  // head hw (CTAs of fewer than 4 warps loop)
+    const float* lse = a.lse_part + (size_t)(hq_base + hw) * n;
+    float M = -INFINITY;
+    for (int s = lane; s < n; s += 32) {
+      const float x = __ldcg(lse + s);
+      sw[hw * n + s] = x;
+      M = fmaxf(M, x);
+    }
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
+    float L = 0.f;
+    if (M != -INFINITY) {
+      for (int s = lane; s < n; s += 32) L += ex2(sw[hw * n + s] - M);  // 0 for an empty split (lse -inf)
+    }
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) L += __shfl_xor_sync(0xffffffffu, L, x);
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    for (int s = lane; s < n; s += 32) sw[hw * n + s] = M != -INFINITY ? ex2(sw[hw * n + s] - M) * inv : 0.f;
+  }
+  __syncthreads();
   for (int e = threadIdx.x; e < 512; e += blockDim.x) {
     const int hl = e >> 7, d = e & 127;
     if (hl >= nh) continue;
     const size_t row = (size_t)hq_base + hl;
-    const float* lse = a.lse_part + row * a.ns_total;
-    const float* op = a.o_part + row * a.ns_total * 128 + d;
-    float M = -INFINITY;
-    for (int s = 0; s < a.ns_total; ++s) M = fmaxf(M, __ldcg(lse + s));
-    float L = 0.f, O = 0.f;
-    if (M != -INFINITY) {
-      for (int s = 0; s < a.ns_total; ++s) {
-        const float w = ex2(__ldcg(lse + s) - M);  // 0 for an empty split (lse -inf; its o is 0)
-        L += w;
-        O = fmaf(w, __ldcg(op + (size_t)s * 128), O);
-      }
-    }
-    const float x = L > 0.f ? O / L : 0.f;
+    const float* op = a.o_part + row * n * 128 + d;
+    const float* w = sw + hl * n;
+    float x = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < n; ++s) x = fmaf(w[s], __ldcg(op + (size_t)s * 128), x);  // an empty split's o is 0
     if (a.out_dtype == 0) reinterpret_cast<__nv_bfloat16*>(a.out)[row * 128 + d] = __float2bfloat16_rn(x);
     else if (a.out_dtype == 1) reinterpret_cast<__half*>(a.out)[row * 128 + d] = __float2half_rn(x);
     else reinterpret_cast<float*>(a.out)[row * 128 + d] = x;
@@ -381,7 +397,7 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   __syncthreads();
   const int ns_hist = gridDim.y - a.nwin_sink - a.nwin_ring;
   store_cta_partial(a, so, sml, nwarps, nh, hq_base, ns_hist + j);
-  if (a.fused_merge) merge_column(a, blockIdx.x, hq_base, nh);
+  if (a.fused_merge) merge_column(a, smem, blockIdx.x, hq_base, nh);
 }
 
 template <int NSTAGE>
@@ -635,7 +651,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   }
   __syncthreads();
   store_cta_partial(a, so, sml, nwarps, nh, hq_base, split);
-  if (a.fused_merge) merge_column(a, blockIdx.x, hq_base, nh);
+  if (a.fused_merge) merge_column(a, smem, blockIdx.x, hq_base, nh);
 }
 
 template <int NSTAGE>
