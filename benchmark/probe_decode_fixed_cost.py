@@ -109,7 +109,8 @@ def main():
     ap.add_argument("--cuda-windows", default="",
                     help="with --history-kernel cuda, other ways to read the window to time at every point: 'triton' "
                          "(the Triton window programs after the kernel, history_cuda.FUSED_WINDOW off), "
-                         "'triton_merge' (the window CTAs, then the Triton merge: FUSED_MERGE off) or "
+                         "'triton_merge' / 'fused_merge' (the window CTAs, then the Triton merge / the merge in the "
+                         "kernel: history_cuda.FUSED_MERGE off / on) or "
                          "'first:ROWS' / 'last:ROWS' (window CTAs before / after the history CTAs, ROWS positions "
                          "per warp), e.g. triton,first:16,last:32")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -153,8 +154,8 @@ def main():
                     default = {k: getattr(history_cuda, k) for k in knobs}
                     if window == "triton":
                         history_cuda.FUSED_WINDOW = False
-                    elif window == "triton_merge":
-                        history_cuda.FUSED_MERGE = False
+                    elif window in ("triton_merge", "fused_merge"):
+                        history_cuda.FUSED_MERGE = window == "fused_merge"
                     elif window:
                         place, per_warp = window.split(":")
                         history_cuda.FUSED_WINDOW, history_cuda.WINDOW_LAST = True, place == "last"

@@ -6,8 +6,8 @@
 #   OSCAR_COMMIT=<hash> bash benchmark/run_gpu_cuda_history.sh
 # env: CONTEXTS (32768,65536,131072), BATCHES (1,2,4,8,32), SPLITS (b1 sweep, 16,33,132,248), CUDA_CONFIGS
 # (extra stages:warps, e.g. 3:4,4:4), VARIANTS (probe --variants), PROBE_BATCHES (1,8), TESTS / TRITON_PROBE /
-# PROBE / BENCH = 0 to skip; CUDA_WINDOWS (probe --cuda-windows; default triton,triton_merge: the Triton window
-# programs, and the Triton merge after the window CTAs, beside the default one-launch call, at every point).
+# PROBE / BENCH = 0 to skip; CUDA_WINDOWS (probe --cuda-windows; default triton,fused_merge: the Triton window
+# programs, and the merge in the kernel, beside the default window CTAs + Triton merge, at every point).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -n "${OSCAR_COMMIT:-}" ] || echo "warning: OSCAR_COMMIT unset: results name the device copy's git HEAD" >&2
@@ -22,7 +22,7 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 if [ "${PROBE:-1}" = 1 ]; then
   python3 benchmark/probe_decode_fixed_cost.py --history-kernel cuda --page 64 --contexts "$CONTEXTS" \
-    --batches "${PROBE_BATCHES:-1,8}" --cuda-windows "${CUDA_WINDOWS-triton,triton_merge}" \
+    --batches "${PROBE_BATCHES:-1,8}" --cuda-windows "${CUDA_WINDOWS-triton,fused_merge}" \
     --splits "${SPLITS-16,33,132,248}" --cuda-configs "${CUDA_CONFIGS:-}" --variants "${VARIANTS:-}" --tag cuda_page64 \
     --out "$OUT" 2>&1 | tee "$OUT/probe_cuda.log"
 fi

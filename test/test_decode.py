@@ -807,9 +807,16 @@ def test_cuda_history_rejects_what_it_does_not_cover():
     with pytest.raises(ValueError, match="ring_splits / sink_splits set the Triton window programs"):
         oscar_decode(**make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.bfloat16),
                      history_kernel="cuda", ring_splits=2)  # checked before the device: CPU CI sees it
-    with pytest.raises(ValueError, match="merge_splits sets the Triton merge"):
-        oscar_decode(**make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.bfloat16),
-                     history_kernel="cuda", merge_splits=2)
+    from sglang_oscar.kernels import history_cuda as hc
+
+    fused_merge = hc.FUSED_MERGE
+    try:
+        hc.FUSED_MERGE = True
+        with pytest.raises(ValueError, match="merge_splits sets the Triton merge"):
+            oscar_decode(**make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.bfloat16),
+                         history_kernel="cuda", merge_splits=2)
+    finally:
+        hc.FUSED_MERGE = fused_merge
     case = make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         oscar_decode(**case, history_kernel="cuda")
@@ -870,7 +877,7 @@ def test_cuda_window_ctas_match_the_oracle(sink, window, lens, ring_starts, warp
     r0 = case["req_pool_indices"][-1]
     case["cache"].sink_table[case["req_to_token"][r0, :3].long()] = -1  # the merge recomputes that sink range
     run_and_check(case, missing_sink_int2=True, history_kernel="cuda")  # INT2 records read into the BF16 tile
-    monkeypatch.setattr(history_cuda, "FUSED_MERGE", False)  # the Triton merge after the window CTAs
+    monkeypatch.setattr(history_cuda, "FUSED_MERGE", not history_cuda.FUSED_MERGE)  # the other merge
     run_and_check(case, missing_sink_int2=True, history_kernel="cuda")
     monkeypatch.setattr(history_cuda, "FUSED_WINDOW", False)  # the Triton window programs and merge
     run_and_check(case, missing_sink_int2=True, history_kernel="cuda")
@@ -878,13 +885,14 @@ def test_cuda_window_ctas_match_the_oracle(sink, window, lens, ring_starts, warp
 
 
 @requires_cuda
-def test_cuda_fused_merge_counters_dtypes_and_replays():
+def test_cuda_fused_merge_counters_dtypes_and_replays(monkeypatch):
     """The merge by the last CTA of each column (history_cuda.FUSED_MERGE): its counters are zero after every call
     (eager and graph replays; a counter left behind would make no CTA the last one and leave the poisoned output),
     the output in q's dtype (bf16, fp16, fp32 queries over BF16 windows), and the Triton merge of the same partials
     to within rounding (its exp2 and sums differ from the kernel's in the last bits; both end in bf16)."""
     from sglang_oscar.kernels import history_cuda
 
+    monkeypatch.setattr(history_cuda, "FUSED_MERGE", True)  # off by default (measured slower), kept correct
     case = make_case([3001, 64, 1500], hkv=2, gqa=4, d=128, sink=64, window=256, ring_starts=[0, 0, 1400],
                      pool_page=64, seed=80)
     cnt = history_cuda.counters(case["q"].device)
@@ -903,11 +911,8 @@ def test_cuda_fused_merge_counters_dtypes_and_replays():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want) and int(cnt.abs().sum()) == 0
-    try:
-        history_cuda.FUSED_MERGE = False
-        unfused = oscar_decode(**case, history_kernel="cuda")
-    finally:
-        history_cuda.FUSED_MERGE = True
+    monkeypatch.setattr(history_cuda, "FUSED_MERGE", False)
+    unfused = oscar_decode(**case, history_kernel="cuda")
     torch.testing.assert_close(want.float(), unfused.float(), rtol=1e-2, atol=1e-2)
 
 

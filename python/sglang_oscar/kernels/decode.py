@@ -1091,8 +1091,9 @@ def oscar_decode(
     two, D / merge_splits >= MERGE_MIN_DIMS; None: default_merge_splits).
     history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128, GQA 1-4, groups 64/128,
     uniform levels, BF16 window rows; one split per CTA of 8 warps, num_splits None: its own rule; the sink and
-    ring rows in the same kernel's window CTAs, history_cuda.window_ctas, and the merge by its last CTA per KV head,
-    so ring_splits / sink_splits / merge_splits do not apply). An unsupported shape raises instead of falling back.
+    ring rows in the same kernel's window CTAs, history_cuda.window_ctas, so ring_splits / sink_splits do not apply;
+    with history_cuda.FUSED_MERGE the merge too, and merge_splits does not apply). An unsupported shape raises
+    instead of falling back.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")

@@ -1,8 +1,8 @@
 """The INT2 history stage of oscar_decode in CUDA (kernels/cuda/int2_history.cu): build, checks, launch.
 
 oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) (one split per CTA; its
-warps merge in shared memory) and, in the same grid, the BF16 sink and ring rows (window CTAs, FUSED_WINDOW); the
-last CTA of each (request, KV head) merges the partials (FUSED_MERGE), so that a decode call is one launch. It covers the shape family it was written and measured for: D 128, K and V groups of 64 or
+warps merge in shared memory) and, in the same grid, the BF16 sink and ring rows (window CTAs, FUSED_WINDOW), then
+the Triton merge (PDL; FUSED_MERGE: the last CTA of each (request, KV head) merges instead, measured slower). It covers the shape family it was written and measured for: D 128, K and V groups of 64 or
 128, uniform INT2 levels, GQA 1-4 (Qwen3-4B / 8B, Llama-3-8B), BF16 sink / ring rows. Anything else raises with
 the reason instead of falling back. It pays on a pool in pages
 (kernels/records.py): on H100, page 64, Qwen3-8B shapes, 84-90% of copy bandwidth at 64k / 128k batch >= 8
@@ -46,8 +46,11 @@ WINDOW_ROWS_PER_WARP = 16  # a multiple of 16 (the warp reads them one 16-row ti
 WINDOW_LAST = True  # the window CTAs after the history CTAs in the grid (else before)
 # The merge in the kernel (with FUSED_WINDOW): the last CTA of a column to finish merges its partials and writes
 # the output, so a decode call is one launch; off, the Triton merge kernel follows (PDL). A column's CTAs count
-# themselves done in a per-device int32 counter (COUNTERS of them, zero between calls).
-FUSED_MERGE = True
+# themselves done in a per-device int32 counter (COUNTERS of them, zero between calls). Off by default: correct
+# (GPU tests), but slower in the same H100 run (results/probe_cuda_fused_merge_254359d_*: batch 1 at 32k / 64k /
+# 128k 24.2 / 35.4 / 50.8 us vs 20.6 / 30.9 / 45.7 with the Triton merge): the last CTA's fence, count and
+# partial reads run after everything else, where the Triton merge, launched early (PDL), has its prologue done.
+FUSED_MERGE = False
 COUNTERS = 1 << 16
 # The merge reads a query head's partials (history splits + window partials) in one tile of at most this many.
 MAX_PARTIALS = 256
