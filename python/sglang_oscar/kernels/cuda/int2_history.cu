@@ -1,5 +1,6 @@
 // The INT2 history splits of OSCAR decode attention and, in the same grid, its BF16 sink and ring rows, hand-written
-// (kernels/history_cuda.py builds, checks and launches it; kernels/decode.py runs the LSE merge after it).
+// (kernels/history_cuda.py builds, checks and launches it; kernels/decode.py runs the LSE merge after it, or, with
+// fused_merge, the last CTA of each column merges: merge_column).
 //
 // Why CUDA for this one stage: on H100 the Triton history loop is issue-bound at about the time that the pool's
 // gather allows, and this loop spends ~0.7x of its instructions; on a paged pool (kernels/records.py, pages of
@@ -17,13 +18,14 @@
 // reads one partial per CTA, not per warp (at batch 1 the per-warp partials were ~10-20% of the bytes read).
 // The CTA stores its partial like _store_split: o / l per (request, query head, split) in
 // o_part [B, Hq, NS_TOTAL, 128] and lse = m + log2 l (-inf for an empty split) in lse_part [B, Hq, NS_TOTAL],
-// splits [0, gridDim.y).
+// splits [0, ns_hist).
 //
 // Window CTAs (nwin_sink + nwin_ring > 0; window_cta below): rows of the grid before (or, win_last, after) the
 // history CTAs that read the BF16 sink rows [0, min(L, S)) and ring rows [recent_lo, L) (win_tiles mma tiles of 16
 // per warp) and store partials ns_hist + j, the Triton window programs' layout (split NS + j for sink j < SS, then
-// ring), so that the merge is unchanged. Without them (nwin 0) decode.py runs the Triton window programs after
-// this kernel as its programmatic dependents.
+// ring), so that the merge is unchanged. A sink position without a sink row is read from its INT2 record into the
+// tile (store_int2_chunk), so no partial needs the merge's recompute. Without window CTAs (nwin 0) decode.py runs
+// the Triton window programs after this kernel as its programmatic dependents.
 // Launch order (kernels/decode.py): this kernel lets its dependents launch at once; the merge (PDL) waits for it.
 //
 // Per warp and 16-token tile (all in registers, no CTA barrier):
@@ -36,7 +38,7 @@
 //   V dot  O^T[128 dims, 8 cols] += V^T codes[128, 16] . (p.vscale)^T[16, 8]: cols 0..3 carry p.scale of V
 //          group 0, cols 4..7 of group 1; the K accumulator becomes the B operand with two movmatrix.trans.
 //   Token order inside a tile (sigma) makes every shared-memory load conflict-free.
-// test/test_probe_cuda_history.py emulates these register layouts on the CPU.
+// test/test_probe_cuda_history.py emulates these register layouts, and the window CTAs' (window_cta), on the CPU.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
