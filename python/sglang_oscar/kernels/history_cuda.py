@@ -69,8 +69,9 @@ _counters: dict = {}  # device index -> int32 [COUNTERS], zeros (each call leave
 
 
 def counters(device) -> torch.Tensor:
-    """The merge's per-column counters on `device`, allocated on first use: library() does it for the current
-    device when it loads, i.e. at server start (startup_checks) or on the first decode call, before any capture."""
+    """The merge's per-column counters on `device`, allocated on first use: with FUSED_MERGE, library() does it for
+    the current device when it loads, i.e. at server start (startup_checks) or on the first decode call, before any
+    capture; otherwise the first launch with the merge in the kernel does."""
     idx = torch.device(device).index
     idx = torch.cuda.current_device() if idx is None else idx
     if idx not in _counters:
@@ -143,7 +144,8 @@ def library() -> ctypes.CDLL:
             f.argtypes, f.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         _lib = lib
     occupancy()  # first load: the default configuration's shared-memory limit, before any graph capture
-    counters(torch.cuda.current_device())
+    if FUSED_MERGE:
+        counters(torch.cuda.current_device())
     return _lib
 
 

@@ -136,6 +136,20 @@ struct Args {
   int fused_merge;
 };
 
+// record of (pool slot s, KV head h): kernels/records.py pool_record (pages of 2^page_log2 slots; pmask = page - 1,
+// passed in so that the history loop computes it once)
+template <typename Slot>
+__device__ __forceinline__ long long pool_record(const Args& a, Slot s, int h, int pmask) {
+  return ((long long)(s >> a.page_log2) * a.hkv + h) * (pmask + 1) + (s & pmask);
+}
+
+// element i of q (dtype code q_dtype) as fp32
+__device__ __forceinline__ float load_q(const Args& a, size_t i) {
+  if (a.q_dtype == 0) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.q)[i]);
+  if (a.q_dtype == 1) return __half2float(reinterpret_cast<const __half*>(a.q)[i]);
+  return reinterpret_cast<const float*>(a.q)[i];
+}
+
 // The CTA's merge. Each warp has parked its unnormalised O (4 heads x 128 dims) and its (m, l) per head in shared
 // memory (so, sml); thread e of the CTA combines output e (+ k.threads) over the warps: M = max m_w,
 // O = sum 2^(m_w - M) O_w, L = sum 2^(m_w - M) l_w. An empty warp has l = 0 and m = -1e30, so it weighs 0 (or all
@@ -221,8 +235,7 @@ __device__ __forceinline__ int swz(int r) { return ((r & 1) << 2) ^ ((r >> 1) & 
 // (min + scale . code, the oracle's form) as BF16 into the tile chunk at dst (K) and dst + 4096 (V): a sink
 // position without a sink row. Codes: byte j of a record holds dims j + 32p in bits 2p, 2p + 1 (kernels/layout.py).
 __device__ __forceinline__ void store_int2_chunk(const Args& a, uint32_t dst, long long slot, int h, int ch) {
-  const int pmask = (1 << a.page_log2) - 1;
-  const long long rec = ((slot >> a.page_log2) * a.hkv + h) * (pmask + 1) + (slot & pmask);
+  const long long rec = pool_record(a, slot, h, (1 << a.page_log2) - 1);
   const int p = ch >> 2, j0 = (ch & 3) * 8;
 #pragma unroll
   for (int kv = 0; kv < 2; ++kv) {
@@ -273,17 +286,12 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   {
     const bool qvalid = (g & 3) < nh;
     const size_t qrow = (size_t)(hq_base + (qvalid ? (g & 3) : 0)) * 128;
-    auto load_q = [&](size_t i) -> float {
-      if (a.q_dtype == 0) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.q)[i]);
-      if (a.q_dtype == 1) return __half2float(reinterpret_cast<const __half*>(a.q)[i]);
-      return reinterpret_cast<const float*>(a.q)[i];
-    };
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const size_t d = qrow + 32 * jj + 8 * t + 2 * k;
-        const float x0 = qvalid ? load_q(d) * a.c0 : 0.f, x1 = qvalid ? load_q(d + 1) * a.c0 : 0.f;
+        const float x0 = qvalid ? load_q(a, d) * a.c0 : 0.f, x1 = qvalid ? load_q(a, d + 1) * a.c0 : 0.f;
         __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
         qw[jj][k] = *reinterpret_cast<uint32_t*>(&v);
       }
@@ -437,10 +445,6 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int nblocks = (hi - lo + kTok - 1) / kTok;
   const int* r2t_row = a.r2t + (size_t)req * a.r2t_stride;
   const int pmask = (1 << a.page_log2) - 1;
-  // record of (slot s, head h): kernels/records.py pool_record
-  auto record = [&](int s) -> long long {
-    return ((long long)(s >> a.page_log2) * a.hkv + h) * (pmask + 1) + (s & pmask);
-  };
 
   // the slots of the next block to issue (lane's tokens: lane and lane + 32)
   int s0 = 0, s1 = 0;
@@ -460,7 +464,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         const int tok = (lane >> 1) + 16 * k, half = lane & 1;
         const int s = __shfl_sync(0xffffffffu, k < 2 ? s0 : s1, tok & 31);
         const int n = (pos0 + tok) < hi ? 16 : 0;
-        const long long off = record(s) * 32 + 16 * half;
+        const long long off = pool_record(a, s, h, pmask) * 32 + 16 * half;
         cp_async16(st + tok * 32 + 16 * half, a.kc + off, n);
         cp_async16(st + kVcOff + tok * 32 + 16 * half, a.vc + off, n);
       }
@@ -468,7 +472,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       for (int k = 0; k < 2; ++k) {
         const int tok = lane + 32 * k;
         const bool in = (pos0 + tok) < hi;
-        const long long off = record(k ? s1 : s0);
+        const long long off = pool_record(a, k ? s1 : s0, h, pmask);
         if (a.kg128) cp_async4(st + kKpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.kp) + off, in ? 4 : 0);
         else cp_async8(st + kKpOff + tok * 8, a.kp + off, in ? 8 : 0);
         if (a.vg128) cp_async4(st + kVpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.vp) + off, in ? 4 : 0);
@@ -501,16 +505,11 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   {
     const bool qvalid = (g & 3) < nh;  // a spare column: zero query (its scores are 0; nothing is stored)
     const size_t qrow = (size_t)(hq_base + (qvalid ? (g & 3) : 0)) * 128;
-    auto load_q = [&](size_t i) -> float {
-      if (a.q_dtype == 0) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.q)[i]);
-      if (a.q_dtype == 1) return __half2float(reinterpret_cast<const __half*>(a.q)[i]);
-      return reinterpret_cast<const float*>(a.q)[i];
-    };
 #pragma unroll
     for (int r = 0; r < 16; ++r) {
       const int ks = r >> 1, w = r & 1, p = ks >> 1, hh = ks & 1;
       const int d = p * 32 + t * 8 + 4 * hh + 2 * w;
-      const float x0 = qvalid ? load_q(qrow + d) * a.c0 : 0.f, x1 = qvalid ? load_q(qrow + d + 1) * a.c0 : 0.f;
+      const float x0 = qvalid ? load_q(a, qrow + d) * a.c0 : 0.f, x1 = qvalid ? load_q(a, qrow + d + 1) * a.c0 : 0.f;
       if (p < 2) gs0 += x0 + x1; else gs1 += x0 + x1;
       const float f = (p & 1) ? 0.25f : 1.f;
       qb[r] = h2u(__floats2half2_rn(x0 * f, x1 * f));
