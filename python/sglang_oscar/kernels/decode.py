@@ -1184,7 +1184,7 @@ def oscar_decode(
                                             ctas_per_sm=ctas, **split_rule)
     ns = num_splits
     slots = ctas * _num_sms(q.device)  # stage-1 programs resident at once (one round)
-    # the CUDA history kernel reads the window in its own CTAs (history_cuda.FUSED_WINDOW), 128 positions each
+    # the CUDA history kernel reads the window in its own CTAs (history_cuda.FUSED_WINDOW, window_ctas)
     fused_window = hist_cuda and history_cuda.FUSED_WINDOW
     fused_merge = fused_window and history_cuda.FUSED_MERGE
     ss_auto, rs_auto = (history_cuda.window_ctas(sink, window) if fused_window

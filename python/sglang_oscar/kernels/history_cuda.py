@@ -2,9 +2,10 @@
 
 oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) (one split per CTA; its
 warps merge in shared memory) and, in the same grid, the BF16 sink and ring rows (window CTAs, FUSED_WINDOW), then
-the Triton merge (PDL; FUSED_MERGE: the last CTA of each (request, KV head) merges instead, measured slower). It covers the shape family it was written and measured for: D 128, K and V groups of 64 or
-128, uniform INT2 levels, GQA 1-4 (Qwen3-4B / 8B, Llama-3-8B), BF16 sink / ring rows. Anything else raises with
-the reason instead of falling back. It pays on a pool in pages
+the Triton merge (PDL; FUSED_MERGE: the last CTA of each (request, KV head) merges instead, measured slower). It
+covers the shape family it was written and measured for: D 128, K and V groups of 64 or 128, uniform INT2 levels,
+GQA 1-4 (Qwen3-4B / 8B, Llama-3-8B), BF16 sink / ring rows. Anything else raises with the reason instead of falling
+back. It pays on a pool in pages
 (kernels/records.py): on H100, page 64, Qwen3-8B shapes, 84-90% of copy bandwidth at 64k / 128k batch >= 8
 against 65-67% for the Triton path (benchmark/NOTES.md).
 
@@ -40,7 +41,7 @@ WARPS, STAGES = 8, 2
 MIN_ROWS_PER_SPLIT = 256
 # The BF16 sink and ring rows in the kernel's own CTAs (16 positions per warp; partials in the Triton window
 # programs' layout) instead of the Triton window programs launched after it. A module attribute, so that
-# benchmarks time both in one run (probe_decode_fixed_cost.py --cuda-window).
+# benchmarks time both in one run (probe_decode_fixed_cost.py --cuda-windows).
 FUSED_WINDOW = True
 WINDOW_ROWS_PER_WARP = 16  # a multiple of 16 (the warp reads them one 16-row tile at a time)
 WINDOW_LAST = True  # the window CTAs after the history CTAs in the grid (else before)
