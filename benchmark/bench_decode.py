@@ -30,8 +30,9 @@ from bench_write import device_tag, git_commit, write_json  # noqa: E402  (bench
 from read_roofline import read_fns  # noqa: E402
 
 # layer shapes per GPU (q heads, KV heads, head_dim); the default table runs the first two. qwen3-32b: GQA 8
-# (the unfolded kernel, NP = 8); glm-4.7-tp8: 96 q / 8 KV heads split over 8 GPUs, GQA 12 (NP = 16)
-MODELS = {"qwen3-8b": (32, 8, 128), "smollm2": (9, 3, 64), "qwen3-32b": (64, 8, 128), "glm-4.7-tp8": (12, 1, 128)}
+# (the unfolded kernel, NP = 8); qwen3-14b: GQA 5; glm-4.7-tp8: 96 q / 8 KV heads split over 8 GPUs, GQA 12 (NP = 16)
+MODELS = {"qwen3-8b": (32, 8, 128), "smollm2": (9, 3, 64), "qwen3-32b": (64, 8, 128), "glm-4.7-tp8": (12, 1, 128),
+          "qwen3-14b": (40, 8, 128)}
 SINK, WINDOW, GK, GV = 64, 256, 64, 64
 L2_BYTES = 50 * 2**20
 MEM_CAP = 24 * 2**30  # per implementation's KV buffers
@@ -286,7 +287,10 @@ def main():
                     "sglang_triton_bf16", help="read_same_bytes / copy_same_traffic: a streaming read of the bytes "
                     "of one oscar call (benchmark/read_roofline.py) / a copy moving them: the size's ceiling; oscar_pageN: the first "
                     "oscar config on a pool in pages of N (kernels/records.py); oscar_cuda[_pageN]: the CUDA history "
-                    "(kernels/history_cuda.py), qwen3-8b shapes only")
+                    "(kernels/history_cuda.py: D 128, GQA <= 8; oscar_cuda_groups4_pageN: GQA 5-8 in head groups of 4, "
+                    "history_cuda.WIDE_TILE off)")
+    ap.add_argument("--cuda-max-gqa", type=int, default=None,
+                    help="history_cuda.MAX_GQA for the oscar_cuda impls (experiments: GQA above 8 in head groups)")
     ap.add_argument("--oscar-configs", default="auto:2:3,64:2:3",
                     help="BLOCK_N|auto:num_warps:num_stages[:rN][:wN][:ringN][:sinkN][:wfB][:pdlB][:subB][:peelB]"
                          "[:lazyT][:foldB] (rN: maxnreg N, wN: split_waves N, ringN: ring_splits N, sinkN: "
@@ -344,10 +348,23 @@ def main():
                             cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies, page=page)
                         if variant:
                             kw = dict(cfgs[0][1])
+                            knobs = {}
                             if impl.startswith("oscar_cuda"):
                                 kw = {"history_kernel": "cuda"}
-                            ms, cfg = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, **kw)), \
-                                f"{'cuda' if 'cuda' in impl else cfgs[0][0]}:page{page}"
+                                knobs = dict(WIDE_TILE="groups4" not in impl)
+                                if args.cuda_max_gqa:
+                                    knobs["MAX_GQA"] = args.cuda_max_gqa
+                            from sglang_oscar.kernels import history_cuda
+                            saved = {k: getattr(history_cuda, k) for k in knobs}
+                            try:
+                                for k, v in knobs.items():
+                                    setattr(history_cuda, k, v)
+                                ms = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, **kw))
+                            finally:
+                                for k, v in saved.items():
+                                    setattr(history_cuda, k, v)
+                            cfg = f"{'cuda' if 'cuda' in impl else cfgs[0][0]}:page{page}" + \
+                                (":groups4" if "groups4" in impl else "")
                             del cache, r2t
                         elif impl == "oscar_prev":
                             kw = {k: v for k, v in cfgs[0][1].items() if k in prev_params}

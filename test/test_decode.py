@@ -791,15 +791,18 @@ def test_cuda_history_rejects_what_it_does_not_cover():
 
     assert os.path.exists(history_cuda.SOURCE)  # shipped as package data (pyproject.toml)
     case = make_case([40, 30], hkv=2, gqa=2, d=64, device="cpu")
-    with pytest.raises(ValueError, match="history_kernel='cuda' covers head_dim 128, GQA 1-4, K/V groups 64 or 128"):
+    with pytest.raises(ValueError, match="history_kernel='cuda' covers head_dim 128, GQA 1-8, K/V groups 64 or 128"):
         oscar_decode(**case, history_kernel="cuda")
     case = make_case([40, 30], hkv=2, gqa=4, d=128, gk=64, gv=32, device="cpu")
     with pytest.raises(ValueError, match="this call has head_dim 128, GQA 4, groups 64/32"):
         oscar_decode(**case, history_kernel="cuda")
-    for gqa in (8, 12):  # Qwen3-32B's and GLM-4.7's ratios: Triton only (head groups measured slower)
+    for gqa in (9, 12):  # GLM-4.7 at TP8 (12): Triton only (above the 8-head tile)
         case = make_case([40, 30], hkv=1, gqa=gqa, d=128, device="cpu")
         with pytest.raises(ValueError, match=f"this call has head_dim 128, GQA {gqa}"):
             oscar_decode(**case, history_kernel="cuda")
+    case = make_case([40, 30], hkv=1, gqa=8, d=128, device="cpu", dtype=torch.bfloat16)  # Qwen3-32B: covered
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        oscar_decode(**case, history_kernel="cuda")
     case = make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.float32)
     with pytest.raises(ValueError, match="reads the sink and ring rows as BF16 in its window CTAs; this cache keeps "
                                          "them as torch.float32"):
@@ -918,11 +921,9 @@ def test_cuda_fused_merge_counters_dtypes_and_replays(monkeypatch):
 
 @requires_cuda
 def test_cuda_window_ctas_gqa_and_batch_64(monkeypatch):
-    """Window CTAs with spare columns (GQA 1 and 3) and with 64 requests, PDL on and off bit-equal."""
-    from sglang_oscar.kernels import history_cuda
-
-    monkeypatch.setattr(history_cuda, "MAX_GQA", 8)
-    for gqa in (1, 3, 5):
+    """Window CTAs with spare columns (GQA 1, 3, 5) and eight heads per column (GQA 8), and with 64 requests, PDL on
+    and off bit-equal."""
+    for gqa in (1, 3, 5, 8):
         case = make_case([700, 3000, 90], hkv=2, gqa=gqa, d=128, sink=64, window=256, ring_starts=[0, 2900, 0],
                          pool_page=64, seed=60 + gqa)
         run_and_check(case, history_kernel="cuda")
@@ -951,8 +952,9 @@ def test_cuda_history_matches_the_oracle(pool_page, lens, ring_starts):
 
 
 @requires_cuda
-def test_cuda_history_explicit_splits_and_graph_capture():
-    case = make_case([2000, 1500], hkv=2, gqa=4, d=128, sink=64, window=256, pool_page=64, seed=3)
+@pytest.mark.parametrize("gqa", [4, 8])
+def test_cuda_history_explicit_splits_and_graph_capture(gqa):
+    case = make_case([2000, 1500], hkv=2, gqa=gqa, d=128, sink=64, window=256, pool_page=64, seed=3 + gqa)
     run_and_check(case, history_kernel="cuda", num_splits=8)
     out = torch.full_like(case["q"], float("nan"))
     oscar_decode(**case, history_kernel="cuda", out=out)  # build and warm up outside the capture
@@ -991,18 +993,32 @@ def test_cuda_history_split_counts_pdl_and_index_dtypes(config, monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("gqa", [1, 3, 5, 8])
-def test_cuda_history_gqa_head_groups(gqa, monkeypatch):
-    """GQA != 4: spare columns of a CTA store nothing; above 4 (refused by default, MAX_GQA = 4, but kept for
-    experiments) head groups of 4 query heads per CTA column. The output is poisoned with NaN before the call,
-    so a missing or misplaced head fails the check."""
+@pytest.mark.parametrize("gqa,wide", [(1, True), (3, True), (5, True), (6, True), (7, True), (8, True), (5, False),
+                                      (8, False), (12, True), (16, True)])
+def test_cuda_history_gqa_head_groups(gqa, wide, monkeypatch):
+    """GQA != 4: spare columns of a CTA store nothing. GQA 5-8 in one column of 8 heads (the 8-head tile:
+    Qwen3-14B / 32B, MiniMax-M2); with WIDE_TILE off in head groups of 4 (the earlier way, kept for experiments);
+    above 8 (refused by default, MAX_GQA = 8) head groups of 8 (12 = 8 + 4 with spare columns, 16 = 8 + 8). The
+    output is poisoned with NaN before the call, so a missing or misplaced head fails the check; the 8-head tile
+    also agrees with the head groups of 4 to within the rounding of their different sums."""
     from sglang_oscar.kernels import history_cuda
 
-    monkeypatch.setattr(history_cuda, "MAX_GQA", 8)
-    case = make_case([3001, 1200, 90], hkv=2, gqa=gqa, d=128, sink=64, window=256, ring_starts=[0, 1000, 0],
-                     pool_page=64, seed=20 + gqa)
-    run_and_check(case, history_kernel="cuda")
-    run_and_check(case, history_kernel="cuda", num_splits=3)
+    monkeypatch.setattr(history_cuda, "MAX_GQA", 16)
+    monkeypatch.setattr(history_cuda, "WIDE_TILE", wide)
+    for gk, gv in ((64, 64), (128, 64), (64, 128)):
+        case = make_case([3001, 1200, 90], hkv=2, gqa=gqa, d=128, gk=gk, gv=gv, sink=64, window=256,
+                         ring_starts=[0, 1000, 0], pool_page=64, seed=20 + gqa + gk + 2 * gv)
+        run_and_check(case, history_kernel="cuda")
+        run_and_check(case, history_kernel="cuda", num_splits=3)
+        r0 = case["req_pool_indices"][0]
+        case["cache"].sink_table[case["req_to_token"][r0, :5].long()] = -1  # the window CTAs' INT2 fill
+        run_and_check(case, missing_sink_int2=True, history_kernel="cuda")
+        if wide and 4 < gqa <= 8:
+            got = oscar_decode(**case, history_kernel="cuda")
+            monkeypatch.setattr(history_cuda, "WIDE_TILE", False)
+            groups_of_4 = oscar_decode(**case, history_kernel="cuda")
+            monkeypatch.setattr(history_cuda, "WIDE_TILE", True)
+            torch.testing.assert_close(got.float(), groups_of_4.float(), rtol=2e-2, atol=2e-2)
 
 
 @requires_cuda

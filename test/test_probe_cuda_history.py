@@ -162,6 +162,108 @@ def test_v_dot_from_the_k_accumulator_layout(seed):
     assert len(seen) == 4 * 128  # every output of the tile written once
 
 
+def kernel_q_fragments(q, head_of_column, c0):
+    """The production kernel's in-kernel q operands (int2_history_kernel's prologue): lane (g, t), register
+    2ks + w of k-step ks = (plane p, half hh) holds c0 q of column g's head at dims p*32 + t*8 + 4hh + 2w + (0, 1),
+    times 1/4 on odd planes (q' = c0 q 4^(2g - p) with the codes' subnormal scale 2^(2p - 24))."""
+    regs = []
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        row = []
+        for r in range(16):
+            ks, w = r >> 1, r & 1
+            p, hh = ks >> 1, ks & 1
+            d = p * 32 + t * 8 + 4 * hh + 2 * w
+            f = 0.25 if p & 1 else 1.0
+            row.append(pack(q[head_of_column(g), d] * c0 * f, q[head_of_column(g), d + 1] * c0 * f))
+        regs.append(row)
+    return regs
+
+
+@pytest.mark.parametrize("hc", [4, 8])
+def test_history_k_dot_with_the_kernels_q_fragments(hc):
+    """The production kernel builds q's B fragments itself: column g is head g & 3 (HC 4) or head g (HC 8), and
+    lane (g, t)'s accumulator columns 2t, 2t + 1 are the heads head0 = (2t) & 3 or 2t and head0 + 1."""
+    rng = np.random.default_rng(30 + hc)
+    kc = rng.integers(0, 256, (16, 32))
+    q = rng.standard_normal((hc, 128)) * 0.5
+    head = (lambda c: c) if hc == 8 else (lambda c: c & 3)
+    c0 = 1 / math.sqrt(128) * probe.LOG2E
+    qb = kernel_q_fragments(q, head, c0)
+    acc = [np.zeros((32, 4)), np.zeros((32, 4))]
+    for ks in range(8):
+        p, hh = ks // 2, ks % 2
+        m = 0x00030003 << (2 * p)
+        a_regs = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            w0, w1 = word(kc[sigma(g)], t * 8 + 4 * hh), word(kc[sigma(g) + 8], t * 8 + 4 * hh)
+            lo, hi = K_SELECTORS
+            a_regs.append([prmt(w0, 0, lo) & m, prmt(w1, 0, lo) & m, prmt(w0, 0, hi) & m, prmt(w1, 0, hi) & m])
+        mma(acc[p // 2], a_regs, [[qb[lane][2 * ks], qb[lane][2 * ks + 1]] for lane in range(32)])
+    K = codes(kc)
+    qf = q * c0
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for e in range(4):
+            row, h = sigma(g) + 8 * (e >> 1), head(2 * t + (e & 1))
+            for grp, unit in ((0, 2.0 ** 24), (1, 2.0 ** 20)):
+                want = (qf[h, 64 * grp:64 * grp + 64] * K[row, 64 * grp:64 * grp + 64]).sum()
+                assert acc[grp][lane, e] * unit == pytest.approx(want, rel=2e-3, abs=2e-3)
+    src = open(PRODUCTION_SOURCE).read()
+    assert "const int head = HC == 8 ? g : (g & 3);" in src and "const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;" in src
+    assert "const int d = p * 32 + t * 8 + 4 * hh + 2 * w;" in src and "(p & 1) ? 0.25f : 1.f" in src
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_v_dot_eight_heads_per_column(seed):
+    """HC 8: every column is its own head, so one operand pair cannot carry both V groups' scales: m-tiles 0..3
+    (planes 0, 1: dims 0..63, V group 0) take p.scale of group 0, m-tiles 4..7 of group 1, and every lane keeps all
+    eight m-tiles (heads 2t, 2t + 1)."""
+    rng = np.random.default_rng(seed + 40)
+    vc = rng.integers(0, 256, (16, 32))
+    P = rng.random((16, 8))  # p of token (tile row) and head
+    vs = rng.random((16, 2)) * 0.3 + 0.05  # V scale of token and group
+    ops = []
+    for grp in range(2):
+        h01, h23 = [], []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            ra, rb = sigma(g), sigma(g) + 8
+            h01.append(pack(P[ra, 2 * t] * vs[ra, grp], P[ra, 2 * t + 1] * vs[ra, grp]))
+            h23.append(pack(P[rb, 2 * t] * vs[rb, grp], P[rb, 2 * t + 1] * vs[rb, grp]))
+        ops.append((movmatrix_trans(h01), movmatrix_trans(h23)))
+    o = [np.zeros((32, 4)) for _ in range(8)]
+    for mt in range(8):
+        p, hb = mt >> 1, mt & 1
+        m = 0x00030003 << (2 * p)
+        b0, b1 = ops[0] if mt < 4 else ops[1]
+        a_regs = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            wa, wb, wc, wd = (word(vc[r], 4 * g) for r in (t, t + 4, t + 8, t + 12))
+            e = [prmt(wa, wb, s) for s in V_SELECTORS]
+            f = [prmt(wc, wd, s) for s in V_SELECTORS]
+            a_regs.append([e[2 * hb] & m, e[2 * hb + 1] & m, f[2 * hb] & m, f[2 * hb + 1] & m])
+        mma(o[mt], a_regs, [[b0[lane], b1[lane]] for lane in range(32)])
+    V = codes(vc)
+    seen = set()
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        head0 = 2 * t
+        for mt in range(8):  # the kernel's epilogue (park) at HC 8
+            p, hb = mt >> 1, mt & 1
+            d0 = p * 32 + 4 * g + 2 * hb
+            for e, (head, d) in enumerate(((head0, d0), (head0 + 1, d0), (head0, d0 + 1), (head0 + 1, d0 + 1))):
+                want = sum(P[tok, head] * vs[tok, d // 64] * V[tok, d] for tok in range(16))
+                assert o[mt][lane, e] * 2.0 ** (24 - 2 * p) == pytest.approx(want, rel=3e-3, abs=1e-3)
+                seen.add((head, d))
+    assert len(seen) == 8 * 128  # every output of the tile written once
+    src = open(PRODUCTION_SOURCE).read()
+    assert "mt < 4 ? b0 : c0, mt < 4 ? b1 : c1" in src
+    assert "for (int mt = 0; mt < 8; ++mt) park(mt, o[mt], mt < 4 ? lv0 : lw0, mt < 4 ? lv1 : lw1);" in src
+
+
 def test_head_major_copies_give_the_same_triton_output(monkeypatch):
     """probe_cuda_history.head_major_oscar_fns runs the production Triton call on head-major copies of the pool
     (each (request, KV head) as a one-head request): it must compute exactly what the normal call does, or its
@@ -227,13 +329,17 @@ def test_window_tile_layouts_match_the_kernel_source():
         assert sel in src
 
 
+@pytest.mark.parametrize("hc", [4, 8])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_window_tile_k_and_v_dots(seed):
-    rng = np.random.default_rng(seed + 20)
+def test_window_tile_k_and_v_dots(seed, hc):
+    """hc: query heads per CTA column (the kernel's HC): at 4, columns 4..7 repeat heads 0..3; at 8 column g is
+    head g."""
+    rng = np.random.default_rng(seed + 20 + hc)
     K = rng.integers(-4, 5, (16, 128)).astype(np.float64)
     V = rng.integers(-4, 5, (16, 128)).astype(np.float64)
-    q = rng.integers(-3, 4, (4, 128)).astype(np.float64)  # c0 q of the CTA's 4 heads
-    P = rng.integers(0, 4, (16, 8)).astype(np.float64)  # p of token and column (columns 4..7 repeat heads 0..3)
+    q = rng.integers(-3, 4, (hc, 128)).astype(np.float64)  # c0 q of the CTA's heads
+    head = (lambda c: c) if hc == 8 else (lambda c: c & 3)  # the head of column c
+    P = rng.integers(0, 4, (16, 8)).astype(np.float64)  # p of token and column
     ks, vs = tile_smem(K), tile_smem(V)
     # S^T[16 tokens, 8 cols] = K . q^T over the permuted k order: k-step 2jj + e, lane t's k-values are dims
     # 32jj + 8t + 4e + 0..3 (a0 / a1: + 0, 1; a2 / a3: + 2, 3), q's B fragments the same dims of head g & 3
@@ -246,7 +352,7 @@ def test_window_tile_k_and_v_dots(seed):
             k1, s1 = lds128(ks, g + 8, 4 * jj + t)
             k0s.append(s0)
             k1s.append(s1)
-            qw = [pack(q[g & 3, 32 * jj + 8 * t + 2 * k], q[g & 3, 32 * jj + 8 * t + 2 * k + 1]) for k in range(4)]
+            qw = [pack(q[head(g), 32 * jj + 8 * t + 2 * k], q[head(g), 32 * jj + 8 * t + 2 * k + 1]) for k in range(4)]
             for e in range(2):
                 a_e[e].append([k0[2 * e], k1[2 * e], k0[2 * e + 1], k1[2 * e + 1]])
                 b_e[e].append([qw[2 * e], qw[2 * e + 1]])
@@ -257,8 +363,8 @@ def test_window_tile_k_and_v_dots(seed):
     S = K @ q.T
     for lane in range(32):
         g, t = lane >> 2, lane & 3
-        np.testing.assert_array_equal(acc[lane], [S[g, (2 * t) & 3], S[g, (2 * t + 1) & 3], S[g + 8, (2 * t) & 3],
-                                                  S[g + 8, (2 * t + 1) & 3]])
+        np.testing.assert_array_equal(acc[lane], [S[g, head(2 * t)], S[g, head(2 * t + 1)], S[g + 8, head(2 * t)],
+                                                  S[g + 8, head(2 * t + 1)]])
     # O^T[128 dims, 8 cols] += V^T . P^T: m-row g of m-tile mt is dim 16g + 2mt, row g + 8 dim 16g + 2mt + 1; P^T
     # from the accumulator layout (tokens g, g + 8; columns 2t, 2t + 1) through movmatrix.trans
     b0 = movmatrix_trans([pack(P[lane >> 2, 2 * (lane & 3)], P[lane >> 2, 2 * (lane & 3) + 1]) for lane in range(32)])

@@ -4,7 +4,7 @@ oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits
 warps merge in shared memory) and, in the same grid, the BF16 sink and ring rows (window CTAs, FUSED_WINDOW), then
 the Triton merge (PDL; FUSED_MERGE: the last CTA of each (request, KV head) merges instead, measured slower). It
 covers the shape family it was written and measured for: D 128, K and V groups of 64 or 128, uniform INT2 levels,
-GQA 1-4 (Qwen3-4B / 8B, Llama-3-8B), BF16 sink / ring rows. Anything else raises with the reason instead of falling
+GQA 1-8 (Qwen3-4B / 8B / 14B / 32B, Llama-3-8B, MiniMax-M2), BF16 sink / ring rows. Anything else raises with the reason instead of falling
 back. It pays on a pool in pages
 (kernels/records.py): on H100, page 64, Qwen3-8B shapes, 84-90% of copy bandwidth at 64k / 128k batch >= 8
 against 65-67% for the Triton path (benchmark/NOTES.md).
@@ -30,10 +30,13 @@ import torch
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "int2_history.cu")
 HEAD_DIM, GROUPS = 128, (64, 128)  # K and V groups, each either
-# Query heads per KV head. A CTA column holds 4; above 4 the kernel reads each KV head with ceil(GQA / 4) CTA
-# columns (head groups): correct (GPU tests at 5 and 8), but slower than the Triton path on H100 (Qwen3-32B,
-# GQA 8: 0.88-0.95x, results/decode_cuda_history_gqa8_*), so refused; a module attribute for experiments.
-MAX_GQA = 4
+# Query heads per KV head. A CTA column holds 4 query heads (GQA <= 4) or, with WIDE_TILE, 8 (GQA 5-8: one head
+# per column of the warp's tile, the same MMA count per token; kernels/cuda/int2_history.cu "HC"). A KV head with
+# more query heads than a column holds is read by several CTA columns (head groups): GQA 5-8 that way (WIDE_TILE
+# off) measured slower than the Triton path on H100 (Qwen3-32B: 0.86-0.95x, results/decode_cuda_history_gqa8_*),
+# and GQA > 8 (GLM-4.7 at TP8: 12) is refused; both module attributes, for experiments.
+MAX_GQA = 8
+WIDE_TILE = True
 # Per CTA. 8 warps x 2 stages: 0.96-1.00x the time of 4 x 2 at Qwen3-8B 32k-128k batch 1 / 8 in one H100 run
 # (3 x 4 and 4 x 4 slower: 1.02-1.16x; results/probe_decode_fixed_cost_cuda_configs_*), and half the partials.
 # Module attributes, so that benchmarks can time others (probe_decode_fixed_cost.py --cuda-configs).
@@ -60,7 +63,7 @@ Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel
 
 # oscar_history_launch's C parameters in order (test_decode checks them against the source's signature)
 _i, _p = ctypes.c_int, ctypes.c_void_p
-LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
+LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
                    _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _p]
 
 _lock = threading.Lock()
@@ -142,33 +145,41 @@ def library() -> ctypes.CDLL:
         lib.oscar_history_launch.argtypes = LAUNCH_ARGTYPES
         lib.oscar_history_launch.restype = ctypes.c_int
         for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
-            f.argtypes, f.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+            f.argtypes, f.restype = [ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_int
         _lib = lib
-    occupancy()  # first load: the default configuration's shared-memory limit, before any graph capture
+    for heads in (4, 8):  # first load: the default configurations' shared-memory limits, before any graph capture
+        occupancy(heads=heads)
     if FUSED_MERGE:
         counters(torch.cuda.current_device())
     return _lib
 
 
-def occupancy(stages: Optional[int] = None, warps: Optional[int] = None) -> int:
-    """Resident CTAs per SM of the kernel at (stages, warps) (default STAGES, WARPS) on the current device; the
-    first call per configuration and device also raises its dynamic shared-memory limit."""
+def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: int = 4) -> int:
+    """Resident CTAs per SM of the kernel at (stages, warps) (default STAGES, WARPS) and `heads` query heads per
+    CTA column (cta_heads) on the current device; the first call per configuration and device also raises its
+    dynamic shared-memory limit."""
     lib = _lib if _lib is not None else library()
     stages, warps = stages or STAGES, warps or WARPS
-    if stages not in (2, 3, 4) or warps not in (1, 2, 4, 8):
-        raise ValueError(f"history_kernel='cuda' builds stages 2-4 and 1/2/4/8 warps per CTA, got {stages}/{warps}")
-    key = (torch.cuda.current_device(), stages, warps)
+    if stages not in (2, 3, 4) or warps not in (1, 2, 4, 8) or heads not in (4, 8):
+        raise ValueError(f"history_kernel='cuda' builds stages 2-4, 1/2/4/8 warps per CTA and 4 or 8 heads per CTA "
+                         f"column, got {stages}/{warps}/{heads}")
+    key = (torch.cuda.current_device(), stages, warps, heads)
     if key not in _occupancy:
-        rc = lib.oscar_history_prepare(stages, warps)
+        rc = lib.oscar_history_prepare(stages, warps, heads)
         if rc:
             raise CudaHistoryUnavailable(f"cudaFuncSetAttribute for the history kernel failed (cuda error {rc})")
-        _occupancy[key] = lib.oscar_history_occupancy(stages, warps)
+        _occupancy[key] = lib.oscar_history_occupancy(stages, warps, heads)
     return _occupancy[key]
 
 
+def cta_heads(gqa: int) -> int:
+    """Query heads per CTA column: 4 up to GQA 4, 8 above with WIDE_TILE (else head groups of 4)."""
+    return 8 if gqa > 4 and WIDE_TILE else 4
+
+
 def cta_columns(kv_heads: int, gqa: int) -> int:
-    """CTA columns of a launch (grid x): one per (request, KV head) and head group of 4 query heads."""
-    return kv_heads * -(-gqa // 4)
+    """CTA columns of a launch (grid x): one per (request, KV head) and head group of cta_heads(gqa) query heads."""
+    return kv_heads * -(-gqa // cta_heads(gqa))
 
 
 def window_ctas(sink: int, window: int) -> tuple:
@@ -183,7 +194,7 @@ def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, 
     >= MIN_ROWS_PER_SPLIT rows per warp, at most MAX_PARTIALS - window_partials (the merge holds a head's
     partials, windows included, in one tile). The window CTAs are not counted in the round: they end within a
     few microseconds. Shapes only (max_context = req_to_token's width), so CUDA-graph capturable."""
-    ctas = occupancy()
+    ctas = occupancy(heads=cta_heads(gqa))
     want = max(1, (num_sms * ctas) // max(cta_columns(kv_heads, gqa), 1))
     rows = max(max_context, 1) // (MIN_ROWS_PER_SPLIT * WARPS)
     return max(1, min(want, rows, MAX_PARTIALS - window_partials))
@@ -207,7 +218,10 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
     itself as a programmatic dependent of the previous one; it then waits for that one before anything else."""
     lib = library()
-    occupancy()  # a dict hit; prepares the configuration where experiments changed STAGES / WARPS
+    b, hq = q.shape[0], q.shape[1]
+    hkv = cache.kv_heads
+    heads = cta_heads(hq // hkv)
+    occupancy(heads=heads)  # a dict hit; prepares the configuration where experiments changed STAGES / WARPS
     ss, rs = window_splits
     if WINDOW_ROWS_PER_WARP < 16 or WINDOW_ROWS_PER_WARP % 16:
         raise ValueError(f"history_cuda.WINDOW_ROWS_PER_WARP must be a positive multiple of 16, got "
@@ -240,11 +254,9 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     if not (req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q.is_contiguous()):
         raise ValueError("history_kernel='cuda' needs contiguous q, req_pool_indices and seq_lens")
     page = cache.page
-    hkv = cache.kv_heads
-    b, hq = q.shape[0], q.shape[1]
     # q [B, Hq, 128] contiguous; each warp builds its operands from it (no extra launches)
     rc = lib.oscar_history_launch(
-        STAGES, WARPS, b * hkv, hq // hkv, int(cache.k_group == 128), int(cache.v_group == 128), ns, q.data_ptr(),
+        STAGES, WARPS, heads, b * hkv, hq // hkv, int(cache.k_group == 128), int(cache.v_group == 128), ns, q.data_ptr(),
         Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
         cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),

@@ -8,10 +8,17 @@
 // history loop"; the probe benchmark/cuda/int2_history_probe.cu is the experiment it grew from).
 //
 // Shapes: D 128, K and V groups of 64 or 128 each (a 128 group has one (scale, min) pair per row: it is copied
-// into the first half of the 8-byte stage slot and serves both 64-dim halves), uniform levels, any GQA ratio
-// (history_cuda.py admits 1-4): a warp's 8 columns are 4 query heads x 2 V groups, so a KV head with GQA > 4 is read by ceil(GQA / 4) CTAs side by side in the grid (head groups; they
-// run at the same time, so the second read of the same pages is mostly served by L2), and with GQA % 4 != 0
-// the last group's spare columns carry a zero query and store nothing.
+// into the first half of the 8-byte stage slot and serves both 64-dim halves), uniform levels, GQA 1-8
+// (history_cuda.py; more runs as head groups, an experiment knob). A warp's tile has 8 columns; HC (template) is the
+// number of query heads per CTA column:
+//   HC 4 (GQA <= 4): columns 0..3 are heads 0..3 with V group 0's scales, columns 4..7 repeat them with group 1's,
+//        so one V-dot operand serves both V groups (half of the V dot's outputs are dropped);
+//   HC 8 (GQA 5-8): one head per column; the V dot takes group 0's operand for the m-tiles of dims 0..63 and group
+//        1's for 64..127 (two more movmatrix per tile), and every output is kept: the same MMA count per token as
+//        HC 4 for twice the heads.
+// A KV head with more query heads than HC is read by ceil(GQA / HC) CTA columns side by side in the grid (head
+// groups; they run at the same time, so the second read of the same pages is mostly served by L2); spare columns
+// (GQA % HC != 0) carry a zero query and store nothing.
 // Each CTA owns one split of [sink, R) with R = min(max(L - window, sink, ring_start), L), the rows the
 // Triton path reads as INT2 (kernels/decode.py _history_end); its warps take consecutive sub-ranges, run the
 // loop below independently, and merge their (m, l, O) in shared memory at the end, so that the merge kernel
@@ -29,14 +36,15 @@
 // Launch order (kernels/decode.py): this kernel lets its dependents launch at once; the merge (PDL) waits for it.
 //
 // Per warp and 16-token tile (all in registers, no CTA barrier):
-//   K dot  S^T[16 tokens, 8 cols] = codes[16, 128] . q'[128, 8]: 8 x mma m16n8k16, cols 4..7 repeat
-//          heads 0..3, two accumulators (groups). Codes enter as fp16 subnormals c.2^(2p-24) (plane p): one
+//   K dot  S^T[16 tokens, 8 cols] = codes[16, 128] . q'[128, 8]: 8 x mma m16n8k16 (at HC 4 cols 4..7
+//          repeat heads 0..3), two accumulators (groups). Codes enter as fp16 subnormals c.2^(2p-24) (plane p): one
 //          PRMT spreads two bytes into two halfwords for all four planes, one AND per two codes per plane;
 //          q' carries 4^(2g-p) (built per warp in the prologue from q).
 //   scores s' = acc0.sc0 + acc1.sc1/16 + mn0.Q0 + mn1.Q1 (units of 2^-24 log2), lazy max: the row-max
 //          shuffles and the rescale run only when a score passes m + 8 (a warp vote).
-//   V dot  O^T[128 dims, 8 cols] += V^T codes[128, 16] . (p.vscale)^T[16, 8]: cols 0..3 carry p.scale of V
-//          group 0, cols 4..7 of group 1; the K accumulator becomes the B operand with two movmatrix.trans.
+//   V dot  O^T[128 dims, 8 cols] += V^T codes[128, 16] . (p.vscale)^T[16, 8]: at HC 4 cols 0..3 carry p.scale
+//          of V group 0, cols 4..7 of group 1; at HC 8 the m-tiles of each group take that group's operand.
+//          The K accumulator becomes the B operand with movmatrix.trans (two per operand).
 //   Token order inside a tile (sigma) makes every shared-memory load conflict-free.
 // test/test_probe_cuda_history.py emulates these register layouts, and the window CTAs' (window_cta), on the CPU.
 #include <cuda_bf16.h>
@@ -118,7 +126,7 @@ struct Args {
   int page_log2;        // the pool's page size P = 2^page_log2: record ((s >> k) * Hkv + h) * P + (s & (P - 1))
   int req_idx_64;
   int pdl;              // launched as a programmatic dependent: wait for the previous kernel first
-  int gqa, hgroups;     // query heads per KV head; head groups of 4 per KV head (grid x = (b * hkv + h) * hgroups + hg)
+  int gqa, hgroups;     // query heads per KV head; head groups of HC per KV head (grid x = (b * hkv + h) * hgroups + hg)
   int kg128, vg128;     // K / V groups of 128 (params 4 bytes per row) instead of 64 (8 bytes)
   // the window CTAs (0 and 0: none, the Triton window programs read the window)
   const __nv_bfloat16* sk;  // sink rows [rows, Hkv, 128]
@@ -150,22 +158,23 @@ __device__ __forceinline__ float load_q(const Args& a, size_t i) {
   return reinterpret_cast<const float*>(a.q)[i];
 }
 
-// The CTA's merge. Each warp has parked its unnormalised O (4 heads x 128 dims) and its (m, l) per head in shared
+// The CTA's merge. Each warp has parked its unnormalised O (HC heads x 128 dims) and its (m, l) per head in shared
 // memory (so, sml); thread e of the CTA combines output e (+ k.threads) over the warps: M = max m_w,
 // O = sum 2^(m_w - M) O_w, L = sum 2^(m_w - M) l_w. An empty warp has l = 0 and m = -1e30, so it weighs 0 (or all
 // weigh 1 and L = 0: an empty split, o 0 and lse -inf).
+template <int HC>
 __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so, const float* sml, int nwarps, int nh,
                                                   int hq_base, int split) {
-  for (int e = threadIdx.x; e < 512; e += blockDim.x) {
+  for (int e = threadIdx.x; e < HC * 128; e += blockDim.x) {
     const int hl = e >> 7, d = e & 127;
     if (hl >= nh) continue;
     float M = -1e30f;
-    for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sml[(w * 4 + hl) * 2]);
+    for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sml[(w * HC + hl) * 2]);
     float L = 0.f, O = 0.f;
     for (int w = 0; w < nwarps; ++w) {
-      const float wt = ex2(sml[(w * 4 + hl) * 2] - M);
-      L = fmaf(wt, sml[(w * 4 + hl) * 2 + 1], L);
-      O = fmaf(wt, so[(w * 4 + hl) * 128 + d], O);
+      const float wt = ex2(sml[(w * HC + hl) * 2] - M);
+      L = fmaf(wt, sml[(w * HC + hl) * 2 + 1], L);
+      O = fmaf(wt, so[(w * HC + hl) * 128 + d], O);
     }
     const size_t row = (size_t)hq_base + hl;
     a.o_part[(row * a.ns_total + split) * 128 + d] = L > 0.f ? O / L : 0.f;
@@ -177,6 +186,7 @@ __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so
 // done after its partial is visible device-wide (the fence-then-count pattern of CUDA's threadFenceReduction); the
 // last one reduces the column's ns_total partials per query head, o = sum 2^(lse_s - M) o_s / sum 2^(lse_s - M), in
 // split order (the same bits whichever CTA is last), writes out and resets the counter for the next call.
+template <int HC>
 __device__ __forceinline__ void merge_column(const Args& a, uint8_t* smem, int col, int hq_base, int nh) {
   __shared__ int last;
   __threadfence();
@@ -191,7 +201,7 @@ __device__ __forceinline__ void merge_column(const Args& a, uint8_t* smem, int c
   // the weights 2^(lse_s - M) / L of each head's partials into shared memory (one warp per head, lanes striding
   // over the splits), then every output reads its partials with independent loads
   const int n = a.ns_total, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* sw = reinterpret_cast<float*>(smem);  // [4][n]; the CTA's own merge is done with this memory
+  float* sw = reinterpret_cast<float*>(smem);  // [HC][n]; the CTA's own merge is done with this memory
   for (int hw = warp; hw < nh; hw += (int)(blockDim.x >> 5)) {  // head hw (CTAs of fewer than 4 warps loop)
     const float* lse = a.lse_part + (size_t)(hq_base + hw) * n;
     float M = -INFINITY;
@@ -212,7 +222,7 @@ __device__ __forceinline__ void merge_column(const Args& a, uint8_t* smem, int c
     for (int s = lane; s < n; s += 32) sw[hw * n + s] = M != -INFINITY ? ex2(sw[hw * n + s] - M) * inv : 0.f;
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < 512; e += blockDim.x) {
+  for (int e = threadIdx.x; e < HC * 128; e += blockDim.x) {
     const int hl = e >> 7, d = e & 127;
     if (hl >= nh) continue;
     const size_t row = (size_t)hq_base + hl;
@@ -267,6 +277,7 @@ __device__ __forceinline__ void store_int2_chunk(const Args& a, uint32_t dst, lo
 //     16g + 2mt + 1 (one 32-bit word of a row), P^T from the score accumulator with two movmatrix.trans.
 // Columns 4..7 repeat heads 0..3 (as in the history loop); lanes t < 2 own the stored ones. Scores, p and the
 // running max are in log2 units (c0 = sm_scale log2 e), as in the history warps, so the CTA merges both alike.
+template <int HC>
 __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, int b, int h, int hq_base, int nh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -281,11 +292,13 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   const __nv_bfloat16* vbase = is_sink ? a.sv : a.rv;
   const uint32_t st = (uint32_t)__cvta_generic_to_shared(smem) + warp * 8192;  // K tile 4 KB, V tile 4 KB
   const uint8_t* sts = smem + warp * 8192;
-  // c0 q as BF16 B fragments: qw[j][k] = dims 32j + 8t + 2k, +1 of head g & 3 (zero for a spare column)
+  // c0 q as BF16 B fragments: qw[j][k] = dims 32j + 8t + 2k, +1 of column g's head (g & 3 at HC 4, g at HC 8;
+  // zero for a spare column)
   uint32_t qw[4][4];
   {
-    const bool qvalid = (g & 3) < nh;
-    const size_t qrow = (size_t)(hq_base + (qvalid ? (g & 3) : 0)) * 128;
+    const int head = HC == 8 ? g : (g & 3);
+    const bool qvalid = head < nh;
+    const size_t qrow = (size_t)(hq_base + (qvalid ? head : 0)) * 128;
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
@@ -387,9 +400,9 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   // park O, m, l for the CTA merge (the tiles above are dead once every warp is past this barrier)
   __syncthreads();
   float* so = reinterpret_cast<float*>(smem);
-  float* sml = so + nwarps * 512;
-  if (t < 2) {
-    float* ow = so + warp * 512;
+  float* sml = so + nwarps * HC * 128;
+  if (HC == 8 || t < 2) {  // at HC 4 columns 4..7 repeat heads 0..3
+    float* ow = so + warp * HC * 128;
     const int head0 = 2 * t;
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt) {
@@ -400,24 +413,24 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
       ow[(head0 + 1) * 128 + d + 1] = o[mt][3];
     }
     if (g == 0) {
-      float* ml = sml + (warp * 4 + head0) * 2;
+      float* ml = sml + (warp * HC + head0) * 2;
       ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
     }
   }
   __syncthreads();
   const int ns_hist = gridDim.y - a.nwin_sink - a.nwin_ring;
-  store_cta_partial(a, so, sml, nwarps, nh, hq_base, ns_hist + j);
-  if (a.fused_merge) merge_column(a, smem, blockIdx.x, hq_base, nh);
+  store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, ns_hist + j);
+  if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
 
-template <int NSTAGE>
+template <int NSTAGE, int HC>
 __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3, gsel = t >> 1;
   const int bh = blockIdx.x / a.hgroups, hg = blockIdx.x - bh * a.hgroups, b = bh / a.hkv, h = bh - b * a.hkv;
-  const int hq_base = b * a.hkv * a.gqa + h * a.gqa + hg * 4;  // query head of local head 0 of this group
-  const int nh = min(4, a.gqa - hg * 4);                         // valid local heads of this group
+  const int hq_base = b * a.hkv * a.gqa + h * a.gqa + hg * HC;  // query head of local head 0 of this group
+  const int nh = min(HC, a.gqa - hg * HC);                        // valid local heads of this group
   const int nwin = a.nwin_sink + a.nwin_ring, ns_hist = (int)gridDim.y - nwin;
   // this CTA's history split (< 0: window CTA wj)
   const int split = a.win_last ? ((int)blockIdx.y < ns_hist ? (int)blockIdx.y : -1) : (int)blockIdx.y - nwin;
@@ -430,7 +443,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the window programs / merge may launch now
 #endif
   if (split < 0) {  // uniform per CTA
-    window_cta(a, smem, wj, b, h, hq_base, nh);
+    window_cta<HC>(a, smem, wj, b, h, hq_base, nh);
     return;
   }
 
@@ -485,7 +498,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   float o[8][4];
 #pragma unroll
   for (int i = 0; i < 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f, lv0 = 0.f, lv1 = 0.f;
+  // lv: sum p.vmin of this lane's two columns, over V group gsel (HC 4) or group 0 (HC 8; lw: group 1)
+  float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f, lv0 = 0.f, lv1 = 0.f, lw0 = 0.f, lw1 = 0.f;
   float thr0 = (m0 + kLazy) / kTwo24, thr1 = thr0;
 
   const int sg = (g >> 1) + 4 * (g & 1);  // sigma(g): the tile row of M-row g
@@ -498,13 +512,15 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
 
   // built while the first stages' copies are in flight
   // q' = c0 q 4^(2g - p) as this lane's B fragments: reg 2ks + w of k-step ks = (plane p, half hh) holds dims
-  // p*32 + t*8 + 4hh + 2w + (0, 1) of head g & 3 (cols 4..7 repeat heads 0..3); and the group sums of q
-  const int head0 = (2 * t) & 3;  // this lane's accumulator columns 2t, 2t+1 are heads head0, head0 + 1
+  // p*32 + t*8 + 4hh + 2w + (0, 1) of column g's head; and the group sums of q. This lane's accumulator
+  // columns 2t, 2t+1 are heads head0, head0 + 1 (HC 4: columns 4..7 repeat heads 0..3)
+  const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;
   uint32_t qb[16];
   float gs0 = 0.f, gs1 = 0.f;
   {
-    const bool qvalid = (g & 3) < nh;  // a spare column: zero query (its scores are 0; nothing is stored)
-    const size_t qrow = (size_t)(hq_base + (qvalid ? (g & 3) : 0)) * 128;
+    const int head = HC == 8 ? g : (g & 3);  // column g's head
+    const bool qvalid = head < nh;  // a spare column: zero query (its scores are 0; nothing is stored)
+    const size_t qrow = (size_t)(hq_base + (qvalid ? head : 0)) * 128;
 #pragma unroll
     for (int r = 0; r < 16; ++r) {
       const int ks = r >> 1, w = r & 1, p = ks >> 1, hh = ks & 1;
@@ -584,6 +600,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         m0 = n0; m1 = n1;
         thr0 = (m0 + kLazy) / kTwo24; thr1 = (m1 + kLazy) / kTwo24;
         l0 *= al0; l1 *= al1; lv0 *= al0; lv1 *= al1;
+        if (HC == 8) { lw0 *= al0; lw1 *= al1; }
 #pragma unroll
         for (int i = 0; i < 8; ++i) { o[i][0] *= al0; o[i][1] *= al1; o[i][2] *= al0; o[i][3] *= al1; }
       }
@@ -591,13 +608,30 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       const float p2 = ex2(fmaf(s[2], kTwo24, -m0)), p3 = ex2(fmaf(s[3], kTwo24, -m1));
       l0 += p0 + p2; l1 += p1 + p3;
       const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + kVpOff) + j * 32;
-      const int vsel = a.vg128 ? 0 : gsel;  // this lane's V group pair
-      const uint32_t vr0 = vps[sg * 2 + vsel], vr1 = vps[(sg + 8) * 2 + vsel];
-      const float vsa = bf_lo(vr0), vma = bf_hi(vr0), vsb = bf_lo(vr1), vmb = bf_hi(vr1);
-      lv0 = fmaf(p0, vma, fmaf(p2, vmb, lv0));
-      lv1 = fmaf(p1, vma, fmaf(p3, vmb, lv1));
-      const uint32_t b0 = movm_trans(h2u(__floats2half2_rn(p0 * vsa, p1 * vsa)));
-      const uint32_t b1 = movm_trans(h2u(__floats2half2_rn(p2 * vsb, p3 * vsb)));
+      uint32_t b0, b1, c0, c1;  // the V dot's B operands: m-tiles 0..3 (V group 0) take b, 4..7 (group 1) c
+      if (HC == 4) {
+        // columns 0..3 carry p.scale of V group 0, columns 4..7 of group 1: one operand pair serves both groups
+        const int vsel = a.vg128 ? 0 : gsel;  // this lane's V group pair
+        const uint32_t vr0 = vps[sg * 2 + vsel], vr1 = vps[(sg + 8) * 2 + vsel];
+        const float vsa = bf_lo(vr0), vma = bf_hi(vr0), vsb = bf_lo(vr1), vmb = bf_hi(vr1);
+        lv0 = fmaf(p0, vma, fmaf(p2, vmb, lv0));
+        lv1 = fmaf(p1, vma, fmaf(p3, vmb, lv1));
+        b0 = c0 = movm_trans(h2u(__floats2half2_rn(p0 * vsa, p1 * vsa)));
+        b1 = c1 = movm_trans(h2u(__floats2half2_rn(p2 * vsb, p3 * vsb)));
+      } else {
+        // eight heads in eight columns: p.scale of group 0 for m-tiles 0..3, of group 1 for 4..7 (the same word
+        // at G = 128)
+        const uint32_t va0 = vps[sg * 2], vb0 = vps[(sg + 8) * 2];
+        const uint32_t va1 = a.vg128 ? va0 : vps[sg * 2 + 1], vb1 = a.vg128 ? vb0 : vps[(sg + 8) * 2 + 1];
+        lv0 = fmaf(p0, bf_hi(va0), fmaf(p2, bf_hi(vb0), lv0));
+        lv1 = fmaf(p1, bf_hi(va0), fmaf(p3, bf_hi(vb0), lv1));
+        lw0 = fmaf(p0, bf_hi(va1), fmaf(p2, bf_hi(vb1), lw0));
+        lw1 = fmaf(p1, bf_hi(va1), fmaf(p3, bf_hi(vb1), lw1));
+        b0 = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va0), p1 * bf_lo(va0))));
+        b1 = movm_trans(h2u(__floats2half2_rn(p2 * bf_lo(vb0), p3 * bf_lo(vb0))));
+        c0 = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va1), p1 * bf_lo(va1))));
+        c1 = movm_trans(h2u(__floats2half2_rn(p2 * bf_lo(vb1), p3 * bf_lo(vb1))));
+      }
       const uint8_t* vcs = st + kVcOff + j * 16 * 32 + 4 * g;
       const uint32_t wA = *reinterpret_cast<const uint32_t*>(vcs + t * 32);
       const uint32_t wB = *reinterpret_cast<const uint32_t*>(vcs + (t + 4) * 32);
@@ -611,7 +645,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       for (int mt = 0; mt < 8; ++mt) {
         const int p = mt >> 1, hb = mt & 1;
         const uint32_t M = 0x00030003u << (2 * p);
-        mma16816(o[mt], (hb ? e2 : e0) & M, (hb ? e3 : e1) & M, (hb ? f2 : f0) & M, (hb ? f3 : f1) & M, b0, b1);
+        mma16816(o[mt], (hb ? e2 : e0) & M, (hb ? e3 : e1) & M, (hb ? f2 : f0) & M, (hb ? f3 : f1) & M,
+                 mt < 4 ? b0 : c0, mt < 4 ? b1 : c1);
       }
     }
     __syncwarp();  // this stage is refilled by the next iteration's issue
@@ -624,38 +659,51 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     l1 += __shfl_xor_sync(0xffffffffu, l1, x);
     lv0 += __shfl_xor_sync(0xffffffffu, lv0, x);
     lv1 += __shfl_xor_sync(0xffffffffu, lv1, x);
+    if (HC == 8) {
+      lw0 += __shfl_xor_sync(0xffffffffu, lw0, x);
+      lw1 += __shfl_xor_sync(0xffffffffu, lw1, x);
+    }
   }
-  // The CTA's merge (store_cta_partial). Each warp parks its unnormalised O = c.2^(24-2p) + lv (4 heads x 128
+  // The CTA's merge (store_cta_partial). Each warp parks its unnormalised O = c.2^(24-2p) + lv (HC heads x 128
   // dims), m and l in shared memory (the pipeline stages are free now).
   __syncthreads();  // every warp is past its last stage read
-  float* so = reinterpret_cast<float*>(smem);  // [nwarps][4 heads][128]
-  float* sml = so + nwarps * 512;              // [nwarps][4 heads] (m, l)
-  float* ow = so + warp * 512;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    // lanes t < 2 hold the dims of V group 0 (m-tiles 0..3), t >= 2 those of group 1 (4..7); a select,
-    // not o[4 * gsel + i], which would put o in local memory
-    float c[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c[e] = gsel ? o[4 + i][e] : o[i][e];
-    const int mt = 4 * gsel + i, p = mt >> 1, hb = mt & 1;
+  float* so = reinterpret_cast<float*>(smem);  // [nwarps][HC heads][128]
+  float* sml = so + nwarps * HC * 128;         // [nwarps][HC heads] (m, l)
+  float* ow = so + warp * HC * 128;
+  // m-tile mt's rows g, g + 8 are dims d0, d0 + 1 (the V codes' plane p = mt / 2)
+  auto park = [&](int mt, const float (&c)[4], float v0, float v1) {
+    const int p = mt >> 1, hb = mt & 1;
     const float fac = __int_as_float((127 + 24 - 2 * p) << 23);  // 2^(24 - 2p), undoes the subnormal codes
     const int d0 = p * 32 + 4 * g + 2 * hb;
-    ow[head0 * 128 + d0] = fmaf(c[0], fac, lv0);
-    ow[(head0 + 1) * 128 + d0] = fmaf(c[1], fac, lv1);
-    ow[head0 * 128 + d0 + 1] = fmaf(c[2], fac, lv0);
-    ow[(head0 + 1) * 128 + d0 + 1] = fmaf(c[3], fac, lv1);
+    ow[head0 * 128 + d0] = fmaf(c[0], fac, v0);
+    ow[(head0 + 1) * 128 + d0] = fmaf(c[1], fac, v1);
+    ow[head0 * 128 + d0 + 1] = fmaf(c[2], fac, v0);
+    ow[(head0 + 1) * 128 + d0 + 1] = fmaf(c[3], fac, v1);
+  };
+  if (HC == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      // lanes t < 2 hold the dims of V group 0 (m-tiles 0..3), t >= 2 those of group 1 (4..7); a select,
+      // not o[4 * gsel + i], which would put o in local memory
+      float c[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[e] = gsel ? o[4 + i][e] : o[i][e];
+      park(4 * gsel + i, c, lv0, lv1);
+    }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) park(mt, o[mt], mt < 4 ? lv0 : lw0, mt < 4 ? lv1 : lw1);
   }
-  if (g == 0 && t < 2) {
-    float* ml = sml + (warp * 4 + head0) * 2;
+  if (g == 0 && (HC == 8 || t < 2)) {
+    float* ml = sml + (warp * HC + head0) * 2;
     ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
   }
   __syncthreads();
-  store_cta_partial(a, so, sml, nwarps, nh, hq_base, split);
-  if (a.fused_merge) merge_column(a, smem, blockIdx.x, hq_base, nh);
+  store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, split);
+  if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
 
-template <int NSTAGE>
+template <int NSTAGE, int HC>
 int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(bh, grid_y);
@@ -667,53 +715,61 @@ int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t s
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, int2_history_kernel<NSTAGE>, a);
+  return (int)cudaLaunchKernelEx(&cfg, int2_history_kernel<NSTAGE, HC>, a);
 }
 
-template <int NSTAGE>
+template <int NSTAGE, int HC>
 int prepare(int) {  // the dynamic shared-memory limit, once, before any graph capture
   // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
   // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
-  return (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  return (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    8 * NSTAGE * kStageBytes);
 }
 
-template <int NSTAGE>
+template <int NSTAGE, int HC>
 int occupancy(int warps) {
   int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE>, warps * 32, warps * NSTAGE * kStageBytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC>, warps * 32,
+                                                warps * NSTAGE * kStageBytes);
   return n;
 }
 
 }  // namespace
 
-#define DISPATCH(NS, FN, ...)              \
-  switch (NS) {                             \
-    case 2: return FN<2>(__VA_ARGS__);      \
-    case 3: return FN<3>(__VA_ARGS__);      \
-    case 4: return FN<4>(__VA_ARGS__);      \
-    default: return -1;                     \
+// HC: query heads per CTA column, 4 (columns 4..7 of a warp's tile repeat heads 0..3) or 8 (one head per column)
+#define DISPATCH(NS, HC, FN, ...)                                       \
+  switch (NS * 16 + HC) {                                                \
+    case 2 * 16 + 4: return FN<2, 4>(__VA_ARGS__);                       \
+    case 3 * 16 + 4: return FN<3, 4>(__VA_ARGS__);                       \
+    case 4 * 16 + 4: return FN<4, 4>(__VA_ARGS__);                       \
+    case 2 * 16 + 8: return FN<2, 8>(__VA_ARGS__);                       \
+    case 3 * 16 + 8: return FN<3, 8>(__VA_ARGS__);                       \
+    case 4 * 16 + 8: return FN<4, 8>(__VA_ARGS__);                       \
+    default: return -1;                                                  \
   }
 
 extern "C" {
 
-int oscar_history_prepare(int nstage, int warps) { DISPATCH(nstage, prepare, warps) }
-int oscar_history_occupancy(int nstage, int warps) { DISPATCH(nstage, occupancy, warps) }
+int oscar_history_prepare(int nstage, int warps, int hc) { DISPATCH(nstage, hc, prepare, warps) }
+int oscar_history_occupancy(int nstage, int warps, int hc) { DISPATCH(nstage, hc, occupancy, warps) }
 
-int oscar_history_launch(int nstage, int warps, int bh, int gqa, int kg128, int vg128, int grid_y, const void* q, int q_dtype, float c0, const void* kc,
+int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg128, int vg128, int grid_y, const void* q,
+                         int q_dtype, float c0, const void* kc,
                          const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride,
                          const void* req_idx, int req_idx_64, const int* seq_lens, const int* ring_start, int hkv,
                          int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
                          const void* sk, const void* sv, const void* rk, const void* rv, const int* sink_table,
                          int nwin_sink, int nwin_ring, int win_tiles, int win_last, void* out, int out_dtype,
                          int* counters, int fused_merge, void* stream) {
-  // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows of the grid) before or after them
+  // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows of the grid) before or after them;
+  // a KV head's query heads in ceil(gqa / hc) CTA columns (head groups)
+  const int hgroups = (gqa + hc - 1) / hc;
   Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
-         grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, (gqa + 3) / 4, kg128, vg128,
+         grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, hgroups, kg128, vg128,
          (const __nv_bfloat16*)sk, (const __nv_bfloat16*)sv, (const __nv_bfloat16*)rk, (const __nv_bfloat16*)rv,
          sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge};
-  DISPATCH(nstage, launch, a, bh * ((gqa + 3) / 4), warps, grid_y + nwin_sink + nwin_ring, pdl, (cudaStream_t)stream)
+  DISPATCH(nstage, hc, launch, a, bh * hgroups, warps, grid_y + nwin_sink + nwin_ring, pdl, (cudaStream_t)stream)
 }
 
 }  // extern "C"
