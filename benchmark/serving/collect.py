@@ -53,6 +53,14 @@ def rows_of(calls) -> tuple:
     return rows, meta
 
 
+LATEST_RUNS = 4  # calls per model in the bs=1 latency plot
+
+
+def _call_number(run: str) -> int:
+    digits = "".join(ch for ch in run if ch.isdigit())
+    return int(digits) if digits else -1
+
+
 def plot(rows, out: Path, device: str) -> list:
     import matplotlib
 
@@ -60,24 +68,30 @@ def plot(rows, out: Path, device: str) -> list:
     import matplotlib.pyplot as plt
 
     paths = []
-    lat = [r for r in rows if r["metric"] == "decode_latency" and r["source"].startswith("one_batch")]
+    lat = [r for r in rows if r["metric"] == "decode_latency" and r["source"].startswith("one_batch")
+           and r.get("batch", 1) == 1]
+    models = sorted({r["model"] for r in lat})
     if lat:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for run in sorted({r["run"] for r in lat}):
-            for mode in sorted({r["mode"] for r in lat if r["run"] == run}):
-                pts = sorted((r["context"], r["value"]) for r in lat if r["run"] == run and r["mode"] == mode)
-                axes[0].plot([p[0] / 1024 for p in pts], [p[1] for p in pts], "o-", label=f"{mode} ({run})")
-                base = {r["context"]: r["value"] for r in lat if r["run"] == run and r["mode"] == "fi_bf16"}
-                if base and mode != "fi_bf16":
-                    sp = [(c, base[c] / v) for c, v in pts if c in base]
-                    axes[1].plot([p[0] / 1024 for p in sp], [p[1] for p in sp], "o-", label=f"{mode} ({run})")
-        axes[0].set(xlabel="context (k tokens)", ylabel="ms / token", title=f"bs=1 decode, Qwen3-8B shapes, {device}")
-        axes[1].axhline(1.0, color="gray", lw=0.8)
-        axes[1].set(xlabel="context (k tokens)", ylabel="speedup vs FlashInfer BF16 (same run)",
-                    title="decode speedup over FlashInfer BF16")
-        for a in axes:
-            a.grid(alpha=0.3)
-            a.legend(fontsize=7)
+        # one row of panels per model; the latest LATEST_RUNS calls of each (older ones stay in the JSON)
+        fig, axes = plt.subplots(len(models), 2, figsize=(11, 4 * len(models)), squeeze=False)
+        for (ax_ms, ax_sp), model in zip(axes, models):
+            mine = [r for r in lat if r["model"] == model]
+            runs = sorted({r["run"] for r in mine}, key=_call_number)[-LATEST_RUNS:]
+            for run in runs:
+                for mode in sorted({r["mode"] for r in mine if r["run"] == run}):
+                    pts = sorted((r["context"], r["value"]) for r in mine if r["run"] == run and r["mode"] == mode)
+                    ax_ms.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], "o-", label=f"{mode} ({run})")
+                    base = {r["context"]: r["value"] for r in mine if r["run"] == run and r["mode"] == "fi_bf16"}
+                    if base and mode != "fi_bf16":
+                        sp = [(c, base[c] / v) for c, v in pts if c in base]
+                        ax_sp.plot([p[0] / 1024 for p in sp], [p[1] for p in sp], "o-", label=f"{mode} ({run})")
+            ax_ms.set(xlabel="context (k tokens)", ylabel="ms / token", title=f"bs=1 decode, {model} shapes, {device}")
+            ax_sp.axhline(1.0, color="gray", lw=0.8)
+            ax_sp.set(xlabel="context (k tokens)", ylabel="speedup vs FlashInfer BF16 (same run)",
+                      title=f"{model}: decode speedup over FlashInfer BF16")
+            for a in (ax_ms, ax_sp):
+                a.grid(alpha=0.3)
+                a.legend(fontsize=7)
         fig.tight_layout()
         p = out / "serving_decode_latency.png"
         fig.savefig(p, dpi=110)
