@@ -10,6 +10,9 @@ every TP rank loads it), dummy weights, CUDA graphs on. Per mode:
   2. capacity: max_total_num_tokens from /get_server_info, and the plugin's own int2-vs-bf16 line.
   3. latency:  per context, a prefill request (timed), then the same prompt again with streaming
                (prefix-cache hit: decode steps only), inter-token latency median = decode ms/token.
+  4. batch decode (--batch-decode INxOUT@N): N prompts of IN tokens prefilled (one token each, so they
+               sit in the prefix cache), then all N again at once, streamed: the median gap per token
+               while all N decode together (steady_gaps) = the decode step at batch N.
 
 Modes run concurrently on the GPU sets of --gpu-sets (8-GPU machine: TP4 on 0-3 and TP4 on 4-7), each
 set taking the next mode in --modes order when it is free. `int2_eager` (no CUDA graphs) runs the greedy
@@ -41,11 +44,15 @@ MODES = {
     "int2": ("oscar_int2", "int2", ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128"]),
     "int2_eager": ("oscar_int2", "int2", ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128",
                                           "--disable-cuda-graph"]),  # greedy only: CUDA graph == eager check
+    # the paged pool and the CUDA history stage (docs/serving.md), int2's flags otherwise
+    "int2_cuda": ("oscar_int2", "int2", ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128",
+                                         "--page-size", "64"]),
     "fi_bf16": ("flashinfer", "auto", []),
     "fi_fp8": ("flashinfer", "fp8_e4m3", []),
     "triton_bf16": ("triton", "auto", []),
     "torch_native": ("torch_native", "auto", []),  # the CPU harness's stock backend (checks this script)
 }
+MODE_ENV = {"int2_cuda": {"SGLANG_OSCAR_HISTORY_KERNEL": "cuda"}}
 GREEDY_PROMPTS = (16, 100, 200, 250)  # + GREEDY_NEW <= 64 + 256: inside the int2 windows
 GREEDY_NEW = 32
 PLUGIN_CAPACITY = re.compile(r"int2 ([\d,]+) tokens \(([\d,]+) B/token\) vs bf16 ([\d,]+) .*?= ([0-9.]+)x")
@@ -113,6 +120,52 @@ def throughput(port: int, n_in: int, n_out: int, concurrency: int, max_id: int, 
                 median_ttft_s=round(statistics.median(d["first"] - d["t0"] for d in ok), 2) if ok else None)
 
 
+def steady_gaps(streams: list) -> tuple:
+    """Per-token gaps (s) while every stream is decoding: streams are [(arrival time, completion tokens so far)]
+    per request; the window runs from the last request's first chunk to the first request's last chunk, and a
+    gap counts where both of its chunks lie inside it (a chunk may carry several tokens). Returns (gaps, window s)."""
+    streams = [ev for ev in streams if len(ev) >= 2]
+    if not streams:
+        return [], 0.0
+    lo, hi = max(ev[0][0] for ev in streams), min(ev[-1][0] for ev in streams)
+    gaps = [(b[0] - a[0]) / max(1, b[1] - a[1]) for ev in streams for a, b in zip(ev, ev[1:])
+            if lo <= a[0] and b[0] <= hi]
+    return gaps, max(0.0, hi - lo)
+
+
+def batch_decode(port: int, n_in: int, n_out: int, n: int, max_id: int, seed: int) -> dict:
+    """The decode step at batch n through HTTP: n distinct prompts of n_in tokens are prefilled first (one output
+    token each, so that they sit in the prefix cache), then sent again all at once, streamed, so that they start
+    decoding together; the median gap per token inside the window where all n decode (steady_gaps)."""
+    rnd = random.Random(seed)
+    prompts = [[rnd.randrange(1000, max_id) for _ in range(n_in)] for _ in range(n)]
+    t = time.perf_counter()
+    for ids in prompts:
+        generate(port, ids, 1, timeout=3600)
+    prefill_s = time.perf_counter() - t
+    streams, errors = [None] * n, []
+
+    def one(i):
+        try:
+            streams[i] = stream_times(port, prompts[i], n_out, timeout=3600)[0]
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    ok = [ev for ev in streams if ev]
+    gaps, window = steady_gaps(ok)
+    row = dict(input_len=n_in, output_len=n_out, batch=n, completed=len(ok), errors=errors[:3],
+               prefill_all_s=round(prefill_s, 2), steady_window_s=round(window, 3), steady_gaps=len(gaps))
+    if gaps:
+        row.update(decode_ms_median=round(1e3 * statistics.median(gaps), 3),
+                   decode_ms_p90=round(1e3 * sorted(gaps)[int(0.9 * (len(gaps) - 1))], 3))
+    return row
+
+
 def find_key(obj, key):
     if isinstance(obj, dict):
         if key in obj:
@@ -137,6 +190,7 @@ class Server:
                *extra, *args.flags.split(), *(args.int2_flags.split() if kv == "int2" else [])]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1",
                    NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+        env.update(MODE_ENV.get(mode, {}))
         if kv == "int2":
             env.setdefault("SGLANG_OSCAR_BUNDLE", "builtin:hadamard")
             for kv_pair in args.int2_env:
@@ -240,6 +294,11 @@ def run_mode(mode: str, args, gpus: str, port: int, log_dir: Path) -> dict:
             row["fits"] = fit
             res["throughput"].append(row)
             print(json.dumps(dict(mode=mode, tp=args.tp, **row)), flush=True)
+        res["batch_decode"] = []
+        for n_in, n_out, n in ([] if mode.endswith("_eager") else args.batch_decode):
+            row = batch_decode(srv.port, n_in, n_out, n, args.max_id, seed=7 * n_in + n)
+            res["batch_decode"].append(row)
+            print(json.dumps(dict(mode=mode, tp=args.tp, **row)), flush=True)
     except Exception as e:  # noqa: BLE001  -- recorded, never dropped
         res["error"] = f"{type(e).__name__}: {e}"
         res["log_tail"] = srv.text()[-3000:] if srv else ""
@@ -295,6 +354,10 @@ def write(args, results: list, out: Path) -> None:
                                       ("prefill_latency", "prefill_s", "s")):
                 if lat.get(key) is not None:
                     rows.append(dict(base, context=lat["context"], batch=1, metric=metric, value=lat[key], unit=unit))
+        for bd in r.get("batch_decode", []):
+            if bd.get("decode_ms_median") is not None:
+                rows.append(dict(base, context=bd["input_len"], batch=bd["batch"], metric="decode_latency",
+                                 value=bd["decode_ms_median"], unit="ms/token", source_detail="batch_decode"))
         for th in r.get("throughput", []):
             if th.get("completed"):
                 for metric, key, unit in (("job_output_throughput", "output_tok_s", "tok/s/gpu"),
@@ -320,6 +383,7 @@ def write(args, results: list, out: Path) -> None:
                commit=args.commit, date=time.strftime("%Y-%m-%d %H:%M"),
                settings=dict(tp=args.tp, flags=args.flags, mem_fraction_static=args.mem_fraction, weights="dummy",
                              graph_max_bs=args.graph_max_bs, int2_flags=args.int2_flags, throughput=args.throughput, decode_tokens=args.decode_tokens, int2_env=args.int2_env,
+                             batch_decode=args.batch_decode,
                              int2_bundle=os.environ.get("SGLANG_OSCAR_BUNDLE", "builtin:hadamard"),
                              decode_latency="median inter-chunk gap of a streamed request whose prompt is a "
                                             "prefix-cache hit (HTTP streaming included, same for every mode)"),
@@ -348,6 +412,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--throughput", default="", help="job-throughput runs, comma list of INxOUT[@CONCURRENCY] "
                     "(no @: the largest batch the mode fits), e.g. 100000x1024,8192x1024@32")
+    ap.add_argument("--batch-decode", default="", help="decode step at batch N, comma list of INxOUT@N, e.g. "
+                    "32768x256@8 (batch_decode: prompts prefilled first, then decoded together)")
     ap.add_argument("--max-id", type=int, default=50000, help="prompt token ids are drawn from [1000, max-id)")
     ap.add_argument("--graph-max-bs", type=int, default=8)
     ap.add_argument("--mem-fraction", type=float, default=0.85)
@@ -360,6 +426,9 @@ def main() -> None:
     args = ap.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",") if x]
     args.throughput = [parse_spec(x) for x in args.throughput.split(",") if x]
+    args.batch_decode = [parse_spec(x) for x in args.batch_decode.split(",") if x]
+    if any(n is None for _, _, n in args.batch_decode):
+        sys.exit("--batch-decode: give the batch, INxOUT@N, e.g. 32768x256@8")
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:
