@@ -8,6 +8,7 @@
 #   call 4:                  bash benchmark/serving/serving_session.sh serve
 #   call 5:                  bash benchmark/serving/serving_session.sh throughput100k
 #   (any later call)         bash benchmark/serving/serving_session.sh latency_cuda
+#   (any later call)         MODES=int2_cuda bash benchmark/serving/serving_session.sh batch_decode (then fi_bf16)
 #
 # latency:  bs=1 prefill + decode latency of dummy-weight Qwen3-8B at 8k/32k/64k/100k for int2 and
 #           FlashInfer BF16 (one_batch.py, CUDA graphs,
@@ -67,6 +68,16 @@ case "${1:-}" in
       --timeout 110 \
       --out "$OUT" 2>&1 | filt | tee "$OUT/one_batch.log"
     pack latency_cuda
+    ;;
+  batch_decode)
+    # the decode step at batch N through a real server (tp_serve.py --batch-decode: N prompts prefilled, then
+    # decoded together; chunked prefill, so no one-forward prefill runs out of memory as in one_batch). One mode
+    # per call (a fresh server's JIT takes 2-4 minutes): MODES=int2_cuda, then MODES=fi_bf16. GRAPH_BS must cover
+    # the largest N, or that batch runs without CUDA graphs.
+    timeout 585 python3 benchmark/serving/tp_serve.py --model $M --tp 1 --modes "${MODES:-int2_cuda}" --contexts "" \
+      --batch-decode "${SPECS:-32768x256@8}" --graph-max-bs "${GRAPH_BS:-8}" --mem-fraction 0.85 \
+      --startup-timeout 400 --out "$OUT" 2>&1 | filt | tee "$OUT/tp_serve.log"
+    pack batch_decode
     ;;
   *) echo "usage: $0 latency|latency2|serve|throughput100k|latency_cuda"; exit 2 ;;
 esac
