@@ -6,7 +6,7 @@ the Triton merge (PDL; FUSED_MERGE: the last CTA of each (request, KV head) merg
 covers the shape family it was written and measured for: D 128, K and V groups of 64 or 128, uniform INT2 levels,
 GQA 1-8 (Qwen3-4B / 8B / 14B / 32B, Llama-3-8B), BF16 sink / ring rows. Anything else raises with the reason
 instead of falling back. It pays on a pool in pages (kernels/records.py): on H100, page 64, 78-93% of copy
-bandwidth at 64k / 128k batch >= 8 for Qwen3-8B / 14B / 32B shapes, against 57-68% for the Triton path
+bandwidth at 64k / 128k batch >= 8 for Qwen3-8B / 14B / 32B shapes, against 56-68% for the Triton path
 (benchmark/NOTES.md).
 
 Build: nvcc (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin) compiles the source once per (source, GPU arch,
