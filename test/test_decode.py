@@ -844,6 +844,18 @@ def test_cuda_history_ctypes_signature_matches_the_source():
     assert kinds == history_cuda.LAUNCH_ARGTYPES
 
 
+def test_cuda_history_columns_per_gqa(monkeypatch):
+    """Query heads per CTA column (history_cuda.cta_heads) and the grid's columns: 4 up to GQA 4, one column of 8
+    for GQA 5-8 (the 8-head tile), head groups above that or with WIDE_TILE off."""
+    from sglang_oscar.kernels import history_cuda
+
+    assert [history_cuda.cta_heads(g) for g in (1, 3, 4, 5, 6, 8, 12, 16)] == [4, 4, 4, 8, 8, 8, 8, 8]
+    assert [history_cuda.cta_columns(16, g) for g in (1, 4, 5, 8, 12, 16)] == [16, 16, 16, 16, 32, 32]
+    monkeypatch.setattr(history_cuda, "WIDE_TILE", False)
+    assert [history_cuda.cta_heads(g) for g in (4, 5, 8)] == [4, 4, 4]
+    assert [history_cuda.cta_columns(16, g) for g in (4, 5, 8, 12)] == [16, 32, 32, 48]
+
+
 def test_cuda_window_ctas_cover_the_window():
     from sglang_oscar.kernels import history_cuda
 
