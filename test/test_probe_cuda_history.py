@@ -77,6 +77,86 @@ def codes(byts):
     return np.concatenate([(byts >> (2 * p)) & 3 for p in range(4)], 1)  # dims p*32 + j
 
 
+def history_k_dot(kc, q_regs):
+    """The history loop's K dot of one tile: codes [16 tokens, 32 bytes] as A (sigma token order, K_SELECTORS, plane
+    masks) against q_regs[lane][2ks], [2ks + 1] as B per k-step ks = (plane p, half hh); accumulators of groups 0, 1."""
+    acc = [np.zeros((32, 4)), np.zeros((32, 4))]
+    for ks in range(8):
+        p, hh = ks // 2, ks % 2
+        m = 0x00030003 << (2 * p)
+        a_regs = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            w0, w1 = word(kc[sigma(g)], t * 8 + 4 * hh), word(kc[sigma(g) + 8], t * 8 + 4 * hh)
+            lo, hi = K_SELECTORS
+            a_regs.append([prmt(w0, 0, lo) & m, prmt(w1, 0, lo) & m, prmt(w0, 0, hi) & m, prmt(w1, 0, hi) & m])
+        mma(acc[p // 2], a_regs, [[int(q_regs[lane][2 * ks]), int(q_regs[lane][2 * ks + 1])] for lane in range(32)])
+    return acc
+
+
+def check_history_k_dot(acc, kc, qf, head_of_column):
+    """Lane (g, t)'s accumulator entry e is token sigma(g) + 8 (e >> 1) and column 2t + (e & 1), i.e. that column's
+    head; group 0 in units of 2^-24, group 1 of 2^-20 (the kernel's sc1 / 16 and exp2(s' 2^24 - m))."""
+    K = codes(kc)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for e in range(4):
+            row, head = sigma(g) + 8 * (e >> 1), head_of_column(2 * t + (e & 1))
+            for grp, unit in ((0, 2.0 ** 24), (1, 2.0 ** 20)):
+                want = (qf[head, 64 * grp:64 * grp + 64] * K[row, 64 * grp:64 * grp + 64]).sum()
+                assert acc[grp][lane, e] * unit == pytest.approx(want, rel=2e-3, abs=2e-3)
+
+
+def p_operands(P, vs, head_of_column, group_of_lane):
+    """The V dot's B operand pair: p.vscale from the K accumulator layout (lane (g, t): tokens sigma(g), sigma(g) + 8,
+    columns 2t, 2t + 1) through movmatrix.trans, with the V scale of group group_of_lane(t)."""
+    h01, h23 = [], []
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        grp, ra, rb = group_of_lane(t), sigma(g), sigma(g) + 8
+        c0, c1 = head_of_column(2 * t), head_of_column(2 * t + 1)
+        h01.append(pack(P[ra, c0] * vs[ra, grp], P[ra, c1] * vs[ra, grp]))
+        h23.append(pack(P[rb, c0] * vs[rb, grp], P[rb, c1] * vs[rb, grp]))
+    return movmatrix_trans(h01), movmatrix_trans(h23)
+
+
+def history_v_dot(vc, operands_of_mtile):
+    """The history loop's V dot of one tile: V codes [16 tokens, 32 bytes] as A (V_SELECTORS, plane masks) per
+    m-tile mt against the B pair operands_of_mtile(mt)."""
+    o = [np.zeros((32, 4)) for _ in range(8)]
+    for mt in range(8):
+        p, hb = mt >> 1, mt & 1
+        m = 0x00030003 << (2 * p)
+        b0, b1 = operands_of_mtile(mt)
+        a_regs = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            wa, wb, wc, wd = (word(vc[r], 4 * g) for r in (t, t + 4, t + 8, t + 12))
+            e = [prmt(wa, wb, s) for s in V_SELECTORS]
+            f = [prmt(wc, wd, s) for s in V_SELECTORS]
+            a_regs.append([e[2 * hb] & m, e[2 * hb + 1] & m, f[2 * hb] & m, f[2 * hb + 1] & m])
+        mma(o[mt], a_regs, [[b0[lane], b1[lane]] for lane in range(32)])
+    return o
+
+
+def check_history_v_dot(o, P, vs, vc, head_of_column, mtiles_of_lane):
+    """The kernel's epilogue: lane (g, t) keeps m-tiles mtiles_of_lane(t), whose rows g, g + 8 are dims d0, d0 + 1
+    (d0 = p*32 + 4g + 2hb) of heads head0, head0 + 1 (columns 2t, 2t + 1). Returns the (head, dim) outputs seen."""
+    V = codes(vc)
+    seen = set()
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        head0 = head_of_column(2 * t)
+        for mt in mtiles_of_lane(t):
+            p, hb = mt >> 1, mt & 1
+            d0 = p * 32 + 4 * g + 2 * hb
+            for e, (head, d) in enumerate(((head0, d0), (head0 + 1, d0), (head0, d0 + 1), (head0 + 1, d0 + 1))):
+                want = sum(P[tok, head] * vs[tok, d // 64] * V[tok, d] for tok in range(16))
+                assert o[mt][lane, e] * 2.0 ** (24 - 2 * p) == pytest.approx(want, rel=3e-3, abs=1e-3)
+                seen.add((head, d))
+    return seen
+
+
 @pytest.mark.parametrize("source", [CU_SOURCE, PRODUCTION_SOURCE])
 def test_selectors_match_the_kernel_source(source):
     src = open(source).read()
@@ -94,28 +174,10 @@ def test_k_dot_with_the_driver_q_fragments(seed):
     sm_scale = 1 / math.sqrt(128)
     qb, qs = probe.query_operands(q, sm_scale)  # KV head 0: q heads 0..3
     qb = qb[0].numpy().view(np.uint32)
-    acc = [np.zeros((32, 4)), np.zeros((32, 4))]
-    for ks in range(8):
-        p, hh = ks // 2, ks % 2
-        m = 0x00030003 << (2 * p)
-        a_regs = []
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            w0, w1 = word(kc[sigma(g)], t * 8 + 4 * hh), word(kc[sigma(g) + 8], t * 8 + 4 * hh)
-            lo, hi = K_SELECTORS
-            a_regs.append([prmt(w0, 0, lo) & m, prmt(w1, 0, lo) & m, prmt(w0, 0, hi) & m, prmt(w1, 0, hi) & m])
-        mma(acc[p // 2], a_regs, [[int(qb[lane, 2 * ks]), int(qb[lane, 2 * ks + 1])] for lane in range(32)])
-    K = codes(kc)
+    acc = history_k_dot(kc, qb)
     c0 = sm_scale * probe.LOG2E
     qf = q[0].double().numpy() * c0
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        for e in range(4):
-            row, head = sigma(g) + 8 * (e >> 1), (2 * t + (e & 1)) & 3
-            # group 0 in units of 2^-24, group 1 of 2^-20 (the kernel's sc1 / 16 and exp2(s' 2^24 - m))
-            for grp, unit in ((0, 2.0 ** 24), (1, 2.0 ** 20)):
-                want = (qf[head, 64 * grp:64 * grp + 64] * K[row, 64 * grp:64 * grp + 64]).sum()
-                assert acc[grp][lane, e] * unit == pytest.approx(want, rel=2e-3, abs=2e-3)
+    check_history_k_dot(acc, kc, qf, lambda c: c & 3)
     # the min term's group sums
     for grp in range(2):
         np.testing.assert_allclose(qs[0, grp].numpy() * 2.0 ** 24, qf[:4, 64 * grp:64 * grp + 64].sum(-1), rtol=1e-6)
@@ -127,38 +189,11 @@ def test_v_dot_from_the_k_accumulator_layout(seed):
     vc = rng.integers(0, 256, (16, 32))
     P = rng.random((16, 4))  # p of token (tile row) and head
     vs = rng.random((16, 2)) * 0.3 + 0.05  # V scale of token and group
-    h01, h23 = [], []
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        gsel, ra, rb = t >> 1, sigma(g), sigma(g) + 8
-        h01.append(pack(P[ra, (2 * t) & 3] * vs[ra, gsel], P[ra, (2 * t + 1) & 3] * vs[ra, gsel]))
-        h23.append(pack(P[rb, (2 * t) & 3] * vs[rb, gsel], P[rb, (2 * t + 1) & 3] * vs[rb, gsel]))
-    b0, b1 = movmatrix_trans(h01), movmatrix_trans(h23)
-    o = [np.zeros((32, 4)) for _ in range(8)]
-    for mt in range(8):
-        p, hb = mt >> 1, mt & 1
-        m = 0x00030003 << (2 * p)
-        a_regs = []
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            wa, wb, wc, wd = (word(vc[r], 4 * g) for r in (t, t + 4, t + 8, t + 12))
-            e = [prmt(wa, wb, s) for s in V_SELECTORS]
-            f = [prmt(wc, wd, s) for s in V_SELECTORS]
-            a_regs.append([e[2 * hb] & m, e[2 * hb + 1] & m, f[2 * hb] & m, f[2 * hb + 1] & m])
-        mma(o[mt], a_regs, [[b0[lane], b1[lane]] for lane in range(32)])
-    V = codes(vc)
-    seen = set()
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        gsel, head0 = t >> 1, (2 * t) & 3
-        for i in range(4):  # the kernel's epilogue: m-tiles of the lane's V group
-            mt = 4 * gsel + i
-            p, hb = mt >> 1, mt & 1
-            d0 = p * 32 + 4 * g + 2 * hb
-            for e, (head, d) in enumerate(((head0, d0), (head0 + 1, d0), (head0, d0 + 1), (head0 + 1, d0 + 1))):
-                want = sum(P[tok, head] * vs[tok, d // 64] * V[tok, d] for tok in range(16))
-                assert o[mt][lane, e] * 2.0 ** (24 - 2 * p) == pytest.approx(want, rel=3e-3, abs=1e-3)
-                seen.add((head, d))
+    # columns 0..3 carry p.scale of V group 0, columns 4..7 of group 1 (lane t's group t >> 1): one pair for all
+    b = p_operands(P, vs, lambda c: c & 3, lambda t: t >> 1)
+    o = history_v_dot(vc, lambda mt: b)
+    # lanes keep the m-tiles of their V group
+    seen = check_history_v_dot(o, P, vs, vc, lambda c: c & 3, lambda t: range(4 * (t >> 1), 4 * (t >> 1) + 4))
     assert len(seen) == 4 * 128  # every output of the tile written once
 
 
@@ -190,26 +225,7 @@ def test_history_k_dot_with_the_kernels_q_fragments(hc):
     head = (lambda c: c) if hc == 8 else (lambda c: c & 3)
     c0 = 1 / math.sqrt(128) * probe.LOG2E
     qb = kernel_q_fragments(q, head, c0)
-    acc = [np.zeros((32, 4)), np.zeros((32, 4))]
-    for ks in range(8):
-        p, hh = ks // 2, ks % 2
-        m = 0x00030003 << (2 * p)
-        a_regs = []
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            w0, w1 = word(kc[sigma(g)], t * 8 + 4 * hh), word(kc[sigma(g) + 8], t * 8 + 4 * hh)
-            lo, hi = K_SELECTORS
-            a_regs.append([prmt(w0, 0, lo) & m, prmt(w1, 0, lo) & m, prmt(w0, 0, hi) & m, prmt(w1, 0, hi) & m])
-        mma(acc[p // 2], a_regs, [[qb[lane][2 * ks], qb[lane][2 * ks + 1]] for lane in range(32)])
-    K = codes(kc)
-    qf = q * c0
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        for e in range(4):
-            row, h = sigma(g) + 8 * (e >> 1), head(2 * t + (e & 1))
-            for grp, unit in ((0, 2.0 ** 24), (1, 2.0 ** 20)):
-                want = (qf[h, 64 * grp:64 * grp + 64] * K[row, 64 * grp:64 * grp + 64]).sum()
-                assert acc[grp][lane, e] * unit == pytest.approx(want, rel=2e-3, abs=2e-3)
+    check_history_k_dot(history_k_dot(kc, qb), kc, q * c0, head)
     src = open(PRODUCTION_SOURCE).read()
     assert "const int head = HC == 8 ? g : (g & 3);" in src and "const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;" in src
     assert "const int d = p * 32 + t * 8 + 4 * hh + 2 * w;" in src and "(p & 1) ? 0.25f : 1.f" in src
@@ -224,40 +240,9 @@ def test_v_dot_eight_heads_per_column(seed):
     vc = rng.integers(0, 256, (16, 32))
     P = rng.random((16, 8))  # p of token (tile row) and head
     vs = rng.random((16, 2)) * 0.3 + 0.05  # V scale of token and group
-    ops = []
-    for grp in range(2):
-        h01, h23 = [], []
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            ra, rb = sigma(g), sigma(g) + 8
-            h01.append(pack(P[ra, 2 * t] * vs[ra, grp], P[ra, 2 * t + 1] * vs[ra, grp]))
-            h23.append(pack(P[rb, 2 * t] * vs[rb, grp], P[rb, 2 * t + 1] * vs[rb, grp]))
-        ops.append((movmatrix_trans(h01), movmatrix_trans(h23)))
-    o = [np.zeros((32, 4)) for _ in range(8)]
-    for mt in range(8):
-        p, hb = mt >> 1, mt & 1
-        m = 0x00030003 << (2 * p)
-        b0, b1 = ops[0] if mt < 4 else ops[1]
-        a_regs = []
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            wa, wb, wc, wd = (word(vc[r], 4 * g) for r in (t, t + 4, t + 8, t + 12))
-            e = [prmt(wa, wb, s) for s in V_SELECTORS]
-            f = [prmt(wc, wd, s) for s in V_SELECTORS]
-            a_regs.append([e[2 * hb] & m, e[2 * hb + 1] & m, f[2 * hb] & m, f[2 * hb + 1] & m])
-        mma(o[mt], a_regs, [[b0[lane], b1[lane]] for lane in range(32)])
-    V = codes(vc)
-    seen = set()
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        head0 = 2 * t
-        for mt in range(8):  # the kernel's epilogue (park) at HC 8
-            p, hb = mt >> 1, mt & 1
-            d0 = p * 32 + 4 * g + 2 * hb
-            for e, (head, d) in enumerate(((head0, d0), (head0 + 1, d0), (head0, d0 + 1), (head0 + 1, d0 + 1))):
-                want = sum(P[tok, head] * vs[tok, d // 64] * V[tok, d] for tok in range(16))
-                assert o[mt][lane, e] * 2.0 ** (24 - 2 * p) == pytest.approx(want, rel=3e-3, abs=1e-3)
-                seen.add((head, d))
+    ops = [p_operands(P, vs, lambda c: c, lambda t, grp=grp: grp) for grp in range(2)]
+    o = history_v_dot(vc, lambda mt: ops[0] if mt < 4 else ops[1])
+    seen = check_history_v_dot(o, P, vs, vc, lambda c: c, lambda t: range(8))  # the epilogue (park) at HC 8
     assert len(seen) == 8 * 128  # every output of the tile written once
     src = open(PRODUCTION_SOURCE).read()
     assert "mt < 4 ? b0 : c0, mt < 4 ? b1 : c1" in src
