@@ -39,14 +39,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+_INT2 = ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128"]
 MODES = {
     # name: (attention backend, kv-cache dtype, extra flags)  -- as in one_batch.py
-    "int2": ("oscar_int2", "int2", ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128"]),
-    "int2_eager": ("oscar_int2", "int2", ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128",
-                                          "--disable-cuda-graph"]),  # greedy only: CUDA graph == eager check
+    "int2": ("oscar_int2", "int2", _INT2),
+    "int2_eager": ("oscar_int2", "int2", [*_INT2, "--disable-cuda-graph"]),  # greedy only: CUDA graph == eager check
     # the paged pool and the CUDA history stage (docs/serving.md), int2's flags otherwise
-    "int2_cuda": ("oscar_int2", "int2", ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128",
-                                         "--page-size", "64"]),
+    "int2_cuda": ("oscar_int2", "int2", [*_INT2, "--page-size", "64"]),
     "fi_bf16": ("flashinfer", "auto", []),
     "fi_fp8": ("flashinfer", "fp8_e4m3", []),
     "triton_bf16": ("triton", "auto", []),
@@ -120,6 +119,12 @@ def throughput(port: int, n_in: int, n_out: int, concurrency: int, max_id: int, 
                 median_ttft_s=round(statistics.median(d["first"] - d["t0"] for d in ok), 2) if ok else None)
 
 
+def gap_stats(gaps: list) -> dict:
+    """decode_ms_median / decode_ms_p90 of per-token gaps in seconds (non-empty)."""
+    return dict(decode_ms_median=round(1e3 * statistics.median(gaps), 3),
+                decode_ms_p90=round(1e3 * sorted(gaps)[int(0.9 * (len(gaps) - 1))], 3))
+
+
 def steady_gaps(streams: list) -> tuple:
     """Per-token gaps (s) while every stream is decoding: streams are [(arrival time, completion tokens so far)]
     per request; the window runs from the last request's first chunk to the first request's last chunk, and a
@@ -161,8 +166,7 @@ def batch_decode(port: int, n_in: int, n_out: int, n: int, max_id: int, seed: in
     row = dict(input_len=n_in, output_len=n_out, batch=n, completed=len(ok), errors=errors[:3],
                prefill_all_s=round(prefill_s, 2), steady_window_s=round(window, 3), steady_gaps=len(gaps))
     if gaps:
-        row.update(decode_ms_median=round(1e3 * statistics.median(gaps), 3),
-                   decode_ms_p90=round(1e3 * sorted(gaps)[int(0.9 * (len(gaps) - 1))], 3))
+        row.update(gap_stats(gaps))
     return row
 
 
@@ -277,8 +281,7 @@ def run_mode(mode: str, args, gpus: str, port: int, log_dir: Path) -> dict:
             row = dict(context=ctx, prefill_s=round(prefill_s, 3), cached_tokens=meta.get("cached_tokens"),
                        ttft_cached_s=round(events[0][0] - t, 4) if events else None, tokens=len(events))
             if gaps:
-                row.update(decode_ms_median=round(1e3 * statistics.median(gaps), 3),
-                           decode_ms_p90=round(1e3 * sorted(gaps)[int(0.9 * (len(gaps) - 1))], 3))
+                row.update(gap_stats(gaps))
             res["latency"].append(row)
             print(json.dumps(dict(mode=mode, tp=args.tp, **row)), flush=True)
         res["throughput"] = []
