@@ -827,6 +827,91 @@ def test_cuda_history_rejects_what_it_does_not_cover():
         oscar_decode(**case, history_kernel="cutlass")
 
 
+def test_follows_write_refuses_what_would_race():
+    """oscar_decode(follows_write=True) reads q before it waits for the KV write: it needs the CUDA history kernel,
+    a q transformed and contiguous before the write (a GEMM or copy in between would write q while the kernel reads
+    it) and PDL (sm_90+); the write's trigger needs PDL too; the launch's pdl mode is one of three. All checked
+    before any device work, so CPU CI sees them."""
+    from sglang_oscar.kernels import history_cuda
+    from sglang_oscar.kernels.write import oscar_write_kv
+
+    case = make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="follows_write .* needs history_kernel='cuda'"):
+        oscar_decode(**case, follows_write=True)
+    eye = torch.eye(128).expand(2, 128, 128).contiguous()
+    with pytest.raises(ValueError, match="transform q .* before the KV write, and pass q_transform=None"):
+        oscar_decode(**case, history_kernel="cuda", follows_write=True, q_transform=eye)
+    strided = {**case, "q": torch.cat([case["q"], case["q"]], dim=-1)[..., :128]}
+    with pytest.raises(ValueError, match="make it contiguous before the KV write"):
+        oscar_decode(**strided, history_kernel="cuda", follows_write=True)
+    with pytest.raises(ValueError, match="follows_write needs programmatic dependent launch"):
+        oscar_decode(**case, history_kernel="cuda", follows_write=True)
+    k = torch.zeros(1, 2, 128)
+    idx = torch.full((1,), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="pdl_trigger needs programmatic dependent launch"):
+        oscar_write_kv(k, k, torch.zeros(1, dtype=torch.int64), idx, idx, case["cache"], k_transform=eye,
+                       pdl_trigger=True)
+    with pytest.raises(ValueError, match="pdl must be PDL_OFF, PDL_WAIT_FIRST or PDL_AFTER_WRITE"):
+        history_cuda.launch(case["q"], case["cache"], case["req_to_token"], case["req_pool_indices"],
+                            case["seq_lens"], case["ring_start"], sink=8, window=16, sm_scale=1.0, ns=1, ns_total=3,
+                            o_part=None, lse_part=None, pdl=3)
+
+
+@requires_cuda
+@pytest.mark.parametrize("gqa", [4, 8])
+def test_cuda_history_after_the_kv_write(gqa):
+    """The decode step's chain as the server runs it on sm_90+: oscar_write_kv(pdl_trigger=True), then
+    oscar_decode(follows_write=True), whose history CTAs run while the write does. Same bits as the plain chain
+    (eager, and replays of a captured graph into a poisoned output), and the plain chain matches the oracle on the
+    written cache. The write also stores 4096 scratch tokens of a request outside the batch, listed first, so that
+    it is still running when the history kernel starts: a window CTA that read the new ring / sink row before the
+    write had stored it, or a history CTA of the request whose history reaches the new token (ring_start >= L)
+    that did not wait, would read NaN (make_case's poison) or the old row. Lengths: batch 1-style long, L = S + 1,
+    L = S, L < S, window edges, ring_start >= L."""
+    from sglang_oscar.kernels.write import oscar_write_kv
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    sink, window, d, hkv = 64, 256, 128, 2
+    lens = [5001, 65, 64, 3, 321, 320, 2000]  # L after the write: the new token is at L - 1
+    ring_starts = [0, 0, 0, 0, 0, 0, 2000]  # the last request's history reaches L - 1
+    case = make_case(lens, hkv=hkv, gqa=gqa, d=d, sink=sink, window=window, ring_starts=ring_starts, pool_page=64,
+                     seed=90 + gqa)
+    cache, r2t, ridx = case["cache"], case["req_to_token"], case["req_pool_indices"].long()
+    pos = case["seq_lens"].long() - 1
+    new_slots = r2t[ridx, pos].long()
+    extra = next(r for r in range(r2t.shape[0]) if r not in ridx.tolist())
+    scratch = r2t[extra, :4096].long()
+    none = torch.full((scratch.numel(),), -1, dtype=torch.int32, device="cuda")
+    slots = torch.cat([scratch, new_slots])
+    sink_dst = torch.cat([none, torch.where(pos < sink, cache.sink_table[new_slots], -1).int()])
+    ring_dst = torch.cat([none, torch.where(pos >= sink, ridx * window + pos % window, -1).int()])
+    g = torch.Generator(device="cuda").manual_seed(gqa)
+    k_new, v_new = (torch.randn(slots.numel(), hkv, d, generator=g, device="cuda").to(torch.bfloat16) for _ in "kv")
+    rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, device="cuda"))[0].contiguous()
+
+    def chain(pdl, out):
+        oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, validate=False,
+                       pdl_trigger=pdl)
+        return oscar_decode(**case, out=out, history_kernel="cuda", follows_write=pdl)
+
+    ring_row = ridx[0] * window + pos[0] % window
+    old_row = cache.ring_k[ring_row].clone()
+    plain = chain(False, torch.full_like(case["q"], float("nan"))).clone()
+    assert not torch.equal(cache.ring_k[ring_row], old_row)  # the write replaced make_case's row
+    run_and_check(case, history_kernel="cuda")  # the oracle on the cache as written
+    out = torch.full_like(case["q"], float("nan"))
+    assert torch.equal(chain(True, out), plain)
+    gr = torch.cuda.CUDAGraph()  # the write and the decode captured together, as in a served decode step
+    with torch.cuda.graph(gr):
+        chain(True, out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        gr.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
+
+
 def test_cuda_history_ctypes_signature_matches_the_source():
     """history_cuda.LAUNCH_ARGTYPES against the C parameters of oscar_history_launch in the .cu source: a parameter
     added on one side only would shift every later argument (no GPU or nvcc needed)."""

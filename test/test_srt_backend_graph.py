@@ -472,11 +472,58 @@ def test_history_kernel_option_reaches_startup_and_decode(setup, monkeypatch):
     assert World(setup).backend.history_kernel == "triton" and len(seen) == 1  # triton: no startup check
 
 
+def test_decode_after_write_order(setup, monkeypatch):
+    """With the CUDA history stage on sm_90+ (history_after_write), a decode layer launches q's transform, then the
+    KV write with its PDL trigger, then oscar_decode(follows_write=True) on the transformed q with q_transform None:
+    no kernel between the write and the history kernel (kernels/cuda/int2_history.cu kPdlAfterWrite). Without a
+    write (save_kv_cache False) nothing is chained. Spies stand in for the kernels (CPU)."""
+    from sglang_oscar.kernels import decode
+    from sglang_oscar.srt import startup_checks
+
+    monkeypatch.setenv(options.ENV_HISTORY, "cuda")
+    monkeypatch.setattr(startup_checks, "check_history_kernel", lambda kernel, **kw: None)
+    w = World(setup)
+    assert w.backend.history_after_write is False  # a CPU device: no PDL
+    w.prefill(1, 10, _inputs(10, 1))
+    w.backend.history_after_write = True
+    events = []
+    real_transform = decode.transform_query
+
+    def transform(q, t, kv_heads):
+        events.append(("transform", t is not None))
+        return real_transform(q, t, kv_heads)
+
+    def write_layer(layer_id, k, v, slots, sink_dst, ring_dst, pdl_trigger=False):
+        events.append(("write", pdl_trigger))
+
+    def fake_decode(q, *args, q_transform=None, follows_write=False, **kw):
+        events.append(("decode", q_transform is None, follows_write, q.is_contiguous()))
+        seen_q.append(q.clone())
+        return torch.zeros_like(q)
+
+    seen_q = []
+    monkeypatch.setattr(decode, "transform_query", transform)
+    monkeypatch.setattr(decode, "oscar_decode", fake_decode)
+    monkeypatch.setattr(w.backend.pool, "write_layer", write_layer)
+    inputs = _inputs(1, 2)
+    w.decode_eager([1], inputs)
+    assert events == [("transform", True), ("write", True), ("decode", True, True, True)] * len(LAYERS)
+    for layer, (q, _, _), got in zip(LAYERS, inputs, seen_q):  # the decode got q already transformed
+        r = w.backend.pool.rotations[layer.layer_id]
+        want = real_transform(q.reshape(-1, HQ, D), r.q_transform_as(q.dtype), HKV)
+        assert torch.equal(got, want)
+    events.clear()
+    q, k, v = inputs[0]
+    w.backend.forward_decode(q, k, v, LAYERS[0], None, save_kv_cache=False)
+    assert events == [("decode", False, False, True)]  # no write: q_transform goes to oscar_decode, no chain
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (and nvcc for the CUDA history)")
 def test_cuda_history_backend_matches_triton_on_gpu(monkeypatch):
     """On a GPU, Qwen3-8B rank shapes (8 KV heads, 32 query heads, head_dim 128, groups 128, S 64, W 256, bf16),
     a page-64 pool in shuffled pages: the backend with SGLANG_OSCAR_HISTORY_KERNEL=cuda decodes what the Triton
-    backend decodes from the same pool (eager and through the graph buffers), to bf16 rounding."""
+    backend decodes from the same pool (eager and through the graph buffers), to bf16 rounding; on odd steps the
+    CUDA backend writes the token (its history kernel after the write, PDL on sm_90+) and the Triton one reads."""
     from sglang_oscar.kernels import history_cuda
     from sglang_oscar.srt import startup_checks
 
@@ -507,6 +554,7 @@ def test_cuda_history_backend_matches_triton_on_gpu(monkeypatch):
     monkeypatch.setenv(options.ENV_HISTORY, "cuda")
     cuda_be = OscarAttnBackend(runner)
     assert (triton_be.history_kernel, cuda_be.history_kernel) == ("triton", "cuda") and history_cuda.library()
+    assert cuda_be.history_after_write == (torch.cuda.get_device_capability()[0] >= 9)
     layer = types.SimpleNamespace(layer_id=0, tp_q_head_num=hq, qk_head_dim=d, scaling=d ** -0.5)
     g = torch.Generator(device="cuda").manual_seed(0)
     pages = torch.randperm(100, generator=g, device="cuda").cpu() + 1  # pages 1..100 (of 101) shuffled
@@ -537,10 +585,16 @@ def test_cuda_history_backend_matches_triton_on_gpu(monkeypatch):
         fb = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=3, req_pool_indices=torch.tensor(rows, device="cuda"),
                                    seq_lens=seq, seq_lens_cpu=seq.cpu(), out_cache_loc=slots)
         q, k, v = (torch.randn(3, h * d, generator=g, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-        triton_be.init_forward_metadata(fb)
-        want = triton_be.forward_decode(q, k, v, layer, fb)  # writes the token
-        cuda_be.init_forward_metadata(fb)  # positions >= S: the plan allocates nothing, changes nothing
-        got = cuda_be.forward_decode(q, k, v, layer, fb, save_kv_cache=False)
+        if step % 2 == 0:
+            triton_be.init_forward_metadata(fb)
+            want = triton_be.forward_decode(q, k, v, layer, fb)  # writes the token
+            cuda_be.init_forward_metadata(fb)  # positions >= S: the plan allocates nothing, changes nothing
+            got = cuda_be.forward_decode(q, k, v, layer, fb, save_kv_cache=False)
+        else:  # the CUDA backend writes: on sm_90+ its history kernel runs as the write's PDL dependent
+            cuda_be.init_forward_metadata(fb)
+            got = cuda_be.forward_decode(q, k, v, layer, fb)
+            triton_be.init_forward_metadata(fb)
+            want = triton_be.forward_decode(q, k, v, layer, fb, save_kv_cache=False)
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2,
                                    msg=lambda m: f"step {step}: cuda history != triton history: {m}")
         view = types.SimpleNamespace(batch_size=4, forward_mode=ForwardMode.DECODE,

@@ -1068,6 +1068,7 @@ def oscar_decode(
     fold_halves: Optional[bool] = None,
     merge_splits: Optional[int] = None,
     history_kernel: str = "triton",
+    follows_write: bool = False,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
@@ -1094,6 +1095,12 @@ def oscar_decode(
     ring rows in the same kernel's window CTAs, history_cuda.window_ctas, so ring_splits / sink_splits do not apply;
     with history_cuda.FUSED_MERGE the merge too, and merge_splits does not apply). An unsupported shape raises
     instead of falling back.
+    follows_write: the kernel launched just before this call is this decode step's KV write
+    (kernels/write.py oscar_write_kv(..., pdl_trigger=True)), and q, already transformed (q_transform None) and
+    contiguous, was written before it. The CUDA history kernel is then launched as the write's programmatic
+    dependent: its history CTAs read q, the indices and the INT2 rows older than the new token while the write
+    runs, and its window CTAs wait for the write (kernels/cuda/int2_history.cu kPdlAfterWrite). history_kernel
+    "cuda" on sm_90 or newer only; the caller guarantees the order (the server's backend does, srt/backend.py).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -1152,10 +1159,21 @@ def oscar_decode(
         raise ValueError(f"fold_halves needs block_n a multiple of 32 on the GPU (tl.dot M >= 16), got {block_n}")
     if fold and maxnreg is None and q.is_cuda:
         maxnreg = FOLD_MAXNREG
-    q = transform_query(q, q_transform, Hkv).contiguous()
     if history_kernel not in ("triton", "cuda"):
         raise ValueError(f"history_kernel must be 'triton' or 'cuda', got {history_kernel!r}")
     hist_cuda = history_kernel == "cuda"
+    if follows_write:
+        # nothing may run between the write and the history kernel that writes what it reads before its wait
+        if not hist_cuda:
+            raise ValueError("follows_write launches the CUDA history kernel as the KV write's programmatic "
+                             "dependent: it needs history_kernel='cuda'")
+        if q_transform is not None or not q.is_contiguous():
+            raise ValueError("follows_write: transform q (transform_query) and make it contiguous before the KV "
+                             "write, and pass q_transform=None; a kernel between the write and this call would "
+                             "write q while the history kernel reads it")
+        if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] < 9:
+            raise ValueError("follows_write needs programmatic dependent launch (sm_90 or newer)")
+    q = transform_query(q, q_transform, Hkv).contiguous()
     if hist_cuda:
         from . import history_cuda
 
@@ -1224,9 +1242,11 @@ def oscar_decode(
     if sink_k.shape[0] == 0:  # no sink rows at all: stage 1 clamps row -1 to 0, which must exist
         sink_k = sink_v = torch.zeros(1, Hkv, D, dtype=sink_k.dtype, device=sink_k.device)
     if hist_cuda:
-        # a plain launch (it reads q, written by the kernel before it); it lets its dependents launch early
+        # a plain launch (it reads q, written by the kernel before it), or the KV write's programmatic dependent
+        # (follows_write); it lets its dependents launch early
         history_cuda.launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, sink=sink, window=window,
                             sm_scale=sm_scale, ns=ns, ns_total=ns_total, o_part=o_part, lse_part=lse_part,
+                            pdl=history_cuda.PDL_AFTER_WRITE if follows_write else history_cuda.PDL_OFF,
                             window_splits=(ss, rs) if fused_window else (0, 0), sink_k=sink_k, sink_v=sink_v,
                             out=out if fused_merge else None)
         if fused_merge:

@@ -201,10 +201,15 @@ def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, 
 
 
 _INDEX_DTYPES = {torch.int32: 0, torch.int64: 1}
+# launch(pdl=...): the kernel's Args.pdl (kernels/cuda/int2_history.cu kPdl*). PDL_WAIT_FIRST: a programmatic
+# dependent of any kernel (every CTA waits for it first). PDL_AFTER_WRITE: a programmatic dependent of this decode
+# step's KV write (oscar_write_kv(pdl_trigger=True)), with q and the indices written before that write: the history
+# CTAs run while the write does, the window CTAs (which read the new row) wait for it.
+PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE = 0, 1, 2
 
 
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
-           o_part, lse_part, pdl: bool = False, window_splits: tuple = (0, 0), sink_k=None, sink_v=None,
+           o_part, lse_part, pdl: int = PDL_OFF, window_splits: tuple = (0, 0), sink_k=None, sink_v=None,
            out=None) -> None:
     """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128], and
     with window_splits = (SS, RS) != (0, 0) (window_ctas) the sink partials [ns, ns + SS) and the ring partials
@@ -216,7 +221,10 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
 
     The kernel lets its dependents launch at once (griddepcontrol.launch_dependents); a kernel launched after it
     with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
-    itself as a programmatic dependent of the previous one; it then waits for that one before anything else."""
+    itself as a programmatic dependent of the previous one (PDL_WAIT_FIRST: it waits for that one before anything
+    else; PDL_AFTER_WRITE: the previous kernel is this step's KV write, see the constants)."""
+    if pdl not in (PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE):
+        raise ValueError(f"pdl must be PDL_OFF, PDL_WAIT_FIRST or PDL_AFTER_WRITE (0 / 1 / 2), got {pdl!r}")
     lib = library()
     b, hq = q.shape[0], q.shape[1]
     hkv = cache.kv_heads
@@ -261,7 +269,7 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
-        o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), int(bool(pdl)), *win, ss, rs,
+        o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), int(pdl), *win, ss, rs,
         WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST), *merge,
         torch.cuda.current_stream().cuda_stream)
     if rc:

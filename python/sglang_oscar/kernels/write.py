@@ -44,6 +44,8 @@ try:
     import triton
     import triton.language as tl
 
+    from triton.language.extra.cuda import gdc_launch_dependents
+
     from .records import pool_record
 
     HAS_TRITON = True
@@ -183,7 +185,10 @@ if HAS_TRITON:
         K_TH0: tl.constexpr, K_TH1: tl.constexpr, K_TH2: tl.constexpr,
         V_TH0: tl.constexpr, V_TH1: tl.constexpr, V_TH2: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr,
+        PDL_TRIGGER: tl.constexpr = False,  # the decode's history kernel may launch now (oscar_write_kv)
     ):
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
         t0 = tl.program_id(0) * BLOCK_T
         h = tl.program_id(1)
         if tl.program_id(2) == 0:
@@ -277,6 +282,7 @@ def oscar_write_kv(
     block_t: Optional[int] = None,
     num_warps: int = 4,
     validate: bool = True,
+    pdl_trigger: bool = False,
 ) -> None:
     """Write T tokens of one layer into `pool` (in place). See the module docstring.
 
@@ -285,9 +291,15 @@ def oscar_write_kv(
     the sink / ring buffers, −1 = do not write. k_transform: fp32 [D, D] or [Hkv, D, D]; k_mean: fp32
     [D] or [Hkv, D]; v_transform None = V already in its basis. Clip ratios ρ in (0, 1], ρ = 1 no clip.
     validate=False skips the (host-only, sync-free) shape checks of the pool for hot loops.
+    pdl_trigger: let the next kernel, launched as a programmatic dependent, start as soon as every program of this
+    one has started (griddepcontrol.launch_dependents; sm_90+). Used with oscar_decode(follows_write=True), whose
+    CUDA history kernel then streams the old INT2 rows while this write runs; a dependent must still wait
+    (griddepcontrol.wait) before it reads what this kernel writes.
     """
     if not HAS_TRITON:
         raise RuntimeError("oscar_write_kv needs triton")
+    if pdl_trigger and (k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9):
+        raise ValueError("pdl_trigger needs programmatic dependent launch (a CUDA device of sm_90 or newer)")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if validate:
@@ -340,5 +352,6 @@ def oscar_write_kv(
         HAS_KMEAN=k_mean is not None, HAS_VMAT=v_transform is not None,
         K_CLIP_N=k_n, V_CLIP_N=v_n,
         K_TH0=kth[0], K_TH1=kth[1], K_TH2=kth[2], V_TH0=vth[0], V_TH1=vth[1], V_TH2=vth[2],
-        BLOCK_T=bt, BLOCK_K=bk, PRECISION=precision, PAGE=pool.page, num_warps=num_warps,
+        BLOCK_T=bt, BLOCK_K=bk, PRECISION=precision, PAGE=pool.page, PDL_TRIGGER=bool(pdl_trigger),
+        num_warps=num_warps,
     )

@@ -158,6 +158,11 @@ class OscarAttnBackend(AttentionBackend):
         self.history_kernel = opts.history_kernel
         if self.history_kernel != "triton":
             self._check_history_kernel(model_runner)
+        # decode with the CUDA history stage on sm_90+: q is transformed before the KV write and the history
+        # kernel is launched as the write's programmatic dependent (oscar_decode follows_write), so that it streams
+        # the old INT2 rows while the write runs
+        self.history_after_write = (self.history_kernel == "cuda" and torch.device(self.device).type == "cuda"
+                                    and torch.cuda.get_device_capability(self.device)[0] >= 9)
         model_dtype = getattr(model_runner, "dtype", None)
         for r in pool.rotations if model_dtype is not None else ():  # made here, not inside a graph capture
             r.q_transform_as(model_dtype)
@@ -355,18 +360,23 @@ class OscarAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         """Launches kernels only, on decode_meta (graph: persistent buffers) and the pool; reads no
         per-step field of forward_batch, so a captured replay is correct for any batch."""
-        from ..kernels.decode import oscar_decode
+        from ..kernels.decode import oscar_decode, transform_query
 
         m = self.decode_meta
         h, hq, d = self.pool.head_num, layer.tp_q_head_num, layer.qk_head_dim
+        r = self.pool.rotations[layer.layer_id - self.pool.start_layer]
+        q = q.reshape(-1, hq, d)
+        q_transform = r.q_transform_as(q.dtype)
+        after_write = self.history_after_write and save_kv_cache and k is not None
+        if after_write:  # q's GEMM before the write: nothing may run between the write and the history kernel
+            q, q_transform = transform_query(q, q_transform, h).contiguous(), None
         if save_kv_cache and k is not None:
             self.pool.write_layer(layer.layer_id, k.reshape(-1, h, d), v.reshape(-1, h, d), m.slots, m.sink_dst,
-                                  m.ring_dst)
-        r = self.pool.rotations[layer.layer_id - self.pool.start_layer]
+                                  m.ring_dst, pdl_trigger=after_write)
         lc = self.pool.layer_cache(layer.layer_id)
-        o = oscar_decode(q.reshape(-1, hq, d), lc, self.req_to_token_pool.req_to_token, m.req_pool_indices,
+        o = oscar_decode(q, lc, self.req_to_token_pool.req_to_token, m.req_pool_indices,
                          m.seq_lens, self.pool.ring_start, sink=lc.sink, window=lc.window, sm_scale=layer.scaling,
-                         q_transform=r.q_transform_as(q.dtype), split_waves=self.split_waves,
+                         q_transform=q_transform, split_waves=self.split_waves, follows_write=after_write,
                          k_level_a=None if r.k_level_a == 1.0 else r.k_level_a,
                          v_level_a=None if r.v_level_a == 1.0 else r.v_level_a,
                          history_kernel=self.history_kernel)

@@ -309,14 +309,16 @@ class OscarKVPool(MHATokenToKVPool):
         self.write_layer(layer_id, k, v, loc.to(torch.int64), none, none)
 
     def write_layer(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                    sink_dst: torch.Tensor, ring_dst: torch.Tensor, validate: bool = False) -> None:
-        """One layer's write with precomputed destinations (see kernels/write.py)."""
+                    sink_dst: torch.Tensor, ring_dst: torch.Tensor, validate: bool = False,
+                    pdl_trigger: bool = False) -> None:
+        """One layer's write with precomputed destinations (see kernels/write.py; pdl_trigger: the decode's history
+        kernel follows as its programmatic dependent)."""
         from ..kernels.write import oscar_write_kv
 
         r = self.rotations[layer_id - self.start_layer]
         oscar_write_kv(k, v, slots, sink_dst, ring_dst, self.layer_cache(layer_id), k_transform=r.k_transform,
                        k_mean=r.k_mean, v_transform=r.v_transform, k_clip=r.k_clip, v_clip=r.v_clip,
-                       k_level_a=r.k_level_a, v_level_a=r.v_level_a, validate=validate)
+                       k_level_a=r.k_level_a, v_level_a=r.v_level_a, validate=validate, pdl_trigger=pdl_trigger)
 
     # ---- paths that would move only part of a slot -------------------------------------------
     #

@@ -59,6 +59,24 @@ constexpr int kStageBytes = kTok * 80;   // K codes 32 + V codes 32 + K params 8
 constexpr int kVcOff = kTok * 32, kKpOff = kTok * 64, kVpOff = kTok * 72;
 constexpr float kTwo24 = 16777216.0f;
 constexpr float kLazy = 8.0f;            // log2 units a score may pass the running max without a rescale
+// Args.pdl: how this grid was launched.
+//   kPdlOff        a plain launch.
+//   kPdlWaitFirst  a programmatic dependent of any kernel: every CTA waits for it (griddepcontrol.wait) first.
+//   kPdlAfterWrite a programmatic dependent of this decode step's KV write (kernels/write.py, pdl_trigger), with q
+//                  and every index written before that write: the history CTAs build q's operands, walk their
+//                  index chain and stream their INT2 rows while the write runs, since the write stores only the new
+//                  token (position L - 1: a ring or sink row, its INT2 record, the sink table), and history rows
+//                  end at R <= L - 1 unless ring_start >= L (such a request's CTAs wait before their first copy).
+//                  They wait before storing their partial, so that this grid ends after the write (the merge, a
+//                  dependent of this grid, then sees the write too); the window CTAs, which read the new row,
+//                  wait first.
+constexpr int kPdlOff = 0, kPdlWaitFirst = 1, kPdlAfterWrite = 2;
+
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int n) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
@@ -125,7 +143,7 @@ struct Args {
   int r2t_stride, hkv, sink, window, nsw, ns_total;
   int page_log2;        // the pool's page size P = 2^page_log2: record ((s >> k) * Hkv + h) * P + (s & (P - 1))
   int req_idx_64;
-  int pdl;              // launched as a programmatic dependent: wait for the previous kernel first
+  int pdl;              // kPdlOff, kPdlWaitFirst or kPdlAfterWrite (above)
   int gqa, hgroups;     // query heads per KV head; head groups of HC per KV head (grid x = (b * hkv + h) * hgroups + hg)
   int kg128, vg128;     // K / V groups of 128 (params 4 bytes per row) instead of 64 (8 bytes)
   // the window CTAs (0 and 0: none, the Triton window programs read the window)
@@ -438,8 +456,9 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int widx = split * nwarps + warp;
   const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem) + warp * NSTAGE * kStageBytes;
   const uint8_t* wbase = smem + warp * NSTAGE * kStageBytes;
+  // launched early: the previous kernel wrote q (kPdlWaitFirst) or the window's new row (kPdlAfterWrite)
+  if (a.pdl == kPdlWaitFirst || (a.pdl == kPdlAfterWrite && split < 0)) grid_dependency_wait();
 #if __CUDA_ARCH__ >= 900
-  if (a.pdl) asm volatile("griddepcontrol.wait;\n" ::: "memory");  // launched early: the previous kernel wrote q
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the window programs / merge may launch now
 #endif
   if (split < 0) {  // uniform per CTA
@@ -503,6 +522,9 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   float thr0 = (m0 + kLazy) / kTwo24, thr1 = thr0;
 
   const int sg = (g >> 1) + 4 * (g & 1);  // sigma(g): the tile row of M-row g
+  // after the write: row L - 1 (this step's token, its INT2 record being written) is history only where
+  // ring_start >= L; uniform per CTA
+  if (a.pdl == kPdlAfterWrite && hist_hi >= L && n > 0) grid_dependency_wait();
   load_slots(0);
 #pragma unroll
   for (int s = 0; s < NSTAGE - 1; ++s) {
@@ -699,6 +721,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
   }
   __syncthreads();
+  if (a.pdl == kPdlAfterWrite) grid_dependency_wait();  // this grid ends after the write (long done by now)
   store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, split);
   if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
