@@ -161,7 +161,11 @@ def copy_fns(nbytes, copies):
     return [lambda s=s, d=d: d.copy_(s) for s, d in bufs], bufs
 
 
-def flashinfer_fns(q, b, hq, hkv, d, ctx, kv_dtype, page, copies):
+def flashinfer_fns(q, b, hq, hkv, d, ctx, kv_dtype, page, copies, enable_pdl=False):
+    """FlashInfer paged decode over `copies` caches; enable_pdl: run(..., enable_pdl=True) where the installed
+    FlashInfer takes it (bench_write_decode.py: after a PDL-enabled write)."""
+    import inspect
+
     import flashinfer
 
     pages_per = ctx // page
@@ -179,6 +183,8 @@ def flashinfer_fns(q, b, hq, hkv, d, ctx, kv_dtype, page, copies):
         w.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
                sm_scale=1 / math.sqrt(d))
         kw = dict(k_scale=1.0, v_scale=1.0) if kv_dtype != torch.bfloat16 else {}
+        if enable_pdl and "enable_pdl" in inspect.signature(w.run).parameters:
+            kw["enable_pdl"] = True
         fns.append(lambda w=w, kw=kw: w.run(q, (k, v), **kw))
     return fns, (k, v)
 

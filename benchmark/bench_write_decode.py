@@ -1,0 +1,181 @@
+"""One layer of a decode step on CUDA: the KV write of the step's tokens and the decode attention, together, as a
+served step runs them. OSCAR against SGLang's BF16 / FP8 path, same shapes, same run.
+
+Why a chain: oscar_decode(follows_write=True) launches the CUDA history kernel as the write's programmatic
+dependent (kernels/cuda/int2_history.cu kPdlAfterWrite), so its history CTAs stream the old INT2 rows while the write
+runs. That gain exists only beside the write, so it is measured with the write, against FlashInfer with its own
+write and PDL.
+
+Impls (per layer call; each also timed without its decode, "<impl>:write", so that the decode's share of the chain,
+chain - write, is reported):
+  oscar_cuda             q transform (bf16 GEMM, as srt/backend.py) + oscar_write_kv + oscar_decode(history_kernel=
+                         "cuda"), pool pages of 64, plain launches
+  oscar_cuda_after_write the same kernels in the server's order on sm_90+: the write triggers its dependents at once,
+                         the history kernel follows it (follows_write)
+  flashinfer_bf16        SGLang's write (store_cache, its JIT kernel, PDL-enabled as SGLang builds it) + FlashInfer
+                         BF16 paged decode (tensor cores, enable_pdl=True where the API takes it), pages of 16
+  flashinfer_fp8         the BF16 -> FP8 casts of SGLang's set_kv_buffer + store_cache + FlashInfer FP8 decode
+V is absorbed into the weights (the default for Qwen3), so the write has no V rotation and the output no un-rotation.
+
+Rows {impl, model, context, batch, ms, write_ms, decode_share_ms, bytes, gbps, pct_copy_bw, config} plus device,
+versions and commit -> $OUT/decode_step_layer_<device>.json.
+
+    python benchmark/bench_write_decode.py --models qwen3-8b --contexts 32768,65536,131072 --batches 1,8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+from sglang_oscar.kernels.decode import oscar_decode, transform_query  # noqa: E402
+from sglang_oscar.kernels.write import oscar_write_kv  # noqa: E402
+from bench_decode import (MEM_CAP, MODELS, SINK, WINDOW, bench, copy_bandwidth, fi_bytes, flashinfer_fns,  # noqa: E402
+                          make_oscar, n_copies, oscar_bytes, versions)
+from bench_write import device_tag, write_json  # noqa: E402
+
+OSCAR_PAGE, FI_PAGE = 64, 16
+CLIP = 0.95  # K and V clip ratios of the write (a fitted bundle's are of this order)
+
+
+def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write):
+    """Per copy: q's transform, the write of one token per request (position ctx - 1, a ring row) and the decode;
+    and the same without the decode. Returns (chains, writes, keep)."""
+    cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=OSCAR_PAGE)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, device="cuda"))[0].contiguous()
+    t_q = rot.to(torch.bfloat16)  # the server keeps a bf16 copy of T_q (one GEMM, transform_query)
+    q_raw = torch.randn(b, hq, d, generator=g, device="cuda").to(torch.bfloat16)
+    k_new = torch.randn(b, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+    out = torch.empty_like(q_raw)
+    sink_dst = torch.full((b,), -1, dtype=torch.int32, device="cuda")
+    chains, writes = [], []
+    for c in range(copies):
+        reqs = torch.arange(c * b, (c + 1) * b, device="cuda")
+        slots = r2t[reqs, ctx - 1].long()
+        ring_dst = (reqs * WINDOW + (ctx - 1) % WINDOW).int()
+        idx = reqs.int()
+
+        def write(slots=slots, ring_dst=ring_dst):
+            oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, k_clip=CLIP, v_clip=CLIP,
+                           validate=False, pdl_trigger=after_write)
+
+        def chain(idx=idx, write=write):
+            q = transform_query(q_raw, t_q, hkv)  # before the write, as srt/backend.py orders it
+            write()
+            oscar_decode(q, cache, r2t, idx, seq, ring_start, sink=SINK, window=WINDOW, sm_scale=1 / math.sqrt(d),
+                         out=out, history_kernel="cuda", follows_write=after_write)
+
+        chains.append(chain)
+        writes.append(write)
+    return chains, writes, (cache, r2t)
+
+
+def flashinfer_chain_fns(b, hq, hkv, d, ctx, copies, fp8):
+    """Per copy: SGLang's MHA set_kv_buffer of one token per request (the last position of its last page) and the
+    FlashInfer decode (flashinfer_fns' wrappers). Returns (chains, writes, keep, write_kernel)."""
+    kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    q = torch.randn(b, hq, d, device="cuda").to(torch.bfloat16)
+    decodes, (kc, vc) = flashinfer_fns(q, b, hq, hkv, d, ctx, kv_dtype, FI_PAGE, copies, enable_pdl=True)
+    pages_per = ctx // FI_PAGE
+    row = hkv * d
+    k_rows, v_rows = (x.view(torch.uint8 if fp8 else x.dtype).view(-1, row) for x in (kc, vc))
+    k_new = torch.randn(b, hkv, d, device="cuda").to(torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+    row_bytes = row * (1 if fp8 else 2)
+    try:
+        from sglang.kernels.ops.kvcache.kvcache import can_use_store_cache, store_cache
+        use_store = can_use_store_cache(row_bytes)
+    except Exception as e:  # noqa: BLE001
+        print("  store_cache unavailable:", type(e).__name__, str(e)[:200], flush=True)
+        use_store = False
+
+    def store(k, v, loc):
+        if fp8:  # set_kv_buffer: cache_k.to(dtype), then viewed as the store dtype
+            k, v = k.to(kv_dtype).view(torch.uint8), v.to(kv_dtype).view(torch.uint8)
+        if use_store:
+            store_cache(k.view(-1, row), v.view(-1, row), k_rows, v_rows, loc, row_bytes=row_bytes,
+                        v_row_bytes=row_bytes, size_limit=k_rows.shape[0])
+        else:
+            k_rows.index_copy_(0, loc, k.reshape(-1, row))
+            v_rows.index_copy_(0, loc, v.reshape(-1, row))
+
+    chains, writes = [], []
+    for c, dec in enumerate(decodes):
+        first_page = c * b * pages_per + torch.arange(b, device="cuda") * pages_per
+        loc = (first_page + pages_per - 1) * FI_PAGE + FI_PAGE - 1  # each request's last position
+        writes.append(lambda loc=loc: store(k_new, v_new, loc))
+        chains.append(lambda loc=loc, dec=dec: (store(k_new, v_new, loc), dec()))
+    return chains, writes, (kc, vc), "store_cache" if use_store else "index_copy_"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--models", default="qwen3-8b")
+    ap.add_argument("--contexts", default="32768,65536,131072")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--impls", default="oscar_cuda,oscar_cuda_after_write,flashinfer_bf16,flashinfer_fp8")
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_name()
+    t0 = time.time()
+    copy_bw = copy_bandwidth()
+    print(f"device {dev}, copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for model in args.models.split(","):
+        hq, hkv, d = MODELS[model]
+        for ctx in (int(x) for x in args.contexts.split(",")):
+            for b in (int(x) for x in args.batches.split(",")):
+                for impl in args.impls.split(","):
+                    try:
+                        if impl.startswith("oscar"):
+                            nbytes = oscar_bytes(b, hq, hkv, d, ctx)
+                            if nbytes > MEM_CAP:
+                                continue
+                            copies = n_copies(nbytes)
+                            chains, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx, copies,
+                                                                   after_write=impl.endswith("after_write"))
+                            cfg = f"page{OSCAR_PAGE}:cuda" + (":follows_write" if "after_write" in impl else "")
+                        else:
+                            fp8 = impl.endswith("fp8")
+                            nbytes = fi_bytes(b, hq, hkv, d, ctx, 1 if fp8 else 2, FI_PAGE)
+                            if nbytes > MEM_CAP:
+                                continue
+                            copies = n_copies(nbytes)
+                            chains, writes, keep, wk = flashinfer_chain_fns(b, hq, hkv, d, ctx, copies, fp8)
+                            cfg = f"page{FI_PAGE},tc,pdl:{wk}"
+                        ms = bench(chains)
+                        write_ms = bench(writes)
+                        del chains, writes, keep
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{impl} {model} ctx={ctx} b={b}: FAILED {type(e).__name__}: {str(e)[:300]}",
+                              flush=True)
+                        continue
+                    torch.cuda.empty_cache()
+                    gbps = nbytes / (ms * 1e-3) / 1e9
+                    r = dict(impl=impl, model=model, context=ctx, batch=b, head_dim=d, q_heads=hq, kv_heads=hkv,
+                             ms=ms, write_ms=write_ms, decode_share_ms=ms - write_ms, bytes=nbytes, gbps=gbps,
+                             pct_copy_bw=100 * gbps * 1e9 / copy_bw, config=cfg)
+                    rows.append(r)
+                    print(f"{impl:24s} {model:9s} ctx={ctx:6d} b={b:3d}  chain {1e3 * ms:8.2f} us  write "
+                          f"{1e3 * write_ms:6.2f} us  {r['pct_copy_bw']:5.1f}% copy", flush=True)
+    res = dict(device=dev, copy_bandwidth_gbps=copy_bw / 1e9, versions=versions(), sink=SINK, window=WINDOW,
+               clip=CLIP, rows=rows, wall_s=time.time() - t0)
+    write_json(args.out, "decode_step_layer", dev, res)
+    print("\nchain per layer (us) and x for the OSCAR after-write chain")
+    key = {(r["impl"], r["model"], r["context"], r["batch"]): r for r in rows}
+    for (impl, model, ctx, b), r in key.items():
+        ours = key.get(("oscar_cuda_after_write", model, ctx, b))
+        ratio = f"{r['ms'] / ours['ms']:.2f}x" if ours else "-"
+        print(f"{impl:24s} {model:9s} {ctx:6d} {b:3d} {1e3 * r['ms']:9.2f} {ratio}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The decode step's write + decode chain (bench_write_decode.py) and its GPU tests, on a warm device machine in two
+# calls: call 1 carries .devb/a (SGLang) and runs the tests, call 2 carries .devb/b (FlashInfer, tvm-ffi for SGLang's
+# store_cache) and runs the benchmark. Each call stages the part it carries into $HOME/sgl-site.
+#   call 1: OSCAR_COMMIT=<hash> TESTS=1 BENCH=0 bash benchmark/run_gpu_write_decode.sh      (carry .devb/a)
+#   call 2: OSCAR_COMMIT=<hash> TESTS=0 BENCH=1 bash benchmark/run_gpu_write_decode.sh      (carry .devb/b)
+# env: MODELS (qwen3-8b), CONTEXTS (32768,65536,131072), BATCHES (1,8,32); PROBE=1 adds the batch-1 split sweep of
+# the CUDA history at PROBE_CONTEXTS (32768) with SPLITS (16,20,24,28,32; probe_decode_fixed_cost.py).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+[ -n "${OSCAR_COMMIT:-}" ] || echo "warning: OSCAR_COMMIT unset: results name the device copy's git HEAD" >&2
+SITE=$HOME/sgl-site; mkdir -p "$SITE"
+for part in a b; do
+  if ls .devb/$part/*.tgz >/dev/null 2>&1; then tar xzf .devb/$part/*.tgz -C "$SITE" && echo "staged part $part"; fi
+done
+export PYTHONPATH=$SITE:$PWD/python PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu_state.txt"
+if [ "${TESTS:-1}" = 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider test/test_decode.py test/test_srt_backend_graph.py test/test_write.py \
+    -k "cuda or after_write or gpu" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+fi
+if [ "${PROBE:-0}" = 1 ]; then
+  python3 benchmark/probe_decode_fixed_cost.py --history-kernel cuda --page 64 --contexts "${PROBE_CONTEXTS:-32768}" \
+    --batches 1 --splits "${SPLITS:-16,20,24,28,32}" --tag cuda_b1_splits --out "$OUT" 2>&1 | tee "$OUT/probe_cuda.log"
+fi
+[ "${BENCH:-1}" = 1 ] || exit 0
+python3 -c "import flashinfer" || { echo "flashinfer missing: stage part b (.devb/b)"; exit 3; }
+python3 benchmark/bench_write_decode.py --out "$OUT" --models "${MODELS:-qwen3-8b}" \
+  --contexts "${CONTEXTS:-32768,65536,131072}" --batches "${BATCHES:-1,8,32}" 2>&1 | tee "$OUT/bench_write_decode.log"
