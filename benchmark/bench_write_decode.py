@@ -10,8 +10,11 @@ Impls (per layer call; each also timed without its decode, "<impl>:write", so th
 chain - write, is reported):
   oscar_cuda             q transform (bf16 GEMM, as srt/backend.py) + oscar_write_kv + oscar_decode(history_kernel=
                          "cuda"), pool pages of 64, plain launches
-  oscar_cuda_after_write the same kernels in the server's order on sm_90+: the write triggers its dependents at once,
-                         the history kernel follows it (follows_write)
+  oscar_cuda_after_write the same kernels, the history kernel as the write's programmatic dependent: the write
+                         triggers its dependents at once (follows_write)
+  oscar_cuda_fused_q     q rotated by the write's own launch (oscar_write_kv q_out) instead of the GEMM, plain
+  oscar_cuda_fused_q_after_write  both: the server's decode at small batch on sm_90+ (srt/backend.py); the history
+                         CTAs issue their first copies, then wait for the write's q (q_from_write)
   flashinfer_bf16        SGLang's write (store_cache, its JIT kernel, PDL-enabled as SGLang builds it) + FlashInfer
                          BF16 paged decode (tensor cores, enable_pdl=True where the API takes it), pages of 16
   flashinfer_fp8         the BF16 -> FP8 casts of SGLang's set_kv_buffer + store_cache + FlashInfer FP8 decode
@@ -44,9 +47,10 @@ OSCAR_PAGE, FI_PAGE = 64, 16
 CLIP = 0.95  # K and V clip ratios of the write (a fitted bundle's are of this order)
 
 
-def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write):
-    """Per copy: q's transform, the write of one token per request (position ctx - 1, a ring row) and the decode;
-    and the same without the decode. Returns (chains, writes, keep)."""
+def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q):
+    """Per copy: q's transform (a GEMM, or in the write's launch with fuse_q), the write of one token per request
+    (position ctx - 1, a ring row) and the decode; and the same without the decode. Returns (chains, writes,
+    keep)."""
     cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=OSCAR_PAGE)
     g = torch.Generator(device="cuda").manual_seed(0)
     rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, device="cuda"))[0].contiguous()
@@ -55,6 +59,8 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write):
     k_new = torch.randn(b, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
     v_new = torch.randn_like(k_new)
     out = torch.empty_like(q_raw)
+    q_out = torch.empty_like(q_raw)
+    q_kw = dict(q=q_raw, q_transform=t_q, q_out=q_out) if fuse_q else {}
     sink_dst = torch.full((b,), -1, dtype=torch.int32, device="cuda")
     chains, writes = [], []
     for c in range(copies):
@@ -65,13 +71,14 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write):
 
         def write(slots=slots, ring_dst=ring_dst):
             oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, k_clip=CLIP, v_clip=CLIP,
-                           validate=False, pdl_trigger=after_write)
+                           validate=False, pdl_trigger=after_write, **q_kw)
 
         def chain(idx=idx, write=write):
-            q = transform_query(q_raw, t_q, hkv)  # before the write, as srt/backend.py orders it
+            q = q_out if fuse_q else transform_query(q_raw, t_q, hkv)  # before the write, as srt/backend.py does
             write()
             oscar_decode(q, cache, r2t, idx, seq, ring_start, sink=SINK, window=WINDOW, sm_scale=1 / math.sqrt(d),
-                         out=out, history_kernel="cuda", follows_write=after_write)
+                         out=out, history_kernel="cuda", follows_write=after_write,
+                         q_from_write=after_write and fuse_q)
 
         chains.append(chain)
         writes.append(write)
@@ -122,7 +129,10 @@ def main():
     ap.add_argument("--models", default="qwen3-8b")
     ap.add_argument("--contexts", default="32768,65536,131072")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--impls", default="oscar_cuda,oscar_cuda_after_write,flashinfer_bf16,flashinfer_fp8")
+    ap.add_argument("--impls", default="oscar_cuda,oscar_cuda_after_write,oscar_cuda_fused_q,"
+                    "oscar_cuda_fused_q_after_write,flashinfer_bf16,flashinfer_fp8")
+    ap.add_argument("--reference", default="oscar_cuda_fused_q_after_write",
+                    help="the impl the summary's ratios divide by")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     t0 = time.time()
@@ -140,9 +150,12 @@ def main():
                             if nbytes > MEM_CAP:
                                 continue
                             copies = n_copies(nbytes)
+                            fuse_q = "fused_q" in impl
                             chains, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx, copies,
-                                                                   after_write=impl.endswith("after_write"))
-                            cfg = f"page{OSCAR_PAGE}:cuda" + (":follows_write" if "after_write" in impl else "")
+                                                                   after_write=impl.endswith("after_write"),
+                                                                   fuse_q=fuse_q)
+                            cfg = f"page{OSCAR_PAGE}:cuda" + (":q_in_write" if fuse_q else ":q_gemm") + \
+                                (":follows_write" if "after_write" in impl else "")
                         else:
                             fp8 = impl.endswith("fp8")
                             nbytes = fi_bytes(b, hq, hkv, d, ctx, 1 if fp8 else 2, FI_PAGE)
@@ -169,10 +182,10 @@ def main():
     res = dict(device=dev, copy_bandwidth_gbps=copy_bw / 1e9, versions=versions(), sink=SINK, window=WINDOW,
                clip=CLIP, rows=rows, wall_s=time.time() - t0)
     write_json(args.out, "decode_step_layer", dev, res)
-    print("\nchain per layer (us) and x for the OSCAR after-write chain")
+    print(f"\nchain per layer (us) and x for {args.reference}")
     key = {(r["impl"], r["model"], r["context"], r["batch"]): r for r in rows}
     for (impl, model, ctx, b), r in key.items():
-        ours = key.get(("oscar_cuda_after_write", model, ctx, b))
+        ours = key.get((args.reference, model, ctx, b))
         ratio = f"{r['ms'] / ours['ms']:.2f}x" if ours else "-"
         print(f"{impl:24s} {model:9s} {ctx:6d} {b:3d} {1e3 * r['ms']:9.2f} {ratio}")
 

@@ -846,28 +846,32 @@ def test_follows_write_refuses_what_would_race():
         oscar_decode(**strided, history_kernel="cuda", follows_write=True)
     with pytest.raises(ValueError, match="follows_write needs programmatic dependent launch"):
         oscar_decode(**case, history_kernel="cuda", follows_write=True)
+    with pytest.raises(ValueError, match="q_from_write qualifies follows_write"):
+        oscar_decode(**case, history_kernel="cuda", q_from_write=True)
     k = torch.zeros(1, 2, 128)
     idx = torch.full((1,), -1, dtype=torch.int32)
     with pytest.raises(ValueError, match="pdl_trigger needs programmatic dependent launch"):
         oscar_write_kv(k, k, torch.zeros(1, dtype=torch.int64), idx, idx, case["cache"], k_transform=eye,
                        pdl_trigger=True)
-    with pytest.raises(ValueError, match="pdl must be PDL_OFF, PDL_WAIT_FIRST or PDL_AFTER_WRITE"):
+    with pytest.raises(ValueError, match="pdl must be PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE or PDL_AFTER_WRITE_Q"):
         history_cuda.launch(case["q"], case["cache"], case["req_to_token"], case["req_pool_indices"],
                             case["seq_lens"], case["ring_start"], sink=8, window=16, sm_scale=1.0, ns=1, ns_total=3,
-                            o_part=None, lse_part=None, pdl=3)
+                            o_part=None, lse_part=None, pdl=4)
 
 
 @requires_cuda
-@pytest.mark.parametrize("gqa", [4, 8])
-def test_cuda_history_after_the_kv_write(gqa):
+@pytest.mark.parametrize("gqa,q_in_write", [(4, False), (8, False), (4, True), (5, True)])
+def test_cuda_history_after_the_kv_write(gqa, q_in_write):
     """The decode step's chain as the server runs it on sm_90+: oscar_write_kv(pdl_trigger=True), then
-    oscar_decode(follows_write=True), whose history CTAs run while the write does. Same bits as the plain chain
+    oscar_decode(follows_write=True), whose history CTAs run while the write does; q_in_write: the write also
+    rotates q (q_out) and the history CTAs wait for it before reading q (q_from_write). Same bits as the plain chain
     (eager, and replays of a captured graph into a poisoned output), and the plain chain matches the oracle on the
-    written cache. The write also stores 4096 scratch tokens of a request outside the batch, listed first, so that
-    it is still running when the history kernel starts: a window CTA that read the new ring / sink row before the
-    write had stored it, or a history CTA of the request whose history reaches the new token (ring_start >= L)
-    that did not wait, would read NaN (make_case's poison) or the old row. Lengths: batch 1-style long, L = S + 1,
-    L = S, L < S, window edges, ring_start >= L."""
+    written cache. The write also stores scratch tokens of a request outside the batch, listed first (4096; 249
+    where it rotates q, at most 256 tokens), so that it is still running when the history kernel starts: a window
+    CTA that read the new ring / sink row before the write had stored it, or a history CTA of the request whose
+    history reaches the new token (ring_start >= L) that did not wait, would read the old row. Lengths: long, L =
+    S + 1, L = S, L < S, window edges, ring_start >= L."""
+    from sglang_oscar.kernels.decode import transform_query
     from sglang_oscar.kernels.write import oscar_write_kv
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -876,12 +880,13 @@ def test_cuda_history_after_the_kv_write(gqa):
     lens = [5001, 65, 64, 3, 321, 320, 2000]  # L after the write: the new token is at L - 1
     ring_starts = [0, 0, 0, 0, 0, 0, 2000]  # the last request's history reaches L - 1
     case = make_case(lens, hkv=hkv, gqa=gqa, d=d, sink=sink, window=window, ring_starts=ring_starts, pool_page=64,
-                     seed=90 + gqa)
+                     seed=90 + gqa + 10 * q_in_write)
     cache, r2t, ridx = case["cache"], case["req_to_token"], case["req_pool_indices"].long()
+    b = len(lens)
     pos = case["seq_lens"].long() - 1
     new_slots = r2t[ridx, pos].long()
     extra = next(r for r in range(r2t.shape[0]) if r not in ridx.tolist())
-    scratch = r2t[extra, :4096].long()
+    scratch = r2t[extra, :256 - b if q_in_write else 4096].long()
     none = torch.full((scratch.numel(),), -1, dtype=torch.int32, device="cuda")
     slots = torch.cat([scratch, new_slots])
     sink_dst = torch.cat([none, torch.where(pos < sink, cache.sink_table[new_slots], -1).int()])
@@ -889,24 +894,36 @@ def test_cuda_history_after_the_kv_write(gqa):
     g = torch.Generator(device="cuda").manual_seed(gqa)
     k_new, v_new = (torch.randn(slots.numel(), hkv, d, generator=g, device="cuda").to(torch.bfloat16) for _ in "kv")
     rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, device="cuda"))[0].contiguous()
+    t_q = rot.to(torch.bfloat16)
+    q_rows = torch.randn(slots.numel(), hkv * gqa, d, generator=g, device="cuda").to(torch.bfloat16)
+    q_rows[-b:] = case["q"]
+    q_out = torch.full_like(q_rows, float("nan"))
+    if q_in_write:  # the decode reads the write's q_out: its rows of the batch
+        case = {**case, "q": q_out[-b:]}
 
     def chain(pdl, out):
+        kw = dict(q=q_rows, q_transform=t_q, q_out=q_out) if q_in_write else {}
         oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, validate=False,
-                       pdl_trigger=pdl)
-        return oscar_decode(**case, out=out, history_kernel="cuda", follows_write=pdl)
+                       pdl_trigger=pdl, **kw)
+        return oscar_decode(**case, out=out, history_kernel="cuda", follows_write=pdl,
+                            q_from_write=pdl and q_in_write)
 
     ring_row = ridx[0] * window + pos[0] % window
     old_row = cache.ring_k[ring_row].clone()
     plain = chain(False, torch.full_like(case["q"], float("nan"))).clone()
     assert not torch.equal(cache.ring_k[ring_row], old_row)  # the write replaced make_case's row
+    if q_in_write:  # the write's rotation of q: transform_query's, to bf16 rounding (fp32 vs GEMM summation)
+        torch.testing.assert_close(q_out.float(), transform_query(q_rows, t_q, hkv).float(), rtol=1e-2, atol=1e-2)
     run_and_check(case, history_kernel="cuda")  # the oracle on the cache as written
     out = torch.full_like(case["q"], float("nan"))
+    q_out.fill_(float("nan"))  # rewritten by the write of the chain below before the decode reads it
     assert torch.equal(chain(True, out), plain)
     gr = torch.cuda.CUDAGraph()  # the write and the decode captured together, as in a served decode step
     with torch.cuda.graph(gr):
         chain(True, out)
     for _ in range(3):
         out.fill_(float("nan"))
+        q_out.fill_(float("nan"))
         gr.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, plain)

@@ -472,50 +472,66 @@ def test_history_kernel_option_reaches_startup_and_decode(setup, monkeypatch):
     assert World(setup).backend.history_kernel == "triton" and len(seen) == 1  # triton: no startup check
 
 
-def test_decode_after_write_order(setup, monkeypatch):
-    """With the CUDA history stage on sm_90+ (history_after_write), a decode layer launches q's transform, then the
-    KV write with its PDL trigger, then oscar_decode(follows_write=True) on the transformed q with q_transform None:
-    no kernel between the write and the history kernel (kernels/cuda/int2_history.cu kPdlAfterWrite). Without a
-    write (save_kv_cache False) nothing is chained. Spies stand in for the kernels (CPU)."""
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU World (the Triton interpreter); the GPU test below "
+                                                    "runs the real chain")
+@pytest.mark.parametrize("fuse_q,max_batch", [(True, 8), (False, 8), (True, 0)])
+def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch):
+    """A decode layer's launches. FUSE_Q_IN_WRITE: the write rotates q (q_out) and the decode gets q_out with
+    q_transform None; else q's GEMM runs before the write when the decode is chained, or inside oscar_decode. With
+    the CUDA history stage on sm_90+ (history_after_write) and batch <= AFTER_WRITE_MAX_BATCH the write triggers
+    and oscar_decode follows it (q_from_write where the write rotated q): no kernel between the two
+    (kernels/cuda/int2_history.cu kPdlAfterWrite*). Without a write (save_kv_cache False) nothing is fused or
+    chained. Spies stand in for the kernels (CPU)."""
     from sglang_oscar.kernels import decode
+    from sglang_oscar.srt import backend as backend_mod
     from sglang_oscar.srt import startup_checks
 
     monkeypatch.setenv(options.ENV_HISTORY, "cuda")
     monkeypatch.setattr(startup_checks, "check_history_kernel", lambda kernel, **kw: None)
+    monkeypatch.setattr(backend_mod, "FUSE_Q_IN_WRITE", fuse_q)
+    monkeypatch.setattr(backend_mod, "AFTER_WRITE_MAX_BATCH", max_batch)
     w = World(setup)
     assert w.backend.history_after_write is False  # a CPU device: no PDL
     w.prefill(1, 10, _inputs(10, 1))
     w.backend.history_after_write = True
-    events = []
+    events, seen_q = [], []
     real_transform = decode.transform_query
 
     def transform(q, t, kv_heads):
-        events.append(("transform", t is not None))
+        events.append(("transform",))
         return real_transform(q, t, kv_heads)
 
-    def write_layer(layer_id, k, v, slots, sink_dst, ring_dst, pdl_trigger=False):
-        events.append(("write", pdl_trigger))
+    def write_layer(layer_id, k, v, slots, sink_dst, ring_dst, pdl_trigger=False, q=None, q_transform=None,
+                    q_out=None):
+        events.append(("write", pdl_trigger, q is not None))
+        if q is not None:
+            q_out.copy_(real_transform(q, q_transform, HKV))
 
-    def fake_decode(q, *args, q_transform=None, follows_write=False, **kw):
-        events.append(("decode", q_transform is None, follows_write, q.is_contiguous()))
-        seen_q.append(q.clone())
+    def fake_decode(q, *args, q_transform=None, follows_write=False, q_from_write=False, **kw):
+        events.append(("decode", q_transform is None, follows_write, q_from_write))
+        seen_q.append(real_transform(q, q_transform, HKV))
         return torch.zeros_like(q)
 
-    seen_q = []
     monkeypatch.setattr(decode, "transform_query", transform)
     monkeypatch.setattr(decode, "oscar_decode", fake_decode)
     monkeypatch.setattr(w.backend.pool, "write_layer", write_layer)
     inputs = _inputs(1, 2)
     w.decode_eager([1], inputs)
-    assert events == [("transform", True), ("write", True), ("decode", True, True, True)] * len(LAYERS)
-    for layer, (q, _, _), got in zip(LAYERS, inputs, seen_q):  # the decode got q already transformed
+    chain = max_batch >= 1
+    if fuse_q:
+        want_events = [("write", chain, True), ("decode", True, chain, chain)]
+    elif chain:
+        want_events = [("transform",), ("write", True, False), ("decode", True, True, False)]
+    else:
+        want_events = [("write", False, False), ("decode", False, False, False)]
+    assert events == want_events * len(LAYERS)
+    for layer, (q, _, _), got in zip(LAYERS, inputs, seen_q):  # the decode's queries, rotated once
         r = w.backend.pool.rotations[layer.layer_id]
-        want = real_transform(q.reshape(-1, HQ, D), r.q_transform_as(q.dtype), HKV)
-        assert torch.equal(got, want)
+        assert torch.equal(got, real_transform(q.reshape(-1, HQ, D), r.q_transform_as(q.dtype), HKV))
     events.clear()
     q, k, v = inputs[0]
     w.backend.forward_decode(q, k, v, LAYERS[0], None, save_kv_cache=False)
-    assert events == [("decode", False, False, True)]  # no write: q_transform goes to oscar_decode, no chain
+    assert events == [("decode", False, False, False)]  # no write: q_transform goes to oscar_decode
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (and nvcc for the CUDA history)")

@@ -286,3 +286,69 @@ def test_write_gpu_decode_bf16(T, block_t):
 
 
 assert HAS_CUDA or ACT_DTYPE == torch.float32
+
+
+@pytest.mark.parametrize("n,hkv,gqa,d", [(1, 2, 4, 128), (3, 3, 3, 64), (8, 2, 5, 128), (20, 2, 8, 64),
+                                         (5, 1, 1, 256)])
+def test_write_rotates_q_in_the_same_launch(n, hkv, gqa, d):
+    """oscar_write_kv(q=, q_transform=, q_out=): the queries rotated by extra programs of the write's launch equal
+    transform_query's (fp32: to summation order), per-head and shared transforms, GQA 1 / 3 / 5 / 8 (padded to a
+    power of two in the tile), the small-tile and the dot path (20 tokens: 16+ rows); q_out poisoned first, the
+    cache's codes, params and window rows the same bits as without q."""
+    LayerCache, _, oscar_write_kv = _imports()
+    from sglang_oscar.kernels.decode import transform_query
+
+    g = torch.Generator().manual_seed(n + d)
+    grp = min(64, d)
+
+    def cache():
+        c = LayerCache.empty(64, hkv, d, k_group=grp, v_group=grp, num_sink_rows=4, max_reqs=2, window=16,
+                             sink=4, device=DEVICE, window_dtype=torch.float32)
+        for t in c.buffers().values():  # empty(): what the write does not touch must compare equal too
+            t.zero_()
+        return c
+
+    k, v = (torch.randn(n, hkv, d, generator=g).to(DEVICE) for _ in "kv")
+    rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g))[0].contiguous().to(DEVICE)
+    q = torch.randn(n, hkv * gqa, d, generator=g).to(DEVICE)
+    slots = torch.randperm(64, generator=g)[:n].to(DEVICE)
+    ring = torch.arange(n, dtype=torch.int32).to(DEVICE) if n <= 16 else torch.full((n,), -1, dtype=torch.int32,
+                                                                                      device=DEVICE)
+    none = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
+    for tq in (rot, rot[0]):  # per KV head, and one shared [D, D]
+        plain, fused = cache(), cache()
+        oscar_write_kv(k, v, slots, none, ring, plain, k_transform=rot)
+        q_out = torch.full_like(q, float("nan"))
+        oscar_write_kv(k, v, slots, none, ring, fused, k_transform=rot, q=q, q_transform=tq, q_out=q_out)
+        torch.testing.assert_close(q_out, transform_query(q, tq, hkv), rtol=1e-5, atol=1e-5)
+        for name, t in plain.buffers().items():
+            assert torch.equal(t, getattr(fused, name)), name
+
+
+def test_write_q_rotation_refusals():
+    LayerCache, _, oscar_write_kv = _imports()
+    c = LayerCache.empty(300, 2, 64, k_group=64, v_group=64, num_sink_rows=4, max_reqs=2, window=16, sink=4,
+                         device=DEVICE, window_dtype=torch.float32)
+    k = torch.zeros(2, 2, 64, device=DEVICE)
+    none = torch.full((2,), -1, dtype=torch.int32, device=DEVICE)
+    slots = torch.arange(2, device=DEVICE)
+    rot = torch.eye(64, device=DEVICE)
+    q = torch.zeros(2, 8, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="q, q_transform and q_out go together"):
+        oscar_write_kv(k, k, slots, none, none, c, k_transform=rot, q=q)
+    with pytest.raises(ValueError, match=r"q must be \[2, Hq, 64\]"):
+        oscar_write_kv(k, k, slots, none, none, c, k_transform=rot, q=q[:, :7], q_transform=rot, q_out=q[:, :7])
+    with pytest.raises(ValueError, match="q_out must be a contiguous"):
+        oscar_write_kv(k, k, slots, none, none, c, k_transform=rot, q=q, q_transform=rot, q_out=q.double())
+    with pytest.raises(TypeError, match="q_transform must be float32 or q's dtype"):
+        oscar_write_kv(k, k, slots, none, none, c, k_transform=rot, q=q, q_transform=rot.double(), q_out=q.clone())
+    with pytest.raises(ValueError, match=r"q_transform must have shape \[64, 64\] or \[2, 64, 64\]"):
+        oscar_write_kv(k, k, slots, none, none, c, k_transform=rot, q=q, q_transform=torch.eye(32, device=DEVICE),
+                       q_out=q.clone())
+    n = 257
+    kk = torch.zeros(n, 2, 64, device=DEVICE)
+    nn = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
+    qq = torch.zeros(n, 8, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="decode-sized calls .* this call has 257: use transform_query"):
+        oscar_write_kv(kk, kk, torch.arange(n, device=DEVICE), nn, nn, c, k_transform=rot, q=qq, q_transform=rot,
+                       q_out=qq.clone())

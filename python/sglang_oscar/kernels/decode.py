@@ -1069,6 +1069,7 @@ def oscar_decode(
     merge_splits: Optional[int] = None,
     history_kernel: str = "triton",
     follows_write: bool = False,
+    q_from_write: bool = False,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
@@ -1101,6 +1102,8 @@ def oscar_decode(
     dependent: its history CTAs read q, the indices and the INT2 rows older than the new token while the write
     runs, and its window CTAs wait for the write (kernels/cuda/int2_history.cu kPdlAfterWrite). history_kernel
     "cuda" on sm_90 or newer only; the caller guarantees the order (the server's backend does, srt/backend.py).
+    q_from_write (with follows_write): q is that write's q_out (oscar_write_kv(q=..., q_out=...) rotated it), so the
+    history CTAs issue their first copies and then wait for the write before they read q (kPdlAfterWriteQ).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -1173,6 +1176,9 @@ def oscar_decode(
                              "write q while the history kernel reads it")
         if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] < 9:
             raise ValueError("follows_write needs programmatic dependent launch (sm_90 or newer)")
+    elif q_from_write:
+        raise ValueError("q_from_write qualifies follows_write (the history kernel chained to the write that "
+                         "rotated q); without follows_write the launch waits for the write anyway")
     q = transform_query(q, q_transform, Hkv).contiguous()
     if hist_cuda:
         from . import history_cuda
@@ -1246,7 +1252,8 @@ def oscar_decode(
         # (follows_write); it lets its dependents launch early
         history_cuda.launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, sink=sink, window=window,
                             sm_scale=sm_scale, ns=ns, ns_total=ns_total, o_part=o_part, lse_part=lse_part,
-                            pdl=history_cuda.PDL_AFTER_WRITE if follows_write else history_cuda.PDL_OFF,
+                            pdl=(history_cuda.PDL_OFF if not follows_write else history_cuda.PDL_AFTER_WRITE_Q
+                                 if q_from_write else history_cuda.PDL_AFTER_WRITE),
                             window_splits=(ss, rs) if fused_window else (0, 0), sink_k=sink_k, sink_v=sink_v,
                             out=out if fused_merge else None)
         if fused_merge:

@@ -204,8 +204,9 @@ _INDEX_DTYPES = {torch.int32: 0, torch.int64: 1}
 # launch(pdl=...): the kernel's Args.pdl (kernels/cuda/int2_history.cu kPdl*). PDL_WAIT_FIRST: a programmatic
 # dependent of any kernel (every CTA waits for it first). PDL_AFTER_WRITE: a programmatic dependent of this decode
 # step's KV write (oscar_write_kv(pdl_trigger=True)), with q and the indices written before that write: the history
-# CTAs run while the write does, the window CTAs (which read the new row) wait for it.
-PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE = 0, 1, 2
+# CTAs run while the write does, the window CTAs (which read the new row) wait for it. PDL_AFTER_WRITE_Q: the same
+# with q rotated by that write (oscar_write_kv q_out): the history CTAs issue their first copies, then wait for it.
+PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q = 0, 1, 2, 3
 
 
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
@@ -222,9 +223,10 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     The kernel lets its dependents launch at once (griddepcontrol.launch_dependents); a kernel launched after it
     with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
     itself as a programmatic dependent of the previous one (PDL_WAIT_FIRST: it waits for that one before anything
-    else; PDL_AFTER_WRITE: the previous kernel is this step's KV write, see the constants)."""
-    if pdl not in (PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE):
-        raise ValueError(f"pdl must be PDL_OFF, PDL_WAIT_FIRST or PDL_AFTER_WRITE (0 / 1 / 2), got {pdl!r}")
+    else; PDL_AFTER_WRITE / PDL_AFTER_WRITE_Q: the previous kernel is this step's KV write, see the constants)."""
+    if pdl not in (PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q):
+        raise ValueError(f"pdl must be PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE or PDL_AFTER_WRITE_Q (0-3), "
+                         f"got {pdl!r}")
     lib = library()
     b, hq = q.shape[0], q.shape[1]
     hkv = cache.kv_heads

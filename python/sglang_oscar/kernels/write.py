@@ -172,6 +172,34 @@ if HAS_TRITON:
         tl.store(codes_ptr + rec[:, None] * Q + offs_q[None, :], packed, mask=pmask)
 
     @triton.jit
+    def _rotate_q(
+        q_ptr, stride_qt, stride_qh, tq_ptr, stride_tqh, qo_ptr,
+        T, t0, h,
+        GQA: tl.constexpr, GQA_P2: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_KQ: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """q' = q . T_q[h] for the GQA query heads of KV head h of BLOCK_T tokens (rows token-major), fp32
+        products, stored in q_out's dtype (rounded to nearest). What transform_query does, in this launch."""
+        R: tl.constexpr = BLOCK_T * GQA_P2
+        offs_r = tl.arange(0, R)
+        tok = t0 + offs_r // GQA_P2
+        head = h * GQA + offs_r % GQA_P2
+        rmask = (tok < T) & (offs_r % GQA_P2 < GQA)
+        rows = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+        offs_d = tl.arange(0, D)
+        offs_k = tl.arange(0, BLOCK_KQ)
+        acc = tl.zeros((R, D), dtype=tl.float32)
+        for k0 in tl.static_range(0, D, BLOCK_KQ):
+            xk = tl.load(rows + (k0 + offs_k)[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+            mk = tl.load(tq_ptr + h * stride_tqh + (k0 + offs_k)[:, None] * D + offs_d[None, :]).to(tl.float32)
+            if R >= 16:
+                acc = tl.dot(xk, mk, acc, input_precision=PRECISION)
+            else:
+                acc += tl.sum(xk[:, :, None] * mk[None, :, :], axis=1)
+        out = qo_ptr + (tok.to(tl.int64)[:, None] * (H * GQA) + head[:, None]) * D + offs_d[None, :]
+        tl.store(out, _to_window(acc, qo_ptr), mask=rmask[:, None])
+
+    @triton.jit
     def _oscar_write_kv_kernel(
         k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
         kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh, vmat_ptr, stride_vmh,
@@ -186,12 +214,17 @@ if HAS_TRITON:
         V_TH0: tl.constexpr, V_TH1: tl.constexpr, V_TH2: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr,
         PDL_TRIGGER: tl.constexpr = False,  # the decode's history kernel may launch now (oscar_write_kv)
+        q_ptr=None, stride_qt=0, stride_qh=0, tq_ptr=None, stride_tqh=0, qo_ptr=None,
+        HAS_Q: tl.constexpr = False, GQA: tl.constexpr = 1, GQA_P2: tl.constexpr = 1, BLOCK_KQ: tl.constexpr = 8,
     ):
         if PDL_TRIGGER:
             gdc_launch_dependents()
         t0 = tl.program_id(0) * BLOCK_T
         h = tl.program_id(1)
-        if tl.program_id(2) == 0:
+        if HAS_Q and tl.program_id(2) == 2:  # the step's queries, rotated here instead of by a GEMM before
+            _rotate_q(q_ptr, stride_qt, stride_qh, tq_ptr, stride_tqh, qo_ptr, T, t0, h, GQA, GQA_P2, H, D,
+                      BLOCK_T, BLOCK_KQ, PRECISION)
+        elif tl.program_id(2) == 0:
             _write_side(
                 k_ptr, stride_kt, stride_kh, kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh,
                 slots_ptr, sink_dst_ptr, ring_dst_ptr, k_codes_ptr, k_params_ptr, sink_k_ptr, ring_k_ptr,
@@ -283,6 +316,9 @@ def oscar_write_kv(
     num_warps: int = 4,
     validate: bool = True,
     pdl_trigger: bool = False,
+    q: Optional[torch.Tensor] = None,
+    q_transform: Optional[torch.Tensor] = None,
+    q_out: Optional[torch.Tensor] = None,
 ) -> None:
     """Write T tokens of one layer into `pool` (in place). See the module docstring.
 
@@ -295,6 +331,10 @@ def oscar_write_kv(
     one has started (griddepcontrol.launch_dependents; sm_90+). Used with oscar_decode(follows_write=True), whose
     CUDA history kernel then streams the old INT2 rows while this write runs; a dependent must still wait
     (griddepcontrol.wait) before it reads what this kernel writes.
+    q / q_transform / q_out: also rotate the step's queries, q_out = transform_query(q, q_transform) (decode:
+    q [T, Hq, D], one query row set per token; q_transform [D, D] or [Hkv, D, D], fp32 or q's dtype; q_out a
+    contiguous [T, Hq, D] tensor of q's dtype), in extra programs of this launch instead of a GEMM before it:
+    one kernel less per layer and decode step, and with pdl_trigger nothing between the write and the decode.
     """
     if not HAS_TRITON:
         raise RuntimeError("oscar_write_kv needs triton")
@@ -340,7 +380,8 @@ def oscar_write_kv(
     if bt not in (1, 2, 4, 8) and bt < 16 or bt & (bt - 1):
         raise ValueError(f"block_t must be a power of two (1-8: no tl.dot, >= 16: tl.dot), got {bt}")
     bk = min(d, 64) if bt >= 16 else min(d, 32)  # small tiles: [BT, BK, D] products stay in registers
-    grid = (triton.cdiv(n, bt), h, 2)
+    qargs = _q_args(q, q_transform, q_out, n, h, d, dev, bt)
+    grid = (triton.cdiv(n, bt), h, 3 if qargs else 2)
     _oscar_write_kv_kernel[grid](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         kmat, s_kmh, kmean, s_kmeanh, vmat, s_vmh,
@@ -353,5 +394,39 @@ def oscar_write_kv(
         K_CLIP_N=k_n, V_CLIP_N=v_n,
         K_TH0=kth[0], K_TH1=kth[1], K_TH2=kth[2], V_TH0=vth[0], V_TH1=vth[1], V_TH2=vth[2],
         BLOCK_T=bt, BLOCK_K=bk, PRECISION=precision, PAGE=pool.page, PDL_TRIGGER=bool(pdl_trigger),
-        num_warps=num_warps,
+        num_warps=num_warps, **qargs,
     )
+
+
+def _q_args(q, q_transform, q_out, n: int, h: int, d: int, device, bt: int) -> dict:
+    """The kernel's q arguments for oscar_write_kv(q=..., q_transform=..., q_out=...), checked; {} without q."""
+    if q is None and q_transform is None and q_out is None:
+        return {}
+    if q is None or q_transform is None or q_out is None:
+        raise ValueError("q, q_transform and q_out go together (the queries rotated in the write's launch)")
+    if n > MID_BATCH_TOKENS:
+        raise ValueError(f"the write rotates q for decode-sized calls (<= {MID_BATCH_TOKENS} tokens, whose tiles "
+                         f"hold a token's query heads in registers); this call has {n}: use transform_query")
+    if q.dim() != 3 or q.shape[0] != n or q.shape[2] != d or q.shape[1] % h or q.stride(-1) != 1:
+        raise ValueError(f"q must be [{n}, Hq, {d}] (one row set per written token, Hq a multiple of {h}, "
+                         f"contiguous in head_dim), got {tuple(q.shape)}")
+    if q.device != device or q_out.device != device or q_transform.device != device:
+        raise ValueError("q, q_transform and q_out must be on the cache's device")
+    if q_out.shape != q.shape or q_out.dtype != q.dtype or not q_out.is_contiguous():
+        raise ValueError(f"q_out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
+    if q_transform.dtype not in (torch.float32, q.dtype):
+        raise TypeError(f"q_transform must be float32 or q's dtype {q.dtype}, got {q_transform.dtype}")
+    t = q_transform[0] if q_transform.dim() == 3 and q_transform.shape[0] == 1 else q_transform
+    if t.dim() == 2 and tuple(t.shape) == (d, d):
+        stride = 0
+    elif t.dim() == 3 and tuple(t.shape) == (h, d, d):
+        stride = d * d
+    else:
+        raise ValueError(f"q_transform must have shape [{d}, {d}] or [{h}, {d}, {d}], got {tuple(q_transform.shape)}")
+    gqa = q.shape[1] // h
+    p2 = triton.next_power_of_2(gqa)
+    rows = bt * p2
+    # 16+ rows: tl.dot over 32-wide slices; fewer: a broadcast product [rows, BLOCK_KQ, D] of ~4K fp32 elements
+    kq = 32 if rows >= 16 else max(2, min(32, 4096 // (rows * d)))
+    return dict(q_ptr=q, stride_qt=q.stride(0), stride_qh=q.stride(1), tq_ptr=t.contiguous(), stride_tqh=stride,
+                qo_ptr=q_out, HAS_Q=True, GQA=gqa, GQA_P2=p2, BLOCK_KQ=min(kq, d))

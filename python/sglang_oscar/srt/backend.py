@@ -10,7 +10,9 @@ Reads the int2 pool exactly as the kernels define it:
   chunk attends to itself at full precision, as the seed does); one causal attention call per
   layer over the whole batch (srt/extend_attention.py: FlashInfer's ragged prefill on CUDA, torch
   SDPA on CPU). Prefill CUDA graphs are turned off for int2 (server_checks.adjust_cuda_graphs).
-Writes (INT2 + windows) go through srt/write_plan.py + OscarKVPool.write_layer.
+Writes (INT2 + windows) go through srt/write_plan.py + OscarKVPool.write_layer. At decode the write's launch
+also rotates the step's queries (FUSE_Q_IN_WRITE) and, with the CUDA history stage on sm_90+ at small batch
+(AFTER_WRITE_MAX_BATCH), the history kernel starts as the write's programmatic dependent.
 
 Basis: keys are stored as (k − μ)·T_K and queries become q·T_K (T_K orthogonal, so T_K^{−T} = T_K;
 the μ term shifts every score of a query equally, which softmax ignores). V is stored as v·T_V:
@@ -50,8 +52,17 @@ from .extend_attention import ExtendAttention
 from .options import OscarOptionError
 from .pool import OscarKVPool
 from .write_plan import plan_writes
+from ..kernels.write import MID_BATCH_TOKENS
 
 NAME = "oscar_int2"
+# Decode, per layer (benchmark/bench_write_decode.py, NOTES "The decode after the KV write"):
+# - FUSE_Q_IN_WRITE: the step's queries are rotated (q . T_q) by the KV write's own launch (oscar_write_kv q_out)
+#   instead of a GEMM before it, for batches of at most MID_BATCH_TOKENS (the write's decode tiles);
+# - AFTER_WRITE_MAX_BATCH: with the CUDA history stage on sm_90+, up to this batch the history kernel is launched as
+#   the write's programmatic dependent (oscar_decode follows_write); above it, plain launches measured as fast or
+#   faster.
+FUSE_Q_IN_WRITE = True
+AFTER_WRITE_MAX_BATCH = 8
 
 logger = logging.getLogger(__name__)
 
@@ -367,16 +378,24 @@ class OscarAttnBackend(AttentionBackend):
         r = self.pool.rotations[layer.layer_id - self.pool.start_layer]
         q = q.reshape(-1, hq, d)
         q_transform = r.q_transform_as(q.dtype)
-        after_write = self.history_after_write and save_kv_cache and k is not None
-        if after_write:  # q's GEMM before the write: nothing may run between the write and the history kernel
+        write = save_kv_cache and k is not None
+        fuse_q = write and FUSE_Q_IN_WRITE and q_transform is not None and q.shape[0] <= MID_BATCH_TOKENS
+        chain = write and self.history_after_write and q.shape[0] <= AFTER_WRITE_MAX_BATCH
+        if chain and not fuse_q:  # q's GEMM before the write: nothing may run between the write and the history
             q, q_transform = transform_query(q, q_transform, h).contiguous(), None
-        if save_kv_cache and k is not None:
+        if write:
+            q_kw = {}
+            if fuse_q:
+                q_kw = dict(q=q, q_transform=q_transform, q_out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
             self.pool.write_layer(layer.layer_id, k.reshape(-1, h, d), v.reshape(-1, h, d), m.slots, m.sink_dst,
-                                  m.ring_dst, pdl_trigger=after_write)
+                                  m.ring_dst, pdl_trigger=chain, **q_kw)
+            if fuse_q:
+                q, q_transform = q_kw["q_out"], None
         lc = self.pool.layer_cache(layer.layer_id)
         o = oscar_decode(q, lc, self.req_to_token_pool.req_to_token, m.req_pool_indices,
                          m.seq_lens, self.pool.ring_start, sink=lc.sink, window=lc.window, sm_scale=layer.scaling,
-                         q_transform=q_transform, split_waves=self.split_waves, follows_write=after_write,
+                         q_transform=q_transform, split_waves=self.split_waves, follows_write=chain,
+                         q_from_write=chain and fuse_q,
                          k_level_a=None if r.k_level_a == 1.0 else r.k_level_a,
                          v_level_a=None if r.v_level_a == 1.0 else r.v_level_a,
                          history_kernel=self.history_kernel)

@@ -70,7 +70,9 @@ constexpr float kLazy = 8.0f;            // log2 units a score may pass the runn
 //                  They wait before storing their partial, so that this grid ends after the write (the merge, a
 //                  dependent of this grid, then sees the write too); the window CTAs, which read the new row,
 //                  wait first.
-constexpr int kPdlOff = 0, kPdlWaitFirst = 1, kPdlAfterWrite = 2;
+//   kPdlAfterWriteQ the same, with q rotated by that write (oscar_write_kv q_out): the history CTAs walk their
+//                  index chain and issue their first copies, then wait before they read q.
+constexpr int kPdlOff = 0, kPdlWaitFirst = 1, kPdlAfterWrite = 2, kPdlAfterWriteQ = 3;
 
 __device__ __forceinline__ void grid_dependency_wait() {
 #if __CUDA_ARCH__ >= 900
@@ -143,7 +145,7 @@ struct Args {
   int r2t_stride, hkv, sink, window, nsw, ns_total;
   int page_log2;        // the pool's page size P = 2^page_log2: record ((s >> k) * Hkv + h) * P + (s & (P - 1))
   int req_idx_64;
-  int pdl;              // kPdlOff, kPdlWaitFirst or kPdlAfterWrite (above)
+  int pdl;              // kPdlOff, kPdlWaitFirst, kPdlAfterWrite or kPdlAfterWriteQ (above)
   int gqa, hgroups;     // query heads per KV head; head groups of HC per KV head (grid x = (b * hkv + h) * hgroups + hg)
   int kg128, vg128;     // K / V groups of 128 (params 4 bytes per row) instead of 64 (8 bytes)
   // the window CTAs (0 and 0: none, the Triton window programs read the window)
@@ -457,7 +459,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem) + warp * NSTAGE * kStageBytes;
   const uint8_t* wbase = smem + warp * NSTAGE * kStageBytes;
   // launched early: the previous kernel wrote q (kPdlWaitFirst) or the window's new row (kPdlAfterWrite)
-  if (a.pdl == kPdlWaitFirst || (a.pdl == kPdlAfterWrite && split < 0)) grid_dependency_wait();
+  const bool after_write = a.pdl == kPdlAfterWrite || a.pdl == kPdlAfterWriteQ;
+  if (a.pdl == kPdlWaitFirst || (after_write && split < 0)) grid_dependency_wait();
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the window programs / merge may launch now
 #endif
@@ -524,7 +527,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int sg = (g >> 1) + 4 * (g & 1);  // sigma(g): the tile row of M-row g
   // after the write: row L - 1 (this step's token, its INT2 record being written) is history only where
   // ring_start >= L; uniform per CTA
-  if (a.pdl == kPdlAfterWrite && hist_hi >= L && n > 0) grid_dependency_wait();
+  if (after_write && hist_hi >= L && n > 0) grid_dependency_wait();
   load_slots(0);
 #pragma unroll
   for (int s = 0; s < NSTAGE - 1; ++s) {
@@ -532,6 +535,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     load_slots(s + 1);
   }
 
+  if (a.pdl == kPdlAfterWriteQ) grid_dependency_wait();  // q' is the write's output
   // built while the first stages' copies are in flight
   // q' = c0 q 4^(2g - p) as this lane's B fragments: reg 2ks + w of k-step ks = (plane p, half hh) holds dims
   // p*32 + t*8 + 4hh + 2w + (0, 1) of column g's head; and the group sums of q. This lane's accumulator
@@ -721,7 +725,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
   }
   __syncthreads();
-  if (a.pdl == kPdlAfterWrite) grid_dependency_wait();  // this grid ends after the write (long done by now)
+  if (after_write) grid_dependency_wait();  // this grid ends after the write (long done by now)
   store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, split);
   if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
