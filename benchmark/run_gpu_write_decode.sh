@@ -4,7 +4,7 @@
 # store_cache) and runs the benchmark. Each call stages the part it carries into $HOME/sgl-site.
 #   call 1: OSCAR_COMMIT=<hash> TESTS=1 BENCH=0 bash benchmark/run_gpu_write_decode.sh      (carry .devb/a)
 #   call 2: OSCAR_COMMIT=<hash> TESTS=0 BENCH=1 bash benchmark/run_gpu_write_decode.sh      (carry .devb/b)
-# env: MODELS (qwen3-8b), CONTEXTS (32768,65536,131072), BATCHES (1,8,32); PROBE=1 adds the batch-1 split sweep of
+# env: TEST_K (pytest -k of the GPU tests), MODELS (qwen3-8b), CONTEXTS (32768,65536,131072), BATCHES (1,8,32); PROBE=1 adds the batch-1 split sweep of
 # the CUDA history at PROBE_CONTEXTS (32768) with SPLITS (16,20,24,28,32; probe_decode_fixed_cost.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,7 +17,7 @@ export PYTHONPATH=$SITE:$PWD/python PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cud
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu_state.txt"
 if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider test/test_decode.py test/test_srt_backend_graph.py test/test_write.py \
-    -k "cuda or after_write or gpu" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+    -k "${TEST_K:-cuda or after_write or gpu}" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
 fi
 if [ "${PROBE:-0}" = 1 ]; then
   python3 benchmark/probe_decode_fixed_cost.py --history-kernel cuda --page 64 --contexts "${PROBE_CONTEXTS:-32768}" \

@@ -474,14 +474,16 @@ def test_history_kernel_option_reaches_startup_and_decode(setup, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU World (the Triton interpreter); the GPU test below "
                                                     "runs the real chain")
-@pytest.mark.parametrize("fuse_q,max_batch", [(True, 8), (False, 8), (True, 0)])
-def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch):
+@pytest.mark.parametrize("fuse_q,max_batch,rows", [(True, 8, [1, 2]), (True, 8, [1]), (False, 8, [1, 2]),
+                                                   (True, 0, [1, 2])])
+def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows):
     """A decode layer's launches. FUSE_Q_IN_WRITE: the write rotates q (q_out) and the decode gets q_out with
     q_transform None; else q's GEMM runs before the write when the decode is chained, or inside oscar_decode. With
     the CUDA history stage on sm_90+ (history_after_write) and batch <= AFTER_WRITE_MAX_BATCH the write triggers
     and oscar_decode follows it (q_from_write where the write rotated q): no kernel between the two
-    (kernels/cuda/int2_history.cu kPdlAfterWrite*). Without a write (save_kv_cache False) nothing is fused or
-    chained. Spies stand in for the kernels (CPU)."""
+    (kernels/cuda/int2_history.cu kPdlAfterWrite*); chained at batch 1 (Q_GEMM_WHEN_CHAINED_MAX_BATCH) q's GEMM
+    runs before the write. Without a write (save_kv_cache False) nothing is fused or chained. Spies stand in for
+    the kernels (CPU)."""
     from sglang_oscar.kernels import decode
     from sglang_oscar.srt import backend as backend_mod
     from sglang_oscar.srt import startup_checks
@@ -492,7 +494,8 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch):
     monkeypatch.setattr(backend_mod, "AFTER_WRITE_MAX_BATCH", max_batch)
     w = World(setup)
     assert w.backend.history_after_write is False  # a CPU device: no PDL
-    w.prefill(1, 10, _inputs(10, 1))
+    for row in rows:
+        w.prefill(row, 10, _inputs(10, row))
     w.backend.history_after_write = True
     events, seen_q = [], []
     real_transform = decode.transform_query
@@ -515,10 +518,10 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch):
     monkeypatch.setattr(decode, "transform_query", transform)
     monkeypatch.setattr(decode, "oscar_decode", fake_decode)
     monkeypatch.setattr(w.backend.pool, "write_layer", write_layer)
-    inputs = _inputs(1, 2)
-    w.decode_eager([1], inputs)
-    chain = max_batch >= 1
-    if fuse_q:
+    inputs = _inputs(len(rows), 7)
+    w.decode_eager(rows, inputs)
+    chain = max_batch >= len(rows)
+    if fuse_q and not (chain and len(rows) <= backend_mod.Q_GEMM_WHEN_CHAINED_MAX_BATCH):
         want_events = [("write", chain, True), ("decode", True, chain, chain)]
     elif chain:
         want_events = [("transform",), ("write", True, False), ("decode", True, True, False)]

@@ -60,9 +60,12 @@ NAME = "oscar_int2"
 #   instead of a GEMM before it, for batches of at most MID_BATCH_TOKENS (the write's decode tiles);
 # - AFTER_WRITE_MAX_BATCH: with the CUDA history stage on sm_90+, up to this batch the history kernel is launched as
 #   the write's programmatic dependent (oscar_decode follows_write); above it, plain launches measured as fast or
-#   faster.
+#   faster;
+# - Q_GEMM_WHEN_CHAINED_MAX_BATCH: chained, up to this batch q's GEMM runs before the write instead (the history
+#   CTAs then stream during the whole write; with q from the write they wait for it before reading q).
 FUSE_Q_IN_WRITE = True
 AFTER_WRITE_MAX_BATCH = 8
+Q_GEMM_WHEN_CHAINED_MAX_BATCH = 1
 
 logger = logging.getLogger(__name__)
 
@@ -379,8 +382,10 @@ class OscarAttnBackend(AttentionBackend):
         q = q.reshape(-1, hq, d)
         q_transform = r.q_transform_as(q.dtype)
         write = save_kv_cache and k is not None
-        fuse_q = write and FUSE_Q_IN_WRITE and q_transform is not None and q.shape[0] <= MID_BATCH_TOKENS
-        chain = write and self.history_after_write and q.shape[0] <= AFTER_WRITE_MAX_BATCH
+        n = q.shape[0]  # the graph's batch when captured: these choices are fixed per graph
+        chain = write and self.history_after_write and n <= AFTER_WRITE_MAX_BATCH
+        fuse_q = (write and FUSE_Q_IN_WRITE and q_transform is not None and n <= MID_BATCH_TOKENS
+                  and not (chain and n <= Q_GEMM_WHEN_CHAINED_MAX_BATCH))
         if chain and not fuse_q:  # q's GEMM before the write: nothing may run between the write and the history
             q, q_transform = transform_query(q, q_transform, h).contiguous(), None
         if write:
