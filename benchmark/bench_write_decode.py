@@ -47,7 +47,7 @@ OSCAR_PAGE, FI_PAGE = 64, 16
 CLIP = 0.95  # K and V clip ratios of the write (a fitted bundle's are of this order)
 
 
-def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q):
+def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=None):
     """Per copy: q's transform (a GEMM, or in the write's launch with fuse_q), the write of one token per request
     (position ctx - 1, a ring row) and the decode; and the same without the decode. Returns (chains, writes,
     keep)."""
@@ -71,7 +71,8 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q):
 
         def write(slots=slots, ring_dst=ring_dst):
             oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, k_clip=CLIP, v_clip=CLIP,
-                           validate=False, pdl_trigger=after_write, **q_kw)
+                           validate=False, pdl_trigger=after_write, **q_kw,
+                           **({"num_warps": num_warps} if num_warps else {}))
 
         def chain(idx=idx, write=write):
             q = q_out if fuse_q else transform_query(q_raw, t_q, hkv)  # before the write, as srt/backend.py does
@@ -83,6 +84,27 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q):
         chains.append(chain)
         writes.append(write)
     return chains, writes, (cache, r2t)
+
+
+def write_sweep(models, batches, warps):
+    """The write alone (one token per request, q rotated in its launch, as the server's decode) at each num_warps:
+    rows {model, batch, num_warps, block_t, us}."""
+    from sglang_oscar.kernels.write import default_block_t
+
+    out = []
+    for model in models:
+        hq, hkv, d = MODELS[model]
+        for b in batches:
+            ctx = 4096
+            copies = 8
+            chains_kw = dict(b=b, hq=hq, hkv=hkv, d=d, ctx=ctx, copies=copies)
+            for nw in warps:
+                _, writes, keep = oscar_chain_fns(**chains_kw, after_write=False, fuse_q=True, num_warps=nw)
+                us = 1e3 * bench(writes)
+                out.append(dict(model=model, batch=b, num_warps=nw, block_t=default_block_t(b, d), us=us))
+                print(f"write sweep {model} b={b:3d} num_warps={nw}: {us:6.2f} us", flush=True)
+                del writes, keep
+    return out
 
 
 def flashinfer_chain_fns(b, hq, hkv, d, ctx, copies, fp8):
@@ -133,8 +155,15 @@ def main():
                     "oscar_cuda_fused_q_after_write,flashinfer_bf16,flashinfer_fp8")
     ap.add_argument("--reference", default="oscar_cuda_fused_q_after_write",
                     help="the impl the summary's ratios divide by")
+    ap.add_argument("--write-sweep", default="", help="num_warps values (comma list) to time the write alone at "
+                    "each batch (only this, no chains)")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
+    if args.write_sweep:
+        sweep = write_sweep(args.models.split(","), [int(x) for x in args.batches.split(",")],
+                            [int(x) for x in args.write_sweep.split(",")])
+        write_json(args.out, "write_warps_sweep", dev, dict(device=dev, versions=versions(), clip=CLIP, rows=sweep))
+        return
     t0 = time.time()
     copy_bw = copy_bandwidth()
     print(f"device {dev}, copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
