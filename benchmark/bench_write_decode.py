@@ -29,6 +29,7 @@ versions and commit -> $OUT/decode_step_layer_<device>.json.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -145,6 +146,31 @@ def flashinfer_chain_fns(b, hq, hkv, d, ctx, copies, fp8):
     return chains, writes, (kc, vc), "store_cache" if use_store else "index_copy_"
 
 
+def plot(res, path):
+    """Chain per layer (us, log) against batch, one panel per context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    ctxs = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 4), squeeze=False)
+    for ax, ctx in zip(axes[0], ctxs):
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            pts = sorted((r["batch"], 1e3 * r["ms"]) for r in rows if r["impl"] == impl and r["context"] == ctx)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl, linestyle="--" if impl.startswith("flash") else "-")
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="write + decode per layer (us)",
+               title=f"{rows[0]['model']}, context {ctx // 1024}k")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{res['device']}, {res['versions'].get('git_commit', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print("wrote", path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -155,9 +181,15 @@ def main():
                     "oscar_cuda_fused_q_after_write,flashinfer_bf16,flashinfer_fp8")
     ap.add_argument("--reference", default="oscar_cuda_fused_q_after_write",
                     help="the impl the summary's ratios divide by")
+    ap.add_argument("--plot-from", default="", help="a results JSON of this script: write its PNG next to --out "
+                    "and exit (no GPU needed)")
     ap.add_argument("--write-sweep", default="", help="num_warps values (comma list) to time the write alone at "
                     "each batch (only this, no chains)")
     args = ap.parse_args()
+    if args.plot_from:
+        res = json.load(open(args.plot_from))
+        plot(res, os.path.join(args.out, f"decode_step_layer_{device_tag(res['device'])}.png"))
+        return
     dev = torch.cuda.get_device_name()
     if args.write_sweep:
         sweep = write_sweep(args.models.split(","), [int(x) for x in args.batches.split(",")],
@@ -211,6 +243,10 @@ def main():
     res = dict(device=dev, copy_bandwidth_gbps=copy_bw / 1e9, versions=versions(), sink=SINK, window=WINDOW,
                clip=CLIP, rows=rows, wall_s=time.time() - t0)
     write_json(args.out, "decode_step_layer", dev, res)
+    try:
+        plot(res, os.path.join(args.out, f"decode_step_layer_{device_tag(dev)}.png"))
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", e)
     print(f"\nchain per layer (us) and x for {args.reference}")
     key = {(r["impl"], r["model"], r["context"], r["batch"]): r for r in rows}
     for (impl, model, ctx, b), r in key.items():

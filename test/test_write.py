@@ -352,3 +352,29 @@ def test_write_q_rotation_refusals():
     with pytest.raises(ValueError, match="decode-sized calls .* this call has 257: use transform_query"):
         oscar_write_kv(kk, kk, torch.arange(n, device=DEVICE), nn, nn, c, k_transform=rot, q=qq, q_transform=rot,
                        q_out=qq.clone())
+
+
+@requires_cuda
+@pytest.mark.parametrize("n", [1, 3, 16, 40])
+@pytest.mark.parametrize("gqa", [1, 4, 5, 8])
+def test_write_gpu_rotates_bf16_q(n, gqa):
+    """bf16 q and T_q on the GPU (the server's decode): the write's q programs, padded to 16 tile rows per program
+    for a tensor-core dot (1 token per program up to 16 tokens, 16 from there), against transform_query's GEMM:
+    both bf16 products with fp32 sums, so they differ by summation order and the final bf16 rounding (stated:
+    1e-2 absolute on rows of norm ~sqrt(D))."""
+    LayerCache, _, oscar_write_kv = _imports()
+    from sglang_oscar.kernels.decode import transform_query
+
+    hkv, d = 2, 128
+    g = torch.Generator(device="cuda").manual_seed(n * 10 + gqa)
+    cache = LayerCache.empty(64, hkv, d, k_group=64, v_group=64, num_sink_rows=4, max_reqs=2, window=16, sink=4,
+                             device="cuda", page=64)
+    k, v = (torch.randn(n, hkv, d, generator=g, device="cuda").to(torch.bfloat16) for _ in "kv")
+    rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, device="cuda"))[0].contiguous()
+    q = torch.randn(n, hkv * gqa, d, generator=g, device="cuda").to(torch.bfloat16)
+    q_out = torch.full_like(q, float("nan"))
+    none = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    oscar_write_kv(k, v, torch.arange(n, device="cuda"), none, none, cache, k_transform=rot, q=q,
+                   q_transform=rot.to(torch.bfloat16), q_out=q_out)
+    want = transform_query(q, rot.to(torch.bfloat16), hkv)
+    torch.testing.assert_close(q_out.float(), want.float(), rtol=1e-2, atol=1e-2)

@@ -429,7 +429,12 @@ def _q_args(q, q_transform, q_out, n: int, h: int, d: int, device, bt: int) -> d
     else:
         raise ValueError(f"q_transform must have shape [{d}, {d}] or [{h}, {d}, {d}], got {tuple(q_transform.shape)}")
     gqa = q.shape[1] // h
+    lowp = q.dtype == t.dtype and q.dtype in (torch.bfloat16, torch.float16)
     p2 = triton.next_power_of_2(gqa)
+    if lowp and q.is_cuda:
+        # pad a token's heads to 16 tile rows: a tensor-core dot instead of the broadcast product (Qwen3-32B, GQA 8,
+        # batch 1: 9.9 us for the write with q, most of it its q programs; results/write_warps_sweep_09f0505_*)
+        p2 = max(p2, 16 // bt)
     rows = bt * p2
     # 16+ rows: tl.dot over 32-wide slices; fewer: a broadcast product [rows, BLOCK_KQ, D] of ~4K fp32 elements
     kq = 32 if rows >= 16 else max(2, min(32, 4096 // (rows * d)))
@@ -437,4 +442,4 @@ def _q_args(q, q_transform, q_out, n: int, h: int, d: int, device, bt: int) -> d
                 qo_ptr=q_out, HAS_Q=True, GQA=gqa, GQA_P2=p2, BLOCK_KQ=min(kq, d),
                 # bf16 / fp16 q and T_q (the server's decode): a tensor-core dot with fp32 accumulation, as the GEMM
                 # of transform_query; the fp32 "ieee" dot measured 34 us at batch 32 (H100) against 11 us without q
-                Q_LOWP=q.dtype == t.dtype and q.dtype in (torch.bfloat16, torch.float16))
+                Q_LOWP=lowp)
