@@ -481,9 +481,8 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows):
     q_transform None; else q's GEMM runs before the write when the decode is chained, or inside oscar_decode. With
     the CUDA history stage on sm_90+ (history_after_write) and batch <= AFTER_WRITE_MAX_BATCH the write triggers
     and oscar_decode follows it (q_from_write where the write rotated q): no kernel between the two
-    (kernels/cuda/int2_history.cu kPdlAfterWrite*); chained at batch 1 (Q_GEMM_WHEN_CHAINED_MAX_BATCH) q's GEMM
-    runs before the write. Without a write (save_kv_cache False) nothing is fused or chained. Spies stand in for
-    the kernels (CPU)."""
+    (kernels/cuda/int2_history.cu kPdlAfterWrite*). Batch 1 and 2. Without a write (save_kv_cache False) nothing
+    is fused or chained. Spies stand in for the kernels (CPU)."""
     from sglang_oscar.kernels import decode
     from sglang_oscar.srt import backend as backend_mod
     from sglang_oscar.srt import startup_checks
@@ -521,7 +520,7 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows):
     inputs = _inputs(len(rows), 7)
     w.decode_eager(rows, inputs)
     chain = max_batch >= len(rows)
-    if fuse_q and not (chain and len(rows) <= backend_mod.Q_GEMM_WHEN_CHAINED_MAX_BATCH):
+    if fuse_q:
         want_events = [("write", chain, True), ("decode", True, chain, chain)]
     elif chain:
         want_events = [("transform",), ("write", True, False), ("decode", True, True, False)]

@@ -60,12 +60,12 @@ NAME = "oscar_int2"
 #   instead of a GEMM before it, for batches of at most MID_BATCH_TOKENS (the write's decode tiles);
 # - AFTER_WRITE_MAX_BATCH: with the CUDA history stage on sm_90+, up to this batch the history kernel is launched as
 #   the write's programmatic dependent (oscar_decode follows_write); above it, plain launches measured as fast or
-#   faster;
-# - Q_GEMM_WHEN_CHAINED_MAX_BATCH: chained, up to this batch q's GEMM runs before the write instead (the history
-#   CTAs then stream during the whole write; with q from the write they wait for it before reading q).
+#   faster. Chained with q from the write, the history CTAs issue their first copies, then wait for the write
+#   before reading q; chained with q's GEMM before the write instead (FUSE_Q_IN_WRITE off) they stream during
+#   the whole write, which measured slower once the write's q programs used tensor cores (64k batch 1: 37.3 vs
+#   36.3 us, 128k 54.1 vs 50.0; results/decode_step_layer_ee6a1e7_*).
 FUSE_Q_IN_WRITE = True
 AFTER_WRITE_MAX_BATCH = 8
-Q_GEMM_WHEN_CHAINED_MAX_BATCH = 1
 
 logger = logging.getLogger(__name__)
 
@@ -384,8 +384,7 @@ class OscarAttnBackend(AttentionBackend):
         write = save_kv_cache and k is not None
         n = q.shape[0]  # the graph's batch when captured: these choices are fixed per graph
         chain = write and self.history_after_write and n <= AFTER_WRITE_MAX_BATCH
-        fuse_q = (write and FUSE_Q_IN_WRITE and q_transform is not None and n <= MID_BATCH_TOKENS
-                  and not (chain and n <= Q_GEMM_WHEN_CHAINED_MAX_BATCH))
+        fuse_q = write and FUSE_Q_IN_WRITE and q_transform is not None and n <= MID_BATCH_TOKENS
         if chain and not fuse_q:  # q's GEMM before the write: nothing may run between the write and the history
             q, q_transform = transform_query(q, q_transform, h).contiguous(), None
         if write:
