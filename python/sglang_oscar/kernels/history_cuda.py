@@ -2,7 +2,9 @@
 
 oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) (one split per CTA; its
 warps merge in shared memory) and, in the same grid, the BF16 sink and ring rows (window CTAs, FUSED_WINDOW), then
-the Triton merge (PDL; FUSED_MERGE: the last CTA of each (request, KV head) merges instead, measured slower). It
+the Triton merge (PDL; FUSED_MERGE: the last CTA of each (request, KV head) merges instead, measured slower). In
+a served decode step it is itself the PDL dependent of the step's KV write (oscar_decode follows_write;
+PDL_AFTER_WRITE / PDL_AFTER_WRITE_Q below): its history CTAs stream while the write runs. It
 covers the shape family it was written and measured for: D 128, K and V groups of 64 or 128, uniform INT2 levels,
 GQA 1-8 (Qwen3-4B / 8B / 14B / 32B, Llama-3-8B), BF16 sink / ring rows. Anything else raises with the reason
 instead of falling back. It pays on a pool in pages (kernels/records.py): on H100, page 64, 78-93% of copy

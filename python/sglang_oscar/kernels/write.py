@@ -13,7 +13,11 @@ For every token t and KV head h, per side (K, V):
 
 The oracle is quant/cache_ops.py:write_reference (SideQuantizer math of quant/kv.py).
 
-Grid: (cdiv(T, BLOCK_T), Hkv, 2): a program does BLOCK_T tokens of one head of one side. The
+Decode also hands the write the step's queries (q, q_transform, q_out): q_out = q·T_q per KV head, in a third
+program per (token block, head), so that no GEMM runs between the write and the decode (oscar_decode
+follows_write / q_from_write chain the CUDA history kernel to this launch through PDL, pdl_trigger).
+
+Grid: (cdiv(T, BLOCK_T), Hkv, 2, or 3 with q): a program does BLOCK_T tokens of one head of one side. The
 transform is a [BLOCK_T, D] x [D, D] tl.dot accumulated over BLOCK_K-wide slices of D, so a
 D=256 fp32 matrix never has to sit in shared memory whole. Decode-sized calls (T <= 16 by default)
 use BLOCK_T = 1 and a broadcast-multiply-sum instead of the dot (see SMALL_BATCH_TOKENS).

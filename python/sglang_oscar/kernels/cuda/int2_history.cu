@@ -34,6 +34,7 @@
 // tile (store_int2_chunk), so no partial needs the merge's recompute. Without window CTAs (nwin 0) decode.py runs
 // the Triton window programs after this kernel as its programmatic dependents.
 // Launch order (kernels/decode.py): this kernel lets its dependents launch at once; the merge (PDL) waits for it.
+// In a served decode step this kernel is itself launched as the KV write's dependent (Args.pdl, kPdl* below).
 //
 // Per warp and 16-token tile (all in registers, no CTA barrier):
 //   K dot  S^T[16 tokens, 8 cols] = codes[16, 128] . q'[128, 8]: 8 x mma m16n8k16 (at HC 4 cols 4..7
