@@ -172,9 +172,9 @@ class OscarAttnBackend(AttentionBackend):
         self.history_kernel = opts.history_kernel
         if self.history_kernel != "triton":
             self._check_history_kernel(model_runner)
-        # decode with the CUDA history stage on sm_90+: q is transformed before the KV write and the history
-        # kernel is launched as the write's programmatic dependent (oscar_decode follows_write), so that it streams
-        # the old INT2 rows while the write runs
+        # decode with the CUDA history stage on sm_90+: the history kernel can be launched as the KV write's
+        # programmatic dependent (oscar_decode follows_write), streaming the old INT2 rows while the write runs;
+        # forward_decode chains them up to AFTER_WRITE_MAX_BATCH
         self.history_after_write = (self.history_kernel == "cuda" and torch.device(self.device).type == "cuda"
                                     and torch.cuda.get_device_capability(self.device)[0] >= 9)
         model_dtype = getattr(model_runner, "dtype", None)
