@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The decode step's write + decode chain (bench_write_decode.py) and its GPU tests, on a warm device machine in two
 # calls: call 1 carries .devb/a (SGLang) and only stages it; call 2, right after, carries .devb/b (FlashInfer,
-# tvm-ffi for SGLang's store_cache, the transformers / tokenizers SGLang imports) and runs the tests and / or the
-# benchmark (both: ~9 min). Each call stages the part it carries into $HOME/sgl-site.
+# tvm-ffi for SGLang's store_cache, the transformers / tokenizers SGLang imports) and runs the tests or the
+# benchmark (the full GPU tests ~7 min, the benchmark ~4-5 min: one per 10-minute call; a later call on the warm
+# machine needs no carry). Each call stages the part it carries into $HOME/sgl-site.
 #   call 1: TESTS=0 BENCH=0 bash benchmark/run_gpu_write_decode.sh                          (carry .devb/a)
-#   call 2: OSCAR_COMMIT=<hash> TESTS=1 BENCH=1 bash benchmark/run_gpu_write_decode.sh      (carry .devb/b)
+#   call 2: OSCAR_COMMIT=<hash> TESTS=1 BENCH=0 bash benchmark/run_gpu_write_decode.sh      (carry .devb/b)
+#   call 3: OSCAR_COMMIT=<hash> TESTS=0 BENCH=1 bash benchmark/run_gpu_write_decode.sh
 # The kernel tests alone (test_write / test_decode) and the oscar impls need neither part.
 # env: TEST_K (pytest -k of the GPU tests), MODELS (qwen3-8b), CONTEXTS (32768,65536,131072), BATCHES (1,8,32); IMPLS (bench_write_decode's default); PROBE=1 adds the batch-1 split sweep of
 # the CUDA history at PROBE_CONTEXTS (32768) with SPLITS (16,20,24,28,32; probe_decode_fixed_cost.py).
