@@ -96,11 +96,9 @@ def write_sweep(models, batches, warps):
     for model in models:
         hq, hkv, d = MODELS[model]
         for b in batches:
-            ctx = 4096
-            copies = 8
-            chains_kw = dict(b=b, hq=hq, hkv=hkv, d=d, ctx=ctx, copies=copies)
-            for nw in warps:
-                _, writes, keep = oscar_chain_fns(**chains_kw, after_write=False, fuse_q=True, num_warps=nw)
+            for nw in warps:  # a short context: the write does not read the history
+                _, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx=4096, copies=8, after_write=False, fuse_q=True,
+                                                  num_warps=nw)
                 us = 1e3 * bench(writes)
                 out.append(dict(model=model, batch=b, num_warps=nw, block_t=default_block_t(b, d), us=us))
                 print(f"write sweep {model} b={b:3d} num_warps={nw}: {us:6.2f} us", flush=True)
