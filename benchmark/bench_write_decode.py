@@ -48,7 +48,7 @@ OSCAR_PAGE, FI_PAGE = 64, 16
 CLIP = 0.95  # K and V clip ratios of the write (a fitted bundle's are of this order)
 
 
-def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=None):
+def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=None, block_t=None):
     """Per copy: q's transform (a GEMM, or in the write's launch with fuse_q), the write of one token per request
     (position ctx - 1, a ring row) and the decode; and the same without the decode. Returns (chains, writes,
     keep)."""
@@ -72,7 +72,7 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=N
 
         def write(slots=slots, ring_dst=ring_dst):
             oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, k_clip=CLIP, v_clip=CLIP,
-                           validate=False, pdl_trigger=after_write, **q_kw,
+                           validate=False, pdl_trigger=after_write, block_t=block_t, **q_kw,
                            **({"num_warps": num_warps} if num_warps else {}))
 
         def chain(idx=idx, write=write):
@@ -87,22 +87,24 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=N
     return chains, writes, (cache, r2t)
 
 
-def write_sweep(models, batches, warps):
-    """The write alone (one token per request, q rotated in its launch, as the server's decode) at each num_warps:
-    rows {model, batch, num_warps, block_t, us}."""
+def write_sweep(models, batches, warps, tiles=(0,)):
+    """The write alone (one token per request, q rotated in its launch, as the server's decode) at each num_warps and
+    token tile (0: the default tile of the batch): rows {model, batch, num_warps, block_t, us}."""
     from sglang_oscar.kernels.write import default_block_t
 
     out = []
     for model in models:
         hq, hkv, d = MODELS[model]
         for b in batches:
-            for nw in warps:  # a short context: the write does not read the history
-                _, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx=4096, copies=8, after_write=False, fuse_q=True,
-                                                  num_warps=nw)
-                us = 1e3 * bench(writes)
-                out.append(dict(model=model, batch=b, num_warps=nw, block_t=default_block_t(b, d), us=us))
-                print(f"write sweep {model} b={b:3d} num_warps={nw}: {us:6.2f} us", flush=True)
-                del writes, keep
+            for bt in tiles:
+                bt = bt or default_block_t(b, d)
+                for nw in warps:  # a short context: the write does not read the history
+                    _, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx=4096, copies=8, after_write=False,
+                                                      fuse_q=True, num_warps=nw, block_t=bt)
+                    us = 1e3 * bench(writes)
+                    out.append(dict(model=model, batch=b, num_warps=nw, block_t=bt, us=us))
+                    print(f"write sweep {model} b={b:3d} block_t={bt:3d} num_warps={nw}: {us:6.2f} us", flush=True)
+                    del writes, keep
     return out
 
 
@@ -183,6 +185,8 @@ def main():
                     "and exit (no GPU needed)")
     ap.add_argument("--write-sweep", default="", help="num_warps values (comma list) to time the write alone at "
                     "each batch (only this, no chains)")
+    ap.add_argument("--write-block-t", default="0", help="with --write-sweep: token tiles (comma list; 0 = the "
+                    "batch's default tile)")
     args = ap.parse_args()
     if args.plot_from:
         res = json.load(open(args.plot_from))
@@ -191,7 +195,8 @@ def main():
     dev = torch.cuda.get_device_name()
     if args.write_sweep:
         sweep = write_sweep(args.models.split(","), [int(x) for x in args.batches.split(",")],
-                            [int(x) for x in args.write_sweep.split(",")])
+                            [int(x) for x in args.write_sweep.split(",")],
+                            [int(x) for x in args.write_block_t.split(",")])
         write_json(args.out, "write_warps_sweep", dev, dict(device=dev, versions=versions(), clip=CLIP, rows=sweep))
         return
     t0 = time.time()

@@ -162,6 +162,14 @@ def test_write_matches_oracle(T, D, H, gk, gv, per_head, mean, v_abs, k_clip, v_
     run_and_check(*case, k_clip=k_clip, v_clip=v_clip, ka=ka, va=va)
 
 
+@pytest.mark.parametrize("T,D,H,gk,gv,per_head,mean,v_abs,k_clip,v_clip,ka,va", CASES)
+def test_write_one_token_programs_match_oracle(T, D, H, gk, gv, per_head, mean, v_abs, k_clip, v_clip, ka, va):
+    """The same cases with block_t=1: the GPU's decode path (_write_row: the [BK, D] tile of T, the clip from the
+    pairwise count), which the interpreter's default takes only for one-token calls."""
+    case = make_case(T, D, H, gk, gv, per_head=per_head, mean=mean, v_absorbed=v_abs, seed=T * 1000 + D + gk + gv + 1)
+    run_and_check(*case, k_clip=k_clip, v_clip=v_clip, ka=ka, va=va, block_t=1)
+
+
 def test_write_small_block_tail():
     """Several token tiles with a ragged tail (block_t=16, T=21)."""
     case = make_case(21, 64, 2, 64, 32, per_head=True, mean=True, v_absorbed=False, seed=5)
@@ -211,13 +219,19 @@ def test_write_bf16_windows():
     run_and_check(*case, k_clip=0.95, v_clip=1.0, ka=1.0, va=1.0)
 
 
-def test_write_clip_ties_and_constant_groups():
-    """Integer-valued V (absorbed: x' = v) has exact ties at the clip threshold; a constant row has scale 0."""
+@pytest.mark.parametrize("block_t", [None, 1])
+def test_write_clip_ties_and_constant_groups(block_t):
+    """Integer-valued V (absorbed: x' = v) has exact ties at the clip threshold; a constant row has scale 0; a row of
+    zeros clips at 0. Both small paths: the max-and-count rounds (interpreter tiles of 8) and the pairwise count of
+    the one-token programs."""
     cache, k, v, slots, sd, rd, kmat, kmean, vmat = make_case(7, 64, 2, 32, 32, per_head=False, mean=False, v_absorbed=True, seed=3)
     g = gen(4)
     v = torch.randint(-3, 4, v.shape, generator=g).to(device=DEVICE, dtype=v.dtype)
     v[2, 1] = 1.5  # constant row: every group has scale 0, codes 0
-    run_and_check(cache, k, v, slots, sd, rd, kmat, kmean, vmat, k_clip=1.0, v_clip=0.9, ka=1.0, va=0.7)
+    v[4, 0] = 0.0
+    v[5, 1, :8] = 3.0  # 8 tied maxima: the clip count at 0.9 of 64 (6) falls inside the tie
+    run_and_check(cache, k, v, slots, sd, rd, kmat, kmean, vmat, k_clip=1.0, v_clip=0.9, ka=1.0, va=0.7,
+                  **({"block_t": block_t} if block_t else {}))
     _ = cache.v_params[slots[2], 1]
     assert (cache.v_params[slots[2], 1, :, 0] == 0).all() and (unpack_int2(cache.v_codes[slots[2], 1]) == 0).all()
 
@@ -278,11 +292,13 @@ def test_write_gpu_prefill_bf16(precision):
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,block_t", [(1, None), (8, None), (64, None), (64, 1)])
-def test_write_gpu_decode_bf16(T, block_t):
-    """GPU only: decode-sized bf16 calls (Qwen3-8B head shape), default and forced no-dot tiles."""
-    case = make_case(T, 128, 8, 64, 64, per_head=False, mean=True, v_absorbed=False, seed=78 + T)
-    run_and_check(*case, k_clip=0.96, v_clip=1.0, ka=1.0, va=1.0, block_t=block_t)
+@pytest.mark.parametrize("T,D,block_t", [(1, 128, None), (8, 128, None), (64, 128, None), (64, 128, 1), (3, 64, None),
+                                         (5, 256, None), (16, 128, 1)])
+def test_write_gpu_decode_bf16(T, D, block_t):
+    """GPU only: decode-sized bf16 calls (Qwen3-8B head shape, D 64 and 256), default and forced one-token programs,
+    clipped K and V, per-head transforms."""
+    case = make_case(T, D, 8, 64, 64, per_head=True, mean=True, v_absorbed=False, seed=78 + T + D)
+    run_and_check(*case, k_clip=0.95, v_clip=0.96, ka=1.0, va=1.0, block_t=block_t)
 
 
 assert HAS_CUDA or ACT_DTYPE == torch.float32

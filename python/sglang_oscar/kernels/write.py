@@ -176,6 +176,77 @@ if HAS_TRITON:
         tl.store(codes_ptr + rec[:, None] * Q + offs_q[None, :], packed, mask=pmask)
 
     @triton.jit
+    def _write_row(
+        x_ptr, stride_xt, stride_xh,
+        mat_ptr, stride_mh, mean_ptr, stride_meanh,
+        slots_ptr, sink_dst_ptr, ring_dst_ptr,
+        codes_ptr, params_ptr, sink_ptr, ring_ptr,
+        t, h,
+        H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+        HAS_MAT: tl.constexpr, HAS_MEAN: tl.constexpr, CLIP_N: tl.constexpr,
+        TH0: tl.constexpr, TH1: tl.constexpr, TH2: tl.constexpr,
+        BLOCK_K: tl.constexpr, PAGE: tl.constexpr,
+    ):
+        """_write_side for one token (BLOCK_T = 1, the decode write), written for its layouts: a [BLOCK_K, D] tile
+        of T with the warps along k, so that x' comes out of one cross-warp sum replicated in every warp and the
+        row's own reductions below (clip, group min / max, pack) stay inside a warp; and the clip's threshold from
+        one comparison of all pairs instead of CLIP_N + 1 max-and-count rounds. Measured: NOTES "The decode write"."""
+        offs_n = tl.arange(0, D)
+        x_row = x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh
+
+        # ---- x' = (x - mean) @ T, fp32: products summed per k in registers, one reduction over k at the end ----
+        if HAS_MAT:
+            offs_k = tl.arange(0, BLOCK_K)
+            acc = tl.zeros((BLOCK_K, D), dtype=tl.float32)
+            for k0 in tl.static_range(0, D, BLOCK_K):
+                xk = tl.load(x_row + k0 + offs_k).to(tl.float32)
+                if HAS_MEAN:
+                    xk = xk - tl.load(mean_ptr + h * stride_meanh + k0 + offs_k).to(tl.float32)
+                mk = tl.load(mat_ptr + h * stride_mh + (k0 + offs_k)[:, None] * D + offs_n[None, :]).to(tl.float32)
+                acc += xk[:, None] * mk
+            xt = tl.sum(acc, axis=0)
+        else:
+            xt = tl.load(x_row + offs_n).to(tl.float32)
+
+        # ---- BF16 window copies ----
+        row_off = h * D + offs_n
+        sd = tl.load(sink_dst_ptr + t).to(tl.int64)
+        tl.store(sink_ptr + sd * (H * D) + row_off, _to_window(xt, sink_ptr), mask=(offs_n < D) & (sd >= 0))
+        rd = tl.load(ring_dst_ptr + t).to(tl.int64)
+        tl.store(ring_ptr + rd * (H * D) + row_off, _to_window(xt, ring_ptr), mask=(offs_n < D) & (rd >= 0))
+
+        # ---- clip at tau = min{|x'_j| : #{i : |x'_i| > |x'_j|} <= CLIP_N}: the (CLIP_N+1)-th largest |x'|, ties
+        # counted like torch.topk (the value at that rank has at most CLIP_N strictly above it, anything smaller
+        # has at least CLIP_N + 1) ----
+        if CLIP_N > 0:
+            a = tl.abs(xt)
+            above = tl.sum((a[:, None] > a[None, :]).to(tl.int32), axis=0)
+            tau = tl.min(tl.where(above <= CLIP_N, a, float("inf")), axis=0)
+            xt = tl.minimum(tl.maximum(xt, -tau), tau)
+
+        # ---- per-group asymmetric INT2 (the same arithmetic as _write_side) ----
+        NG: tl.constexpr = D // G
+        xg = tl.reshape(xt, (NG, G))
+        lo = tl.min(xg, axis=1)
+        hi = tl.max(xg, axis=1)
+        scale_r = _round_bf16(tl.math.div_rn(hi - lo, tl.full(hi.shape, 3.0, tl.float32)))
+        min_r = _round_bf16(lo)
+        s = scale_r[:, None]
+        m = min_r[:, None]
+        pos = s > 0.0
+        u = tl.where(pos, tl.math.div_rn(xg - m, tl.where(pos, s, 1.0)), 0.0)
+        code = (u >= TH0).to(tl.int32) + (u >= TH1).to(tl.int32) + (u >= TH2).to(tl.int32)
+
+        rec = pool_record(tl.load(slots_ptr + t).to(tl.int64), h, H, PAGE)
+        p_ptr = params_ptr + rec * (NG * 2) + tl.arange(0, NG) * 2
+        tl.store(p_ptr, scale_r.to(tl.bfloat16))
+        tl.store(p_ptr + 1, min_r.to(tl.bfloat16))
+        Q: tl.constexpr = D // 4
+        c4 = tl.reshape(code, (4, Q))
+        packed = tl.sum(c4 << (tl.arange(0, 4) * 2)[:, None], axis=0).to(tl.uint8)
+        tl.store(codes_ptr + rec * Q + tl.arange(0, Q), packed)
+
+    @triton.jit
     def _rotate_q(
         q_ptr, stride_qt, stride_qh, tq_ptr, stride_tqh, qo_ptr,
         T, t0, h,
@@ -232,6 +303,18 @@ if HAS_TRITON:
         if HAS_Q and tl.program_id(2) == 2:  # the step's queries, rotated here instead of by a GEMM before
             _rotate_q(q_ptr, stride_qt, stride_qh, tq_ptr, stride_tqh, qo_ptr, T, t0, h, GQA, GQA_P2, H, D,
                       BLOCK_T, BLOCK_KQ, PRECISION, Q_LOWP)
+        elif BLOCK_T == 1 and tl.program_id(2) == 0:
+            _write_row(
+                k_ptr, stride_kt, stride_kh, kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh,
+                slots_ptr, sink_dst_ptr, ring_dst_ptr, k_codes_ptr, k_params_ptr, sink_k_ptr, ring_k_ptr,
+                t0, h, H, D, GK, True, HAS_KMEAN, K_CLIP_N, K_TH0, K_TH1, K_TH2, BLOCK_K, PAGE,
+            )
+        elif BLOCK_T == 1:
+            _write_row(
+                v_ptr, stride_vt, stride_vh, vmat_ptr, stride_vmh, kmean_ptr, 0,
+                slots_ptr, sink_dst_ptr, ring_dst_ptr, v_codes_ptr, v_params_ptr, sink_v_ptr, ring_v_ptr,
+                t0, h, H, D, GV, HAS_VMAT, False, V_CLIP_N, V_TH0, V_TH1, V_TH2, BLOCK_K, PAGE,
+            )
         elif tl.program_id(2) == 0:
             _write_side(
                 k_ptr, stride_kt, stride_kh, kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh,
@@ -388,7 +471,9 @@ def oscar_write_kv(
     bt = block_t or default_block_t(n, d, interpreter=pool.k_codes.device.type == "cpu")
     if bt not in (1, 2, 4, 8) and bt < 16 or bt & (bt - 1):
         raise ValueError(f"block_t must be a power of two (1-8: no tl.dot, >= 16: tl.dot), got {bt}")
-    bk = min(d, 64) if bt >= 16 else min(d, 32)  # small tiles: [BT, BK, D] products stay in registers
+    # 16+ rows: [BT, 64] x [64, D] dots; one row: a [BK, D] tile of T of 16K elements (the whole T up to D 128);
+    # 2-8 rows: [BT, BK, D] products that stay in registers
+    bk = min(d, 64) if bt >= 16 else min(d, 16384 // d) if bt == 1 else min(d, 32)
     qargs = _q_args(q, q_transform, q_out, n, h, d, dev, bt)
     grid = (triton.cdiv(n, bt), h, 3 if qargs else 2)
     _oscar_write_kv_kernel[grid](
