@@ -96,8 +96,7 @@ def write_sweep(models, batches, warps, tiles=(0,)):
     for model in models:
         hq, hkv, d = MODELS[model]
         for b in batches:
-            for bt in tiles:
-                bt = bt or default_block_t(b, d)
+            for bt in dict.fromkeys(t or default_block_t(b, d) for t in tiles):
                 for nw in warps:  # a short context: the write does not read the history
                     _, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx=4096, copies=8, after_write=False,
                                                       fuse_q=True, num_warps=nw, block_t=bt)

@@ -4,7 +4,7 @@
 # (write + decode chain) from both trees, interleaved (old, new, old, new) so that the spread is visible.
 # Needs neither SGLang nor FlashInfer (no carry).
 #   OSCAR_COMMIT=<hash> OLD_REF=<hash> bash benchmark/run_gpu_write_row.sh
-# env: MODELS (qwen3-8b,qwen3-32b,smollm2), BATCHES (1,2,4,8,16,32,64), WARPS_NEW (2,4,8), TILES_NEW (0,1),
+# env: MODELS (qwen3-8b,qwen3-32b,smollm2), BATCHES (1,2,4,8,16,32,64), WARPS_NEW (4,8), TILES_NEW (0,1),
 #      CONTEXTS (32768,65536,131072), CHAIN_BATCHES (1,8,32), ROUNDS (2)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,7 +19,7 @@ MODELS=${MODELS:-qwen3-8b,qwen3-32b,smollm2}
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for tree in old new; do
     if [ $tree = old ]; then dir=$OLD; extra="--write-sweep 4"; else
-      dir=$PWD; extra="--write-sweep ${WARPS_NEW:-2,4,8} --write-block-t ${TILES_NEW:-0,1}"; fi
+      dir=$PWD; extra="--write-sweep ${WARPS_NEW:-4,8} --write-block-t ${TILES_NEW:-0,1}"; fi
     (cd "$dir" && PYTHONPATH=$dir/python python3 benchmark/bench_write_decode.py --out "$OUT/${tree}_$round" \
       --models "$MODELS" --batches "${BATCHES:-1,2,4,8,16,32,64}" $extra) 2>&1 | tee "$OUT/write_${tree}_$round.log"
     (cd "$dir" && PYTHONPATH=$dir/python python3 benchmark/bench_write_decode.py --out "$OUT/${tree}_$round" \
