@@ -87,9 +87,10 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=N
     return chains, writes, (cache, r2t)
 
 
-def write_sweep(models, batches, warps, tiles=(0,)):
+def write_sweep(models, batches, warps, tiles=(0,), no_q=False):
     """The write alone (one token per request, q rotated in its launch, as the server's decode) at each num_warps and
-    token tile (0: the default tile of the batch): rows {model, batch, num_warps, block_t, us}."""
+    token tile (0: the default tile of the batch); no_q: also without q (K and V programs only): rows {model, batch,
+    num_warps, block_t, q_in_launch, us}."""
     from sglang_oscar.kernels.write import default_block_t
 
     out = []
@@ -97,12 +98,14 @@ def write_sweep(models, batches, warps, tiles=(0,)):
         hq, hkv, d = MODELS[model]
         for b in batches:
             for bt in dict.fromkeys(t or default_block_t(b, d) for t in tiles):
-                for nw in warps:  # a short context: the write does not read the history
+                for nw, fuse_q in ((w, f) for w in warps for f in ((True, False) if no_q else (True,))):
+                    # a short context: the write does not read the history
                     _, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx=4096, copies=8, after_write=False,
-                                                      fuse_q=True, num_warps=nw, block_t=bt)
+                                                      fuse_q=fuse_q, num_warps=nw, block_t=bt)
                     us = 1e3 * bench(writes)
-                    out.append(dict(model=model, batch=b, num_warps=nw, block_t=bt, us=us))
-                    print(f"write sweep {model} b={b:3d} block_t={bt:3d} num_warps={nw}: {us:6.2f} us", flush=True)
+                    out.append(dict(model=model, batch=b, num_warps=nw, block_t=bt, q_in_launch=fuse_q, us=us))
+                    print(f"write sweep {model} b={b:3d} block_t={bt:3d} num_warps={nw} q={int(fuse_q)}: "
+                          f"{us:6.2f} us", flush=True)
                     del writes, keep
     return out
 
@@ -186,6 +189,7 @@ def main():
                     "each batch (only this, no chains)")
     ap.add_argument("--write-block-t", default="0", help="with --write-sweep: token tiles (comma list; 0 = the "
                     "batch's default tile)")
+    ap.add_argument("--write-no-q", action="store_true", help="with --write-sweep: also time the write without q")
     args = ap.parse_args()
     if args.plot_from:
         res = json.load(open(args.plot_from))
@@ -195,7 +199,7 @@ def main():
     if args.write_sweep:
         sweep = write_sweep(args.models.split(","), [int(x) for x in args.batches.split(",")],
                             [int(x) for x in args.write_sweep.split(",")],
-                            [int(x) for x in args.write_block_t.split(",")])
+                            [int(x) for x in args.write_block_t.split(",")], args.write_no_q)
         write_json(args.out, "write_warps_sweep", dev, dict(device=dev, versions=versions(), clip=CLIP, rows=sweep))
         return
     t0 = time.time()

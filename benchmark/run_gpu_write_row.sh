@@ -2,7 +2,8 @@
 # The decode write's one-token programs (kernels/write.py _write_row) against an older tree, in one call on one GPU:
 # the write's GPU tests, then the write alone (bench_write_decode --write-sweep) and OSCAR's decode-step layer
 # (write + decode chain) from both trees, interleaved (old, new, old, new) so that the spread is visible.
-# Needs neither SGLang nor FlashInfer (no carry).
+# Needs neither SGLang nor FlashInfer (no carry). Everything also lands in $OUT/all.tgz (JSONs, PNGs, logs).
+# NOQ=1: the new tree's write sweep also without q rotated in the launch (--write-no-q).
 #   OSCAR_COMMIT=<hash> OLD_REF=<hash> bash benchmark/run_gpu_write_row.sh
 # env: MODELS (qwen3-8b,qwen3-32b,smollm2), BATCHES (1,2,4,8,16,32,64), WARPS_NEW (4,8), TILES_NEW (0,1),
 #      CONTEXTS (32768,65536,131072), CHAIN_BATCHES (1,8,32), ROUNDS (2)
@@ -19,7 +20,8 @@ MODELS=${MODELS:-qwen3-8b,qwen3-32b,smollm2}
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for tree in old new; do
     if [ $tree = old ]; then dir=$OLD; extra="--write-sweep 4"; else
-      dir=$PWD; extra="--write-sweep ${WARPS_NEW:-4,8} --write-block-t ${TILES_NEW:-0,1}"; fi
+      dir=$PWD; extra="--write-sweep ${WARPS_NEW:-4,8} --write-block-t ${TILES_NEW:-0,1}"
+      [ "${NOQ:-0}" = 1 ] && extra="$extra --write-no-q"; fi
     (cd "$dir" && PYTHONPATH=$dir/python python3 benchmark/bench_write_decode.py --out "$OUT/${tree}_$round" \
       --models "$MODELS" --batches "${BATCHES:-1,2,4,8,16,32,64}" $extra) 2>&1 | tee "$OUT/write_${tree}_$round.log"
     (cd "$dir" && PYTHONPATH=$dir/python python3 benchmark/bench_write_decode.py --out "$OUT/${tree}_$round" \
@@ -27,3 +29,5 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       --impls oscar_cuda_fused_q_after_write,oscar_cuda_fused_q) 2>&1 | tee "$OUT/chain_${tree}_$round.log"
   done
 done
+# one archive: a call brings back a limited number of files
+(cd "$OUT" && tar czf all.tgz --exclude=all.tgz . && find . -mindepth 1 ! -name all.tgz ! -name '*.log' ! -name '*.txt' -delete)

@@ -193,13 +193,14 @@ def test_default_block_t_switches_at_the_small_batch_bound():
 
 
 def test_default_block_t_in_the_interpreter_keeps_the_path_with_larger_tiles():
-    """CPU tensors (interpreter): the GPU's path (no tl.dot below 16 rows) with the largest tile."""
+    """CPU tensors (interpreter): one token the GPU's one-token program; 2+ tokens the largest tile without tl.dot
+    (8) below 16 rows, with it (128) from there."""
     from sglang_oscar.kernels.write import MID_BATCH_TOKENS, SMALL_BATCH_TOKENS, default_block_t
 
     assert default_block_t(1, 128, interpreter=True) == 1
     assert default_block_t(5, 128, interpreter=True) == 8
     assert default_block_t(SMALL_BATCH_TOKENS, 64, interpreter=True) == 8  # still the no-dot path
-    assert default_block_t(SMALL_BATCH_TOKENS + 1, 64, interpreter=True) == 32
+    assert default_block_t(SMALL_BATCH_TOKENS + 1, 64, interpreter=True) == 64
     assert default_block_t(150, 64, interpreter=True) == 128
     assert default_block_t(MID_BATCH_TOKENS + 1, 256, interpreter=True) == 128
     assert default_block_t(100_000, 128, interpreter=True) == 128

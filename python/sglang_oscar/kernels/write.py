@@ -19,8 +19,10 @@ follows_write / q_from_write chain the CUDA history kernel to this launch throug
 
 Grid: (cdiv(T, BLOCK_T), Hkv, 2, or 3 with q): a program does BLOCK_T tokens of one head of one side. The
 transform is a [BLOCK_T, D] x [D, D] tl.dot accumulated over BLOCK_K-wide slices of D, so a
-D=256 fp32 matrix never has to sit in shared memory whole. Decode-sized calls (T <= 16 by default)
-use BLOCK_T = 1 and a broadcast-multiply-sum instead of the dot (see SMALL_BATCH_TOKENS).
+D=256 fp32 matrix never has to sit in shared memory whole. Decode-sized calls (T <= 32 by default)
+use BLOCK_T = 1, programs of one token (_write_row: x . T as a [BK, D] tile summed over k, the clip's
+threshold from one pairwise count; see SMALL_BATCH_TOKENS); 2-8 tokens per program (the interpreter's
+tiles for small calls) a broadcast-multiply-sum instead of the dot.
 
 PRECISION. The default input_precision is "ieee": a true fp32 product (FMA units, no TF32).
 Then x' differs from the fp32 oracle only by summation order (~1e-6 relative), window rows match
@@ -356,15 +358,17 @@ def _check_mean(mean: torch.Tensor, h: int, d: int, device) -> tuple:
     raise ValueError(f"k_mean must have shape [{d}] or [{h}, {d}], got {tuple(mean.shape)}")
 
 
-# Up to this many tokens (decode batches) a program handles one token and multiplies by T without
-# tl.dot: a 16-row dot tile would be mostly padding, and one program per (token, head, side) spreads
-# the work over more SMs. Each such program reads its head's D x D fp32 matrix (64 KiB at D 128)
-# from L2, so larger batches go back to the dot tiles. H100, CUDA-graph replays, Qwen3-8B heads
-# (benchmark/results/write_kernel_decode_NVIDIA_H100_80GB_HBM3.json): batch 1 4.9 us (block_t 1)
-# vs 10.0 us (16); batch 8 5.1 vs 11.7; batch 64 9.7 (1) vs 8.7 (16) vs 22.6 (32).
-SMALL_BATCH_TOKENS = 16
-# Up to this many tokens, 16-row dot tiles (more programs); beyond, the prefill tiles per head_dim.
+# Up to this many tokens (decode batches) a program handles one token (_write_row): a 16-row dot tile would be mostly
+# padding, and one program per (token, head, side) spreads the work over more SMs. Each such program reads its head's
+# D x D fp32 matrix (64 KiB at D 128) from L2, so larger batches go back to the dot tiles. H100, CUDA-graph replays,
+# the write with q rotated in its launch (benchmark/results/write_row_*, 9169561): Qwen3-8B batch 32 8.1 us with one-
+# token programs vs 9.9 (16-row tiles, 4 warps) / 9.6 (8 warps); batch 64 12.5 vs 10.0 / 9.6; Qwen3-32B batch 32 8.0
+# vs 11.0 / 9.3, batch 64 12.4 vs 11.0 / 9.3.
+SMALL_BATCH_TOKENS = 32
+# Up to this many tokens, 16-row dot tiles (more programs) of 8 warps (same results: Qwen3-8B / 32B batch 32-64 9.3-9.6
+# us vs 10.0-11.5 with 4, results/write_warps_sweep_09f0505_* and write_row_*); beyond, the prefill tiles per head_dim.
 MID_BATCH_TOKENS = 256
+MID_BATCH_WARPS = 8
 # Interpreter tiles (default_block_t(..., interpreter=True)): the largest of each path.
 INTERPRETER_MAX_SMALL_T = 8
 INTERPRETER_MAX_DOT_T = 128
@@ -375,10 +379,12 @@ def default_block_t(num_tokens: int, head_dim: int, interpreter: bool = False) -
     batches (<= MID_BATCH_TOKENS), else enough rows to feed the dot with few enough registers for
     the [BT, D] tile (prefill).
 
-    interpreter=True (the tensors are on the CPU: Triton's interpreter runs the kernel): the same
-    path as on the GPU (no tl.dot below 16 rows, tl.dot from 16), but the largest tile of that
-    path, because there a program costs about the same whatever its tile (Python overhead per op):
-    a decode batch of 8 takes 0.11 s instead of 0.7 s, a 150-token prefill 0.17 s instead of 0.84."""
+    interpreter=True (the tensors are on the CPU: Triton's interpreter runs the kernel): larger tiles, because there
+    a program costs about the same whatever its tile (Python overhead per op): from 16 rows the GPU's dot path with
+    its largest tile (a 150-token prefill 0.17 s instead of 0.84); one token the GPU's one-token program; 2 to
+    SMALL_BATCH_TOKENS tokens up to 8 per program without tl.dot (the same math as the one-token programs in other
+    layouts, and the max-and-count clip; a decode batch of 8 takes 0.3 s instead of 1.0). The one-token programs
+    are tested on the CPU with block_t=1 (test_write.py)."""
     bt = 1 if num_tokens <= SMALL_BATCH_TOKENS else 16 if num_tokens <= MID_BATCH_TOKENS else {
         64: 64, 128: 32, 256: 16}[head_dim]
     if interpreter:
@@ -404,7 +410,7 @@ def oscar_write_kv(
     v_level_a: float = 1.0,
     precision: str = "ieee",
     block_t: Optional[int] = None,
-    num_warps: int = 4,
+    num_warps: Optional[int] = None,
     validate: bool = True,
     pdl_trigger: bool = False,
     q: Optional[torch.Tensor] = None,
@@ -418,6 +424,7 @@ def oscar_write_kv(
     the sink / ring buffers, −1 = do not write. k_transform: fp32 [D, D] or [Hkv, D, D]; k_mean: fp32
     [D] or [Hkv, D]; v_transform None = V already in its basis. Clip ratios ρ in (0, 1], ρ = 1 no clip.
     validate=False skips the (host-only, sync-free) shape checks of the pool for hot loops.
+    num_warps None: 8 for the 16-row tiles of decode batches (<= MID_BATCH_TOKENS), else 4 (measured, see there).
     pdl_trigger: let the next kernel, launched as a programmatic dependent, start as soon as every program of this
     one has started (griddepcontrol.launch_dependents; sm_90+). Used with oscar_decode(follows_write=True), whose
     CUDA history kernel then streams the old INT2 rows while this write runs; a dependent must still wait
@@ -474,6 +481,8 @@ def oscar_write_kv(
     # 16+ rows: [BT, 64] x [64, D] dots; one row: a [BK, D] tile of T of 16K elements (the whole T up to D 128);
     # 2-8 rows: [BT, BK, D] products that stay in registers
     bk = min(d, 64) if bt >= 16 else min(d, 16384 // d) if bt == 1 else min(d, 32)
+    if num_warps is None:
+        num_warps = MID_BATCH_WARPS if bt == 16 and n <= MID_BATCH_TOKENS else 4
     qargs = _q_args(q, q_transform, q_out, n, h, d, dev, bt)
     grid = (triton.cdiv(n, bt), h, 3 if qargs else 2)
     _oscar_write_kv_kernel[grid](
