@@ -4,6 +4,11 @@ from `ncu --page details` text, and, where a `--page source --csv` export exists
 samples by reason and its most stalled SASS instructions.
 
     python benchmark/ncu_summary.py OUTDIR [--out results/decode_ncu_stage1_<device>.json]
+    python benchmark/ncu_summary.py OUTDIR/ncu --prefix write_ --segments   # run_gpu_ncu_write.sh
+
+--segments (kernels without one hot loop, e.g. the write): instead of the loop, the SASS in runs of instructions
+executed by the same number of warps (a branch of the kernel: the q, K or V programs), each with its instruction
+count, stall samples and commonest opcodes.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ METRICS = [
     "Active Warps Per Scheduler", "Eligible Warps Per Scheduler", "No Eligible", "Achieved Occupancy",
     "Theoretical Occupancy", "Registers Per Thread", "Block Limit Registers", "Block Limit Shared Mem",
     "Dynamic Shared Memory Per Block", "DRAM Throughput", "Memory Throughput", "L2 Hit Rate", "L1/TEX Hit Rate",
-    "Compute (SM) Throughput",
+    "Compute (SM) Throughput", "Elapsed Cycles", "SM Active Cycles", "SM Frequency",
 ]
 
 
@@ -75,18 +80,40 @@ def source(path, top=15):
     }
 
 
+def segments(path, min_samples=5):
+    """Runs of SASS executed by the same number of warps, with their instructions, samples and top opcodes."""
+    rows = list(csv.reader(open(path)))
+    hdr, data = rows[1], rows[2:]
+    i_src, i_ex = hdr.index("Source"), hdr.index("Instructions Executed")
+    i_all = hdr.index("Warp Stall Sampling (All Samples)")
+    out, start = [], 0
+    for i in range(1, len(data) + 1):
+        if i == len(data) or data[i][i_ex] != data[start][i_ex]:
+            run = data[start:i]
+            smp = sum(int(r[i_all] or 0) for r in run)
+            if smp >= min_samples or len(run) > 40:
+                ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", r[i_src].strip()).split()[0].split(".")[0]
+                                          for r in run)
+                out.append({"first": start, "instructions": len(run), "warps": int(data[start][i_ex] or 0),
+                            "samples": smp, "opcodes": dict(ops.most_common(8))})
+            start = i
+    return {"samples_total": sum(int(r[i_all] or 0) for r in data), "instructions": len(data), "segments": out}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir")
     ap.add_argument("--out")
+    ap.add_argument("--prefix", default="ncu_", help="file name prefix of the *_details.txt exports")
+    ap.add_argument("--segments", action="store_true", help="SASS by runs of equal execution count (no loop)")
     args = ap.parse_args()
     res = {}
-    for path in sorted(glob.glob(os.path.join(args.dir, "ncu_*_details.txt"))):
-        tag = os.path.basename(path)[len("ncu_"):-len("_details.txt")]
+    for path in sorted(glob.glob(os.path.join(args.dir, f"{args.prefix}*_details.txt"))):
+        tag = os.path.basename(path)[len(args.prefix):-len("_details.txt")]
         res[tag] = details(path)
         src = path.replace("_details.txt", "_sass.csv")
         if os.path.exists(src):
-            res[tag]["source"] = source(src)
+            res[tag]["source"] = segments(src) if args.segments else source(src)
     text = json.dumps(res, indent=1)
     if args.out:
         with open(args.out, "w") as f:
