@@ -210,7 +210,7 @@ if HAS_TRITON:
         else:
             xt = tl.load(x_row + offs_n).to(tl.float32)
 
-        # ---- BF16 window copies ----
+        # ---- BF16 window copies (offs_n < D: the row-shaped mask of a per-token condition) ----
         row_off = h * D + offs_n
         sd = tl.load(sink_dst_ptr + t).to(tl.int64)
         tl.store(sink_ptr + sd * (H * D) + row_off, _to_window(xt, sink_ptr), mask=(offs_n < D) & (sd >= 0))

@@ -3,7 +3,8 @@
 The threshold of a row of D values is t = the k-th smallest |x| with k = ceil(ρ·D) (1-based),
 so at least ρ·D entries satisfy |x| <= t and the D − k largest magnitudes are clipped.
 ρ = 1 (or any ρ with ceil(ρ·D) = D) keeps the row unchanged. Equivalently t is the
-(D − k + 1)-th largest |x|, which is how the kernels find it (a few max-and-mask passes).
+(D − k + 1)-th largest |x|, which is how the kernels find it (max-and-count passes, or, in the decode
+write's one-token programs, the smallest |x_j| with at most D − k entries strictly above it).
 """
 
 from __future__ import annotations
