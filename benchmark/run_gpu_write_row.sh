@@ -19,15 +19,18 @@ PYTHONPATH=$PWD/python python3 -m pytest -q -p no:cacheprovider test/test_write.
 MODELS=${MODELS:-qwen3-8b,qwen3-32b,smollm2}
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for tree in old new; do
-    if [ $tree = old ]; then dir=$OLD; extra="--write-sweep 4"; else
-      dir=$PWD; extra="--write-sweep ${WARPS_NEW:-4,8} --write-block-t ${TILES_NEW:-0,1}"
+    # the commit each tree's results name (versions(): OSCAR_COMMIT, else git, which the old tree has not)
+    if [ $tree = old ]; then dir=$OLD; commit=$OLD_REF; extra="--write-sweep 4"; else
+      dir=$PWD; commit=${OSCAR_COMMIT:-}; extra="--write-sweep ${WARPS_NEW:-4,8} --write-block-t ${TILES_NEW:-0,1}"
       [ "${NOQ:-0}" = 1 ] && extra="$extra --write-no-q"; fi
-    (cd "$dir" && PYTHONPATH=$dir/python python3 benchmark/bench_write_decode.py --out "$OUT/${tree}_$round" \
+    (cd "$dir" && OSCAR_COMMIT=$commit PYTHONPATH=$dir/python python3 benchmark/bench_write_decode.py --out "$OUT/${tree}_$round" \
       --models "$MODELS" --batches "${BATCHES:-1,2,4,8,16,32,64}" $extra) 2>&1 | tee "$OUT/write_${tree}_$round.log"
-    (cd "$dir" && PYTHONPATH=$dir/python python3 benchmark/bench_write_decode.py --out "$OUT/${tree}_$round" \
+    (cd "$dir" && OSCAR_COMMIT=$commit PYTHONPATH=$dir/python python3 benchmark/bench_write_decode.py --out "$OUT/${tree}_$round" \
       --models qwen3-8b --contexts "${CONTEXTS:-32768,65536,131072}" --batches "${CHAIN_BATCHES:-1,8,32}" \
       --impls oscar_cuda_fused_q_after_write,oscar_cuda_fused_q) 2>&1 | tee "$OUT/chain_${tree}_$round.log"
   done
 done
 # one archive: a call brings back a limited number of files
-(cd "$OUT" && tar czf all.tgz --exclude=all.tgz . && find . -mindepth 1 ! -name all.tgz ! -name '*.log' ! -name '*.txt' -delete)
+# (built outside $OUT: tar exits 1 on an archive that grows inside the tree it reads, and the clean-up would not run)
+tar czf /tmp/oscar_all.tgz -C "$OUT" . && mv /tmp/oscar_all.tgz "$OUT/all.tgz" \
+  && (cd "$OUT" && find . -mindepth 1 ! -name all.tgz ! -name '*.log' ! -name '*.txt' -delete)
