@@ -57,6 +57,12 @@ WINDOW_LAST = True  # the window CTAs after the history CTAs in the grid (else b
 # 128k 24.2 / 35.4 / 50.8 us vs 20.6 / 30.9 / 45.7 with the Triton merge): the last CTA's fence, count and
 # partial reads run after everything else, where the Triton merge, launched early (PDL), has its prologue done.
 FUSED_MERGE = False
+# q . T_q in the kernel (rotate_q in kernels/cuda/int2_history.cu): oscar_decode passes the raw q and T_q, and every
+# CTA rotates its column's query heads in its prologue, while its first copies are in flight. In a served decode step
+# the history CTAs then need nothing from the KV write before their loop (PDL_AFTER_WRITE with no GEMM before the
+# write), and no launch rotates q. Needs the window CTAs (FUSED_WINDOW): the Triton window programs read q'.
+# A module attribute, so that benchmarks time both routes.
+ROTATE_Q = True
 COUNTERS = 1 << 16
 # The merge reads a query head's partials (history splits + window partials) in one tile of at most this many.
 MAX_PARTIALS = 256
@@ -65,8 +71,10 @@ Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel
 
 # oscar_history_launch's C parameters in order (test_decode checks them against the source's signature)
 _i, _p = ctypes.c_int, ctypes.c_void_p
-LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
-                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _p]
+_ll = ctypes.c_longlong
+LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _p, _i, _ll, _ll, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
+                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _p, _i, _i,
+                   _p]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -211,16 +219,37 @@ _INDEX_DTYPES = {torch.int32: 0, torch.int64: 1}
 PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q = 0, 1, 2, 3
 
 
+def check_q_transform(q_transform: torch.Tensor, kv_heads: int) -> None:
+    """Raise ValueError unless the kernel can rotate q by q_transform (launch(q_transform=...))."""
+    t = q_transform
+    shapes = ((HEAD_DIM, HEAD_DIM), (kv_heads, HEAD_DIM, HEAD_DIM))
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"q_transform must be [D, D] = [{HEAD_DIM}, {HEAD_DIM}] or [Hkv, D, D] = "
+                         f"[{kv_heads}, {HEAD_DIM}, {HEAD_DIM}], got {tuple(t.shape)}")
+    if t.dtype not in Q_DTYPES or not t.is_contiguous() or not t.is_cuda:
+        raise ValueError(f"history_kernel='cuda' rotates q by a contiguous CUDA bf16 / fp16 / fp32 q_transform, "
+                         f"got {t.dtype}{'' if t.is_contiguous() else ', not contiguous'}"
+                         f"{'' if t.is_cuda else ', on the CPU'}")
+
+
+def rotates_q(q_transform: Optional[torch.Tensor]) -> bool:
+    """Whether oscar_decode(history_kernel="cuda") rotates q by q_transform in this kernel (ROTATE_Q, with the
+    window CTAs) rather than by transform_query's GEMM before it."""
+    return q_transform is not None and ROTATE_Q and FUSED_WINDOW
+
+
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
            o_part, lse_part, pdl: int = PDL_OFF, window_splits: tuple = (0, 0), sink_k=None, sink_v=None,
-           out=None) -> None:
+           out=None, q_transform: Optional[torch.Tensor] = None) -> None:
     """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128], and
     with window_splits = (SS, RS) != (0, 0) (window_ctas) the sink partials [ns, ns + SS) and the ring partials
     [ns + SS, ns + SS + RS) as well (sink_k / sink_v: the cache's sink rows, or a one-row stand-in where it has
     none). With out (a contiguous [B, Hq, 128] tensor of q's dtype; needs the window partials) the kernel also
-    merges them into out (FUSED_MERGE) and nothing needs to follow. oscar_decode, the caller, has checked the index
+    merges them into out (FUSED_MERGE) and nothing needs to follow. With q_transform ([128, 128] or [Hkv, 128,
+    128]; needs the window partials) q is the raw query and the kernel rotates it (q . T_q per KV head, rounded to
+    q's dtype, as transform_query). oscar_decode, the caller, has checked the index
     dtypes and check_supported the shape; this checks only what the kernel adds (the split range, contiguous 1-D
-    inputs, the merge's counters).
+    inputs, the merge's counters, q_transform).
 
     The kernel lets its dependents launch at once (griddepcontrol.launch_dependents); a kernel launched after it
     with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
@@ -229,6 +258,15 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     if pdl not in (PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q):
         raise ValueError(f"pdl must be PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE or PDL_AFTER_WRITE_Q (0-3), "
                          f"got {pdl!r}")
+    rot = (None, 0, 0)
+    if q_transform is not None:  # before the build: these refusals need no GPU
+        if window_splits == (0, 0):
+            raise ValueError("history_kernel='cuda' rotates q in the kernel only with its window CTAs "
+                             "(window_splits): the Triton window programs read the rotated q")
+        if pdl == PDL_AFTER_WRITE_Q:
+            raise ValueError("PDL_AFTER_WRITE_Q reads q rotated by the write: pass q_transform=None")
+        check_q_transform(q_transform, cache.kv_heads)
+        rot = (q_transform.data_ptr(), Q_DTYPES[q_transform.dtype], int(q_transform.dim() == 3))
     lib = library()
     b, hq = q.shape[0], q.shape[1]
     hkv = cache.kv_heads
@@ -263,18 +301,20 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
             raise ValueError(f"history_kernel='cuda' merges at most {cnt.numel()} (request, KV head) columns in the "
                              f"kernel, this call has {cols}: raise history_cuda.COUNTERS")
         merge = (out.data_ptr(), Q_DTYPES[out.dtype], cnt.data_ptr(), 1)
-    if not (req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q.is_contiguous()):
-        raise ValueError("history_kernel='cuda' needs contiguous q, req_pool_indices and seq_lens")
+    if not (req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q.stride(2) == 1):
+        raise ValueError("history_kernel='cuda' needs contiguous req_pool_indices and seq_lens, and q's dims "
+                         "contiguous")
     page = cache.page
-    # q [B, Hq, 128] contiguous; each warp builds its operands from it (no extra launches)
+    # q [B, Hq, 128] (dims contiguous); each warp builds its operands from it, or from rotate_q's q' (no extra
+    # launches)
     rc = lib.oscar_history_launch(
         STAGES, WARPS, heads, b * hkv, hq // hkv, int(cache.k_group == 128), int(cache.v_group == 128), ns, q.data_ptr(),
-        Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
+        Q_DTYPES[q.dtype], q.stride(0), q.stride(1), float(sm_scale) * LOG2E,
         cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
         o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), int(pdl), *win, ss, rs,
-        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST), *merge,
+        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST), *merge, *rot,
         torch.cuda.current_stream().cuda_stream)
     if rc:
         raise RuntimeError(f"history_kernel='cuda' launch failed (cuda error {rc})")
