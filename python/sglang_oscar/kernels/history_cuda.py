@@ -44,6 +44,9 @@ WIDE_TILE = True
 # Module attributes, so that benchmarks can time others (probe_decode_fixed_cost.py --cuda-configs).
 WARPS, STAGES = 8, 2
 MIN_ROWS_PER_SPLIT = 256
+# The kernel's preferred shared-memory carveout in percent of the unified L1 / shared memory (None: the driver's
+# choice), set with its shared-memory limit (occupancy()). An experiment knob (probe_rot_q.py).
+SMEM_CARVEOUT = None
 # The BF16 sink and ring rows in the kernel's own CTAs (16 positions per warp; partials in the Triton window
 # programs' layout) instead of the Triton window programs launched after it. A module attribute, so that
 # benchmarks time both in one run (probe_decode_fixed_cost.py --cuda-windows).
@@ -154,8 +157,9 @@ def library() -> ctypes.CDLL:
         lib = ctypes.CDLL(so)
         lib.oscar_history_launch.argtypes = LAUNCH_ARGTYPES
         lib.oscar_history_launch.restype = ctypes.c_int
-        for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
-            f.argtypes, f.restype = [ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_int
+        lib.oscar_history_occupancy.argtypes = [ctypes.c_int] * 3
+        lib.oscar_history_prepare.argtypes = [ctypes.c_int] * 4
+        lib.oscar_history_prepare.restype = lib.oscar_history_occupancy.restype = ctypes.c_int
         _lib = lib
     for heads in (4, 8):  # first load: the default configurations' shared-memory limits, before any graph capture
         occupancy(heads=heads)
@@ -173,9 +177,9 @@ def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: 
     if stages not in (2, 3, 4) or warps not in (1, 2, 4, 8) or heads not in (4, 8):
         raise ValueError(f"history_kernel='cuda' builds stages 2-4, 1/2/4/8 warps per CTA and 4 or 8 heads per CTA "
                          f"column, got {stages}/{warps}/{heads}")
-    key = (torch.cuda.current_device(), stages, warps, heads)
+    key = (torch.cuda.current_device(), stages, warps, heads, SMEM_CARVEOUT)
     if key not in _occupancy:
-        rc = lib.oscar_history_prepare(stages, warps, heads)
+        rc = lib.oscar_history_prepare(stages, warps, heads, -1 if SMEM_CARVEOUT is None else int(SMEM_CARVEOUT))
         if rc:
             raise CudaHistoryUnavailable(f"cudaFuncSetAttribute for the history kernel failed (cuda error {rc})")
         _occupancy[key] = lib.oscar_history_occupancy(stages, warps, heads)

@@ -855,11 +855,17 @@ int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t s
 }
 
 template <int NSTAGE, int HC>
-int prepare(int) {  // the dynamic shared-memory limit, once, before any graph capture
+int prepare(int carveout) {  // the dynamic shared-memory limit, once, before any graph capture
   // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
   // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
-  return (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   8 * NSTAGE * kStageBytes + rot_q_bytes<HC>());
+  int rc = (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     8 * NSTAGE * kStageBytes + rot_q_bytes<HC>());
+  // carveout >= 0: the preferred shared-memory share of the unified L1 / shared memory, in percent (else the
+  // driver's choice)
+  if (!rc && carveout >= 0)
+    rc = (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   carveout);
+  return rc;
 }
 
 template <int NSTAGE, int HC>
@@ -886,7 +892,7 @@ int occupancy(int warps) {  // with rotate_q's shared memory: the split rule siz
 
 extern "C" {
 
-int oscar_history_prepare(int nstage, int warps, int hc) { DISPATCH(nstage, hc, prepare, warps) }
+int oscar_history_prepare(int nstage, int warps, int hc, int carveout) { DISPATCH(nstage, hc, prepare, carveout) }
 int oscar_history_occupancy(int nstage, int warps, int hc) { DISPATCH(nstage, hc, occupancy, warps) }
 
 int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg128, int vg128, int grid_y, const void* q,
