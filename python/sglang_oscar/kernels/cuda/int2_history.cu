@@ -53,6 +53,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace {
 
 constexpr int kTok = 64;                 // tokens per pipeline stage of a warp
@@ -208,6 +210,54 @@ constexpr int rot_q_bytes() { return 5 * HC * 128 * 4; }
 // (kPdlAfterWriteQ), and no GEMM runs before the write. A CTA's threads take pairs of output dims and a quarter of
 // k each (T_q read once per CTA, mostly from L2; q broadcast from shared memory), the slices meet in shared memory.
 // Every thread of the CTA must call it (three CTA barriers).
+// T_q's two elements (d, d + 1) of row-major word i (pairs of dims) as fp32: TDT 0 bf16, 1 fp16, 2 fp32
+template <int TDT>
+struct TPair {
+  using W = typename std::conditional<TDT == 2, float2, unsigned int>::type;
+  static __device__ __forceinline__ W load(const void* p, size_t i) { return __ldg(reinterpret_cast<const W*>(p) + i); }
+  static __device__ __forceinline__ float2 cvt(W w) {
+    if constexpr (TDT == 2) return w;
+    else if constexpr (TDT == 0) return make_float2(bf_lo(w), bf_hi(w));
+    else return __half22float2(*reinterpret_cast<const __half2*>(&w));
+  }
+};
+
+// One thread's partial sums of rotate_q: output dims d, d + 1 of the HC heads over rows [k0, k0 + kper) of T_q,
+// kRotBatch loads in flight at a time (a dtype branch or a use inside the loop would wait out one L2 round trip
+// per row: ~10 us per CTA, measured, NOTES "q rotated in the decode's CTAs")
+constexpr int kRotBatch = 16;
+template <int HC, int TDT>
+__device__ __forceinline__ void rotate_q_rows(const void* tq, size_t tbase, const float* qin, int k0, int kper, int d,
+                                              float (&acc0)[HC], float (&acc1)[HC]) {
+  using P = TPair<TDT>;
+  for (int kb = k0; kb < k0 + kper; kb += kRotBatch) {
+    typename P::W w[kRotBatch];
+#pragma unroll
+    for (int j = 0; j < kRotBatch; ++j) w[j] = P::load(tq, (tbase + (size_t)(kb + j) * 128 + d) / 2);
+#pragma unroll
+    for (int j = 0; j < kRotBatch; ++j) {
+      const float2 t = P::cvt(w[j]);
+      const float4* qk = reinterpret_cast<const float4*>(qin + (kb + j) * HC);
+#pragma unroll
+      for (int i = 0; i < HC / 4; ++i) {
+        const float4 v = qk[i];
+        acc0[4 * i] = fmaf(v.x, t.x, acc0[4 * i]);         acc1[4 * i] = fmaf(v.x, t.y, acc1[4 * i]);
+        acc0[4 * i + 1] = fmaf(v.y, t.x, acc0[4 * i + 1]); acc1[4 * i + 1] = fmaf(v.y, t.y, acc1[4 * i + 1]);
+        acc0[4 * i + 2] = fmaf(v.z, t.x, acc0[4 * i + 2]); acc1[4 * i + 2] = fmaf(v.z, t.y, acc1[4 * i + 2]);
+        acc0[4 * i + 3] = fmaf(v.w, t.x, acc0[4 * i + 3]); acc1[4 * i + 3] = fmaf(v.w, t.y, acc1[4 * i + 3]);
+      }
+    }
+  }
+}
+
+// q' = q . T_q for the query heads hq_base .. hq_base + nh - 1 of KV head h, into s[0 .. HC * 128) as [head][dim]
+// (spare heads zero), rounded to q's dtype as transform_query's GEMM output is, so that the operands built from it
+// are those of a q rotated before the launch. Why here: a served decode step's history CTAs then need nothing from
+// the KV write before their loop (kPdlAfterWrite), where with q rotated by the write they wait for all of it
+// (kPdlAfterWriteQ), and no GEMM runs before the write. A CTA's threads take pairs of output dims and a quarter of
+// k each (T_q read once per CTA, mostly from L2; q broadcast from shared memory), the slices meet in shared memory;
+// every CTA sums in the same order, so all splits of a column see the same q'.
+// Every thread of the CTA must call it (three CTA barriers).
 template <int HC>
 __device__ __forceinline__ void rotate_q(const Args& a, float* s, int hq_base, int nh, int h) {
   float* qin = s;                 // [128][HC]
@@ -218,7 +268,7 @@ __device__ __forceinline__ void rotate_q(const Args& a, float* s, int hq_base, i
     qin[k * HC + hd] = hd < nh ? load_q(a, q_row(a, hq_base + hd) + k) : 0.f;
   }
   __syncthreads();
-  const int nsl = nthr >= 256 ? 4 : nthr >= 128 ? 2 : 1;  // k slices
+  const int nsl = nthr >= 256 ? 4 : nthr >= 128 ? 2 : 1;  // k slices (kper = 32, 64 or 128 rows: whole batches)
   const int kper = 128 / nsl;
   const size_t tbase = a.qt_per_head ? (size_t)h * 128 * 128 : 0;
   for (int e = threadIdx.x; e < 64 * nsl; e += nthr) {
@@ -226,33 +276,9 @@ __device__ __forceinline__ void rotate_q(const Args& a, float* s, int hq_base, i
     float acc0[HC], acc1[HC];
 #pragma unroll
     for (int i = 0; i < HC; ++i) acc0[i] = acc1[i] = 0.f;
-#pragma unroll 8
-    for (int kk = 0; kk < kper; ++kk) {
-      const int k = sl * kper + kk;
-      const size_t ti = tbase + (size_t)k * 128 + d;
-      float t0, t1;
-      if (a.qt_dtype == 2) {
-        const float2 w = __ldg(reinterpret_cast<const float2*>(a.qt) + ti / 2);
-        t0 = w.x; t1 = w.y;
-      } else {
-        const uint32_t w = __ldg(reinterpret_cast<const unsigned int*>(a.qt) + ti / 2);
-        if (a.qt_dtype == 0) {
-          t0 = bf_lo(w); t1 = bf_hi(w);
-        } else {
-          const __half2 hw = *reinterpret_cast<const __half2*>(&w);
-          t0 = __low2float(hw); t1 = __high2float(hw);
-        }
-      }
-      const float4* qk = reinterpret_cast<const float4*>(qin + k * HC);
-#pragma unroll
-      for (int i = 0; i < HC / 4; ++i) {
-        const float4 v = qk[i];
-        acc0[4 * i] = fmaf(v.x, t0, acc0[4 * i]);         acc1[4 * i] = fmaf(v.x, t1, acc1[4 * i]);
-        acc0[4 * i + 1] = fmaf(v.y, t0, acc0[4 * i + 1]); acc1[4 * i + 1] = fmaf(v.y, t1, acc1[4 * i + 1]);
-        acc0[4 * i + 2] = fmaf(v.z, t0, acc0[4 * i + 2]); acc1[4 * i + 2] = fmaf(v.z, t1, acc1[4 * i + 2]);
-        acc0[4 * i + 3] = fmaf(v.w, t0, acc0[4 * i + 3]); acc1[4 * i + 3] = fmaf(v.w, t1, acc1[4 * i + 3]);
-      }
-    }
+    if (a.qt_dtype == 0) rotate_q_rows<HC, 0>(a.qt, tbase, qin, sl * kper, kper, d, acc0, acc1);
+    else if (a.qt_dtype == 1) rotate_q_rows<HC, 1>(a.qt, tbase, qin, sl * kper, kper, d, acc0, acc1);
+    else rotate_q_rows<HC, 2>(a.qt, tbase, qin, sl * kper, kper, d, acc0, acc1);
 #pragma unroll
     for (int i = 0; i < HC; ++i) {
       red[(sl * HC + i) * 128 + d] = acc0[i];
