@@ -32,6 +32,7 @@ from bench_write import write_json  # noqa: E402
 
 
 def decode_fns(b, hq, hkv, d, ctx, mode, num_splits=None):
+    history_cuda.ROTATE_Q = mode != "pre_rotated"  # off by default (measured slower)
     copies = n_copies(oscar_bytes(b, hq, hkv, d, ctx))
     cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=64)
     g = torch.Generator(device="cuda").manual_seed(0)

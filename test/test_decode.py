@@ -841,6 +841,7 @@ def test_follows_write_refuses_what_would_race(monkeypatch):
         oscar_decode(**case, follows_write=True)
     eye = torch.eye(128).expand(2, 128, 128).contiguous()
     # the kernel rotates q itself: allowed (here it stops at the PDL check), unless q came from the write
+    monkeypatch.setattr(history_cuda, "ROTATE_Q", True)
     with pytest.raises(ValueError, match="follows_write needs programmatic dependent launch"):
         oscar_decode(**case, history_kernel="cuda", follows_write=True, q_transform=eye)
     with pytest.raises(ValueError, match="q_from_write: q is the write's q_out, already rotated"):
@@ -870,7 +871,7 @@ def test_follows_write_refuses_what_would_race(monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("gqa,q_in_write", [(4, False), (8, False), (4, True), (5, True), (4, "kernel"),
                                              (8, "kernel")])
-def test_cuda_history_after_the_kv_write(gqa, q_in_write):
+def test_cuda_history_after_the_kv_write(gqa, q_in_write, monkeypatch):
     """The decode step's chain as the server runs it on sm_90+: oscar_write_kv(pdl_trigger=True), then
     oscar_decode(follows_write=True), whose history CTAs run while the write does; q_in_write: the write also
     rotates q (q_out) and the history CTAs wait for it before reading q (q_from_write); "kernel": the history
@@ -889,8 +890,11 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write):
     sink, window, d, hkv = 64, 256, 128, 2
     lens = [5001, 65, 64, 3, 321, 320, 2000]  # L after the write: the new token is at L - 1
     ring_starts = [0, 0, 0, 0, 0, 0, 2000]  # the last request's history reaches L - 1
+    from sglang_oscar.kernels import history_cuda
+
     rot_in_kernel = q_in_write == "kernel"
     q_in_write = q_in_write is True
+    monkeypatch.setattr(history_cuda, "ROTATE_Q", rot_in_kernel)
     case = make_case(lens, hkv=hkv, gqa=gqa, d=d, sink=sink, window=window, ring_starts=ring_starts, pool_page=64,
                      seed=90 + gqa + 10 * q_in_write + 20 * rot_in_kernel)
     cache, r2t, ridx = case["cache"], case["req_to_token"], case["req_pool_indices"].long()
@@ -951,6 +955,8 @@ def test_cuda_history_q_transform_refusals(monkeypatch):
 
     case = make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.bfloat16)
     eye = torch.eye(128)
+    assert not history_cuda.rotates_q(eye)  # off by default (measured slower)
+    monkeypatch.setattr(history_cuda, "ROTATE_Q", True)
     assert history_cuda.rotates_q(eye) and not history_cuda.rotates_q(None)
     monkeypatch.setattr(history_cuda, "FUSED_WINDOW", False)
     assert not history_cuda.rotates_q(eye)
@@ -1140,6 +1146,7 @@ def test_cuda_history_rotates_q_in_the_kernel(gqa, monkeypatch):
     both; their fp32 sums differ in order). In a graph replay into a poisoned output: the same bits."""
     from sglang_oscar.kernels import history_cuda
 
+    monkeypatch.setattr(history_cuda, "ROTATE_Q", True)
     hkv, d = 2, 128
     lens = [3001, 321, 320, 65, 64, 3]
     case = make_case(lens, hkv=hkv, gqa=gqa, d=d, sink=64, window=256, ring_starts=[0, 200, 0, 0, 0, 0],

@@ -64,8 +64,11 @@ FUSED_MERGE = False
 # CTA rotates its column's query heads in its prologue, while its first copies are in flight. In a served decode step
 # the history CTAs then need nothing from the KV write before their loop (PDL_AFTER_WRITE with no GEMM before the
 # write), and no launch rotates q. Needs the window CTAs (FUSED_WINDOW): the Triton window programs read q'.
-# A module attribute, so that benchmarks time both routes.
-ROTATE_Q = True
+# Off: measured slower (H100, Qwen3-8B layer, same run, results/decode_step_layer_6558bf6_*): the chained layer
+# 1.03-1.08x the time of q rotated by the write at batch 1-2 (64k batch 1 41.2 vs 38.1 us), level at 8-64; every
+# CTA reads all of T_q (32 KB) from L2, ~2-5 us more per decode at batch 1, more than the wait for the write's q it
+# removes (benchmark/NOTES.md "q rotated in the decode's CTAs"). A module attribute, for experiments.
+ROTATE_Q = False
 COUNTERS = 1 << 16
 # The merge reads a query head's partials (history splits + window partials) in one tile of at most this many.
 MAX_PARTIALS = 256
@@ -82,6 +85,7 @@ LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _p, _i, _ll, _ll, ctypes.c_fl
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _occupancy: dict = {}
+_rot_prepared: set = set()  # (device, stages, heads): instances whose shared-memory limit holds rotate_q's buffer
 _counters: dict = {}  # device index -> int32 [COUNTERS], zeros (each call leaves it zero)
 
 
@@ -157,32 +161,40 @@ def library() -> ctypes.CDLL:
         lib = ctypes.CDLL(so)
         lib.oscar_history_launch.argtypes = LAUNCH_ARGTYPES
         lib.oscar_history_launch.restype = ctypes.c_int
-        lib.oscar_history_occupancy.argtypes = [ctypes.c_int] * 3
-        lib.oscar_history_prepare.argtypes = [ctypes.c_int] * 4
+        lib.oscar_history_occupancy.argtypes = [ctypes.c_int] * 4
+        lib.oscar_history_prepare.argtypes = [ctypes.c_int] * 5
         lib.oscar_history_prepare.restype = lib.oscar_history_occupancy.restype = ctypes.c_int
         _lib = lib
     for heads in (4, 8):  # first load: the default configurations' shared-memory limits, before any graph capture
         occupancy(heads=heads)
+        if ROTATE_Q:
+            occupancy(heads=heads, rot=True)
     if FUSED_MERGE:
         counters(torch.cuda.current_device())
     return _lib
 
 
-def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: int = 4) -> int:
+def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: int = 4, rot: bool = False) -> int:
     """Resident CTAs per SM of the kernel at (stages, warps) (default STAGES, WARPS) and `heads` query heads per
-    CTA column (cta_heads) on the current device; the first call per configuration and device also raises its
-    dynamic shared-memory limit."""
+    CTA column (cta_heads) on the current device, with rotate_q's buffer where rot; the first call per configuration
+    and device also raises its dynamic shared-memory limit (to hold that buffer only once a rotating launch asked:
+    the larger limit alone slows the other launches, kernels/cuda/int2_history.cu prepare; never lowered again, so
+    that a later launch with the buffer still fits)."""
     lib = _lib if _lib is not None else library()
     stages, warps = stages or STAGES, warps or WARPS
     if stages not in (2, 3, 4) or warps not in (1, 2, 4, 8) or heads not in (4, 8):
         raise ValueError(f"history_kernel='cuda' builds stages 2-4, 1/2/4/8 warps per CTA and 4 or 8 heads per CTA "
                          f"column, got {stages}/{warps}/{heads}")
-    key = (torch.cuda.current_device(), stages, warps, heads, SMEM_CARVEOUT)
+    dev = torch.cuda.current_device()
+    key = (dev, stages, warps, heads, SMEM_CARVEOUT, rot)
     if key not in _occupancy:
-        rc = lib.oscar_history_prepare(stages, warps, heads, -1 if SMEM_CARVEOUT is None else int(SMEM_CARVEOUT))
+        if rot:
+            _rot_prepared.add((dev, stages, heads))  # the template instance's limit holds the buffer from now on
+        rc = lib.oscar_history_prepare(stages, warps, heads, -1 if SMEM_CARVEOUT is None else int(SMEM_CARVEOUT),
+                                       int((dev, stages, heads) in _rot_prepared))
         if rc:
             raise CudaHistoryUnavailable(f"cudaFuncSetAttribute for the history kernel failed (cuda error {rc})")
-        _occupancy[key] = lib.oscar_history_occupancy(stages, warps, heads)
+        _occupancy[key] = lib.oscar_history_occupancy(stages, warps, heads, int(rot))
     return _occupancy[key]
 
 
@@ -275,7 +287,8 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     b, hq = q.shape[0], q.shape[1]
     hkv = cache.kv_heads
     heads = cta_heads(hq // hkv)
-    occupancy(heads=heads)  # a dict hit; prepares the configuration where experiments changed STAGES / WARPS
+    # a dict hit; prepares the configuration where experiments changed STAGES / WARPS, or a first rotating launch
+    occupancy(heads=heads, rot=q_transform is not None)
     ss, rs = window_splits
     if WINDOW_ROWS_PER_WARP < 16 or WINDOW_ROWS_PER_WARP % 16:
         raise ValueError(f"history_cuda.WINDOW_ROWS_PER_WARP must be a positive multiple of 16, got "

@@ -881,11 +881,14 @@ int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t s
 }
 
 template <int NSTAGE, int HC>
-int prepare(int carveout) {  // the dynamic shared-memory limit, once, before any graph capture
+int prepare(int carveout, int rot) {  // the dynamic shared-memory limit, once, before any graph capture
   // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
-  // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
+  // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch).
+  // rotate_q's buffer only where asked (rot): the larger limit alone made the calls without it 7-13% slower at
+  // batch 1 with two CTAs per SM (H100, same-call A/B; the driver then picks a larger shared-memory carveout,
+  // i.e. a smaller L1), and a launch does not lower it again
   int rc = (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     8 * NSTAGE * kStageBytes + rot_q_bytes<HC>());
+                                     8 * NSTAGE * kStageBytes + (rot ? rot_q_bytes<HC>() : 0));
   // carveout >= 0: the preferred shared-memory share of the unified L1 / shared memory, in percent (else the
   // driver's choice)
   if (!rc && carveout >= 0)
@@ -895,10 +898,10 @@ int prepare(int carveout) {  // the dynamic shared-memory limit, once, before an
 }
 
 template <int NSTAGE, int HC>
-int occupancy(int warps) {  // with rotate_q's shared memory: the split rule sizes grids by it either way
+int occupancy(int warps, int rot) {
   int n = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC>, warps * 32,
-                                                warps * NSTAGE * kStageBytes + rot_q_bytes<HC>());
+                                                warps * NSTAGE * kStageBytes + (rot ? rot_q_bytes<HC>() : 0));
   return n;
 }
 
@@ -918,8 +921,10 @@ int occupancy(int warps) {  // with rotate_q's shared memory: the split rule siz
 
 extern "C" {
 
-int oscar_history_prepare(int nstage, int warps, int hc, int carveout) { DISPATCH(nstage, hc, prepare, carveout) }
-int oscar_history_occupancy(int nstage, int warps, int hc) { DISPATCH(nstage, hc, occupancy, warps) }
+int oscar_history_prepare(int nstage, int warps, int hc, int carveout, int rot) {
+  DISPATCH(nstage, hc, prepare, carveout, rot)
+}
+int oscar_history_occupancy(int nstage, int warps, int hc, int rot) { DISPATCH(nstage, hc, occupancy, warps, rot) }
 
 int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg128, int vg128, int grid_y, const void* q,
                          int q_dtype, long long q_sb, long long q_sh, float c0, const void* kc,
