@@ -13,12 +13,8 @@ chain - write, is reported):
   oscar_cuda_after_write the same kernels, the history kernel as the write's programmatic dependent: the write
                          triggers its dependents at once (follows_write)
   oscar_cuda_fused_q     q rotated by the write's own launch (oscar_write_kv q_out) instead of the GEMM, plain
-  oscar_cuda_fused_q_after_write  both: the server's decode at small batch on sm_90+ (srt/backend.py);
-                         the history CTAs issue their first copies, then wait for the write's q (q_from_write)
-  oscar_cuda_rot_q       q rotated by the history kernel's own CTAs (history_cuda.ROTATE_Q on: the raw q and T_q go
-                         to oscar_decode), the write without q, plain launches
-  oscar_cuda_rot_q_after_write  the same chained: the history CTAs wait for nothing of the write before their loop
-                         (measured slower than oscar_cuda_fused_q_after_write at batch 1-2, so ROTATE_Q is off)
+  oscar_cuda_fused_q_after_write  both: the server's decode at small batch on sm_90+ (srt/backend.py); the history
+                         CTAs issue their first copies, then wait for the write's q (q_from_write)
   flashinfer_bf16        SGLang's write (store_cache, its JIT kernel, PDL-enabled as SGLang builds it) + FlashInfer
                          BF16 paged decode (tensor cores, enable_pdl=True where the API takes it), pages of 16
   flashinfer_fp8         the BF16 -> FP8 casts of SGLang's set_kv_buffer + store_cache + FlashInfer FP8 decode
@@ -52,15 +48,10 @@ OSCAR_PAGE, FI_PAGE = 64, 16
 CLIP = 0.95  # K and V clip ratios of the write (a fitted bundle's are of this order)
 
 
-def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=None, block_t=None, rot_q=False):
-    """Per copy: q's transform (a GEMM, in the write's launch with fuse_q, or in the decode's CTAs with rot_q), the
-    write of one token per request (position ctx - 1, a ring row) and the decode; and the same without the decode.
-    Returns (chains, writes, keep)."""
-    from sglang_oscar.kernels import history_cuda
-
-    if rot_q and fuse_q:
-        raise ValueError("rot_q: the decode rotates q (history_cuda.ROTATE_Q), not the write")
-    history_cuda.ROTATE_Q = rot_q  # off by default (measured slower); the other impls pass q_transform=None anyway
+def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=None, block_t=None):
+    """Per copy: q's transform (a GEMM, or in the write's launch with fuse_q), the write of one token per request
+    (position ctx - 1, a ring row) and the decode; and the same without the decode. Returns (chains, writes,
+    keep)."""
     cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=OSCAR_PAGE)
     g = torch.Generator(device="cuda").manual_seed(0)
     rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, device="cuda"))[0].contiguous()
@@ -85,14 +76,11 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=N
                            **({"num_warps": num_warps} if num_warps else {}))
 
         def chain(idx=idx, write=write):
-            if rot_q:  # raw q and T_q to the decode
-                q, t = q_raw, t_q
-            else:  # q_out, or the GEMM before the write, as srt/backend.py did without ROTATE_Q
-                q, t = (q_out if fuse_q else transform_query(q_raw, t_q, hkv)), None
+            q = q_out if fuse_q else transform_query(q_raw, t_q, hkv)  # before the write, as srt/backend.py does
             write()
             oscar_decode(q, cache, r2t, idx, seq, ring_start, sink=SINK, window=WINDOW, sm_scale=1 / math.sqrt(d),
                          out=out, history_kernel="cuda", follows_write=after_write,
-                         q_from_write=after_write and fuse_q, q_transform=t)
+                         q_from_write=after_write and fuse_q)
 
         chains.append(chain)
         writes.append(write)
@@ -191,10 +179,8 @@ def main():
     ap.add_argument("--models", default="qwen3-8b")
     ap.add_argument("--contexts", default="32768,65536,131072")
     ap.add_argument("--batches", default="1,8,32")
-    # the rot_q impls raise the history kernel's shared-memory limit for the rest of the process (history_cuda
-    # occupancy), which slows the other CUDA impls at batch 1: list them last, or run them alone
-    ap.add_argument("--impls", default="oscar_cuda_fused_q,oscar_cuda_fused_q_after_write,flashinfer_bf16,"
-                    "flashinfer_fp8")
+    ap.add_argument("--impls", default="oscar_cuda,oscar_cuda_after_write,oscar_cuda_fused_q,"
+                    "oscar_cuda_fused_q_after_write,flashinfer_bf16,flashinfer_fp8")
     ap.add_argument("--reference", default="oscar_cuda_fused_q_after_write",
                     help="the impl the summary's ratios divide by")
     ap.add_argument("--plot-from", default="", help="a results JSON of this script: write its PNG next to --out "
@@ -231,12 +217,11 @@ def main():
                             if nbytes > MEM_CAP:
                                 continue
                             copies = n_copies(nbytes)
-                            fuse_q, rot_q = "fused_q" in impl, "rot_q" in impl
+                            fuse_q = "fused_q" in impl
                             chains, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx, copies,
                                                                    after_write=impl.endswith("after_write"),
-                                                                   fuse_q=fuse_q, rot_q=rot_q)
-                            cfg = f"page{OSCAR_PAGE}:cuda" + (":q_in_write" if fuse_q else ":q_in_decode" if rot_q
-                                                              else ":q_gemm") + \
+                                                                   fuse_q=fuse_q)
+                            cfg = f"page{OSCAR_PAGE}:cuda" + (":q_in_write" if fuse_q else ":q_gemm") + \
                                 (":follows_write" if "after_write" in impl else "")
                         else:
                             fp8 = impl.endswith("fp8")

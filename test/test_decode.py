@@ -827,12 +827,11 @@ def test_cuda_history_rejects_what_it_does_not_cover():
         oscar_decode(**case, history_kernel="cutlass")
 
 
-def test_follows_write_refuses_what_would_race(monkeypatch):
+def test_follows_write_refuses_what_would_race():
     """oscar_decode(follows_write=True) reads q before it waits for the KV write: it needs the CUDA history kernel,
-    a q transformed before the write, or rotated by the kernel itself (history_cuda.ROTATE_Q), with its dims
-    contiguous (a GEMM or copy in between would write q while the kernel reads it) and PDL (sm_90+); the write's
-    trigger needs PDL too; the launch's pdl mode is one of four. All checked before any device work, so CPU CI
-    sees them."""
+    a q transformed and contiguous before the write (a GEMM or copy in between would write q while the kernel reads
+    it) and PDL (sm_90+); the write's trigger needs PDL too; the launch's pdl mode is one of three. All checked
+    before any device work, so CPU CI sees them."""
     from sglang_oscar.kernels import history_cuda
     from sglang_oscar.kernels.write import oscar_write_kv
 
@@ -840,18 +839,10 @@ def test_follows_write_refuses_what_would_race(monkeypatch):
     with pytest.raises(ValueError, match="follows_write .* needs history_kernel='cuda'"):
         oscar_decode(**case, follows_write=True)
     eye = torch.eye(128).expand(2, 128, 128).contiguous()
-    # the kernel rotates q itself: allowed (here it stops at the PDL check), unless q came from the write
-    monkeypatch.setattr(history_cuda, "ROTATE_Q", True)
-    with pytest.raises(ValueError, match="follows_write needs programmatic dependent launch"):
+    with pytest.raises(ValueError, match="transform q .* before the KV write, and pass q_transform=None"):
         oscar_decode(**case, history_kernel="cuda", follows_write=True, q_transform=eye)
-    with pytest.raises(ValueError, match="q_from_write: q is the write's q_out, already rotated"):
-        oscar_decode(**case, history_kernel="cuda", follows_write=True, q_from_write=True, q_transform=eye)
-    monkeypatch.setattr(history_cuda, "ROTATE_Q", False)
-    with pytest.raises(ValueError, match="transform q .* before the KV write and pass q_transform=None"):
-        oscar_decode(**case, history_kernel="cuda", follows_write=True, q_transform=eye)
-    monkeypatch.setattr(history_cuda, "ROTATE_Q", True)
-    strided = {**case, "q": case["q"].transpose(1, 2).contiguous().transpose(1, 2)}  # dims not contiguous
-    with pytest.raises(ValueError, match="with q's dims contiguous"):
+    strided = {**case, "q": torch.cat([case["q"], case["q"]], dim=-1)[..., :128]}
+    with pytest.raises(ValueError, match="make it contiguous before the KV write"):
         oscar_decode(**strided, history_kernel="cuda", follows_write=True)
     with pytest.raises(ValueError, match="follows_write needs programmatic dependent launch"):
         oscar_decode(**case, history_kernel="cuda", follows_write=True)
@@ -869,13 +860,11 @@ def test_follows_write_refuses_what_would_race(monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("gqa,q_in_write", [(4, False), (8, False), (4, True), (5, True), (4, "kernel"),
-                                             (8, "kernel")])
-def test_cuda_history_after_the_kv_write(gqa, q_in_write, monkeypatch):
+@pytest.mark.parametrize("gqa,q_in_write", [(4, False), (8, False), (4, True), (5, True)])
+def test_cuda_history_after_the_kv_write(gqa, q_in_write):
     """The decode step's chain as the server runs it on sm_90+: oscar_write_kv(pdl_trigger=True), then
     oscar_decode(follows_write=True), whose history CTAs run while the write does; q_in_write: the write also
-    rotates q (q_out) and the history CTAs wait for it before reading q (q_from_write); "kernel": the history
-    kernel's CTAs rotate the raw q themselves (history_cuda.ROTATE_Q) and wait for nothing. Same bits as the plain chain
+    rotates q (q_out) and the history CTAs wait for it before reading q (q_from_write). Same bits as the plain chain
     (eager, and replays of a captured graph into a poisoned output), and the plain chain matches the oracle on the
     written cache. The write also stores scratch tokens of a request outside the batch, listed first (4096; 249
     where it rotates q, at most 256 tokens), so that it is still running when the history kernel starts: a window
@@ -890,13 +879,8 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, monkeypatch):
     sink, window, d, hkv = 64, 256, 128, 2
     lens = [5001, 65, 64, 3, 321, 320, 2000]  # L after the write: the new token is at L - 1
     ring_starts = [0, 0, 0, 0, 0, 0, 2000]  # the last request's history reaches L - 1
-    from sglang_oscar.kernels import history_cuda
-
-    rot_in_kernel = q_in_write == "kernel"
-    q_in_write = q_in_write is True
-    monkeypatch.setattr(history_cuda, "ROTATE_Q", rot_in_kernel)
     case = make_case(lens, hkv=hkv, gqa=gqa, d=d, sink=sink, window=window, ring_starts=ring_starts, pool_page=64,
-                     seed=90 + gqa + 10 * q_in_write + 20 * rot_in_kernel)
+                     seed=90 + gqa + 10 * q_in_write)
     cache, r2t, ridx = case["cache"], case["req_to_token"], case["req_pool_indices"].long()
     b = len(lens)
     pos = case["seq_lens"].long() - 1
@@ -917,14 +901,12 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, monkeypatch):
     if q_in_write:  # the decode reads the write's q_out: its rows of the batch
         case = {**case, "q": q_out[-b:]}
 
-    rot_kw = dict(q_transform=t_q) if rot_in_kernel else {}
-
     def chain(pdl, out):
         kw = dict(q=q_rows, q_transform=t_q, q_out=q_out) if q_in_write else {}
         oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, validate=False,
                        pdl_trigger=pdl, **kw)
         return oscar_decode(**case, out=out, history_kernel="cuda", follows_write=pdl,
-                            q_from_write=pdl and q_in_write, **rot_kw)
+                            q_from_write=pdl and q_in_write)
 
     ring_row = ridx[0] * window + pos[0] % window
     old_row = cache.ring_k[ring_row].clone()
@@ -932,7 +914,7 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, monkeypatch):
     assert not torch.equal(cache.ring_k[ring_row], old_row)  # the write replaced make_case's row
     if q_in_write:  # the write's rotation of q: transform_query's, to bf16 rounding (fp32 vs GEMM summation)
         torch.testing.assert_close(q_out.float(), transform_query(q_rows, t_q, hkv).float(), rtol=1e-2, atol=1e-2)
-    run_and_check(case, history_kernel="cuda", **rot_kw)  # the oracle on the cache as written
+    run_and_check(case, history_kernel="cuda")  # the oracle on the cache as written
     out = torch.full_like(case["q"], float("nan"))
     q_out.fill_(float("nan"))  # rewritten by the write of the chain below before the decode reads it
     assert torch.equal(chain(True, out), plain)
@@ -947,40 +929,6 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, monkeypatch):
         assert torch.equal(out, plain)
 
 
-def test_cuda_history_q_transform_refusals(monkeypatch):
-    """q rotated by the CUDA kernel (history_cuda.rotates_q / launch(q_transform=...)): only with its window CTAs
-    (the Triton window programs read a rotated q), never with PDL_AFTER_WRITE_Q (q is the write's, rotated), and T_q
-    [128, 128] or [Hkv, 128, 128] in a float dtype on the device. Checked before the kernel is built (no GPU)."""
-    from sglang_oscar.kernels import history_cuda
-
-    case = make_case([40, 30], hkv=2, gqa=4, d=128, device="cpu", dtype=torch.bfloat16)
-    eye = torch.eye(128)
-    assert not history_cuda.rotates_q(eye)  # off by default (measured slower)
-    monkeypatch.setattr(history_cuda, "ROTATE_Q", True)
-    assert history_cuda.rotates_q(eye) and not history_cuda.rotates_q(None)
-    monkeypatch.setattr(history_cuda, "FUSED_WINDOW", False)
-    assert not history_cuda.rotates_q(eye)
-    monkeypatch.setattr(history_cuda, "FUSED_WINDOW", True)
-    monkeypatch.setattr(history_cuda, "ROTATE_Q", False)
-    assert not history_cuda.rotates_q(eye)
-    for bad, msg in ((torch.eye(64), r"q_transform must be \[D, D\] = \[128, 128\] or \[Hkv, D, D\] = \[2, 128"),
-                     (torch.eye(128).expand(3, 128, 128), r"\[Hkv, D, D\] = \[2, 128, 128\], got \(3, 128, 128\)"),
-                     (torch.eye(128, dtype=torch.float64), "bf16 / fp16 / fp32 q_transform, got torch.float64"),
-                     (torch.eye(128).t(), "not contiguous"),
-                     (eye, "on the CPU")):
-        with pytest.raises(ValueError, match=msg):
-            history_cuda.check_q_transform(bad, 2)
-    args = (case["q"], case["cache"], case["req_to_token"], case["req_pool_indices"], case["seq_lens"],
-            case["ring_start"])
-    kw = dict(sink=8, window=16, sm_scale=1.0, ns=1, ns_total=3, o_part=None, lse_part=None, q_transform=eye)
-    with pytest.raises(ValueError, match="rotates q in the kernel only with its window CTAs"):
-        history_cuda.launch(*args, **kw)
-    with pytest.raises(ValueError, match="PDL_AFTER_WRITE_Q reads q rotated by the write"):
-        history_cuda.launch(*args, **kw, window_splits=(1, 1), pdl=history_cuda.PDL_AFTER_WRITE_Q)
-    with pytest.raises(ValueError, match="on the CPU"):
-        history_cuda.launch(*args, **kw, window_splits=(1, 1))
-
-
 def test_cuda_history_ctypes_signature_matches_the_source():
     """history_cuda.LAUNCH_ARGTYPES against the C parameters of oscar_history_launch in the .cu source: a parameter
     added on one side only would shift every later argument (no GPU or nvcc needed)."""
@@ -993,9 +941,8 @@ def test_cuda_history_ctypes_signature_matches_the_source():
     params = re.search(r"int oscar_history_launch\(([^)]*)\)", src).group(1)
     kinds = []
     for prm in (x.strip() for x in params.split(",")):
-        kinds.append(ctypes.c_void_p if "*" in prm else ctypes.c_float if prm.startswith("float")
-                     else ctypes.c_longlong if prm.startswith("long long ") else ctypes.c_int)
-        assert "*" in prm or prm.startswith(("int ", "float ", "long long ")), prm
+        kinds.append(ctypes.c_void_p if "*" in prm else ctypes.c_float if prm.startswith("float") else ctypes.c_int)
+        assert "*" in prm or prm.startswith(("int ", "float ")), prm
     assert kinds == history_cuda.LAUNCH_ARGTYPES
 
 
@@ -1131,55 +1078,6 @@ def test_cuda_history_explicit_splits_and_graph_capture(gqa):
     with torch.cuda.graph(g):
         oscar_decode(**case, history_kernel="cuda", out=out)
     g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
-
-
-@requires_cuda
-@pytest.mark.parametrize("gqa", [1, 3, 4, 5, 8])
-def test_cuda_history_rotates_q_in_the_kernel(gqa, monkeypatch):
-    """history_cuda.ROTATE_Q: oscar_decode(q raw, q_transform=T_q, history_kernel="cuda") rotates q in every CTA
-    (rotate_q). Against the oracle (which rotates in float64): T_q per KV head in bf16 (the server's copy) and
-    shared in fp32, not symmetric (a transposed or wrong-head T fails), q with strided rows (a view of a wider
-    tensor, as a QKV split gives), lengths across the window edges, ring_start past L - W, sink positions without a
-    sink row, 2 and 8 warps per CTA. Against the GEMM route (ROTATE_Q off) to bf16 rounding (q' rounds to bf16 on
-    both; their fp32 sums differ in order). In a graph replay into a poisoned output: the same bits."""
-    from sglang_oscar.kernels import history_cuda
-
-    monkeypatch.setattr(history_cuda, "ROTATE_Q", True)
-    hkv, d = 2, 128
-    lens = [3001, 321, 320, 65, 64, 3]
-    case = make_case(lens, hkv=hkv, gqa=gqa, d=d, sink=64, window=256, ring_starts=[0, 200, 0, 0, 0, 0],
-                     pool_page=64, seed=110 + gqa)
-    g = torch.Generator(device="cuda").manual_seed(gqa)
-    per_head = (torch.randn(hkv, d, d, generator=g, device="cuda") / 8 + torch.eye(d, device="cuda"))
-    shared = torch.randn(d, d, generator=g, device="cuda") / 8 + torch.eye(d, device="cuda")
-    wide = torch.randn(len(lens), hkv * gqa, 3 * d, generator=g, device="cuda").to(torch.bfloat16)
-    wide[..., d:2 * d] = case["q"]
-    strided = {**case, "q": wide[..., d:2 * d]}  # rows of 3 * d elements, dims contiguous
-    assert not strided["q"].is_contiguous()
-    for c, t in ((case, per_head.to(torch.bfloat16)), (strided, shared), (case, shared.to(torch.bfloat16))):
-        run_and_check(c, history_kernel="cuda", q_transform=t)
-        got = oscar_decode(**c, history_kernel="cuda", q_transform=t)
-        monkeypatch.setattr(history_cuda, "ROTATE_Q", False)
-        gemm = oscar_decode(**c, history_kernel="cuda", q_transform=t)
-        monkeypatch.setattr(history_cuda, "ROTATE_Q", True)
-        torch.testing.assert_close(got.float(), gemm.float(), rtol=2e-2, atol=2e-2)
-    monkeypatch.setattr(history_cuda, "WARPS", 2)
-    run_and_check(case, history_kernel="cuda", q_transform=per_head.to(torch.bfloat16), num_splits=5)
-    monkeypatch.setattr(history_cuda, "WARPS", 8)
-    r0 = case["req_pool_indices"][0]
-    case["cache"].sink_table[case["req_to_token"][r0, :5].long()] = -1  # the window CTAs' INT2 fill
-    run_and_check(case, missing_sink_int2=True, history_kernel="cuda", q_transform=per_head.to(torch.bfloat16))
-    t = per_head.to(torch.bfloat16)
-    out = torch.full_like(case["q"], float("nan"))
-    oscar_decode(**case, history_kernel="cuda", q_transform=t, out=out)
-    want = out.clone()
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        oscar_decode(**case, history_kernel="cuda", q_transform=t, out=out)
-    out.fill_(float("nan"))
-    gr.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
 

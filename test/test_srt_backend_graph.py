@@ -474,23 +474,19 @@ def test_history_kernel_option_reaches_startup_and_decode(setup, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU World (the Triton interpreter); the GPU test below "
                                                     "runs the real chain")
-@pytest.mark.parametrize("fuse_q,max_batch,rows,rot_q", [(True, 8, [1, 2], False), (True, 8, [1], False),
-                                                         (False, 8, [1, 2], False), (True, 0, [1, 2], False),
-                                                         (True, 8, [1, 2], True), (True, 0, [1], True)])
-def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, rot_q):
-    """A decode layer's launches. rot_q (history_cuda.ROTATE_Q): the CUDA history kernel rotates q itself, so the
-    write and the decode get the raw q and the decode q_transform, chained or not, whatever FUSE_Q_IN_WRITE says.
-    Else FUSE_Q_IN_WRITE: the write rotates q (q_out) and the decode gets q_out with
+@pytest.mark.parametrize("fuse_q,max_batch,rows", [(True, 8, [1, 2]), (True, 8, [1]), (False, 8, [1, 2]),
+                                                   (True, 0, [1, 2])])
+def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows):
+    """A decode layer's launches. FUSE_Q_IN_WRITE: the write rotates q (q_out) and the decode gets q_out with
     q_transform None; else q's GEMM runs before the write when the decode is chained, or inside oscar_decode. With
     the CUDA history stage on sm_90+ (history_after_write) and batch <= AFTER_WRITE_MAX_BATCH the write triggers
     and oscar_decode follows it (q_from_write where the write rotated q): no kernel between the two
     (kernels/cuda/int2_history.cu kPdlAfterWrite*). Batch 1 and 2. Without a write (save_kv_cache False) nothing
     is fused or chained. Spies stand in for the kernels (CPU)."""
-    from sglang_oscar.kernels import decode, history_cuda
+    from sglang_oscar.kernels import decode
     from sglang_oscar.srt import backend as backend_mod
     from sglang_oscar.srt import startup_checks
 
-    monkeypatch.setattr(history_cuda, "ROTATE_Q", rot_q)
     monkeypatch.setenv(options.ENV_HISTORY, "cuda")
     monkeypatch.setattr(startup_checks, "check_history_kernel", lambda kernel, **kw: None)
     monkeypatch.setattr(backend_mod, "FUSE_Q_IN_WRITE", fuse_q)
@@ -524,9 +520,7 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, r
     inputs = _inputs(len(rows), 7)
     w.decode_eager(rows, inputs)
     chain = max_batch >= len(rows)
-    if rot_q:
-        want_events = [("write", chain, False), ("decode", False, chain, False)]
-    elif fuse_q:
+    if fuse_q:
         want_events = [("write", chain, True), ("decode", True, chain, chain)]
     elif chain:
         want_events = [("transform",), ("write", True, False), ("decode", True, True, False)]

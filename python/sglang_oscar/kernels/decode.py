@@ -1096,12 +1096,9 @@ def oscar_decode(
     ring rows in the same kernel's window CTAs, history_cuda.window_ctas, so ring_splits / sink_splits do not apply;
     with history_cuda.FUSED_MERGE the merge too, and merge_splits does not apply). An unsupported shape raises
     instead of falling back.
-    With history_kernel "cuda" and q_transform, the kernel's CTAs rotate q themselves (history_cuda.ROTATE_Q,
-    rotate_q in kernels/cuda/int2_history.cu; q's dims contiguous, any request / head strides), so no GEMM runs
-    before it.
     follows_write: the kernel launched just before this call is this decode step's KV write
-    (kernels/write.py oscar_write_kv(..., pdl_trigger=True)), and q, already transformed (q_transform None) or
-    rotated by the CUDA kernel itself (history_cuda.rotates_q), was written before it. The CUDA history kernel is then launched as the write's programmatic
+    (kernels/write.py oscar_write_kv(..., pdl_trigger=True)), and q, already transformed (q_transform None) and
+    contiguous, was written before it. The CUDA history kernel is then launched as the write's programmatic
     dependent: its history CTAs read q, the indices and the INT2 rows older than the new token while the write
     runs, and its window CTAs wait for the write (kernels/cuda/int2_history.cu kPdlAfterWrite). history_kernel
     "cuda" on sm_90 or newer only; the caller guarantees the order (the server's backend does, srt/backend.py).
@@ -1168,33 +1165,23 @@ def oscar_decode(
     if history_kernel not in ("triton", "cuda"):
         raise ValueError(f"history_kernel must be 'triton' or 'cuda', got {history_kernel!r}")
     hist_cuda = history_kernel == "cuda"
-    if hist_cuda:
-        from . import history_cuda
-    # the CUDA kernel rotates q itself (history_cuda.ROTATE_Q): q stays raw, no GEMM before it
-    rot_in_kernel = hist_cuda and history_cuda.rotates_q(q_transform)
     if follows_write:
         # nothing may run between the write and the history kernel that writes what it reads before its wait
         if not hist_cuda:
             raise ValueError("follows_write launches the CUDA history kernel as the KV write's programmatic "
                              "dependent: it needs history_kernel='cuda'")
-        if q_from_write and q_transform is not None:
-            raise ValueError("q_from_write: q is the write's q_out, already rotated: pass q_transform=None")
-        if (q_transform is not None and not rot_in_kernel) or q.stride(-1) != 1:
-            raise ValueError("follows_write: transform q (transform_query) before the KV write and pass "
-                             "q_transform=None (or let the CUDA kernel rotate it: history_cuda.ROTATE_Q), with q's "
-                             "dims contiguous; a kernel between the write and this call would write q while the "
-                             "history kernel reads it")
+        if q_transform is not None or not q.is_contiguous():
+            raise ValueError("follows_write: transform q (transform_query) and make it contiguous before the KV "
+                             "write, and pass q_transform=None; a kernel between the write and this call would "
+                             "write q while the history kernel reads it")
         if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] < 9:
             raise ValueError("follows_write needs programmatic dependent launch (sm_90 or newer)")
     elif q_from_write:
         raise ValueError("q_from_write qualifies follows_write (the history kernel chained to the write that "
                          "rotated q); without follows_write the launch waits for the write anyway")
-    if rot_in_kernel:
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-    else:
-        q = transform_query(q, q_transform, Hkv).contiguous()
+    q = transform_query(q, q_transform, Hkv).contiguous()
     if hist_cuda:
+        from . import history_cuda
 
         if history_cuda.FUSED_WINDOW and (ring_splits is not None or sink_splits is not None):
             raise ValueError("ring_splits / sink_splits set the Triton window programs; history_kernel='cuda' reads "
@@ -1204,8 +1191,6 @@ def oscar_decode(
                              "(history_cuda.FUSED_MERGE)")
         history_cuda.check_supported(D, group, gk, gv, k_level_a is not None or v_level_a is not None, q.device,
                                      window_dtype=cache.ring_k.dtype)
-        if rot_in_kernel:
-            history_cuda.check_q_transform(q_transform, Hkv)
     # resident stage-1 programs per SM if registers bound them (4 at 128:2:3, 6 folded), for the wave fill
     ctas = max(1, 65536 // ((maxnreg or 256) * 32 * num_warps))
     if num_splits is None:
@@ -1270,7 +1255,7 @@ def oscar_decode(
                             pdl=(history_cuda.PDL_OFF if not follows_write else history_cuda.PDL_AFTER_WRITE_Q
                                  if q_from_write else history_cuda.PDL_AFTER_WRITE),
                             window_splits=(ss, rs) if fused_window else (0, 0), sink_k=sink_k, sink_v=sink_v,
-                            out=out if fused_merge else None, q_transform=q_transform if rot_in_kernel else None)
+                            out=out if fused_merge else None)
         if fused_merge:
             return out
     if not fused_window:
@@ -1298,8 +1283,6 @@ def oscar_decode(
     if merge_splits < 1 or merge_splits & (merge_splits - 1) or D // merge_splits < MERGE_MIN_DIMS:
         raise ValueError(f"merge_splits must be a power of two with D / merge_splits >= {MERGE_MIN_DIMS} "
                          f"(D = {D}), got {merge_splits}")
-    # q: read only for a sink partial flagged NaN by the Triton sink programs (never with the CUDA window CTAs,
-    # the only route on which q is still raw here: rot_in_kernel needs them)
     _oscar_decode_merge[(B * Hq, merge_splits)](
         o_part, lse_part, out,
         q, cache.k_codes, kp32, cache.v_codes, vp32, sink_k, sink_v, cache.sink_table,

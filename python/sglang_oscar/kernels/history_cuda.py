@@ -44,9 +44,6 @@ WIDE_TILE = True
 # Module attributes, so that benchmarks can time others (probe_decode_fixed_cost.py --cuda-configs).
 WARPS, STAGES = 8, 2
 MIN_ROWS_PER_SPLIT = 256
-# The kernel's preferred shared-memory carveout in percent of the unified L1 / shared memory (None: the driver's
-# choice), set with its shared-memory limit (occupancy()). An experiment knob (probe_rot_q.py).
-SMEM_CARVEOUT = None
 # The BF16 sink and ring rows in the kernel's own CTAs (16 positions per warp; partials in the Triton window
 # programs' layout) instead of the Triton window programs launched after it. A module attribute, so that
 # benchmarks time both in one run (probe_decode_fixed_cost.py --cuda-windows).
@@ -60,15 +57,6 @@ WINDOW_LAST = True  # the window CTAs after the history CTAs in the grid (else b
 # 128k 24.2 / 35.4 / 50.8 us vs 20.6 / 30.9 / 45.7 with the Triton merge): the last CTA's fence, count and
 # partial reads run after everything else, where the Triton merge, launched early (PDL), has its prologue done.
 FUSED_MERGE = False
-# q . T_q in the kernel (rotate_q in kernels/cuda/int2_history.cu): oscar_decode passes the raw q and T_q, and every
-# CTA rotates its column's query heads in its prologue, while its first copies are in flight. In a served decode step
-# the history CTAs then need nothing from the KV write before their loop (PDL_AFTER_WRITE with no GEMM before the
-# write), and no launch rotates q. Needs the window CTAs (FUSED_WINDOW): the Triton window programs read q'.
-# Off: measured slower (H100, Qwen3-8B layer, same run, results/decode_step_layer_6558bf6_*): the chained layer
-# 1.03-1.08x the time of q rotated by the write at batch 1-2 (64k batch 1 41.2 vs 38.1 us), level at 8-64; every
-# CTA reads all of T_q (32 KB) from L2, ~2-5 us more per decode at batch 1, more than the wait for the write's q it
-# removes (benchmark/NOTES.md "q rotated in the decode's CTAs"). A module attribute, for experiments.
-ROTATE_Q = False
 COUNTERS = 1 << 16
 # The merge reads a query head's partials (history splits + window partials) in one tile of at most this many.
 MAX_PARTIALS = 256
@@ -77,15 +65,12 @@ Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel
 
 # oscar_history_launch's C parameters in order (test_decode checks them against the source's signature)
 _i, _p = ctypes.c_int, ctypes.c_void_p
-_ll = ctypes.c_longlong
-LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _p, _i, _ll, _ll, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
-                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _p, _i, _i,
-                   _p]
+LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
+                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _p]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _occupancy: dict = {}
-_rot_prepared: set = set()  # (device, stages, heads): instances whose shared-memory limit holds rotate_q's buffer
 _counters: dict = {}  # device index -> int32 [COUNTERS], zeros (each call leaves it zero)
 
 
@@ -161,40 +146,31 @@ def library() -> ctypes.CDLL:
         lib = ctypes.CDLL(so)
         lib.oscar_history_launch.argtypes = LAUNCH_ARGTYPES
         lib.oscar_history_launch.restype = ctypes.c_int
-        lib.oscar_history_occupancy.argtypes = [ctypes.c_int] * 4
-        lib.oscar_history_prepare.argtypes = [ctypes.c_int] * 5
-        lib.oscar_history_prepare.restype = lib.oscar_history_occupancy.restype = ctypes.c_int
+        for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
+            f.argtypes, f.restype = [ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_int
         _lib = lib
     for heads in (4, 8):  # first load: the default configurations' shared-memory limits, before any graph capture
         occupancy(heads=heads)
-        if ROTATE_Q:
-            occupancy(heads=heads, rot=True)
     if FUSED_MERGE:
         counters(torch.cuda.current_device())
     return _lib
 
 
-def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: int = 4, rot: bool = False) -> int:
+def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: int = 4) -> int:
     """Resident CTAs per SM of the kernel at (stages, warps) (default STAGES, WARPS) and `heads` query heads per
-    CTA column (cta_heads) on the current device, with rotate_q's buffer where rot; the first call per configuration
-    and device also raises its dynamic shared-memory limit (to hold that buffer only once a rotating launch asked:
-    the larger limit alone slows the other launches, kernels/cuda/int2_history.cu prepare; never lowered again, so
-    that a later launch with the buffer still fits)."""
+    CTA column (cta_heads) on the current device; the first call per configuration and device also raises its
+    dynamic shared-memory limit."""
     lib = _lib if _lib is not None else library()
     stages, warps = stages or STAGES, warps or WARPS
     if stages not in (2, 3, 4) or warps not in (1, 2, 4, 8) or heads not in (4, 8):
         raise ValueError(f"history_kernel='cuda' builds stages 2-4, 1/2/4/8 warps per CTA and 4 or 8 heads per CTA "
                          f"column, got {stages}/{warps}/{heads}")
-    dev = torch.cuda.current_device()
-    key = (dev, stages, warps, heads, SMEM_CARVEOUT, rot)
+    key = (torch.cuda.current_device(), stages, warps, heads)
     if key not in _occupancy:
-        if rot:
-            _rot_prepared.add((dev, stages, heads))  # the template instance's limit holds the buffer from now on
-        rc = lib.oscar_history_prepare(stages, warps, heads, -1 if SMEM_CARVEOUT is None else int(SMEM_CARVEOUT),
-                                       int((dev, stages, heads) in _rot_prepared))
+        rc = lib.oscar_history_prepare(stages, warps, heads)
         if rc:
             raise CudaHistoryUnavailable(f"cudaFuncSetAttribute for the history kernel failed (cuda error {rc})")
-        _occupancy[key] = lib.oscar_history_occupancy(stages, warps, heads, int(rot))
+        _occupancy[key] = lib.oscar_history_occupancy(stages, warps, heads)
     return _occupancy[key]
 
 
@@ -235,37 +211,16 @@ _INDEX_DTYPES = {torch.int32: 0, torch.int64: 1}
 PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q = 0, 1, 2, 3
 
 
-def check_q_transform(q_transform: torch.Tensor, kv_heads: int) -> None:
-    """Raise ValueError unless the kernel can rotate q by q_transform (launch(q_transform=...))."""
-    t = q_transform
-    shapes = ((HEAD_DIM, HEAD_DIM), (kv_heads, HEAD_DIM, HEAD_DIM))
-    if tuple(t.shape) not in shapes:
-        raise ValueError(f"q_transform must be [D, D] = [{HEAD_DIM}, {HEAD_DIM}] or [Hkv, D, D] = "
-                         f"[{kv_heads}, {HEAD_DIM}, {HEAD_DIM}], got {tuple(t.shape)}")
-    if t.dtype not in Q_DTYPES or not t.is_contiguous() or not t.is_cuda:
-        raise ValueError(f"history_kernel='cuda' rotates q by a contiguous CUDA bf16 / fp16 / fp32 q_transform, "
-                         f"got {t.dtype}{'' if t.is_contiguous() else ', not contiguous'}"
-                         f"{'' if t.is_cuda else ', on the CPU'}")
-
-
-def rotates_q(q_transform: Optional[torch.Tensor]) -> bool:
-    """Whether oscar_decode(history_kernel="cuda") rotates q by q_transform in this kernel (ROTATE_Q, with the
-    window CTAs) rather than by transform_query's GEMM before it."""
-    return q_transform is not None and ROTATE_Q and FUSED_WINDOW
-
-
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
            o_part, lse_part, pdl: int = PDL_OFF, window_splits: tuple = (0, 0), sink_k=None, sink_v=None,
-           out=None, q_transform: Optional[torch.Tensor] = None) -> None:
+           out=None) -> None:
     """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128], and
     with window_splits = (SS, RS) != (0, 0) (window_ctas) the sink partials [ns, ns + SS) and the ring partials
     [ns + SS, ns + SS + RS) as well (sink_k / sink_v: the cache's sink rows, or a one-row stand-in where it has
     none). With out (a contiguous [B, Hq, 128] tensor of q's dtype; needs the window partials) the kernel also
-    merges them into out (FUSED_MERGE) and nothing needs to follow. With q_transform ([128, 128] or [Hkv, 128,
-    128]; needs the window partials) q is the raw query and the kernel rotates it (q . T_q per KV head, rounded to
-    q's dtype, as transform_query). oscar_decode, the caller, has checked the index
+    merges them into out (FUSED_MERGE) and nothing needs to follow. oscar_decode, the caller, has checked the index
     dtypes and check_supported the shape; this checks only what the kernel adds (the split range, contiguous 1-D
-    inputs, the merge's counters, q_transform).
+    inputs, the merge's counters).
 
     The kernel lets its dependents launch at once (griddepcontrol.launch_dependents); a kernel launched after it
     with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
@@ -274,21 +229,11 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     if pdl not in (PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q):
         raise ValueError(f"pdl must be PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE or PDL_AFTER_WRITE_Q (0-3), "
                          f"got {pdl!r}")
-    rot = (None, 0, 0)
-    if q_transform is not None:  # before the build: these refusals need no GPU
-        if window_splits == (0, 0):
-            raise ValueError("history_kernel='cuda' rotates q in the kernel only with its window CTAs "
-                             "(window_splits): the Triton window programs read the rotated q")
-        if pdl == PDL_AFTER_WRITE_Q:
-            raise ValueError("PDL_AFTER_WRITE_Q reads q rotated by the write: pass q_transform=None")
-        check_q_transform(q_transform, cache.kv_heads)
-        rot = (q_transform.data_ptr(), Q_DTYPES[q_transform.dtype], int(q_transform.dim() == 3))
     lib = library()
     b, hq = q.shape[0], q.shape[1]
     hkv = cache.kv_heads
     heads = cta_heads(hq // hkv)
-    # a dict hit; prepares the configuration where experiments changed STAGES / WARPS, or a first rotating launch
-    occupancy(heads=heads, rot=q_transform is not None)
+    occupancy(heads=heads)  # a dict hit; prepares the configuration where experiments changed STAGES / WARPS
     ss, rs = window_splits
     if WINDOW_ROWS_PER_WARP < 16 or WINDOW_ROWS_PER_WARP % 16:
         raise ValueError(f"history_cuda.WINDOW_ROWS_PER_WARP must be a positive multiple of 16, got "
@@ -318,20 +263,18 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
             raise ValueError(f"history_kernel='cuda' merges at most {cnt.numel()} (request, KV head) columns in the "
                              f"kernel, this call has {cols}: raise history_cuda.COUNTERS")
         merge = (out.data_ptr(), Q_DTYPES[out.dtype], cnt.data_ptr(), 1)
-    if not (req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q.stride(2) == 1):
-        raise ValueError("history_kernel='cuda' needs contiguous req_pool_indices and seq_lens, and q's dims "
-                         "contiguous")
+    if not (req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q.is_contiguous()):
+        raise ValueError("history_kernel='cuda' needs contiguous q, req_pool_indices and seq_lens")
     page = cache.page
-    # q [B, Hq, 128] (dims contiguous); each warp builds its operands from it, or from rotate_q's q' (no extra
-    # launches)
+    # q [B, Hq, 128] contiguous; each warp builds its operands from it (no extra launches)
     rc = lib.oscar_history_launch(
         STAGES, WARPS, heads, b * hkv, hq // hkv, int(cache.k_group == 128), int(cache.v_group == 128), ns, q.data_ptr(),
-        Q_DTYPES[q.dtype], q.stride(0), q.stride(1), float(sm_scale) * LOG2E,
+        Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
         cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
         o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), int(pdl), *win, ss, rs,
-        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST), *merge, *rot,
+        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST), *merge,
         torch.cuda.current_stream().cuda_stream)
     if rc:
         raise RuntimeError(f"history_kernel='cuda' launch failed (cuda error {rc})")

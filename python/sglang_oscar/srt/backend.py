@@ -10,10 +10,9 @@ Reads the int2 pool exactly as the kernels define it:
   chunk attends to itself at full precision, as the seed does); one causal attention call per
   layer over the whole batch (srt/extend_attention.py: FlashInfer's ragged prefill on CUDA, torch
   SDPA on CPU). Prefill CUDA graphs are turned off for int2 (server_checks.adjust_cuda_graphs).
-Writes (INT2 + windows) go through srt/write_plan.py + OscarKVPool.write_layer. At decode the step's queries are
-rotated by the CUDA history kernel's own CTAs (history_cuda.ROTATE_Q) or else by the write's launch
-(FUSE_Q_IN_WRITE); with the CUDA history stage on sm_90+ at small batch (AFTER_WRITE_MAX_BATCH), the history kernel
-starts as the write's programmatic dependent.
+Writes (INT2 + windows) go through srt/write_plan.py + OscarKVPool.write_layer. At decode the write's launch
+also rotates the step's queries (FUSE_Q_IN_WRITE) and, with the CUDA history stage on sm_90+ at small batch
+(AFTER_WRITE_MAX_BATCH), the history kernel starts as the write's programmatic dependent.
 
 Basis: keys are stored as (k − μ)·T_K and queries become q·T_K (T_K orthogonal, so T_K^{−T} = T_K;
 the μ term shifts every score of a query equally, which softmax ignores). V is stored as v·T_V:
@@ -65,20 +64,10 @@ NAME = "oscar_int2"
 #   before reading q; chained with q's GEMM before the write instead (FUSE_Q_IN_WRITE off) they stream during
 #   the whole write, which measured slower once the write's q programs used tensor cores (64k batch 1: 37.3 vs
 #   36.3 us, 128k 54.1 vs 50.0; results/decode_step_layer_ee6a1e7_*).
-# - with SGLANG_OSCAR_HISTORY_KERNEL=cuda the history kernel rotates q in its own CTAs where it can
-#   (history_cuda.rotates_q: ROTATE_Q, with its window CTAs): then neither the write nor a GEMM touches q, and
-#   chained, its history CTAs wait for nothing of the write before their loop (NOTES "q rotated in the decode's
-#   CTAs").
 FUSE_Q_IN_WRITE = True
 AFTER_WRITE_MAX_BATCH = 8
 
 logger = logging.getLogger(__name__)
-
-
-def _history_rotates_q(q_transform) -> bool:
-    from ..kernels import history_cuda
-
-    return history_cuda.rotates_q(q_transform)
 
 
 def _per_q_head(t: Optional[torch.Tensor], kv_heads: int, q_heads: int) -> Optional[torch.Tensor]:
@@ -395,14 +384,9 @@ class OscarAttnBackend(AttentionBackend):
         write = save_kv_cache and k is not None
         n = q.shape[0]  # the graph's batch when captured: these choices are fixed per graph
         chain = write and self.history_after_write and n <= AFTER_WRITE_MAX_BATCH
-        rot_in_decode = self.history_kernel == "cuda" and _history_rotates_q(q_transform)
-        fuse_q = (write and FUSE_Q_IN_WRITE and q_transform is not None and not rot_in_decode
-                  and n <= MID_BATCH_TOKENS)
-        if chain and not fuse_q and not rot_in_decode:
-            # q's GEMM before the write: nothing may run between the write and the history kernel
+        fuse_q = write and FUSE_Q_IN_WRITE and q_transform is not None and n <= MID_BATCH_TOKENS
+        if chain and not fuse_q:  # q's GEMM before the write: nothing may run between the write and the history
             q, q_transform = transform_query(q, q_transform, h).contiguous(), None
-        elif chain and q.stride(-1) != 1:  # the kernel reads q in place: any copy goes before the write
-            q = q.contiguous()
         if write:
             q_kw = {}
             if fuse_q:

@@ -53,8 +53,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <type_traits>
-
 namespace {
 
 constexpr int kTok = 64;                 // tokens per pipeline stage of a warp
@@ -132,9 +130,8 @@ __device__ __forceinline__ float ex2(float x) {
 __device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
 struct Args {
-  const void* q;        // [B, Hq, 128] (transformed unless qt), bf16 / fp16 / fp32 (q_dtype 0 / 1 / 2), dims contiguous
+  const void* q;        // [B, Hq, 128] (transformed), bf16 / fp16 / fp32 (q_dtype 0 / 1 / 2)
   int q_dtype;
-  long long q_sb, q_sh; // q's strides (elements) over requests and heads
   float c0;             // sm_scale * log2(e)
   const uint8_t* kc;    // [slots, Hkv, 32]
   const uint8_t* vc;
@@ -166,9 +163,6 @@ struct Args {
   int out_dtype;
   int* counters;            // [>= gridDim.x] zero between calls: CTAs of a column done (the last one resets it)
   int fused_merge;
-  // q's transform in this kernel (rotate_q): q is then the raw query and every CTA computes q . T_q for its heads
-  const void* qt;           // T_q [128, 128] (qt_per_head 0) or [hkv, 128, 128], dtype code qt_dtype; null: q is q'
-  int qt_dtype, qt_per_head;
 };
 
 // record of (pool slot s, KV head h): kernels/records.py pool_record (pages of 2^page_log2 slots; pmask = page - 1,
@@ -178,125 +172,11 @@ __device__ __forceinline__ long long pool_record(const Args& a, Slot s, int h, i
   return ((long long)(s >> a.page_log2) * a.hkv + h) * (pmask + 1) + (s & pmask);
 }
 
-// element i of a tensor of dtype code dt (0 bf16, 1 fp16, 2 fp32) as fp32
-__device__ __forceinline__ float load_el(const void* p, int dt, size_t i) {
-  if (dt == 0) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i]);
-  if (dt == 1) return __half2float(reinterpret_cast<const __half*>(p)[i]);
-  return reinterpret_cast<const float*>(p)[i];
-}
-__device__ __forceinline__ float load_q(const Args& a, size_t i) { return load_el(a.q, a.q_dtype, i); }
-// offset of query head hq's row (hq = b * Hq + head of request b, the o_part row) in q
-__device__ __forceinline__ size_t q_row(const Args& a, int hq) {
-  const int hpb = a.hkv * a.gqa;
-  return (size_t)(hq / hpb) * a.q_sb + (size_t)(hq % hpb) * a.q_sh;
-}
-
-// x rounded to dtype code dt and back: the value a tensor of that dtype would hold
-__device__ __forceinline__ float round_to(int dt, float x) {
-  if (dt == 0) return __bfloat162float(__float2bfloat16_rn(x));
-  if (dt == 1) return __half2float(__float2half_rn(x));
-  return x;
-}
-
-// Shared memory of rotate_q, after the stages (dynamic, launched only with a.qt): raw q [128 k][HC], then the
-// k-slices' partial sums [4][HC][128]; q' [HC][128] at the start when done.
-template <int HC>
-constexpr int rot_q_bytes() { return 5 * HC * 128 * 4; }
-
-// q' = q . T_q for the query heads hq_base .. hq_base + nh - 1 of KV head h, into s[0 .. HC * 128) as [head][dim]
-// (spare heads zero), rounded to q's dtype as transform_query's GEMM output is, so that the operands built from it
-// are those of a q rotated before the launch. Why here: a served decode step's history CTAs then need nothing from
-// the KV write before their loop (kPdlAfterWrite), where with q rotated by the write they wait for all of it
-// (kPdlAfterWriteQ), and no GEMM runs before the write. A CTA's threads take pairs of output dims and a quarter of
-// k each (T_q read once per CTA, mostly from L2; q broadcast from shared memory), the slices meet in shared memory.
-// Every thread of the CTA must call it (three CTA barriers).
-// T_q's two elements (d, d + 1) of row-major word i (pairs of dims) as fp32: TDT 0 bf16, 1 fp16, 2 fp32
-template <int TDT>
-struct TPair {
-  using W = typename std::conditional<TDT == 2, float2, unsigned int>::type;
-  static __device__ __forceinline__ W load(const void* p, size_t i) { return __ldg(reinterpret_cast<const W*>(p) + i); }
-  static __device__ __forceinline__ float2 cvt(W w) {
-    if constexpr (TDT == 2) return w;
-    else if constexpr (TDT == 0) return make_float2(bf_lo(w), bf_hi(w));
-    else return __half22float2(*reinterpret_cast<const __half2*>(&w));
-  }
-};
-
-// One thread's partial sums of rotate_q: output dims d, d + 1 of the HC heads over rows [k0, k0 + kper) of T_q,
-// kRotBatch loads in flight at a time (a dtype branch or a use inside the loop would wait out one L2 round trip
-// per row: ~10 us per CTA, measured, NOTES "q rotated in the decode's CTAs")
-constexpr int kRotBatch = 16;
-template <int HC, int TDT>
-__device__ __forceinline__ void rotate_q_rows(const void* tq, size_t tbase, const float* qin, int k0, int kper, int d,
-                                              float (&acc0)[HC], float (&acc1)[HC]) {
-  using P = TPair<TDT>;
-  for (int kb = k0; kb < k0 + kper; kb += kRotBatch) {
-    typename P::W w[kRotBatch];
-#pragma unroll
-    for (int j = 0; j < kRotBatch; ++j) w[j] = P::load(tq, (tbase + (size_t)(kb + j) * 128 + d) / 2);
-#pragma unroll
-    for (int j = 0; j < kRotBatch; ++j) {
-      const float2 t = P::cvt(w[j]);
-      const float4* qk = reinterpret_cast<const float4*>(qin + (kb + j) * HC);
-#pragma unroll
-      for (int i = 0; i < HC / 4; ++i) {
-        const float4 v = qk[i];
-        acc0[4 * i] = fmaf(v.x, t.x, acc0[4 * i]);         acc1[4 * i] = fmaf(v.x, t.y, acc1[4 * i]);
-        acc0[4 * i + 1] = fmaf(v.y, t.x, acc0[4 * i + 1]); acc1[4 * i + 1] = fmaf(v.y, t.y, acc1[4 * i + 1]);
-        acc0[4 * i + 2] = fmaf(v.z, t.x, acc0[4 * i + 2]); acc1[4 * i + 2] = fmaf(v.z, t.y, acc1[4 * i + 2]);
-        acc0[4 * i + 3] = fmaf(v.w, t.x, acc0[4 * i + 3]); acc1[4 * i + 3] = fmaf(v.w, t.y, acc1[4 * i + 3]);
-      }
-    }
-  }
-}
-
-// q' = q . T_q for the query heads hq_base .. hq_base + nh - 1 of KV head h, into s[0 .. HC * 128) as [head][dim]
-// (spare heads zero), rounded to q's dtype as transform_query's GEMM output is, so that the operands built from it
-// are those of a q rotated before the launch. Why here: a served decode step's history CTAs then need nothing from
-// the KV write before their loop (kPdlAfterWrite), where with q rotated by the write they wait for all of it
-// (kPdlAfterWriteQ), and no GEMM runs before the write. A CTA's threads take pairs of output dims and a quarter of
-// k each (T_q read once per CTA, mostly from L2; q broadcast from shared memory), the slices meet in shared memory;
-// every CTA sums in the same order, so all splits of a column see the same q'.
-// Every thread of the CTA must call it (three CTA barriers).
-template <int HC>
-__device__ __forceinline__ void rotate_q(const Args& a, float* s, int hq_base, int nh, int h) {
-  float* qin = s;                 // [128][HC]
-  float* red = s + HC * 128;      // [nsl][HC][128]
-  const int nthr = blockDim.x;
-  for (int e = threadIdx.x; e < HC * 128; e += nthr) {
-    const int hd = e >> 7, k = e & 127;
-    qin[k * HC + hd] = hd < nh ? load_q(a, q_row(a, hq_base + hd) + k) : 0.f;
-  }
-  __syncthreads();
-  const int nsl = nthr >= 256 ? 4 : nthr >= 128 ? 2 : 1;  // k slices (kper = 32, 64 or 128 rows: whole batches)
-  const int kper = 128 / nsl;
-  const size_t tbase = a.qt_per_head ? (size_t)h * 128 * 128 : 0;
-  for (int e = threadIdx.x; e < 64 * nsl; e += nthr) {
-    const int d = 2 * (e & 63), sl = e >> 6;
-    float acc0[HC], acc1[HC];
-#pragma unroll
-    for (int i = 0; i < HC; ++i) acc0[i] = acc1[i] = 0.f;
-    if (a.qt_dtype == 0) rotate_q_rows<HC, 0>(a.qt, tbase, qin, sl * kper, kper, d, acc0, acc1);
-    else if (a.qt_dtype == 1) rotate_q_rows<HC, 1>(a.qt, tbase, qin, sl * kper, kper, d, acc0, acc1);
-    else rotate_q_rows<HC, 2>(a.qt, tbase, qin, sl * kper, kper, d, acc0, acc1);
-#pragma unroll
-    for (int i = 0; i < HC; ++i) {
-      red[(sl * HC + i) * 128 + d] = acc0[i];
-      red[(sl * HC + i) * 128 + d + 1] = acc1[i];
-    }
-  }
-  __syncthreads();  // every thread is past its reads of qin: q' goes there
-  for (int e = threadIdx.x; e < HC * 128; e += nthr) {
-    float x = 0.f;
-    for (int sl = 0; sl < nsl; ++sl) x += red[sl * HC * 128 + e];
-    s[e] = round_to(a.q_dtype, x);
-  }
-  __syncthreads();
-}
-
-// element d of local head `head` of q' (row qrow of q when q is already transformed; sq: rotate_q's output)
-__device__ __forceinline__ float q_elem(const Args& a, const float* sq, size_t qrow, int head, int d) {
-  return sq ? sq[head * 128 + d] : load_q(a, qrow + d);
+// element i of q (dtype code q_dtype) as fp32
+__device__ __forceinline__ float load_q(const Args& a, size_t i) {
+  if (a.q_dtype == 0) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.q)[i]);
+  if (a.q_dtype == 1) return __half2float(reinterpret_cast<const __half*>(a.q)[i]);
+  return reinterpret_cast<const float*>(a.q)[i];
 }
 
 // The CTA's merge. Each warp has parked its unnormalised O (HC heads x 128 dims) and its (m, l) per head in shared
@@ -419,8 +299,7 @@ __device__ __forceinline__ void store_int2_chunk(const Args& a, uint32_t dst, lo
 // Columns 4..7 repeat heads 0..3 (as in the history loop); lanes t < 2 own the stored ones. Scores, p and the
 // running max are in log2 units (c0 = sm_scale log2 e), as in the history warps, so the CTA merges both alike.
 template <int HC>
-__device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, float* s_rot, int j, int b, int h,
-                                           int hq_base, int nh) {
+__device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, int b, int h, int hq_base, int nh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const bool is_sink = j < a.nwin_sink;
@@ -436,23 +315,17 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, float* 
   const uint8_t* sts = smem + warp * 8192;
   // c0 q as BF16 B fragments: qw[j][k] = dims 32j + 8t + 2k, +1 of column g's head (g & 3 at HC 4, g at HC 8;
   // zero for a spare column)
-  const float* sq = nullptr;
-  if (a.qt) {
-    rotate_q<HC>(a, s_rot, hq_base, nh, h);
-    sq = s_rot;
-  }
   uint32_t qw[4][4];
   {
     const int head = HC == 8 ? g : (g & 3);
     const bool qvalid = head < nh;
-    const size_t qrow = q_row(a, hq_base + (qvalid ? head : 0));
+    const size_t qrow = (size_t)(hq_base + (qvalid ? head : 0)) * 128;
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const size_t d = 32 * jj + 8 * t + 2 * k;
-        const float x0 = qvalid ? q_elem(a, sq, qrow, head, d) * a.c0 : 0.f;
-        const float x1 = qvalid ? q_elem(a, sq, qrow, head, d + 1) * a.c0 : 0.f;
+        const size_t d = qrow + 32 * jj + 8 * t + 2 * k;
+        const float x0 = qvalid ? load_q(a, d) * a.c0 : 0.f, x1 = qvalid ? load_q(a, d + 1) * a.c0 : 0.f;
         __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
         qw[jj][k] = *reinterpret_cast<uint32_t*>(&v);
       }
@@ -586,7 +459,6 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int widx = split * nwarps + warp;
   const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem) + warp * NSTAGE * kStageBytes;
   const uint8_t* wbase = smem + warp * NSTAGE * kStageBytes;
-  float* s_rot = reinterpret_cast<float*>(smem + nwarps * NSTAGE * kStageBytes);  // rotate_q (a.qt)
   // launched early: the previous kernel wrote q (kPdlWaitFirst) or the window's new row (kPdlAfterWrite)
   const bool after_write = a.pdl == kPdlAfterWrite || a.pdl == kPdlAfterWriteQ;
   if (a.pdl == kPdlWaitFirst || (after_write && split < 0)) grid_dependency_wait();
@@ -594,7 +466,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the window programs / merge may launch now
 #endif
   if (split < 0) {  // uniform per CTA
-    window_cta<HC>(a, smem, s_rot, wj, b, h, hq_base, nh);
+    window_cta<HC>(a, smem, wj, b, h, hq_base, nh);
     return;
   }
 
@@ -665,12 +537,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   }
 
   if (a.pdl == kPdlAfterWriteQ) grid_dependency_wait();  // q' is the write's output
-  // built while the first stages' copies are in flight (q' itself too, where this kernel rotates q)
-  const float* sq = nullptr;
-  if (a.qt) {
-    rotate_q<HC>(a, s_rot, hq_base, nh, h);
-    sq = s_rot;
-  }
+  // built while the first stages' copies are in flight
   // q' = c0 q 4^(2g - p) as this lane's B fragments: reg 2ks + w of k-step ks = (plane p, half hh) holds dims
   // p*32 + t*8 + 4hh + 2w + (0, 1) of column g's head; and the group sums of q. This lane's accumulator
   // columns 2t, 2t+1 are heads head0, head0 + 1 (HC 4: columns 4..7 repeat heads 0..3)
@@ -680,13 +547,12 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   {
     const int head = HC == 8 ? g : (g & 3);  // column g's head
     const bool qvalid = head < nh;  // a spare column: zero query (its scores are 0; nothing is stored)
-    const size_t qrow = q_row(a, hq_base + (qvalid ? head : 0));
+    const size_t qrow = (size_t)(hq_base + (qvalid ? head : 0)) * 128;
 #pragma unroll
     for (int r = 0; r < 16; ++r) {
       const int ks = r >> 1, w = r & 1, p = ks >> 1, hh = ks & 1;
       const int d = p * 32 + t * 8 + 4 * hh + 2 * w;
-      const float x0 = qvalid ? q_elem(a, sq, qrow, head, d) * a.c0 : 0.f;
-      const float x1 = qvalid ? q_elem(a, sq, qrow, head, d + 1) * a.c0 : 0.f;
+      const float x0 = qvalid ? load_q(a, qrow + d) * a.c0 : 0.f, x1 = qvalid ? load_q(a, qrow + d + 1) * a.c0 : 0.f;
       if (p < 2) gs0 += x0 + x1; else gs1 += x0 + x1;
       const float f = (p & 1) ? 0.25f : 1.f;
       qb[r] = h2u(__floats2half2_rn(x0 * f, x1 * f));
@@ -870,7 +736,7 @@ int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t s
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(bh, grid_y);
   cfg.blockDim = dim3(warps * 32);
-  cfg.dynamicSmemBytes = warps * NSTAGE * kStageBytes + (a.qt ? rot_q_bytes<HC>() : 0);
+  cfg.dynamicSmemBytes = warps * NSTAGE * kStageBytes;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the window programs run
@@ -881,27 +747,18 @@ int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t s
 }
 
 template <int NSTAGE, int HC>
-int prepare(int carveout, int rot) {  // the dynamic shared-memory limit, once, before any graph capture
+int prepare(int) {  // the dynamic shared-memory limit, once, before any graph capture
   // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
-  // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch).
-  // rotate_q's buffer only where asked (rot): the larger limit alone made the calls without it 7-13% slower at
-  // batch 1 with two CTAs per SM (H100, same-call A/B; the driver then picks a larger shared-memory carveout,
-  // i.e. a smaller L1), and a launch does not lower it again
-  int rc = (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     8 * NSTAGE * kStageBytes + (rot ? rot_q_bytes<HC>() : 0));
-  // carveout >= 0: the preferred shared-memory share of the unified L1 / shared memory, in percent (else the
-  // driver's choice)
-  if (!rc && carveout >= 0)
-    rc = (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                   carveout);
-  return rc;
+  // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
+  return (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   8 * NSTAGE * kStageBytes);
 }
 
 template <int NSTAGE, int HC>
-int occupancy(int warps, int rot) {
+int occupancy(int warps) {
   int n = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC>, warps * 32,
-                                                warps * NSTAGE * kStageBytes + (rot ? rot_q_bytes<HC>() : 0));
+                                                warps * NSTAGE * kStageBytes);
   return n;
 }
 
@@ -921,29 +778,25 @@ int occupancy(int warps, int rot) {
 
 extern "C" {
 
-int oscar_history_prepare(int nstage, int warps, int hc, int carveout, int rot) {
-  DISPATCH(nstage, hc, prepare, carveout, rot)
-}
-int oscar_history_occupancy(int nstage, int warps, int hc, int rot) { DISPATCH(nstage, hc, occupancy, warps, rot) }
+int oscar_history_prepare(int nstage, int warps, int hc) { DISPATCH(nstage, hc, prepare, warps) }
+int oscar_history_occupancy(int nstage, int warps, int hc) { DISPATCH(nstage, hc, occupancy, warps) }
 
 int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg128, int vg128, int grid_y, const void* q,
-                         int q_dtype, long long q_sb, long long q_sh, float c0, const void* kc,
+                         int q_dtype, float c0, const void* kc,
                          const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride,
                          const void* req_idx, int req_idx_64, const int* seq_lens, const int* ring_start, int hkv,
                          int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
                          const void* sk, const void* sv, const void* rk, const void* rv, const int* sink_table,
                          int nwin_sink, int nwin_ring, int win_tiles, int win_last, void* out, int out_dtype,
-                         int* counters, int fused_merge, const void* qt, int qt_dtype, int qt_per_head,
-                         void* stream) {
+                         int* counters, int fused_merge, void* stream) {
   // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows of the grid) before or after them;
   // a KV head's query heads in ceil(gqa / hc) CTA columns (head groups)
   const int hgroups = (gqa + hc - 1) / hc;
-  Args a{q, q_dtype, q_sb, q_sh, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
+  Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
          grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, hgroups, kg128, vg128,
          (const __nv_bfloat16*)sk, (const __nv_bfloat16*)sv, (const __nv_bfloat16*)rk, (const __nv_bfloat16*)rv,
-         sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge,
-         qt, qt_dtype, qt_per_head};
+         sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge};
   DISPATCH(nstage, hc, launch, a, bh * hgroups, warps, grid_y + nwin_sink + nwin_ring, pdl, (cudaStream_t)stream)
 }
 
