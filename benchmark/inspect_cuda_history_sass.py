@@ -1,0 +1,161 @@
+"""Static resources of the CUDA history kernel (kernels/cuda/int2_history.cu) for sm_90, compiled here with nvcc (no
+GPU): per template instance (pipeline stages NSTAGE, query heads per CTA column HC) its registers, stack and spills
+(ptxas -v), its SASS size, and its hot loop: the shortest loop with >= 16 HMMA, i.e. one 16-token tile of a history
+warp (8 mma for the K dot, 8 for the V dot).
+
+Why: 2 CTAs of 8 warps per SM need <= 128 registers, and a longer hot loop costs every history token. Both can be
+checked on a CPU; test/test_cuda_history_sass.py holds them to BUDGET. A GPU is still needed for time: code outside
+the loop once cost every batch-1 call ~1.8 us with an identical loop (benchmark/NOTES.md "q rotated in the decode's
+CTAs"; benchmark/run_gpu_ab.sh is the check for that).
+
+    python benchmark/inspect_cuda_history_sass.py [--source FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "sglang_oscar", "kernels", "cuda",
+                      "int2_history.cu")
+# (hot-loop instructions, whole-kernel instructions) per (NSTAGE, HC), nvcc 13.0 (the GPU image's) at 9f16703.
+# The whole kernel is held too: rotate_q (8ecb8ea) left the hot loop as it was and grew the kernel by 32-43%, and
+# that alone cost every batch-1 call ~1.8 us. A change that grows either needs a GPU A/B (run_gpu_ab.sh) before
+# these move; one that shrinks them lowers them.
+BUDGET = {(2, 4): (253, 7704), (2, 8): (274, 7768), (3, 4): (254, 8112), (3, 8): (274, 8104), (4, 4): (254, 8440),
+          (4, 8): (274, 8424)}
+BUDGET_NVCC = "13.0"
+TOTAL_SLACK = 1.05  # whole-kernel growth allowed without an A/B
+MAX_REGISTERS = 128  # 2 CTAs of 256 threads per SM (64K registers)
+
+
+def tools():
+    """(nvcc, cuobjdump) paths, or None where either is missing (nvcc: PATH, $CUDA_HOME, /usr/local/cuda;
+    cuobjdump: PATH, next to nvcc, or Triton's bundled copy)."""
+    nvcc = shutil.which("nvcc") or next((p for p in (os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"),
+                                                                  "bin", "nvcc"), "/usr/local/cuda/bin/nvcc")
+                                         if os.path.exists(p)), None)
+    cands = [shutil.which("cuobjdump")]
+    if nvcc:
+        cands.append(os.path.join(os.path.dirname(nvcc), "cuobjdump"))
+    try:
+        import triton
+
+        cands.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
+    except ImportError:
+        pass
+    cuobjdump = next((p for p in cands if p and os.path.exists(p)), None)
+    return (nvcc, cuobjdump) if nvcc and cuobjdump else None
+
+
+def nvcc_version(nvcc: str) -> str:
+    """'13.0' from nvcc --version ('... release 13.0, V13.0.88')."""
+    m = re.search(r"release (\d+\.\d+)", subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout)
+    return m.group(1) if m else ""
+
+
+def _instance(name: str):
+    m = re.search(r"int2_history_kernelILi(\d+)ELi(\d+)E", name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def compile_resources(source: str, nvcc: str, cubin: str) -> dict:
+    """ptxas -v per instance: {(nstage, hc): {registers, stack, spill_stores, spill_loads}}."""
+    res = subprocess.run([nvcc, "-O3", "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", cubin, source],
+                         capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"nvcc failed:\n{res.stderr[-2000:]}")
+    out, cur = {}, None
+    for line in res.stderr.splitlines():
+        m = re.search(r"(?:Compiling entry function|Function properties for) '?(\S+?)'?(?: for|$)", line)
+        if m:
+            cur = _instance(m.group(1))
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            out.setdefault(cur, {}).update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                                           spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            out.setdefault(cur, {})["registers"] = int(m.group(1))
+    return out
+
+
+def sass_functions(cubin: str, cuobjdump: str) -> dict:
+    """{(nstage, hc): [(address, instruction text)]} from cuobjdump -sass."""
+    text = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    out = {}
+    for chunk in re.split(r"\n\s+Function : ", text)[1:]:
+        key = _instance(chunk.split("\n", 1)[0])
+        if key is None:
+            continue
+        ins = []
+        for line in chunk.split("\n"):
+            m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?);", line)
+            if m:
+                ins.append((int(m.group(1), 16), m.group(2).strip()))
+        out[key] = ins
+    return out
+
+
+def hot_loop(ins: list) -> dict:
+    """The shortest loop (a backward branch and its target) holding >= 16 HMMA: {start, end, length, hmma}."""
+    best = None
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if not m:
+            continue
+        target = int(m.group(1), 16)
+        if target >= addr:
+            continue
+        body = [t for a, t in ins if target <= a <= addr]
+        hmma = sum(1 for t in body if re.search(r"\bHMMA\b", t))
+        if hmma >= 16 and (best is None or len(body) < best["length"]):
+            best = dict(start=target, end=addr, length=len(body), hmma=hmma)
+    if best is None:
+        raise ValueError("no loop with >= 16 HMMA found")
+    return best
+
+
+def inspect(source: str = SOURCE) -> dict:
+    found = tools()
+    if found is None:
+        raise RuntimeError("needs nvcc and cuobjdump")
+    nvcc, cuobjdump = found
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "int2_history.cubin")
+        res = compile_resources(source, nvcc, cubin)
+        funcs = sass_functions(cubin, cuobjdump)
+    out = {}
+    for key in sorted(funcs):
+        out[key] = dict(res.get(key, {}), instructions=len(funcs[key]), hot_loop=hot_loop(funcs[key]))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", default=SOURCE)
+    ap.add_argument("--json", default="", help="also write the rows here")
+    args = ap.parse_args(argv)
+    rows = inspect(args.source)
+    for (nstage, hc), r in rows.items():
+        loop_b, total_b = BUDGET.get((nstage, hc), (None, None))
+        print(f"NSTAGE {nstage} HC {hc}: {r.get('registers')} registers, stack {r.get('stack')}, spills "
+              f"{r.get('spill_stores')}/{r.get('spill_loads')}, {r['instructions']} instructions (budget {total_b}), "
+              f"hot loop {r['hot_loop']['length']} ({r['hot_loop']['hmma']} HMMA; budget {loop_b})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{k[0]}x{k[1]}": v for k, v in rows.items()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

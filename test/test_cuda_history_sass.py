@@ -1,0 +1,62 @@
+"""The CUDA history kernel's static budget for sm_90, compiled on the CPU (benchmark/inspect_cuda_history_sass.py):
+every template instance at <= 128 registers with no stack or spills (2 CTAs of 8 warps per SM), its hot loop (one
+16-token tile: 16 HMMA) no longer than recorded, and the whole kernel within 5% of its recorded size (code outside the
+loop once cost every batch-1 call ~1.8 us). Skips without nvcc / cuobjdump or with an nvcc other than the budget's."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmark"))
+import inspect_cuda_history_sass as sass  # noqa: E402
+
+TOOLS = sass.tools()
+pytestmark = pytest.mark.skipif(TOOLS is None or sass.nvcc_version(TOOLS[0]) != sass.BUDGET_NVCC,
+                                reason=f"needs nvcc {sass.BUDGET_NVCC} and cuobjdump (the budget's compiler)")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return sass.inspect()
+
+
+def test_every_instance_within_its_budget(rows):
+    assert set(rows) == set(sass.BUDGET)  # the DISPATCH table's instances, each with a budget
+    for key, r in rows.items():
+        loop_budget, total_budget = sass.BUDGET[key]
+        assert r["registers"] <= sass.MAX_REGISTERS and r["stack"] == 0, (key, r)
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (key, r)
+        assert r["hot_loop"]["hmma"] == 16, (key, r["hot_loop"])
+        assert r["hot_loop"]["length"] <= loop_budget, (key, r["hot_loop"], "the hot loop grew: A/B it on a GPU")
+        assert r["instructions"] <= total_budget * sass.TOTAL_SLACK, (key, r["instructions"],
+                                                                       "the kernel grew: A/B it on a GPU")
+
+
+def test_the_budget_catches_the_reverted_rotation(tmp_path):
+    """8ecb8ea's kernel (q rotated in the CTAs, off at run time) had the same hot loop and was ~1.8 us slower per
+    batch-1 call: the whole-kernel budget fails it. Rebuilt here from the current source plus a dead-weight function
+    of the same kind, so that the test needs no git history: an unrolled loop of global loads and FMAs behind a
+    runtime branch in the prologue."""
+    src = open(sass.SOURCE).read()
+    anchor = "  const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;"
+    assert src.count(anchor) == 1
+    extra = """  if (a.fused_merge == 7) {  // never true: code that is compiled in but does not run
+    float acc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+    const float* src = a.lse_part + threadIdx.x;
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc[i] = fmaf(__ldg(src + k * 16 + i), acc[(i + k) & 15], acc[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) a.o_part[threadIdx.x * 16 + i] = acc[i];
+  }
+"""
+    grown = tmp_path / "grown.cu"
+    grown.write_text(src.replace(anchor, extra + anchor))
+    rows = sass.inspect(str(grown))
+    over = [k for k, r in rows.items() if r["instructions"] > sass.BUDGET[k][1] * sass.TOTAL_SLACK]
+    assert over == sorted(rows), {k: r["instructions"] for k, r in rows.items()}
