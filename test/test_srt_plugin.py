@@ -543,12 +543,67 @@ def test_launcher_selects_the_plugin():
 _REPO = Path(__file__).resolve().parents[1]
 
 
+# Server ports come from below Linux's ephemeral range (32768-60999 by default). A port from bind(("", 0)) is
+# ephemeral, and any outgoing connection can take it before the server binds it; on 2 busy cores that is tens of
+# seconds later. CI saw EADDRINUSE on the torch.distributed store port of one of two servers starting side by side,
+# when SGLang chose that port itself. So every server gets --port and --nccl-port from here.
+_PORT_LO, _PORT_HI = 20000, 32000
+_ports_given: set = set()
+
+
 def _free_port():
+    """A port in [_PORT_LO, _PORT_HI) that binds now and that this process has not handed out before. The walk
+    starts at an offset from the pid, so concurrent pytest processes (scripts/test.sh runs two) try different
+    ports."""
+    import socket
+
+    span = _PORT_HI - _PORT_LO
+    start = (os.getpid() * 7919) % span
+    for i in range(span):
+        port = _PORT_LO + (start + i) % span
+        if port in _ports_given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_given.add(port)
+        return port
+    raise RuntimeError(f"no free port in [{_PORT_LO}, {_PORT_HI})")
+
+
+def test_server_ports_below_the_ephemeral_range_and_never_reused(monkeypatch):
+    """_free_port: ports in [_PORT_LO, _PORT_HI), none handed out twice by one process, a port bound by someone
+    else skipped, and a clear error once the range is spent (here a range of three ports, one of them held)."""
+    import socket
+
+    got = [_free_port() for _ in range(6)]
+    assert len(set(got)) == 6 and all(_PORT_LO <= p < _PORT_HI for p in got)
+    # three consecutive ports that bind now, the middle one then held by "another process"
+    base = next(p for p in range(_PORT_LO, _PORT_HI - 3) if all(_binds(p + i) for i in range(3)))
+    held = socket.socket()
+    held.bind(("127.0.0.1", base + 1))
+    try:
+        monkeypatch.setattr(sys.modules[__name__], "_PORT_LO", base)
+        monkeypatch.setattr(sys.modules[__name__], "_PORT_HI", base + 3)
+        monkeypatch.setattr(sys.modules[__name__], "_ports_given", set())
+        assert sorted([_free_port(), _free_port()]) == [base, base + 2]
+        with pytest.raises(RuntimeError, match="no free port"):
+            _free_port()
+    finally:
+        held.close()
+
+
+def _binds(port):
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 class _Server:
@@ -564,12 +619,12 @@ class _Server:
         import subprocess
 
         model, extra, env = self._spawn_args
-        self.port = _free_port()
+        self.port, nccl_port = _free_port(), _free_port()
         e = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1", TRITON_INTERPRET="1",
                  PYTHONPATH=os.pathsep.join([_SHIM, os.environ.get("PYTHONPATH", "")]), **(env or {}))
         cmd = [sys.executable, "-m", "sglang_oscar.launch_server", "--model-path", str(model), "--device", "cpu",
                "--max-total-tokens", "4096", "--sleep-on-idle", "--host", "127.0.0.1", "--port", str(self.port),
-               *extra]
+               "--nccl-port", str(nccl_port), *extra]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, env=e, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(_REPO))
 
