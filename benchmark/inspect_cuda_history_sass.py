@@ -22,8 +22,8 @@ import subprocess
 import sys
 import tempfile
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "sglang_oscar", "kernels", "cuda",
-                      "int2_history.cu")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from sglang_oscar.kernels.history_cuda import SOURCE  # noqa: E402  (the source the server builds)
 # (hot-loop instructions, whole-kernel instructions) per (NSTAGE, HC), nvcc 13.0 (the GPU image's) at 9f16703.
 # The whole kernel is held too: rotate_q (8ecb8ea) left the hot loop as it was and grew the kernel by 32-43%, and
 # that alone cost every batch-1 call ~1.8 us. A change that grows either needs a GPU A/B (run_gpu_ab.sh) before
@@ -36,11 +36,14 @@ MAX_REGISTERS = 128  # 2 CTAs of 256 threads per SM (64K registers)
 
 
 def tools():
-    """(nvcc, cuobjdump) paths, or None where either is missing (nvcc: PATH, $CUDA_HOME, /usr/local/cuda;
-    cuobjdump: PATH, next to nvcc, or Triton's bundled copy)."""
-    nvcc = shutil.which("nvcc") or next((p for p in (os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"),
-                                                                  "bin", "nvcc"), "/usr/local/cuda/bin/nvcc")
-                                         if os.path.exists(p)), None)
+    """(nvcc, cuobjdump) paths, or None where either is missing (nvcc: where the server's build looks,
+    history_cuda._nvcc; cuobjdump: PATH, next to nvcc, or Triton's bundled copy)."""
+    from sglang_oscar.kernels import history_cuda
+
+    try:
+        nvcc = history_cuda._nvcc()
+    except history_cuda.CudaHistoryUnavailable:
+        nvcc = None
     cands = [shutil.which("cuobjdump")]
     if nvcc:
         cands.append(os.path.join(os.path.dirname(nvcc), "cuobjdump"))

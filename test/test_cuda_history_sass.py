@@ -35,7 +35,7 @@ def test_every_instance_within_its_budget(rows):
 
 def test_the_budget_catches_the_reverted_rotation(tmp_path):
     """8ecb8ea's kernel (q rotated in the CTAs, off at run time) had the same hot loop and was ~1.8 us slower per
-    batch-1 call: the whole-kernel budget fails it. Rebuilt here from the current source plus a dead-weight function
+    batch-1 call: the whole-kernel budget fails it. Rebuilt here from the current source plus a dead-weight block
     of the same kind, so that the test needs no git history: an unrolled loop of global loads and FMAs behind a
     runtime branch in the prologue."""
     src = open(sass.SOURCE).read()

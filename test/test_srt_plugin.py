@@ -551,23 +551,27 @@ _PORT_LO, _PORT_HI = 20000, 32000
 _ports_given: set = set()
 
 
+def _binds(port):
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def _free_port():
     """A port in [_PORT_LO, _PORT_HI) that binds now and that this process has not handed out before. The walk
     starts at an offset from the pid, so concurrent pytest processes (scripts/test.sh runs two) try different
     ports."""
-    import socket
-
     span = _PORT_HI - _PORT_LO
     start = (os.getpid() * 7919) % span
     for i in range(span):
         port = _PORT_LO + (start + i) % span
-        if port in _ports_given:
+        if port in _ports_given or not _binds(port):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
         _ports_given.add(port)
         return port
     raise RuntimeError(f"no free port in [{_PORT_LO}, {_PORT_HI})")
@@ -593,17 +597,6 @@ def test_server_ports_below_the_ephemeral_range_and_never_reused(monkeypatch):
             _free_port()
     finally:
         held.close()
-
-
-def _binds(port):
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 class _Server:
