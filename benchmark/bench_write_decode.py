@@ -48,10 +48,10 @@ OSCAR_PAGE, FI_PAGE = 64, 16
 CLIP = 0.95  # K and V clip ratios of the write (a fitted bundle's are of this order)
 
 
-def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=None, block_t=None):
+def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=None, block_t=None, num_splits=None):
     """Per copy: q's transform (a GEMM, or in the write's launch with fuse_q), the write of one token per request
-    (position ctx - 1, a ring row) and the decode; and the same without the decode. Returns (chains, writes,
-    keep)."""
+    (position ctx - 1, a ring row) and the decode (num_splits: its history split count, None = its rule); and the
+    same without the decode. Returns (chains, writes, keep)."""
     cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=OSCAR_PAGE)
     g = torch.Generator(device="cuda").manual_seed(0)
     rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, device="cuda"))[0].contiguous()
@@ -80,7 +80,7 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=N
             write()
             oscar_decode(q, cache, r2t, idx, seq, ring_start, sink=SINK, window=WINDOW, sm_scale=1 / math.sqrt(d),
                          out=out, history_kernel="cuda", follows_write=after_write,
-                         q_from_write=after_write and fuse_q)
+                         q_from_write=after_write and fuse_q, num_splits=num_splits)
 
         chains.append(chain)
         writes.append(write)
