@@ -85,7 +85,8 @@ def main():
                 for k in order:
                     times[k].append(1e3 * bench(fns[k]))
             for (mode, n), ts in times.items():
-                row = dict(mode=mode, context=ctx, batch=b, splits=n or auto, rule=n is None, auto_splits=auto,
+                row = dict(impl=f"{mode}:{'auto' if n is None else n}", model=args.model, mode=mode, context=ctx,
+                           batch=b, splits=n or auto, rule=n is None, auto_splits=auto,
                            us=statistics.median(ts), us_min=min(ts), us_max=max(ts), rounds=ts)
                 rows.append(row)
             for mode in ("alone", "chain"):
