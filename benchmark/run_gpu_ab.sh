@@ -6,6 +6,7 @@
 # an A/B in one call showed it. The benchmark must take --out and accept the same arguments in both trees.
 #   OSCAR_COMMIT=<this tree's hash> OLD_REF=<hash> [ROUNDS=2] bash benchmark/run_gpu_ab.sh \
 #     benchmark/bench_write_decode.py --models qwen3-8b --contexts 65536,131072 --batches 1,8 --impls oscar_cuda_fused_q
+# OLD_TGZ=<path>: the old tree from a tarball instead of git (the device copy's git metadata can be stale).
 # Uses SGLang / FlashInfer from $HOME/sgl-site where a run_gpu_*.sh call staged them (the oscar impls need neither).
 # Outputs: $OUT/ab_summary.json (and the table on stdout) and $OUT/ab.tgz (every run's JSONs and log).
 set -uo pipefail
@@ -14,7 +15,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/ab"
 [ $# -ge 1 ] || { echo "usage: OLD_REF=<hash> bash benchmark/run_gpu_ab.sh <benchmark script> [its arguments]"; exit 2; }
 [ -n "${OSCAR_COMMIT:-}" ] || echo "warning: OSCAR_COMMIT unset: the new tree's results name the device copy's git HEAD" >&2
 OLD=/tmp/oscar_ab_old; rm -rf "$OLD"; mkdir -p "$OLD"
-git archive "$OLD_REF" python benchmark | tar -x -C "$OLD" || exit 2
+if [ -n "${OLD_TGZ:-}" ]; then  # the device copy's git may lack OLD_REF: a tarball made here, carried with the call
+  tar xzf "$OLD_TGZ" -C "$OLD" || exit 2  # e.g. git archive OLD_REF python benchmark ':!benchmark/results' | gzip
+else
+  git archive "$OLD_REF" python benchmark | tar -x -C "$OLD" || exit 2
+fi
 export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin
 SITE=$HOME/sgl-site
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu_state.txt"
