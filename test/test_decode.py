@@ -861,7 +861,7 @@ def test_follows_write_refuses_what_would_race():
 
 @requires_cuda
 @pytest.mark.parametrize("gqa,q_in_write", [(4, False), (8, False), (4, True), (5, True)])
-def test_cuda_history_after_the_kv_write(gqa, q_in_write, monkeypatch):
+def test_cuda_history_after_the_kv_write(gqa, q_in_write):
     """The decode step's chain as the server runs it on sm_90+: oscar_write_kv(pdl_trigger=True), then
     oscar_decode(follows_write=True), whose history CTAs run while the write does; q_in_write: the write also
     rotates q (q_out) and the history CTAs wait for it before reading q (q_from_write). Same bits as the plain chain
@@ -877,9 +877,6 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, monkeypatch):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
     sink, window, d, hkv = 64, 256, 128, 2
-    from sglang_oscar.kernels import history_cuda
-
-    monkeypatch.setattr(history_cuda, "DRAWS", False)  # bit equality below needs fixed blocks (draws: test_cuda_history_block_draws)
     lens = [5001, 65, 64, 3, 321, 320, 2000]  # L after the write: the new token is at L - 1
     ring_starts = [0, 0, 0, 0, 0, 0, 2000]  # the last request's history reaches L - 1
     case = make_case(lens, hkv=hkv, gqa=gqa, d=d, sink=sink, window=window, ring_starts=ring_starts, pool_page=64,
@@ -1013,7 +1010,6 @@ def test_cuda_fused_merge_counters_dtypes_and_replays(monkeypatch):
     from sglang_oscar.kernels import history_cuda
 
     monkeypatch.setattr(history_cuda, "FUSED_MERGE", True)  # off by default (measured slower), kept correct
-    monkeypatch.setattr(history_cuda, "DRAWS", False)  # bit equality of the replays needs fixed blocks
     case = make_case([3001, 64, 1500], hkv=2, gqa=4, d=128, sink=64, window=256, ring_starts=[0, 0, 1400],
                      pool_page=64, seed=80)
     cnt = history_cuda.counters(case["q"].device)
@@ -1048,9 +1044,6 @@ def test_cuda_window_ctas_gqa_and_batch_64(monkeypatch):
     case = make_case([64 + 97 * i for i in range(64)], hkv=2, gqa=4, d=128, sink=64, window=256, pool_page=64,
                      seed=70)
     run_and_check(case, history_kernel="cuda")
-    from sglang_oscar.kernels import history_cuda
-
-    monkeypatch.setattr(history_cuda, "DRAWS", False)  # bit equality needs fixed blocks
     want = oscar_decode(**case, history_kernel="cuda")
     assert torch.equal(oscar_decode(**case, history_kernel="cuda", pdl=False), want)
 
@@ -1074,12 +1067,9 @@ def test_cuda_history_matches_the_oracle(pool_page, lens, ring_starts):
 
 @requires_cuda
 @pytest.mark.parametrize("gqa", [4, 8])
-def test_cuda_history_explicit_splits_and_graph_capture(gqa, monkeypatch):
-    from sglang_oscar.kernels import history_cuda
-
+def test_cuda_history_explicit_splits_and_graph_capture(gqa):
     case = make_case([2000, 1500], hkv=2, gqa=gqa, d=128, sink=64, window=256, pool_page=64, seed=3 + gqa)
     run_and_check(case, history_kernel="cuda", num_splits=8)
-    monkeypatch.setattr(history_cuda, "DRAWS", False)  # bit equality of the replay needs fixed blocks
     out = torch.full_like(case["q"], float("nan"))
     oscar_decode(**case, history_kernel="cuda", out=out)  # build and warm up outside the capture
     want = out.clone()
@@ -1105,7 +1095,6 @@ def test_cuda_history_split_counts_pdl_and_index_dtypes(config, monkeypatch):
     case = make_case([2000, 1500, 333], hkv=2, gqa=4, d=128, sink=64, window=256, pool_page=64, seed=11)
     for ns in (1, 3, 8, 37):  # 37 CTAs x 4-8 warps over 1680 / 1180 / 13 rows: many empty warps and CTAs
         run_and_check(case, history_kernel="cuda", num_splits=ns)
-    monkeypatch.setattr(history_cuda, "DRAWS", False)  # the same bits below need fixed blocks
     want = oscar_decode(**case, history_kernel="cuda", num_splits=5)
     got64 = oscar_decode(**{**case, "req_pool_indices": case["req_pool_indices"].long()}, history_kernel="cuda",
                          num_splits=5)
@@ -1115,71 +1104,6 @@ def test_cuda_history_split_counts_pdl_and_index_dtypes(config, monkeypatch):
         oscar_decode(**{**case, "seq_lens": case["seq_lens"].long()}, history_kernel="cuda")
     with pytest.raises(ValueError, match="num_splits must be in"):
         oscar_decode(**case, history_kernel="cuda", num_splits=0)
-
-
-@requires_cuda
-@pytest.mark.parametrize("gqa", [4, 8])
-def test_cuda_history_block_draws(gqa, monkeypatch):
-    """Block draws (history_cuda.DRAWS, the default): after its first STAGES + 1 blocks a warp draws the next block
-    of its column from a counter. Against the oracle at split counts where every block is fixed (37 splits over short
-    histories), few are drawn and most are (1 split: 8 warps over 20000 rows), for batch 1 and 64, a request without
-    history and a ring_start > L - W; the counters must be zero after every call (a counter left behind would shift
-    the next call's blocks: rows skipped or read twice), eager, in graph replays and after the KV write (the history
-    CTAs draw while the write runs); the same call with fixed blocks agrees to rounding (only the summation order
-    differs)."""
-    from sglang_oscar.kernels import history_cuda
-    from sglang_oscar.kernels.write import oscar_write_kv
-
-    assert history_cuda.DRAWS
-    draws = history_cuda.draw_counters(torch.device("cuda"))
-    cases = [make_case([20000], hkv=2, gqa=gqa, d=128, sink=64, window=256, pool_page=64, seed=120 + gqa),
-             make_case([20000, 40, 3000, 1777], hkv=2, gqa=gqa, d=128, sink=64, window=256,
-                       ring_starts=[0, 0, 2900, 0], pool_page=64, seed=121 + gqa),
-             make_case([64 + 131 * i for i in range(64)], hkv=2, gqa=gqa, d=128, sink=64, window=256, pool_page=64,
-                       seed=122 + gqa)]
-    for case in cases:
-        for ns in (None, 1, 2, 37):
-            run_and_check(case, history_kernel="cuda", num_splits=ns)
-            assert int(draws.abs().sum()) == 0, f"draw counters left at {draws.nonzero().flatten().tolist()}"
-        drawn = oscar_decode(**case, history_kernel="cuda", num_splits=2)
-        monkeypatch.setattr(history_cuda, "DRAWS", False)
-        fixed = oscar_decode(**case, history_kernel="cuda", num_splits=2)
-        monkeypatch.setattr(history_cuda, "DRAWS", True)
-        torch.testing.assert_close(drawn.float(), fixed.float(), rtol=1e-2, atol=1e-2)
-    case = cases[1]
-    out = torch.full_like(case["q"], float("nan"))
-    oscar_decode(**case, history_kernel="cuda", out=out)
-    want = out.clone()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        oscar_decode(**case, history_kernel="cuda", out=out)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert int(draws.abs().sum()) == 0
-        torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
-    if torch.cuda.get_device_capability()[0] < 9:
-        return  # programmatic dependent launch needs sm_90
-    # after the KV write (PDL_AFTER_WRITE_Q): the history CTAs start, and draw, while the write runs
-    cache, r2t, ridx = case["cache"], case["req_to_token"], case["req_pool_indices"].long()
-    pos = case["seq_lens"].long() - 1
-    slots = r2t[ridx, pos].long()
-    b, hkv = len(slots), cache.kv_heads
-    gen = torch.Generator(device="cuda").manual_seed(gqa)
-    k_new, v_new = (torch.randn(b, hkv, 128, generator=gen, device="cuda").to(torch.bfloat16) for _ in "kv")
-    rot = torch.linalg.qr(torch.randn(hkv, 128, 128, generator=gen, device="cuda"))[0].contiguous()
-    q_out = torch.full_like(case["q"], float("nan"))
-    sink_dst = torch.where(pos < 64, cache.sink_table[slots], -1).int()
-    ring_dst = torch.where(pos >= 64, ridx * 256 + pos % 256, -1).int()
-    oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, validate=False,
-                   pdl_trigger=True, q=case["q"], q_transform=rot.to(torch.bfloat16), q_out=q_out)
-    got = oscar_decode(**{**case, "q": q_out}, history_kernel="cuda", follows_write=True, q_from_write=True)
-    assert int(draws.abs().sum()) == 0
-    run_and_check({**case, "q": q_out.clone()}, history_kernel="cuda")  # the oracle on the cache as written
-    monkeypatch.setattr(history_cuda, "DRAWS", False)
-    torch.testing.assert_close(got.float(), oscar_decode(**{**case, "q": q_out}, history_kernel="cuda").float(),
-                               rtol=1e-2, atol=1e-2)
 
 
 @requires_cuda

@@ -58,13 +58,6 @@ WINDOW_LAST = True  # the window CTAs after the history CTAs in the grid (else b
 # partial reads run after everything else, where the Triton merge, launched early (PDL), has its prologue done.
 FUSED_MERGE = False
 COUNTERS = 1 << 16
-# Block draws (kernels/cuda/int2_history.cu "Which blocks this warp reads"): after its first STAGES + 1 blocks a
-# history warp draws the next block of its column from a per-column counter (COUNTERS of them per device, zero
-# between calls), so that the SMs that hold two CTAs, or a window CTA, take fewer blocks. Off: every block is fixed
-# (block-cyclic over the warps), which makes a call's bits reproducible; on, a warp's blocks and so its summation
-# order depend on timing (outputs agree to rounding). Calls on one device must not overlap in time (the counters
-# are shared; SGLang's decode runs its layers one after another on one stream).
-DRAWS = True
 # The merge reads a query head's partials (history splits + window partials) in one tile of at most this many.
 MAX_PARTIALS = 256
 LOG2E = 1.4426950408889634
@@ -73,37 +66,23 @@ Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel
 # oscar_history_launch's C parameters in order (test_decode checks them against the source's signature)
 _i, _p = ctypes.c_int, ctypes.c_void_p
 LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
-                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _p, _p]
+                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _p]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _occupancy: dict = {}
-_counters: dict = {}  # device index -> int32 [2, COUNTERS], zeros (each call leaves them zero)
-
-
-def _counter_rows(device) -> torch.Tensor:
-    idx = torch.device(device).index
-    idx = torch.cuda.current_device() if idx is None else idx
-    if idx not in _counters:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("history_kernel='cuda': its per-device counters are allocated at the first call on a "
-                               "device, and this one is inside a CUDA graph capture: call "
-                               "history_cuda.library() (or one decode) on this device before capturing")
-        _counters[idx] = torch.zeros(2, COUNTERS, dtype=torch.int32, device=f"cuda:{idx}")
-    return _counters[idx]
+_counters: dict = {}  # device index -> int32 [COUNTERS], zeros (each call leaves it zero)
 
 
 def counters(device) -> torch.Tensor:
-    """The merge's per-column counters on `device` (FUSED_MERGE: CTAs of a column done)."""
-    return _counter_rows(device)[0]
-
-
-def draw_counters(device) -> torch.Tensor:
-    """The history warps' per-column block draws on `device` (DRAWS).
-
-    Both are allocated on the first call on a device: library() does it for the current device when it loads, i.e.
-    at server start (startup_checks) or on the first decode call, before any capture."""
-    return _counter_rows(device)[1]
+    """The merge's per-column counters on `device`, allocated on first use: with FUSED_MERGE, library() does it for
+    the current device when it loads, i.e. at server start (startup_checks) or on the first decode call, before any
+    capture; otherwise the first launch with the merge in the kernel does."""
+    idx = torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    if idx not in _counters:
+        _counters[idx] = torch.zeros(COUNTERS, dtype=torch.int32, device=f"cuda:{idx}")
+    return _counters[idx]
 
 
 class CudaHistoryUnavailable(RuntimeError):
@@ -172,7 +151,8 @@ def library() -> ctypes.CDLL:
         _lib = lib
     for heads in (4, 8):  # first load: the default configurations' shared-memory limits, before any graph capture
         occupancy(heads=heads)
-    _counter_rows(torch.cuda.current_device())
+    if FUSED_MERGE:
+        counters(torch.cuda.current_device())
     return _lib
 
 
@@ -271,17 +251,18 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
                cache.sink_table.data_ptr())
     else:
         win = (None,) * 5
-    cols = cta_columns(q.shape[0] * cache.kv_heads, q.shape[1] // cache.kv_heads)
-    if cols > COUNTERS:
-        raise ValueError(f"history_kernel='cuda' counts at most {COUNTERS} (request, KV head, head group) columns "
-                         f"per call, this call has {cols}: raise history_cuda.COUNTERS")
     merge = (None, 0, None, 0)
     if out is not None:
         if not (ss or rs):
             raise ValueError("history_kernel='cuda' merges in the kernel only with its window CTAs (window_splits)")
         if out.dtype != q.dtype or out.shape != q.shape or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
-        merge = (out.data_ptr(), Q_DTYPES[out.dtype], counters(q.device).data_ptr(), 1)
+        cols = cta_columns(q.shape[0] * cache.kv_heads, q.shape[1] // cache.kv_heads)
+        cnt = counters(q.device)
+        if cols > cnt.numel():
+            raise ValueError(f"history_kernel='cuda' merges at most {cnt.numel()} (request, KV head) columns in the "
+                             f"kernel, this call has {cols}: raise history_cuda.COUNTERS")
+        merge = (out.data_ptr(), Q_DTYPES[out.dtype], cnt.data_ptr(), 1)
     if not (req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q.is_contiguous()):
         raise ValueError("history_kernel='cuda' needs contiguous q, req_pool_indices and seq_lens")
     page = cache.page
@@ -293,7 +274,7 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
         o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), int(pdl), *win, ss, rs,
-        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST), *merge, draw_counters(q.device).data_ptr() if DRAWS else None,
+        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST), *merge,
         torch.cuda.current_stream().cuda_stream)
     if rc:
         raise RuntimeError(f"history_kernel='cuda' launch failed (cuda error {rc})")

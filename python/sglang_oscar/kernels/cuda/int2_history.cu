@@ -163,8 +163,6 @@ struct Args {
   int out_dtype;
   int* counters;            // [>= gridDim.x] zero between calls: CTAs of a column done (the last one resets it)
   int fused_merge;
-  int* grab;                // [>= gridDim.x] zero between calls: the history warps' block draws (each call's last
-                            // draw resets its column); null: no draws, every block fixed (reproducible bits)
 };
 
 // record of (pool slot s, KV head h): kernels/records.py pool_record (pages of 2^page_log2 slots; pmask = page - 1,
@@ -472,69 +470,29 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     return;
   }
 
-  // this column's block draws (below; none without a.grab: every block fixed)
-  const bool draws = a.grab != nullptr;
-  int* const grab = draws ? a.grab + blockIdx.x : nullptr;
-  int pend = 0;
-  if (draws && lane == 0) pend = atomicAdd(grab, 1);  // this warp's first draw, used after its first kStatic blocks
   const int L = a.seq_lens[b];
   const int req = a.req_idx_64 ? (int)reinterpret_cast<const long long*>(a.req_idx)[b]
                                 : reinterpret_cast<const int*>(a.req_idx)[b];
   const int hist_lo = a.sink;
   const int hist_hi = min(max(max(L - a.window, a.sink), a.ring_start[req]), L);
+  const int n = hist_hi - hist_lo;
+  const int chunk = ((n + a.nsw - 1) / a.nsw + 15) & ~15;
+  const int lo = min(hist_lo + widx * chunk, hist_hi), hi = min(lo + chunk, hist_hi);
+  const int nblocks = (hi - lo + kTok - 1) / kTok;
   const int* r2t_row = a.r2t + (size_t)req * a.r2t_stride;
   const int pmask = (1 << a.page_log2) - 1;
 
-  // Which blocks this warp reads (balance). The column's history is nb blocks of kTok rows from hist_lo (block j:
-  // rows hist_lo + j kTok .., the last one cut at hist_hi). A warp takes blocks widx + k nsw for k < kStatic, then
-  // block kStatic nsw + v for each v it draws from the column's grab counter, until a block is past the end. A CTA
-  // that shares its SM with another one streams at about half the rate of one alone there (the SM's read rate is
-  // the limit at small batch: benchmark/NOTES.md "Split count at small batch, balance"), and where CTAs land is the
-  // hardware's choice (after the write, two per SM on some SMs even with fewer CTAs than SMs), so fixed ranges end
-  // when the most loaded SM does; drawn blocks end when the device does. Lane 0 draws one block ahead: the atomic is
-  // issued when the previous draw is used, a whole block before its own result is. Every warp makes exactly one draw
-  // past the end, so the counter ends at ndyn + nsw; the warp that gets the last value resets it (every other draw
-  // of this call is done), which leaves it zero for the next call.
-  constexpr int kStatic = NSTAGE + 1;  // the pipeline's first blocks: no draw on the start-up path
-  const int nb = (max(hist_hi - hist_lo, 0) + kTok - 1) / kTok;
-  const int ndyn = max(nb - kStatic * a.nsw, 0);
-  int taken = 0;         // blocks handed to this warp so far
-  bool more = true;      // no block past the end handed out yet
-  bool drawing = draws;  // lane 0's draw (pend) in flight
-  auto settle = [&](int v) {  // v: a draw past the end; the column's last draw resets the counter
-    if (lane == 0 && v == ndyn + a.nsw - 1) *grab = 0;
-  };
-  auto next_pos = [&]() -> int {  // the next block's first row, hist_hi where none
-    if (!more) return hist_hi;
-    int j;
-    if (taken < kStatic || !draws) {
-      j = widx + taken * a.nsw;
-    } else {
-      const int v = __shfl_sync(0xffffffffu, pend, 0);
-      drawing = v < ndyn;
-      if (drawing) {
-        if (lane == 0) pend = atomicAdd(grab, 1);
-      } else {
-        settle(v);
-      }
-      j = kStatic * a.nsw + v;
-    }
-    ++taken;
-    more = j < nb;
-    return more ? hist_lo + j * kTok : hist_hi;
-  };
-
   // the slots of the next block to issue (lane's tokens: lane and lane + 32)
   int s0 = 0, s1 = 0;
-  auto load_slots = [&](int pos) {  // pos >= hist_hi: none (the next block's loads find nothing)
-    const int p0 = pos + lane, p1 = p0 + 32;
-    s0 = p0 < hist_hi ? __ldg(r2t_row + p0) : 0;
-    s1 = p1 < hist_hi ? __ldg(r2t_row + p1) : 0;
+  auto load_slots = [&](int blk) {
+    const int p0 = lo + blk * kTok + lane, p1 = p0 + 32;
+    s0 = (blk < nblocks && p0 < hi) ? __ldg(r2t_row + p0) : 0;
+    s1 = (blk < nblocks && p1 < hi) ? __ldg(r2t_row + p1) : 0;
   };
-  auto issue = [&](int blk, int pos0) {  // the blk-th block of this warp (its stage), first row pos0
-    if (pos0 < hist_hi) {
+  auto issue = [&](int blk) {
+    if (blk < nblocks) {
       const uint32_t st = sbase + (blk % NSTAGE) * kStageBytes;
-      const int hi = hist_hi;
+      const int pos0 = lo + blk * kTok;
       // codes: lanes 2i, 2i+1 copy the two 16-byte halves of token i (+16k), so that one instruction
       // covers 16 whole rows (contiguous where the layout and the slots are)
 #pragma unroll
@@ -570,15 +528,12 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int sg = (g >> 1) + 4 * (g & 1);  // sigma(g): the tile row of M-row g
   // after the write: row L - 1 (this step's token, its INT2 record being written) is history only where
   // ring_start >= L; uniform per CTA
-  if (after_write && hist_hi >= L && hist_hi > hist_lo) grid_dependency_wait();
-  int pq[NSTAGE + 1];  // first rows of this warp's blocks blk .. blk + NSTAGE (hist_hi: none)
-#pragma unroll
-  for (int i = 0; i <= NSTAGE; ++i) pq[i] = next_pos();
-  load_slots(pq[0]);
+  if (after_write && hist_hi >= L && n > 0) grid_dependency_wait();
+  load_slots(0);
 #pragma unroll
   for (int s = 0; s < NSTAGE - 1; ++s) {
-    issue(s, pq[s]);
-    load_slots(pq[s + 1]);
+    issue(s);
+    load_slots(s + 1);
   }
 
   if (a.pdl == kPdlAfterWriteQ) grid_dependency_wait();  // q' is the write's output
@@ -613,14 +568,13 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const float q10 = __shfl_sync(0xffffffffu, gs1, head0 * 4) / kTwo24;
   const float q11 = __shfl_sync(0xffffffffu, gs1, (head0 + 1) * 4) / kTwo24;
 
-  const int hi = hist_hi;
-  for (int blk = 0; pq[0] < hi; ++blk) {
-    issue(blk + NSTAGE - 1, pq[NSTAGE - 1]);
-    load_slots(pq[NSTAGE]);
+  for (int blk = 0; blk < nblocks; ++blk) {
+    issue(blk + NSTAGE - 1);
+    load_slots(blk + NSTAGE);
     cp_wait<NSTAGE - 1>();
     __syncwarp();
     const uint8_t* st = wbase + (blk % NSTAGE) * kStageBytes;
-    const int pos0 = pq[0];
+    const int pos0 = lo + blk * kTok;
     const bool full = pos0 + kTok <= hi;
 #pragma unroll 1
     for (int j = 0; j < kTok / 16; ++j) {
@@ -723,12 +677,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       }
     }
     __syncwarp();  // this stage is refilled by the next iteration's issue
-#pragma unroll
-    for (int i = 0; i < NSTAGE; ++i) pq[i] = pq[i + 1];
-    pq[NSTAGE] = next_pos();
   }
   cp_wait<0>();
-  if (drawing) settle(__shfl_sync(0xffffffffu, pend, 0));  // ended on a static block: its draw is past the end
 
 #pragma unroll
   for (int x = 4; x < 32; x <<= 1) {
@@ -838,7 +788,7 @@ int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg1
                          int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
                          const void* sk, const void* sv, const void* rk, const void* rv, const int* sink_table,
                          int nwin_sink, int nwin_ring, int win_tiles, int win_last, void* out, int out_dtype,
-                         int* counters, int fused_merge, int* grab, void* stream) {
+                         int* counters, int fused_merge, void* stream) {
   // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows of the grid) before or after them;
   // a KV head's query heads in ceil(gqa / hc) CTA columns (head groups)
   const int hgroups = (gqa + hc - 1) / hc;
@@ -846,7 +796,7 @@ int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg1
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
          grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, hgroups, kg128, vg128,
          (const __nv_bfloat16*)sk, (const __nv_bfloat16*)sv, (const __nv_bfloat16*)rk, (const __nv_bfloat16*)rv,
-         sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge, grab};
+         sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge};
   DISPATCH(nstage, hc, launch, a, bh * hgroups, warps, grid_y + nwin_sink + nwin_ring, pdl, (cudaStream_t)stream)
 }
 
