@@ -14,9 +14,7 @@ chain - write, is reported):
                          triggers its dependents at once (follows_write)
   oscar_cuda_fused_q     q rotated by the write's own launch (oscar_write_kv q_out) instead of the GEMM, plain
   oscar_cuda_fused_q_after_write  both: the server's decode at small batch on sm_90+ (srt/backend.py); the history
-                         CTAs issue their first copies, then wait for the write's q programs (q_from_write, q_handoff:
-                         kernels/handoff.py)
-  oscar_cuda_fused_q_after_write_wait  the same, the history CTAs waiting for the whole write (no q_handoff)
+                         CTAs issue their first copies, then wait for the write's q (q_from_write)
   flashinfer_bf16        SGLang's write (store_cache, its JIT kernel, PDL-enabled as SGLang builds it) + FlashInfer
                          BF16 paged decode (tensor cores, enable_pdl=True where the API takes it), pages of 16
   flashinfer_fp8         the BF16 -> FP8 casts of SGLang's set_kv_buffer + store_cache + FlashInfer FP8 decode
@@ -41,7 +39,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 from sglang_oscar.kernels.decode import oscar_decode, transform_query  # noqa: E402
-from sglang_oscar.kernels.handoff import QHandoff  # noqa: E402
 from sglang_oscar.kernels.write import oscar_write_kv  # noqa: E402
 from bench_decode import (MEM_CAP, MODELS, SINK, WINDOW, bench, copy_bandwidth, fi_bytes, flashinfer_fns,  # noqa: E402
                           make_oscar, n_copies, oscar_bytes, versions)
@@ -51,12 +48,10 @@ OSCAR_PAGE, FI_PAGE = 64, 16
 CLIP = 0.95  # K and V clip ratios of the write (a fitted bundle's are of this order)
 
 
-def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=None, block_t=None, num_splits=None,
-                    handoff=False):
+def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=None, block_t=None, num_splits=None):
     """Per copy: q's transform (a GEMM, or in the write's launch with fuse_q), the write of one token per request
-    (position ctx - 1, a ring row) and the decode (num_splits: its history split count, None = its rule; handoff,
-    with after_write and fuse_q: q from the write's q programs through a QHandoff, as the server); and the same
-    without the decode (no handoff: a handoff needs its decode). Returns (chains, writes, keep)."""
+    (position ctx - 1, a ring row) and the decode (num_splits: its history split count, None = its rule); and the
+    same without the decode. Returns (chains, writes, keep)."""
     cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=OSCAR_PAGE)
     g = torch.Generator(device="cuda").manual_seed(0)
     rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, device="cuda"))[0].contiguous()
@@ -69,24 +64,23 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=N
     q_kw = dict(q=q_raw, q_transform=t_q, q_out=q_out) if fuse_q else {}
     sink_dst = torch.full((b,), -1, dtype=torch.int32, device="cuda")
     chains, writes = [], []
-    qh = QHandoff("cuda") if handoff and after_write and fuse_q else None
     for c in range(copies):
         reqs = torch.arange(c * b, (c + 1) * b, device="cuda")
         slots = r2t[reqs, ctx - 1].long()
         ring_dst = (reqs * WINDOW + (ctx - 1) % WINDOW).int()
         idx = reqs.int()
 
-        def write(slots=slots, ring_dst=ring_dst, qh=None):
+        def write(slots=slots, ring_dst=ring_dst):
             oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, k_clip=CLIP, v_clip=CLIP,
                            validate=False, pdl_trigger=after_write, block_t=block_t, **q_kw,
-                           **({"num_warps": num_warps} if num_warps else {}), **({"q_handoff": qh} if qh else {}))
+                           **({"num_warps": num_warps} if num_warps else {}))
 
         def chain(idx=idx, write=write):
             q = q_out if fuse_q else transform_query(q_raw, t_q, hkv)  # before the write, as srt/backend.py does
-            write(qh=qh)
+            write()
             oscar_decode(q, cache, r2t, idx, seq, ring_start, sink=SINK, window=WINDOW, sm_scale=1 / math.sqrt(d),
                          out=out, history_kernel="cuda", follows_write=after_write,
-                         q_from_write=after_write and fuse_q, num_splits=num_splits, q_handoff=qh)
+                         q_from_write=after_write and fuse_q, num_splits=num_splits)
 
         chains.append(chain)
         writes.append(write)
@@ -186,7 +180,7 @@ def main():
     ap.add_argument("--contexts", default="32768,65536,131072")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--impls", default="oscar_cuda,oscar_cuda_after_write,oscar_cuda_fused_q,"
-                    "oscar_cuda_fused_q_after_write,oscar_cuda_fused_q_after_write_wait,flashinfer_bf16,flashinfer_fp8")
+                    "oscar_cuda_fused_q_after_write,flashinfer_bf16,flashinfer_fp8")
     ap.add_argument("--reference", default="oscar_cuda_fused_q_after_write",
                     help="the impl the summary's ratios divide by")
     ap.add_argument("--plot-from", default="", help="a results JSON of this script: write its PNG next to --out "
@@ -224,13 +218,11 @@ def main():
                                 continue
                             copies = n_copies(nbytes)
                             fuse_q = "fused_q" in impl
-                            after_write = "after_write" in impl
-                            handoff = after_write and fuse_q and not impl.endswith("_wait")
                             chains, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx, copies,
-                                                                   after_write=after_write, fuse_q=fuse_q,
-                                                                   handoff=handoff)
+                                                                   after_write=impl.endswith("after_write"),
+                                                                   fuse_q=fuse_q)
                             cfg = f"page{OSCAR_PAGE}:cuda" + (":q_in_write" if fuse_q else ":q_gemm") + \
-                                (":follows_write" if after_write else "") + (":q_handoff" if handoff else "")
+                                (":follows_write" if "after_write" in impl else "")
                         else:
                             fp8 = impl.endswith("fp8")
                             nbytes = fi_bytes(b, hq, hkv, d, ctx, 1 if fp8 else 2, FI_PAGE)

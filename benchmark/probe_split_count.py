@@ -28,8 +28,6 @@ from bench_decode import MODELS, bench, make_oscar, n_copies, oscar_bytes, oscar
 from bench_write import git_commit, write_json  # noqa: E402
 from bench_write_decode import OSCAR_PAGE, oscar_chain_fns  # noqa: E402
 
-# the chain as the server runs it: q from the write's q programs (kernels/handoff.py) where this tree has them
-HANDOFF = "handoff" in oscar_chain_fns.__code__.co_varnames
 DEFAULT_SPLITS = {1: "8,12,16,20,24,28,32", 2: "4,6,8,10,12,16", 4: "3,4,6,8"}
 
 
@@ -78,7 +76,7 @@ def main():
                 keep_chain = []
                 for n in counts:
                     chains, _, keep = oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write=True, fuse_q=True,
-                                                      num_splits=n, handoff=HANDOFF)
+                                                      num_splits=n)
                     fns[("chain", n)] = chains
                     keep_chain.append(keep)
             times = {k: [] for k in fns}

@@ -848,10 +848,6 @@ def test_follows_write_refuses_what_would_race():
         oscar_decode(**case, history_kernel="cuda", follows_write=True)
     with pytest.raises(ValueError, match="q_from_write qualifies follows_write"):
         oscar_decode(**case, history_kernel="cuda", q_from_write=True)
-    from sglang_oscar.kernels.handoff import QHandoff
-
-    with pytest.raises(ValueError, match="q_handoff hands q from the write .* q_from_write=True"):
-        oscar_decode(**case, history_kernel="cuda", q_handoff=QHandoff("cpu"))
     k = torch.zeros(1, 2, 128)
     idx = torch.full((1,), -1, dtype=torch.int32)
     with pytest.raises(ValueError, match="pdl_trigger needs programmatic dependent launch"):
@@ -861,11 +857,6 @@ def test_follows_write_refuses_what_would_race():
         history_cuda.launch(case["q"], case["cache"], case["req_to_token"], case["req_pool_indices"],
                             case["seq_lens"], case["ring_start"], sink=8, window=16, sm_scale=1.0, ns=1, ns_total=3,
                             o_part=None, lse_part=None, pdl=4)
-    with pytest.raises(ValueError, match="q_ready is the write's q handoff: it goes with pdl=PDL_AFTER_WRITE_Q"):
-        history_cuda.launch(case["q"], case["cache"], case["req_to_token"], case["req_pool_indices"],
-                            case["seq_lens"], case["ring_start"], sink=8, window=16, sm_scale=1.0, ns=1, ns_total=3,
-                            o_part=None, lse_part=None, pdl=history_cuda.PDL_AFTER_WRITE,
-                            q_ready=(torch.zeros(64, dtype=torch.int32), 2))
 
 
 @requires_cuda
@@ -910,12 +901,12 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write):
     if q_in_write:  # the decode reads the write's q_out: its rows of the batch
         case = {**case, "q": q_out[-b:]}
 
-    def chain(pdl, out, qh=None):
+    def chain(pdl, out):
         kw = dict(q=q_rows, q_transform=t_q, q_out=q_out) if q_in_write else {}
         oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, validate=False,
-                       pdl_trigger=pdl, **kw, **({"q_handoff": qh} if qh else {}))
+                       pdl_trigger=pdl, **kw)
         return oscar_decode(**case, out=out, history_kernel="cuda", follows_write=pdl,
-                            q_from_write=pdl and q_in_write, q_handoff=qh)
+                            q_from_write=pdl and q_in_write)
 
     ring_row = ridx[0] * window + pos[0] % window
     old_row = cache.ring_k[ring_row].clone()
@@ -936,29 +927,6 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write):
         gr.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, plain)
-    if not q_in_write:
-        return
-    # the q handoff (kernels/handoff.py): the history warps wait for the write's q programs only; the same bits,
-    # and both counts back to zero after every chain (a count left behind would let the next decode read q' early)
-    from sglang_oscar.kernels.handoff import COUNT, QHandoff
-
-    qh = QHandoff("cuda")
-    for _ in range(2):
-        out.fill_(float("nan"))
-        q_out.fill_(float("nan"))
-        assert torch.equal(chain(True, out, qh), plain)
-        assert int(qh.flags[0]) == 0 and int(qh.flags[COUNT]) == 0 and qh.target is None
-    gh = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gh):
-        chain(True, out, qh)
-        chain(True, out, qh)  # two layers' chains in one graph, one handoff in turn
-    for _ in range(3):
-        out.fill_(float("nan"))
-        q_out.fill_(float("nan"))
-        gh.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, plain)
-        assert int(qh.flags[0]) == 0 and int(qh.flags[COUNT]) == 0
 
 
 def test_cuda_history_ctypes_signature_matches_the_source():

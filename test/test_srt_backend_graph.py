@@ -496,9 +496,6 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows):
     for row in rows:
         w.prefill(row, 10, _inputs(10, row))
     w.backend.history_after_write = True
-    from sglang_oscar.kernels.handoff import QHandoff
-
-    qh = w.backend.q_handoff = QHandoff("cpu")  # what __init__ makes on sm_90+ (Q_HANDOFF)
     events, seen_q = [], []
     real_transform = decode.transform_query
 
@@ -507,13 +504,13 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows):
         return real_transform(q, t, kv_heads)
 
     def write_layer(layer_id, k, v, slots, sink_dst, ring_dst, pdl_trigger=False, q=None, q_transform=None,
-                    q_out=None, q_handoff=None):
-        events.append(("write", pdl_trigger, q is not None, q_handoff is qh))
+                    q_out=None):
+        events.append(("write", pdl_trigger, q is not None))
         if q is not None:
             q_out.copy_(real_transform(q, q_transform, HKV))
 
-    def fake_decode(q, *args, q_transform=None, follows_write=False, q_from_write=False, q_handoff=None, **kw):
-        events.append(("decode", q_transform is None, follows_write, q_from_write, q_handoff is qh))
+    def fake_decode(q, *args, q_transform=None, follows_write=False, q_from_write=False, **kw):
+        events.append(("decode", q_transform is None, follows_write, q_from_write))
         seen_q.append(real_transform(q, q_transform, HKV))
         return torch.zeros_like(q)
 
@@ -523,12 +520,12 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows):
     inputs = _inputs(len(rows), 7)
     w.decode_eager(rows, inputs)
     chain = max_batch >= len(rows)
-    if fuse_q:  # the q handoff where the decode is chained to the write that rotated q
-        want_events = [("write", chain, True, chain), ("decode", True, chain, chain, chain)]
+    if fuse_q:
+        want_events = [("write", chain, True), ("decode", True, chain, chain)]
     elif chain:
-        want_events = [("transform",), ("write", True, False, False), ("decode", True, True, False, False)]
+        want_events = [("transform",), ("write", True, False), ("decode", True, True, False)]
     else:
-        want_events = [("write", False, False, False), ("decode", False, False, False, False)]
+        want_events = [("write", False, False), ("decode", False, False, False)]
     assert events == want_events * len(LAYERS)
     for layer, (q, _, _), got in zip(LAYERS, inputs, seen_q):  # the decode's queries, rotated once
         r = w.backend.pool.rotations[layer.layer_id]
@@ -536,7 +533,7 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows):
     events.clear()
     q, k, v = inputs[0]
     w.backend.forward_decode(q, k, v, LAYERS[0], None, save_kv_cache=False)
-    assert events == [("decode", False, False, False, False)]  # no write: q_transform goes to oscar_decode
+    assert events == [("decode", False, False, False)]  # no write: q_transform goes to oscar_decode
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (and nvcc for the CUDA history)")

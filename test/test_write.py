@@ -371,44 +371,6 @@ def test_write_q_rotation_refusals():
                        q_out=qq.clone())
 
 
-@pytest.mark.parametrize("n,block_t", [(1, None), (3, 1), (5, 2), (20, None)])
-def test_write_q_handoff_counts_the_rows_it_stored(n, block_t):
-    """oscar_write_kv(q_handoff=...) (kernels/handoff.py): the q programs add their tokens to flags[0] after their
-    rows, so one write leaves tokens x KV heads there (one-token programs, 2-token tiles with a partial last tile,
-    the dot path), nothing in the history warps' count, the handoff armed with that target; the rows are the
-    same as without it. A second write before the decode took the first one raises, and so does a decode that
-    takes nothing."""
-    LayerCache, _, oscar_write_kv = _imports()
-    from sglang_oscar.kernels.handoff import COUNT, QHandoff
-
-    hkv, gqa, d = 2, 4, 64
-    c = LayerCache.empty(64, hkv, d, k_group=64, v_group=64, num_sink_rows=4, max_reqs=2, window=16, sink=4,
-                         device=DEVICE, window_dtype=torch.float32)
-    g = torch.Generator().manual_seed(n)
-    k, v = (torch.randn(n, hkv, d, generator=g).to(DEVICE) for _ in "kv")
-    rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g))[0].contiguous().to(DEVICE)
-    q = torch.randn(n, hkv * gqa, d, generator=g).to(DEVICE)
-    slots = torch.randperm(64, generator=g)[:n].to(DEVICE)
-    none = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
-    want = torch.full_like(q, float("nan"))
-    oscar_write_kv(k, v, slots, none, none, c, k_transform=rot, q=q, q_transform=rot, q_out=want, block_t=block_t)
-    qh = QHandoff(DEVICE)
-    got = torch.full_like(q, float("nan"))
-    oscar_write_kv(k, v, slots, none, none, c, k_transform=rot, q=q, q_transform=rot, q_out=got, block_t=block_t,
-                   q_handoff=qh)
-    assert torch.equal(got, want)
-    assert int(qh.flags[0]) == n * hkv and int(qh.flags[COUNT]) == 0 and qh.pending() == n * hkv
-    with pytest.raises(RuntimeError, match="armed it again before oscar_decode"):
-        oscar_write_kv(k, v, slots, none, none, c, k_transform=rot, q=q, q_transform=rot, q_out=got, q_handoff=qh)
-    assert qh.take() == n * hkv
-    with pytest.raises(RuntimeError, match="needs the KV write that rotated q"):
-        qh.take()
-    with pytest.raises(ValueError, match="q_handoff hands the rotated q .* needs q / q_transform / q_out"):
-        oscar_write_kv(k, v, slots, none, none, c, k_transform=rot, q_handoff=qh)
-    with pytest.raises(ValueError, match="target must be >= 1"):
-        qh.arm(0)
-
-
 @requires_cuda
 @pytest.mark.parametrize("n", [1, 3, 16, 40])
 @pytest.mark.parametrize("gqa", [1, 4, 5, 8])

@@ -1070,7 +1070,6 @@ def oscar_decode(
     history_kernel: str = "triton",
     follows_write: bool = False,
     q_from_write: bool = False,
-    q_handoff=None,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
@@ -1105,8 +1104,6 @@ def oscar_decode(
     "cuda" on sm_90 or newer only; the caller guarantees the order (the server's backend does, srt/backend.py).
     q_from_write (with follows_write): q is that write's q_out (oscar_write_kv(q=..., q_out=...) rotated it), so the
     history CTAs issue their first copies and then wait for the write before they read q (kPdlAfterWriteQ).
-    q_handoff (with q_from_write; kernels/handoff.py QHandoff): the one that write was launched with; the history
-    warps then wait only for the write's q programs (their count of stored rows), not for the whole write.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -1182,9 +1179,6 @@ def oscar_decode(
     elif q_from_write:
         raise ValueError("q_from_write qualifies follows_write (the history kernel chained to the write that "
                          "rotated q); without follows_write the launch waits for the write anyway")
-    if q_handoff is not None and not q_from_write:
-        raise ValueError("q_handoff hands q from the write that rotated it: it needs follows_write=True and "
-                         "q_from_write=True")
     q = transform_query(q, q_transform, Hkv).contiguous()
     if hist_cuda:
         from . import history_cuda
@@ -1261,10 +1255,7 @@ def oscar_decode(
                             pdl=(history_cuda.PDL_OFF if not follows_write else history_cuda.PDL_AFTER_WRITE_Q
                                  if q_from_write else history_cuda.PDL_AFTER_WRITE),
                             window_splits=(ss, rs) if fused_window else (0, 0), sink_k=sink_k, sink_v=sink_v,
-                            out=out if fused_merge else None,
-                            q_ready=(q_handoff.flags, q_handoff.pending()) if q_handoff is not None else None)
-        if q_handoff is not None:
-            q_handoff.take()  # launched: the next write may arm it (not before, or a failed launch would leave a count)
+                            out=out if fused_merge else None)
         if fused_merge:
             return out
     if not fused_window:

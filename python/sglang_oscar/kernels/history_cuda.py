@@ -66,7 +66,7 @@ Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel
 # oscar_history_launch's C parameters in order (test_decode checks them against the source's signature)
 _i, _p = ctypes.c_int, ctypes.c_void_p
 LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
-                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _p, _i, _p]
+                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _p]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -213,7 +213,7 @@ PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q = 0, 1, 2, 3
 
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
            o_part, lse_part, pdl: int = PDL_OFF, window_splits: tuple = (0, 0), sink_k=None, sink_v=None,
-           out=None, q_ready: Optional[tuple] = None) -> None:
+           out=None) -> None:
     """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128], and
     with window_splits = (SS, RS) != (0, 0) (window_ctas) the sink partials [ns, ns + SS) and the ring partials
     [ns + SS, ns + SS + RS) as well (sink_k / sink_v: the cache's sink rows, or a one-row stand-in where it has
@@ -225,14 +225,10 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     The kernel lets its dependents launch at once (griddepcontrol.launch_dependents); a kernel launched after it
     with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
     itself as a programmatic dependent of the previous one (PDL_WAIT_FIRST: it waits for that one before anything
-    else; PDL_AFTER_WRITE / PDL_AFTER_WRITE_Q: the previous kernel is this step's KV write, see the constants).
-    q_ready (PDL_AFTER_WRITE_Q only): (flags, target) of the write's q handoff (kernels/handoff.py): the history
-    warps wait for target q' rows instead of the whole write."""
+    else; PDL_AFTER_WRITE / PDL_AFTER_WRITE_Q: the previous kernel is this step's KV write, see the constants)."""
     if pdl not in (PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q):
         raise ValueError(f"pdl must be PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE or PDL_AFTER_WRITE_Q (0-3), "
                          f"got {pdl!r}")
-    if q_ready is not None and pdl != PDL_AFTER_WRITE_Q:
-        raise ValueError("q_ready is the write's q handoff: it goes with pdl=PDL_AFTER_WRITE_Q")
     lib = library()
     b, hq = q.shape[0], q.shape[1]
     hkv = cache.kv_heads
@@ -267,7 +263,6 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
             raise ValueError(f"history_kernel='cuda' merges at most {cnt.numel()} (request, KV head) columns in the "
                              f"kernel, this call has {cols}: raise history_cuda.COUNTERS")
         merge = (out.data_ptr(), Q_DTYPES[out.dtype], cnt.data_ptr(), 1)
-    qr = (q_ready[0].data_ptr(), int(q_ready[1])) if q_ready is not None else (None, 0)
     if not (req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q.is_contiguous()):
         raise ValueError("history_kernel='cuda' needs contiguous q, req_pool_indices and seq_lens")
     page = cache.page
@@ -279,7 +274,7 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
         o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), int(pdl), *win, ss, rs,
-        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST), *merge, *qr,
+        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST), *merge,
         torch.cuda.current_stream().cuda_stream)
     if rc:
         raise RuntimeError(f"history_kernel='cuda' launch failed (cuda error {rc})")

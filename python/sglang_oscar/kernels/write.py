@@ -297,7 +297,6 @@ if HAS_TRITON:
         q_ptr=None, stride_qt=0, stride_qh=0, tq_ptr=None, stride_tqh=0, qo_ptr=None,
         HAS_Q: tl.constexpr = False, GQA: tl.constexpr = 1, GQA_P2: tl.constexpr = 1, BLOCK_KQ: tl.constexpr = 8,
         Q_LOWP: tl.constexpr = False,
-        qr_ptr=None, Q_READY: tl.constexpr = False,  # kernels/handoff.py: count the q' rows stored in qr_ptr[0]
     ):
         if PDL_TRIGGER:
             gdc_launch_dependents()
@@ -306,11 +305,6 @@ if HAS_TRITON:
         if HAS_Q and tl.program_id(2) == 2:  # the step's queries, rotated here instead of by a GEMM before
             _rotate_q(q_ptr, stride_qt, stride_qh, tq_ptr, stride_tqh, qo_ptr, T, t0, h, GQA, GQA_P2, H, D,
                       BLOCK_T, BLOCK_KQ, PRECISION, Q_LOWP)
-            if Q_READY:
-                # every thread's q' stores before one thread's release add (bar.sync, then a predicated
-                # atom.release.gpu): a history warp whose acquire load sees the count sees these rows
-                tl.debug_barrier()
-                tl.atomic_add(qr_ptr, tl.minimum(T - t0, BLOCK_T), sem="release", scope="gpu")
         elif BLOCK_T == 1 and tl.program_id(2) == 0:
             _write_row(
                 k_ptr, stride_kt, stride_kh, kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh,
@@ -422,7 +416,6 @@ def oscar_write_kv(
     q: Optional[torch.Tensor] = None,
     q_transform: Optional[torch.Tensor] = None,
     q_out: Optional[torch.Tensor] = None,
-    q_handoff=None,
 ) -> None:
     """Write T tokens of one layer into `pool` (in place). See the module docstring.
 
@@ -441,9 +434,6 @@ def oscar_write_kv(
     contiguous [T, Hq, D] tensor of q's dtype), in extra programs of this launch instead of a GEMM before it:
     one kernel less per layer and decode step, and with pdl_trigger nothing between the write and the decode. q and
     T_q both bf16 (or fp16): products in that dtype with fp32 sums, as transform_query's GEMM; else fp32.
-    q_handoff (kernels/handoff.py QHandoff, with q_out; of use with pdl_trigger): the q programs count the rows they
-    stored, so that oscar_decode(q_from_write=True, q_handoff=...), which must follow, reads q' without waiting for
-    the whole write.
     """
     if not HAS_TRITON:
         raise RuntimeError("oscar_write_kv needs triton")
@@ -494,14 +484,6 @@ def oscar_write_kv(
     if num_warps is None:
         num_warps = MID_BATCH_WARPS if bt == 16 and n <= MID_BATCH_TOKENS else 4
     qargs = _q_args(q, q_transform, q_out, n, h, d, dev, bt)
-    if q_handoff is not None:
-        if not qargs:
-            raise ValueError("q_handoff hands the rotated q to the decode chained to this write: it needs q / "
-                             "q_transform / q_out")
-        if q_handoff.flags.device != dev:
-            raise ValueError(f"q_handoff's flags are on {q_handoff.flags.device}, the cache on {dev}")
-        q_handoff.arm(n * h)  # q' rows: tokens x KV heads (each q program adds its tokens)
-        qargs = dict(qargs, qr_ptr=q_handoff.flags, Q_READY=True)
     grid = (triton.cdiv(n, bt), h, 3 if qargs else 2)
     _oscar_write_kv_kernel[grid](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),

@@ -64,11 +64,8 @@ NAME = "oscar_int2"
 #   before reading q; chained with q's GEMM before the write instead (FUSE_Q_IN_WRITE off) they stream during
 #   the whole write, which measured slower once the write's q programs used tensor cores (64k batch 1: 37.3 vs
 #   36.3 us, 128k 54.1 vs 50.0; results/decode_step_layer_ee6a1e7_*).
-# - Q_HANDOFF: chained with q from the write, the history warps wait only for the write's q programs (their count
-#   of stored q' rows, kernels/handoff.py) instead of the whole write.
 FUSE_Q_IN_WRITE = True
 AFTER_WRITE_MAX_BATCH = 8
-Q_HANDOFF = True
 
 logger = logging.getLogger(__name__)
 
@@ -180,11 +177,6 @@ class OscarAttnBackend(AttentionBackend):
         # forward_decode chains them up to AFTER_WRITE_MAX_BATCH
         self.history_after_write = (self.history_kernel == "cuda" and torch.device(self.device).type == "cuda"
                                     and torch.cuda.get_device_capability(self.device)[0] >= 9)
-        self.q_handoff = None  # made here, before any graph capture (kernels/handoff.py)
-        if self.history_after_write and FUSE_Q_IN_WRITE and Q_HANDOFF:
-            from ..kernels.handoff import QHandoff
-
-            self.q_handoff = QHandoff(self.device)
         model_dtype = getattr(model_runner, "dtype", None)
         for r in pool.rotations if model_dtype is not None else ():  # made here, not inside a graph capture
             r.q_transform_as(model_dtype)
@@ -399,8 +391,6 @@ class OscarAttnBackend(AttentionBackend):
             q_kw = {}
             if fuse_q:
                 q_kw = dict(q=q, q_transform=q_transform, q_out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
-                if chain and self.q_handoff is not None:
-                    q_kw["q_handoff"] = self.q_handoff
             self.pool.write_layer(layer.layer_id, k.reshape(-1, h, d), v.reshape(-1, h, d), m.slots, m.sink_dst,
                                   m.ring_dst, pdl_trigger=chain, **q_kw)
             if fuse_q:
@@ -409,7 +399,7 @@ class OscarAttnBackend(AttentionBackend):
         o = oscar_decode(q, lc, self.req_to_token_pool.req_to_token, m.req_pool_indices,
                          m.seq_lens, self.pool.ring_start, sink=lc.sink, window=lc.window, sm_scale=layer.scaling,
                          q_transform=q_transform, split_waves=self.split_waves, follows_write=chain,
-                         q_from_write=chain and fuse_q, q_handoff=q_kw.get("q_handoff") if write else None,
+                         q_from_write=chain and fuse_q,
                          k_level_a=None if r.k_level_a == 1.0 else r.k_level_a,
                          v_level_a=None if r.v_level_a == 1.0 else r.v_level_a,
                          history_kernel=self.history_kernel)

@@ -72,21 +72,13 @@ constexpr float kLazy = 8.0f;            // log2 units a score may pass the runn
 //                  dependent of this grid, then sees the write too); the window CTAs, which read the new row,
 //                  wait first.
 //   kPdlAfterWriteQ the same, with q rotated by that write (oscar_write_kv q_out): the history CTAs walk their
-//                  index chain and issue their first copies, then wait before they read q: for the write's q
-//                  handoff (Args.q_ready, wait_q_ready: the q programs' count of stored rows) where given, else for
-//                  the whole write.
+//                  index chain and issue their first copies, then wait before they read q.
 constexpr int kPdlOff = 0, kPdlWaitFirst = 1, kPdlAfterWrite = 2, kPdlAfterWriteQ = 3;
 
 __device__ __forceinline__ void grid_dependency_wait() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
-}
-
-__device__ __forceinline__ int load_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
 }
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int n) {
@@ -171,10 +163,6 @@ struct Args {
   int out_dtype;
   int* counters;            // [>= gridDim.x] zero between calls: CTAs of a column done (the last one resets it)
   int fused_merge;
-  // kPdlAfterWriteQ with the write's q handoff (kernels/handoff.py): q_ready[0] counts the q' rows the write has
-  // stored; the history warps wait for q_target of them instead of the whole write (q_ready null: they wait for it)
-  int* q_ready;
-  int q_target;
 };
 
 // record of (pool slot s, KV head h): kernels/records.py pool_record (pages of 2^page_log2 slots; pmask = page - 1,
@@ -456,19 +444,6 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
 
-// The write's q handoff (kernels/handoff.py): every lane polls the count with acquire loads until the whole warp has
-// seen q_target (so each lane's later loads of q' see the rows), then lane 0 counts its warp in; the grid's last warp
-// resets both counts (all others have passed their wait, all of the write's adds are in) for the next write.
-// warps: the history warps of the grid (window CTAs do not wait here).
-__device__ __forceinline__ void wait_q_ready(int* q_ready, int target, int warps) {
-  while (!__all_sync(0xffffffffu, load_acquire(q_ready) >= target)) __nanosleep(64);
-  if ((threadIdx.x & 31) == 0 && atomicAdd(q_ready + 32, 1) == warps - 1) {  // q_ready[32]: handoff.py COUNT
-    q_ready[0] = 0;
-    q_ready[32] = 0;
-  }
-  __syncwarp();
-}
-
 template <int NSTAGE, int HC>
 __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -561,13 +536,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     load_slots(s + 1);
   }
 
-  if (a.pdl == kPdlAfterWriteQ) {  // q' is the write's output
-    if (a.q_ready) {
-      wait_q_ready(a.q_ready, a.q_target, a.nsw * (int)gridDim.x);
-    } else {
-      grid_dependency_wait();
-    }
-  }
+  if (a.pdl == kPdlAfterWriteQ) grid_dependency_wait();  // q' is the write's output
   // built while the first stages' copies are in flight
   // q' = c0 q 4^(2g - p) as this lane's B fragments: reg 2ks + w of k-step ks = (plane p, half hh) holds dims
   // p*32 + t*8 + 4hh + 2w + (0, 1) of column g's head; and the group sums of q. This lane's accumulator
@@ -819,7 +788,7 @@ int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg1
                          int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
                          const void* sk, const void* sv, const void* rk, const void* rv, const int* sink_table,
                          int nwin_sink, int nwin_ring, int win_tiles, int win_last, void* out, int out_dtype,
-                         int* counters, int fused_merge, int* q_ready, int q_target, void* stream) {
+                         int* counters, int fused_merge, void* stream) {
   // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows of the grid) before or after them;
   // a KV head's query heads in ceil(gqa / hc) CTA columns (head groups)
   const int hgroups = (gqa + hc - 1) / hc;
@@ -827,7 +796,7 @@ int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg1
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
          grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, hgroups, kg128, vg128,
          (const __nv_bfloat16*)sk, (const __nv_bfloat16*)sv, (const __nv_bfloat16*)rk, (const __nv_bfloat16*)rv,
-         sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge, q_ready, q_target};
+         sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge};
   DISPATCH(nstage, hc, launch, a, bh * hgroups, warps, grid_y + nwin_sink + nwin_ring, pdl, (cudaStream_t)stream)
 }
 
