@@ -958,6 +958,22 @@ def test_cuda_history_columns_per_gqa(monkeypatch):
     assert [history_cuda.cta_columns(16, g) for g in (4, 5, 8, 12)] == [16, 32, 32, 48]
 
 
+def test_cuda_chained_split_count(monkeypatch):
+    """history_cuda.chained_num_splits: one round of resident CTAs less the chained write's programs and the window
+    CTAs, shared by the CTA columns: Qwen3-8B / 32B at batch 1 on 132 SMs (2 CTAs each), 8 columns, 24 write
+    programs (K, V, q of 8 KV heads), 3 window CTAs per column -> (264 - 24 - 24) / 8 = 27; capped by the merge's
+    partials; at least 1."""
+    from sglang_oscar.kernels import history_cuda
+
+    monkeypatch.setattr(history_cuda, "occupancy", lambda stages=None, warps=None, heads=4: 2)
+    assert history_cuda.chained_num_splits(8, 4, 132, write_programs=24, window_partials=3) == 27
+    assert history_cuda.chained_num_splits(8, 8, 132, write_programs=24, window_partials=3) == 27  # one 8-head tile
+    assert history_cuda.chained_num_splits(8, 4, 132, write_programs=16, window_partials=3) == 28  # q by a GEMM
+    assert history_cuda.chained_num_splits(1, 4, 132, write_programs=3, window_partials=3) == \
+        history_cuda.MAX_PARTIALS - 3
+    assert history_cuda.chained_num_splits(64, 4, 16, write_programs=192, window_partials=3) == 1
+
+
 def test_cuda_window_ctas_cover_the_window():
     from sglang_oscar.kernels import history_cuda
 

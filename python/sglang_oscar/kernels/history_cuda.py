@@ -202,6 +202,20 @@ def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, 
     return max(1, min(want, rows, MAX_PARTIALS - window_partials))
 
 
+def chained_num_splits(kv_heads: int, gqa: int, num_sms: int, write_programs: int, window_partials: int = 8) -> int:
+    """History splits per CTA column for one request chained to its KV write (oscar_decode follows_write, batch 1):
+    the slots of one round that the write's programs and this grid's window CTAs leave. Why: launched as the write's
+    programmatic dependent, the history CTAs start beside the write's programs, and an SM holding one of those has no
+    registers left for a second history CTA (two take all 64K), so with the one-round count (default_num_splits)
+    the last-dispatched CTAs start only when the write ends (~6 us later) and end the call that much later. Measured
+    at batch 1 only (H100, Qwen3-8B layer, benchmark/NOTES.md "The chained layer's timeline"): at batch 2-4 the
+    one-round count stayed the fastest."""
+    ctas = occupancy(heads=cta_heads(gqa))
+    cols = max(cta_columns(kv_heads, gqa), 1)
+    free = num_sms * ctas - write_programs - cols * window_partials
+    return max(1, min(free // cols, MAX_PARTIALS - window_partials))
+
+
 _INDEX_DTYPES = {torch.int32: 0, torch.int64: 1}
 # launch(pdl=...): the kernel's Args.pdl (kernels/cuda/int2_history.cu kPdl*). PDL_WAIT_FIRST: a programmatic
 # dependent of any kernel (every CTA waits for it first). PDL_AFTER_WRITE: a programmatic dependent of this decode
