@@ -929,6 +929,37 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write):
         assert torch.equal(out, plain)
 
 
+@requires_cuda
+@pytest.mark.parametrize("gqa", [4, 8])
+def test_cuda_history_after_the_kv_write_batch_1(gqa):
+    """One request chained to its KV write, q rotated by the write: oscar_decode picks chained_num_splits; the output
+    matches the oracle on the written cache, and the plain (unchained) decode of the same cache to rounding."""
+    from sglang_oscar.kernels import history_cuda
+    from sglang_oscar.kernels.write import oscar_write_kv
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    case = make_case([9001], hkv=8, gqa=gqa, d=128, sink=64, window=256, pool_page=64, seed=130 + gqa)
+    cache, r2t, ridx = case["cache"], case["req_to_token"], case["req_pool_indices"].long()
+    pos = case["seq_lens"].long() - 1
+    slots = r2t[ridx, pos].long()
+    gen = torch.Generator(device="cuda").manual_seed(gqa)
+    k_new, v_new = (torch.randn(1, 8, 128, generator=gen, device="cuda").to(torch.bfloat16) for _ in "kv")
+    rot = torch.linalg.qr(torch.randn(8, 128, 128, generator=gen, device="cuda"))[0].contiguous()
+    q_out = torch.full_like(case["q"], float("nan"))
+    none = torch.full((1,), -1, dtype=torch.int32, device="cuda")
+    ring_dst = (ridx * 256 + pos % 256).int()
+    oscar_write_kv(k_new, v_new, slots, none, ring_dst, cache, k_transform=rot, validate=False, pdl_trigger=True,
+                   q=case["q"], q_transform=rot.to(torch.bfloat16), q_out=q_out)
+    out = torch.full_like(case["q"], float("nan"))
+    oscar_decode(**{**case, "q": q_out}, out=out, history_kernel="cuda", follows_write=True, q_from_write=True)
+    run_and_check({**case, "q": q_out.clone()}, history_kernel="cuda")  # the oracle on the cache as written
+    torch.testing.assert_close(out.float(), oscar_decode(**{**case, "q": q_out}, history_kernel="cuda").float(),
+                               rtol=1e-2, atol=1e-2)
+    assert 1 < history_cuda.chained_num_splits(8, gqa, torch.cuda.get_device_properties(0).multi_processor_count,
+                                               write_programs=24, window_partials=3) <= history_cuda.MAX_PARTIALS
+
+
 def test_cuda_history_ctypes_signature_matches_the_source():
     """history_cuda.LAUNCH_ARGTYPES against the C parameters of oscar_history_launch in the .cu source: a parameter
     added on one side only would shift every later argument (no GPU or nvcc needed)."""
