@@ -202,14 +202,21 @@ def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, 
     return max(1, min(want, rows, MAX_PARTIALS - window_partials))
 
 
+# chained_num_splits up to this req_to_token width (the longest context a call can have; in a server its context
+# length): the same-call A/B (results/ab_layer_chained_splits_c44e8cf_vs_440e27a_*, H100, batch 1) measured it
+# 0.91-0.95x at 32k and 64k for Qwen3-8B and 32B but 1.01-1.05x at 96k and 128k, where the history is long enough
+# that its share of fewer CTAs costs more than the late start of the last ones.
+CHAINED_MAX_CONTEXT = 1 << 16
+
+
 def chained_num_splits(kv_heads: int, gqa: int, num_sms: int, write_programs: int, window_partials: int = 8) -> int:
     """History splits per CTA column for one request chained to its KV write (oscar_decode follows_write, batch 1):
     the slots of one round that the write's programs and this grid's window CTAs leave. Why: launched as the write's
     programmatic dependent, the history CTAs start beside the write's programs, and an SM holding one of those has no
     registers left for a second history CTA (two take all 64K), so with the one-round count (default_num_splits)
     the last-dispatched CTAs start only when the write ends (~6 us later) and end the call that much later. Measured
-    at batch 1 only (H100, Qwen3-8B layer, benchmark/NOTES.md "The chained layer's timeline"): at batch 2-4 the
-    one-round count stayed the fastest."""
+    at batch 1 only (H100, Qwen3-8B / 32B layers, benchmark/NOTES.md "The chained layer's timeline"): at batch 2-4
+    the one-round count stayed the fastest, and beyond CHAINED_MAX_CONTEXT too."""
     ctas = occupancy(heads=cta_heads(gqa))
     cols = max(cta_columns(kv_heads, gqa), 1)
     free = num_sms * ctas - write_programs - cols * window_partials
