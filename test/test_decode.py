@@ -931,14 +931,19 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write):
 
 @requires_cuda
 @pytest.mark.parametrize("gqa", [4, 8])
-def test_cuda_history_after_the_kv_write_batch_1(gqa):
-    """One request chained to its KV write, q rotated by the write: oscar_decode picks chained_num_splits; the output
-    matches the oracle on the written cache, and the plain (unchained) decode of the same cache to rounding."""
+def test_cuda_history_after_the_kv_write_batch_1(gqa, monkeypatch):
+    """One request chained to its KV write, q rotated by the write: oscar_decode picks chained_num_splits (its
+    context bounds lowered to this case's: they are a speed choice); the output matches the oracle on the written
+    cache, and the plain (unchained) decode of the same cache to rounding."""
     from sglang_oscar.kernels import history_cuda
     from sglang_oscar.kernels.write import oscar_write_kv
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
+    monkeypatch.setattr(history_cuda, "CHAINED_MIN_CONTEXT", 0)
+    picked = []
+    real = history_cuda.chained_num_splits
+    monkeypatch.setattr(history_cuda, "chained_num_splits", lambda *a, **k: picked.append(real(*a, **k)) or picked[-1])
     case = make_case([9001], hkv=8, gqa=gqa, d=128, sink=64, window=256, pool_page=64, seed=130 + gqa)
     cache, r2t, ridx = case["cache"], case["req_to_token"], case["req_pool_indices"].long()
     pos = case["seq_lens"].long() - 1
@@ -956,8 +961,7 @@ def test_cuda_history_after_the_kv_write_batch_1(gqa):
     run_and_check({**case, "q": q_out.clone()}, history_kernel="cuda")  # the oracle on the cache as written
     torch.testing.assert_close(out.float(), oscar_decode(**{**case, "q": q_out}, history_kernel="cuda").float(),
                                rtol=1e-2, atol=1e-2)
-    assert 1 < history_cuda.chained_num_splits(8, gqa, torch.cuda.get_device_properties(0).multi_processor_count,
-                                               write_programs=24, window_partials=3) <= history_cuda.MAX_PARTIALS
+    assert len(picked) == 1 and 1 < picked[0] <= history_cuda.MAX_PARTIALS  # the chained call only
 
 
 def test_cuda_history_ctypes_signature_matches_the_source():

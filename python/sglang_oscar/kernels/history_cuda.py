@@ -202,11 +202,14 @@ def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, 
     return max(1, min(want, rows, MAX_PARTIALS - window_partials))
 
 
-# chained_num_splits up to this req_to_token width (the longest context a call can have; in a server its context
-# length): the same-call A/B (results/ab_layer_chained_splits_c44e8cf_vs_440e27a_*, H100, batch 1) measured it
-# 0.91-0.95x at 32k and 64k for Qwen3-8B and 32B but 1.01-1.05x at 96k and 128k, where the history is long enough
-# that its share of fewer CTAs costs more than the late start of the last ones.
-CHAINED_MAX_CONTEXT = 1 << 16
+# chained_num_splits for req_to_token widths (the longest context a call can have; in a server its context length)
+# in [CHAINED_MIN_CONTEXT, CHAINED_MAX_CONTEXT]: the same-call A/B (H100, batch 1,
+# results/ab_layer_chained_splits_c44e8cf_vs_440e27a_*) measured it 0.91-0.95x at 32k and 64k for Qwen3-8B and 32B
+# but 1.01-1.05x at 96k and 128k, where
+# the history is long enough that its share of fewer CTAs costs more than the late start of the last ones (at 48k
+# the split sweep's neighbours, 26 and 28, were 1.02-1.03x the one-round count). Below 32k it was not measured,
+# and there the one-round count is capped by MIN_ROWS_PER_SPLIT, so it stays.
+CHAINED_MIN_CONTEXT, CHAINED_MAX_CONTEXT = 1 << 15, 1 << 16
 
 
 def chained_num_splits(kv_heads: int, gqa: int, num_sms: int, write_programs: int, window_partials: int = 8) -> int:
@@ -216,7 +219,7 @@ def chained_num_splits(kv_heads: int, gqa: int, num_sms: int, write_programs: in
     registers left for a second history CTA (two take all 64K), so with the one-round count (default_num_splits)
     the last-dispatched CTAs start only when the write ends (~6 us later) and end the call that much later. Measured
     at batch 1 only (H100, Qwen3-8B / 32B layers, benchmark/NOTES.md "The chained layer's timeline"): at batch 2-4
-    the one-round count stayed the fastest, and beyond CHAINED_MAX_CONTEXT too."""
+    the one-round count stayed the fastest, and outside [CHAINED_MIN_CONTEXT, CHAINED_MAX_CONTEXT] too."""
     ctas = occupancy(heads=cta_heads(gqa))
     cols = max(cta_columns(kv_heads, gqa), 1)
     free = num_sms * ctas - write_programs - cols * window_partials
