@@ -7,7 +7,8 @@ Why: with the in-kernel q rotation (reverted) 16 splits beat the rule's 32 at 64
 batch 1 an older sweep had 16 splits 20.7 us and 20-32 splits 23-26 us. The rule fills one round of resident CTAs
 (2 per SM), so whether one CTA per SM is faster at batch 1-2 had not been measured for the shipped kernel.
 
-No SGLang or FlashInfer needed (kernels only). Writes $OUT/probe_split_count_<tag>_<device>.json: per
+"auto" is the count oscar_decode picks by itself in that mode (rule_splits: chained_num_splits for one chained request
+at a 32k-64k req_to_token width, else the one-round rule). No SGLang or FlashInfer needed (kernels only). Writes $OUT/probe_split_count_<tag>_<device>.json: per
 (mode, context, batch, splits) the median over rounds of each round's us per call, and min / max.
 
     python benchmark/probe_split_count.py --contexts 32768,65536,131072 --batches 1,2 --rounds 3
@@ -31,12 +32,17 @@ from bench_write_decode import OSCAR_PAGE, oscar_chain_fns  # noqa: E402
 DEFAULT_SPLITS = {1: "8,12,16,20,24,28,32", 2: "4,6,8,10,12,16", 4: "3,4,6,8"}
 
 
-def rule_splits(b, hkv, gqa, ctx):
+def rule_splits(mode, b, hkv, gqa, ctx):
+    """The count oscar_decode picks by itself (num_splits None) for this mode: the one-round rule, or for one request
+    chained to its write at a 32k-64k req_to_token width chained_num_splits (q rotated by the write)."""
     from sglang_oscar.kernels import history_cuda
     from sglang_oscar.kernels.decode import _num_sms
 
-    return history_cuda.default_num_splits(b * hkv, gqa, ctx, _num_sms(torch.device("cuda")),
-                                           sum(history_cuda.window_ctas(64, 256)))
+    sms, windows = _num_sms(torch.device("cuda")), sum(history_cuda.window_ctas(64, 256))
+    if (mode == "chain" and b == 1
+            and history_cuda.CHAINED_MIN_CONTEXT <= ctx <= history_cuda.CHAINED_MAX_CONTEXT):
+        return history_cuda.chained_num_splits(hkv, gqa, sms, write_programs=3 * hkv, window_partials=windows)
+    return history_cuda.default_num_splits(b * hkv, gqa, ctx, sms, windows)
 
 
 def main():
@@ -61,24 +67,26 @@ def main():
     rows = []
     for ctx in (int(v) for v in args.contexts.split(",")):
         for b in (int(v) for v in args.batches.split(",")):
-            auto = rule_splits(b, hkv, hq // hkv, ctx)
-            counts = [None] + [n for n in (int(v) for v in per_batch.get(b, "").split(",") if v) if n != auto]
             copies = n_copies(oscar_bytes(b, hq, hkv, d, ctx))
-            fns = {}
-            if "alone" in args.modes:
-                q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
-                cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=OSCAR_PAGE)
-                keep_alone = (q, cache, r2t, seq, ring_start)
-                for n in counts:
-                    fns[("alone", n)] = oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d,
-                                                  history_kernel="cuda", num_splits=n)
-            if "chain" in args.modes:
-                keep_chain = []
-                for n in counts:
-                    chains, _, keep = oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write=True, fuse_q=True,
-                                                      num_splits=n)
-                    fns[("chain", n)] = chains
-                    keep_chain.append(keep)
+            fns, auto, keep = {}, {}, []
+            for mode in ("alone", "chain"):
+                if mode not in args.modes:
+                    continue
+                auto[mode] = rule_splits(mode, b, hkv, hq // hkv, ctx)
+                counts = [None] + [n for n in (int(v) for v in per_batch.get(b, "").split(",") if v) if n != auto[mode]]
+                if mode == "alone":
+                    q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
+                    cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=OSCAR_PAGE)
+                    keep.append((q, cache, r2t, seq, ring_start))
+                    for n in counts:
+                        fns[(mode, n)] = oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, history_kernel="cuda",
+                                                   num_splits=n)
+                else:
+                    for n in counts:
+                        chains, _, kept = oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write=True, fuse_q=True,
+                                                          num_splits=n)
+                        fns[(mode, n)] = chains
+                        keep.append(kept)
             times = {k: [] for k in fns}
             for r in range(args.rounds):
                 order = list(fns) if r % 2 == 0 else list(fns)[::-1]  # interleaved, alternating order
@@ -86,7 +94,7 @@ def main():
                     times[k].append(1e3 * bench(fns[k]))
             for (mode, n), ts in times.items():
                 row = dict(impl=f"{mode}:{'auto' if n is None else n}", model=args.model, mode=mode, context=ctx,
-                           batch=b, splits=n or auto, rule=n is None, auto_splits=auto,
+                           batch=b, splits=n or auto[mode], rule=n is None, auto_splits=auto[mode],
                            us=statistics.median(ts), us_min=min(ts), us_max=max(ts), rounds=ts)
                 rows.append(row)
             for mode in ("alone", "chain"):
@@ -97,8 +105,7 @@ def main():
                 print(f"{mode:5s} ctx {ctx:6d} b {b}: " + "  ".join(
                     f"{r['splits']}{'*' if r['rule'] else ''}={r['us']:.1f}({r['us'] / base:.2f})" for r in sel),
                     flush=True)
-            del fns
-            keep_alone = keep_chain = None  # noqa: F841
+            del fns, keep
             torch.cuda.empty_cache()
             # after every point: a run cut short by the call's time limit keeps what it measured
             out = dict(device=dev, model=args.model, page=OSCAR_PAGE, rounds=args.rounds,
