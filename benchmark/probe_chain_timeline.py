@@ -24,7 +24,7 @@ import triton
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import MODELS, bench, capture_graph, make_oscar, n_copies, oscar_bytes, oscar_fns  # noqa: E402
 from bench_write import git_commit, write_json  # noqa: E402
-from bench_write_decode import oscar_chain_fns  # noqa: E402
+from bench_write_decode import OSCAR_PAGE, oscar_chain_fns  # noqa: E402
 from probe_decode_fixed_cost import kernel_records  # noqa: E402
 
 IMPLS = {  # name: (after_write, fuse_q); "alone": the decode only (q already rotated)
@@ -71,7 +71,7 @@ def main():
             for impl in args.impls.split(","):
                 if IMPLS[impl] is None:
                     q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
-                    cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=64)
+                    cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=OSCAR_PAGE)
                     fns, keep = oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, history_kernel="cuda"), cache
                 else:
                     after_write, fuse_q = IMPLS[impl]

@@ -7,9 +7,9 @@ Why: with the in-kernel q rotation (reverted) 16 splits beat the rule's 32 at 64
 batch 1 an older sweep had 16 splits 20.7 us and 20-32 splits 23-26 us. The rule fills one round of resident CTAs
 (2 per SM), so whether one CTA per SM is faster at batch 1-2 had not been measured for the shipped kernel.
 
-"auto" is the count oscar_decode picks by itself in that mode (rule_splits: chained_num_splits for one chained request
-at a 32k-64k req_to_token width, else the one-round rule). No SGLang or FlashInfer needed (kernels only). Writes $OUT/probe_split_count_<tag>_<device>.json: per
-(mode, context, batch, splits) the median over rounds of each round's us per call, and min / max.
+"auto" is the count oscar_decode picks by itself in that mode (history_cuda.split_count). No SGLang or FlashInfer
+needed (kernels only). Writes $OUT/probe_split_count_<tag>_<device>.json: per (mode, context, batch, splits) the
+median over rounds of each round's us per call, and min / max.
 
     python benchmark/probe_split_count.py --contexts 32768,65536,131072 --batches 1,2 --rounds 3
 """
@@ -17,6 +17,7 @@ at a 32k-64k req_to_token width, else the one-round rule). No SGLang or FlashInf
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -25,24 +26,23 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import MODELS, bench, make_oscar, n_copies, oscar_bytes, oscar_fns  # noqa: E402
+from bench_decode import MODELS, SINK, WINDOW, bench, make_oscar, n_copies, oscar_bytes, oscar_fns  # noqa: E402
 from bench_write import git_commit, write_json  # noqa: E402
 from bench_write_decode import OSCAR_PAGE, oscar_chain_fns  # noqa: E402
 
 DEFAULT_SPLITS = {1: "8,12,16,20,24,28,32", 2: "4,6,8,10,12,16", 4: "3,4,6,8"}
 
 
-def rule_splits(mode, b, hkv, gqa, ctx):
-    """The count oscar_decode picks by itself (num_splits None) for this mode: the one-round rule, or for one request
-    chained to its write at a 32k-64k req_to_token width chained_num_splits (q rotated by the write)."""
+def rule_splits(mode, b, hkv, gqa, d, ctx):
+    """The count oscar_decode picks by itself (num_splits None) in this mode (history_cuda.split_count; chain: the
+    write rotates q, as the server's)."""
     from sglang_oscar.kernels import history_cuda
     from sglang_oscar.kernels.decode import _num_sms
+    from sglang_oscar.kernels.write import default_block_t, write_grid
 
-    sms, windows = _num_sms(torch.device("cuda")), sum(history_cuda.window_ctas(64, 256))
-    if (mode == "chain" and b == 1
-            and history_cuda.CHAINED_MIN_CONTEXT <= ctx <= history_cuda.CHAINED_MAX_CONTEXT):
-        return history_cuda.chained_num_splits(hkv, gqa, sms, write_programs=3 * hkv, window_partials=windows)
-    return history_cuda.default_num_splits(b * hkv, gqa, ctx, sms, windows)
+    chained = math.prod(write_grid(b, hkv, default_block_t(b, d), True)) if mode == "chain" else None
+    return history_cuda.split_count(b, hkv, gqa, ctx, _num_sms(torch.device("cuda")),
+                                    sum(history_cuda.window_ctas(SINK, WINDOW)), chained)
 
 
 def main():
@@ -72,7 +72,7 @@ def main():
             for mode in ("alone", "chain"):
                 if mode not in args.modes:
                     continue
-                auto[mode] = rule_splits(mode, b, hkv, hq // hkv, ctx)
+                auto[mode] = rule_splits(mode, b, hkv, hq // hkv, d, ctx)
                 counts = [None] + [n for n in (int(v) for v in per_batch.get(b, "").split(",") if v) if n != auto[mode]]
                 if mode == "alone":
                     q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")

@@ -1007,6 +1007,15 @@ def test_cuda_chained_split_count(monkeypatch):
     assert history_cuda.chained_num_splits(1, 4, 132, write_programs=3, window_partials=3) == \
         history_cuda.MAX_PARTIALS - 3
     assert history_cuda.chained_num_splits(64, 4, 16, write_programs=192, window_partials=3) == 1
+    # split_count, oscar_decode's pick: chained only for one chained request at a 32k-64k req_to_token width
+    from sglang_oscar.kernels.write import write_grid
+
+    assert math.prod(write_grid(1, 8, 1, True)) == 24 and math.prod(write_grid(1, 8, 1, False)) == 16
+    for width in (1 << 15, 1 << 16):
+        assert history_cuda.split_count(1, 8, 4, width, 132, 3, chained_write_programs=24) == 27
+    for batch, width, chained in ((1, (1 << 15) - 1, 24), (1, (1 << 16) + 1, 24), (2, 1 << 15, 48), (1, 1 << 15, None)):
+        assert history_cuda.split_count(batch, 8, 4, width, 132, 3, chained) == \
+            history_cuda.default_num_splits(batch * 8, 4, width, 132, 3)
 
 
 def test_cuda_window_ctas_cover_the_window():

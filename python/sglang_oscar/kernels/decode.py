@@ -1076,8 +1076,8 @@ def oscar_decode(
 
     k_level_a / v_level_a: INT2 codebook parameter a (levels 0, a, 3−a, 3); None = uniform.
     num_splits: INT2 history splits per (request, KV head); None = default_num_splits(..., waves=split_waves)
-    (history_kernel "cuda": history_cuda.default_num_splits, or chained_num_splits for one request that
-    follows_write, for req_to_token widths of 32k-64k: CHAINED_MIN_CONTEXT / CHAINED_MAX_CONTEXT).
+    (history_kernel "cuda": history_cuda.split_count, i.e. default_num_splits, or chained_num_splits for one request
+    that follows_write at req_to_token widths of 32k-64k).
     block_n / num_warps / num_stages: the INT2 loop's tokens per iteration, warps and pipeline depth
     (None / 2 / 3: 128 tokens, 64 per warp, measured best on H100 in benchmark/NOTES.md v4; 64 where NP >= 16,
     default_block_n); maxnreg caps
@@ -1202,15 +1202,15 @@ def oscar_decode(
             split_rule = dict(fill_min_rows=LARGE_NP_FILL_MIN_ROWS)
         else:
             split_rule = {}
-        if (hist_cuda and follows_write and B == 1
-                and history_cuda.CHAINED_MIN_CONTEXT <= req_to_token.shape[1] <= history_cuda.CHAINED_MAX_CONTEXT):
-            # the write's programs of this one token (K, V, and q where it rotated q) hold SM slots at launch
-            num_splits = history_cuda.chained_num_splits(
-                Hkv, group, _num_sms(q.device), write_programs=Hkv * (3 if q_from_write else 2),
-                window_partials=sum(history_cuda.window_ctas(sink, window)))
-        elif hist_cuda:
-            num_splits = history_cuda.default_num_splits(B * Hkv, group, req_to_token.shape[1], _num_sms(q.device),
-                                                         window_partials=sum(history_cuda.window_ctas(sink, window)))
+        if hist_cuda:
+            # chained: the write's programs of this step's tokens hold SM slots when the history kernel launches
+            chained = None
+            if follows_write:
+                from .write import default_block_t, write_grid
+
+                chained = math.prod(write_grid(B, Hkv, default_block_t(B, D), q_from_write))
+            num_splits = history_cuda.split_count(B, Hkv, group, req_to_token.shape[1], _num_sms(q.device),
+                                                  sum(history_cuda.window_ctas(sink, window)), chained)
         else:
             num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
                                             ctas_per_sm=ctas, **split_rule)

@@ -205,10 +205,9 @@ def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, 
 # chained_num_splits for req_to_token widths (the longest context a call can have; in a server its context length)
 # in [CHAINED_MIN_CONTEXT, CHAINED_MAX_CONTEXT]: the same-call A/B (H100, batch 1,
 # results/ab_layer_chained_splits_c44e8cf_vs_440e27a_*) measured it 0.91-0.95x at 32k and 64k for Qwen3-8B and 32B
-# but 1.01-1.05x at 96k and 128k, where
-# the history is long enough that its share of fewer CTAs costs more than the late start of the last ones (at 48k
-# the split sweep's neighbours, 26 and 28, were 1.02-1.03x the one-round count). Below 32k it was not measured,
-# and there the one-round count is capped by MIN_ROWS_PER_SPLIT, so it stays.
+# but 1.01-1.05x at 96k and 128k, where the history is long enough that its share of fewer CTAs costs more than the
+# late start of the last ones (at 48k the split sweep's neighbours, 26 and 28, were 1.02-1.03x the one-round count).
+# Below 32k it was not measured, and there the one-round count is capped by MIN_ROWS_PER_SPLIT, so it stays.
 CHAINED_MIN_CONTEXT, CHAINED_MAX_CONTEXT = 1 << 15, 1 << 16
 
 
@@ -224,6 +223,17 @@ def chained_num_splits(kv_heads: int, gqa: int, num_sms: int, write_programs: in
     cols = max(cta_columns(kv_heads, gqa), 1)
     free = num_sms * ctas - write_programs - cols * window_partials
     return max(1, min(free // cols, MAX_PARTIALS - window_partials))
+
+
+def split_count(batch: int, kv_heads: int, gqa: int, max_context: int, num_sms: int, window_partials: int,
+                chained_write_programs: Optional[int] = None) -> int:
+    """The history split count oscar_decode uses where num_splits is None: chained_num_splits for one request chained
+    to its KV write (chained_write_programs: that write's program count, kernels/write.py write_grid) at a
+    req_to_token width (max_context) in [CHAINED_MIN_CONTEXT, CHAINED_MAX_CONTEXT], else default_num_splits."""
+    if (chained_write_programs is not None and batch == 1
+            and CHAINED_MIN_CONTEXT <= max_context <= CHAINED_MAX_CONTEXT):
+        return chained_num_splits(kv_heads, gqa, num_sms, chained_write_programs, window_partials)
+    return default_num_splits(batch * kv_heads, gqa, max_context, num_sms, window_partials)
 
 
 _INDEX_DTYPES = {torch.int32: 0, torch.int64: 1}

@@ -374,6 +374,12 @@ INTERPRETER_MAX_SMALL_T = 8
 INTERPRETER_MAX_DOT_T = 128
 
 
+def write_grid(num_tokens: int, kv_heads: int, block_t: int, with_q: bool) -> tuple:
+    """oscar_write_kv's launch grid: token tiles x KV heads x (K, V and, with_q, the q programs). The chained decode
+    counts these programs (history_cuda.split_count)."""
+    return (-(-num_tokens // block_t), kv_heads, 3 if with_q else 2)
+
+
 def default_block_t(num_tokens: int, head_dim: int, interpreter: bool = False) -> int:
     """Tokens per program: 1 for decode-sized calls (<= SMALL_BATCH_TOKENS), 16 for larger decode
     batches (<= MID_BATCH_TOKENS), else enough rows to feed the dot with few enough registers for
@@ -484,7 +490,7 @@ def oscar_write_kv(
     if num_warps is None:
         num_warps = MID_BATCH_WARPS if bt == 16 and n <= MID_BATCH_TOKENS else 4
     qargs = _q_args(q, q_transform, q_out, n, h, d, dev, bt)
-    grid = (triton.cdiv(n, bt), h, 3 if qargs else 2)
+    grid = write_grid(n, h, bt, bool(qargs))
     _oscar_write_kv_kernel[grid](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         kmat, s_kmh, kmean, s_kmeanh, vmat, s_vmh,
