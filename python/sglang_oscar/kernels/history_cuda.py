@@ -118,6 +118,50 @@ def _nvcc() -> str:
                                  "history_kernel='triton'")
 
 
+def build(defines: tuple = ()) -> str:
+    """Path of the compiled library of SOURCE with these preprocessor macros (none: the shipped kernel), built with
+    nvcc on first use and cached on disk by (source, macros, GPU arch, nvcc). Variants (e.g. OSCAR_HISTORY_TRACE for
+    benchmark/probe_history_trace.py) get their own file."""
+    nvcc = _nvcc()
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}"
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    src = open(SOURCE, "rb").read()
+    flags = [f"-D{d}" for d in defines]
+    key = hashlib.sha256(src + arch.encode() + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    cache = os.environ.get("SGLANG_OSCAR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sglang_oscar"))
+    os.makedirs(cache, exist_ok=True)
+    so = os.path.join(cache, f"int2_history_{key}.so")
+    if not os.path.exists(so):
+        tmp = f"{so}.{os.getpid()}.tmp"
+        cmd = [nvcc, "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared", "-Xcompiler", "-fPIC",
+               *flags, "-o", tmp, SOURCE]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise CudaHistoryUnavailable(f"nvcc failed to build {SOURCE}:\n{res.stderr[-2000:]}")
+        os.replace(tmp, so)  # atomic: concurrent builders (TP ranks) each write their own tmp file
+    return so
+
+
+def load(path: str) -> ctypes.CDLL:
+    """The library at `path` (build()) with its entry points typed."""
+    lib = ctypes.CDLL(path)
+    lib.oscar_history_launch.argtypes = LAUNCH_ARGTYPES
+    lib.oscar_history_launch.restype = ctypes.c_int
+    for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
+        f.argtypes, f.restype = [ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return lib
+
+
+def use_library(lib: Optional[ctypes.CDLL]) -> None:
+    """Launch from `lib` (a load()ed variant) from now on, or from the shipped build again with None; the
+    per-configuration shared-memory limits are set again for it. For benchmarks of kernel variants."""
+    global _lib
+    with _lock:
+        _lib = lib
+        _occupancy.clear()
+
+
 def library() -> ctypes.CDLL:
     """The compiled kernel library (built on first use, then cached on disk and in the process)."""
     global _lib
@@ -126,29 +170,7 @@ def library() -> ctypes.CDLL:
     with _lock:
         if _lib is not None:
             return _lib
-        nvcc = _nvcc()
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"{major}{minor}"
-        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-        src = open(SOURCE, "rb").read()
-        key = hashlib.sha256(src + arch.encode() + version.encode()).hexdigest()[:16]
-        cache = os.environ.get("SGLANG_OSCAR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sglang_oscar"))
-        os.makedirs(cache, exist_ok=True)
-        so = os.path.join(cache, f"int2_history_{key}.so")
-        if not os.path.exists(so):
-            tmp = f"{so}.{os.getpid()}.tmp"
-            cmd = [nvcc, "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared", "-Xcompiler", "-fPIC",
-                   "-o", tmp, SOURCE]
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode:
-                raise CudaHistoryUnavailable(f"nvcc failed to build {SOURCE}:\n{res.stderr[-2000:]}")
-            os.replace(tmp, so)  # atomic: concurrent builders (TP ranks) each write their own tmp file
-        lib = ctypes.CDLL(so)
-        lib.oscar_history_launch.argtypes = LAUNCH_ARGTYPES
-        lib.oscar_history_launch.restype = ctypes.c_int
-        for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
-            f.argtypes, f.restype = [ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_int
-        _lib = lib
+        _lib = load(build())
     for heads in (4, 8):  # first load: the default configurations' shared-memory limits, before any graph capture
         occupancy(heads=heads)
     if FUSED_MERGE:

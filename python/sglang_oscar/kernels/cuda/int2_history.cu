@@ -81,6 +81,43 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// OSCAR_HISTORY_TRACE (benchmark/probe_history_trace.py builds a separate library with it; the shipped build has
+// none of this): lane 0 of every warp stores %globaltimer and clock64 at the marks below into g_trace, 16 words per
+// warp at ((blockIdx.y * gridDim.x + blockIdx.x) * warps + warp) * 16: words 2i, 2i + 1 are mark i's (globaltimer,
+// clock64), word 14 the warp's (smid | split + 1 << 8 | nblocks << 24 | window CTA << 40), word 15 its CTA column.
+// A mark's "dep" operand makes it wait for that value (an asm input), so that a mark after a load is taken after
+// the load has landed.
+#ifdef OSCAR_HISTORY_TRACE
+constexpr int kTraceWarps = 1 << 16, kTraceWords = 16;
+__device__ unsigned long long g_trace[kTraceWarps * kTraceWords];
+enum TraceMark { kMarkEntry, kMarkIndex, kMarkSlots, kMarkQ, kMarkFirst, kMarkLoop, kMarkEnd };
+__device__ __forceinline__ void trace_mark(int mark, uint32_t dep) {
+  unsigned long long t, c;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t) : "r"(dep) : "memory");
+  asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(c) : "r"(dep) : "memory");
+  const unsigned idx = ((blockIdx.y * gridDim.x + blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kTraceWords;
+  if ((threadIdx.x & 31) == 0 && idx < kTraceWarps * kTraceWords) {
+    g_trace[idx + 2 * mark] = t;
+    g_trace[idx + 2 * mark + 1] = c;
+  }
+}
+__device__ __forceinline__ void trace_meta(int split, int nblocks, int window) {
+  uint32_t smid;
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
+  const unsigned idx = ((blockIdx.y * gridDim.x + blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kTraceWords;
+  if ((threadIdx.x & 31) == 0 && idx < kTraceWarps * kTraceWords) {
+    g_trace[idx + 14] = (unsigned long long)smid | ((unsigned long long)(split + 1) << 8) |
+                        ((unsigned long long)nblocks << 24) | ((unsigned long long)window << 40);
+    g_trace[idx + 15] = blockIdx.x;
+  }
+}
+#define TRACE_MARK(mark, dep) trace_mark(mark, (uint32_t)(dep))
+#define TRACE_META(split, nblocks, window) trace_meta(split, nblocks, window)
+#else
+#define TRACE_MARK(mark, dep) ((void)0)
+#define TRACE_META(split, nblocks, window) ((void)0)
+#endif
+
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int n) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
@@ -449,6 +486,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3, gsel = t >> 1;
+  TRACE_MARK(kMarkEntry, 0);
   const int bh = blockIdx.x / a.hgroups, hg = blockIdx.x - bh * a.hgroups, b = bh / a.hkv, h = bh - b * a.hkv;
   const int hq_base = b * a.hkv * a.gqa + h * a.gqa + hg * HC;  // query head of local head 0 of this group
   const int nh = min(HC, a.gqa - hg * HC);                        // valid local heads of this group
@@ -467,6 +505,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
 #endif
   if (split < 0) {  // uniform per CTA
     window_cta<HC>(a, smem, wj, b, h, hq_base, nh);
+    TRACE_MARK(kMarkEnd, 0);
+    TRACE_META(-1, 0, 1);
     return;
   }
 
@@ -479,6 +519,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int chunk = ((n + a.nsw - 1) / a.nsw + 15) & ~15;
   const int lo = min(hist_lo + widx * chunk, hist_hi), hi = min(lo + chunk, hist_hi);
   const int nblocks = (hi - lo + kTok - 1) / kTok;
+  TRACE_MARK(kMarkIndex, hist_hi);
   const int* r2t_row = a.r2t + (size_t)req * a.r2t_stride;
   const int pmask = (1 << a.page_log2) - 1;
 
@@ -533,6 +574,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
 #pragma unroll
   for (int s = 0; s < NSTAGE - 1; ++s) {
     issue(s);
+    if (s == 0) TRACE_MARK(kMarkSlots, s0);  // block 0's copies issued (its slots landed)
     load_slots(s + 1);
   }
 
@@ -567,12 +609,16 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const float q01 = __shfl_sync(0xffffffffu, gs0, (head0 + 1) * 4) / kTwo24;
   const float q10 = __shfl_sync(0xffffffffu, gs1, head0 * 4) / kTwo24;
   const float q11 = __shfl_sync(0xffffffffu, gs1, (head0 + 1) * 4) / kTwo24;
+  TRACE_MARK(kMarkQ, __float_as_uint(q11));
 
   for (int blk = 0; blk < nblocks; ++blk) {
     issue(blk + NSTAGE - 1);
     load_slots(blk + NSTAGE);
     cp_wait<NSTAGE - 1>();
     __syncwarp();
+#ifdef OSCAR_HISTORY_TRACE
+    if (blk == 0) TRACE_MARK(kMarkFirst, 0);
+#endif
     const uint8_t* st = wbase + (blk % NSTAGE) * kStageBytes;
     const int pos0 = lo + blk * kTok;
     const bool full = pos0 + kTok <= hi;
@@ -679,6 +725,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     __syncwarp();  // this stage is refilled by the next iteration's issue
   }
   cp_wait<0>();
+  TRACE_MARK(kMarkLoop, __float_as_uint(l0));
 
 #pragma unroll
   for (int x = 4; x < 32; x <<= 1) {
@@ -728,6 +775,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   __syncthreads();
   if (after_write) grid_dependency_wait();  // this grid ends after the write (long done by now)
   store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, split);
+  TRACE_MARK(kMarkEnd, 0);
+  TRACE_META(split, nblocks, 0);
   if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
 
@@ -799,5 +848,18 @@ int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg1
          sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge};
   DISPATCH(nstage, hc, launch, a, bh * hgroups, warps, grid_y + nwin_sink + nwin_ring, pdl, (cudaStream_t)stream)
 }
+
+#ifdef OSCAR_HISTORY_TRACE
+// the trace (above): copy its first `words` words to host memory / zero it
+int oscar_history_trace_read(unsigned long long* host, int words) {
+  return (int)cudaMemcpyFromSymbol(host, g_trace, (size_t)words * sizeof(unsigned long long));
+}
+int oscar_history_trace_clear() {
+  void* p = nullptr;
+  const int rc = (int)cudaGetSymbolAddress(&p, g_trace);
+  return rc ? rc : (int)cudaMemset(p, 0, sizeof(g_trace));
+}
+int oscar_history_trace_words() { return kTraceWarps * kTraceWords; }
+#endif
 
 }  // extern "C"

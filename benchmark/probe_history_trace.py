@@ -1,0 +1,196 @@
+"""Where a CUDA history call spends its time inside the kernel, warp by warp: a build of kernels/cuda/int2_history.cu
+with OSCAR_HISTORY_TRACE, in which lane 0 of every warp stores %globaltimer and clock64 at seven marks (entry; the
+index chain done: seq_lens, req_pool_indices, ring_start; block 0's copies issued: its req_to_token slots landed;
+q's operands built; block 0's data landed; the loop done; the CTA's partial stored), its SM, split and block count.
+
+Why: at Qwen3-8B 64k batch 1 the history kernel alone takes ~27 us for ~42 MB, ~16 us of which its loop's batch-32
+rate explains, and the split sweeps fit time = ~16 us + ~13 us x (the largest share of rows on one SM)
+(benchmark/NOTES.md). Kernel-level timelines (probe_chain_timeline.py) cannot say whether that fixed part is CTA
+dispatch, the index chain, the first data, the loop's tail or the CTA merge; this can.
+
+Each configuration is timed twice in the same process (the shipped build, then the trace build: the marks' cost),
+then one CUDA-graph replay of the trace build is read back: the last call of the replay (every call of a replay
+writes the same slots). No SGLang or FlashInfer needed (kernels only).
+
+    python benchmark/probe_history_trace.py --configs alone:65536:1:auto,alone:65536:1:16,chain:65536:1:auto
+
+Writes $OUT/probe_history_trace_<tag>_<device>.json: per configuration the us per call of both builds, a summary
+of the phases (median / p90 / max, us) and the offsets of each warp (batch 1 only, for plots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+MARKS = ("entry", "index", "slots", "q", "first", "loop", "end")
+WORDS = 16  # per warp: words 2i, 2i + 1 = mark i's (globaltimer ns, clock64); 14 meta; 15 CTA column
+
+
+def decode_meta(meta):
+    """(smid, split or -1, nblocks, window CTA) from meta words (uint64 array)."""
+    meta = meta.astype(np.uint64)
+    smid = (meta & np.uint64(0xFF)).astype(np.int64)
+    split = ((meta >> np.uint64(8)) & np.uint64(0xFFFF)).astype(np.int64) - 1
+    nblocks = ((meta >> np.uint64(24)) & np.uint64(0xFFFF)).astype(np.int64)
+    window = ((meta >> np.uint64(40)) & np.uint64(1)).astype(bool)
+    return smid, split, nblocks, window
+
+
+def _stats(x):
+    x = np.asarray(x, dtype=np.float64)
+    if x.size == 0:
+        return None
+    return dict(median=float(np.median(x)), p10=float(np.percentile(x, 10)), p90=float(np.percentile(x, 90)),
+                min=float(x.min()), max=float(x.max()))
+
+
+def summarize(words: np.ndarray, warps_per_cta: int) -> dict:
+    """Phase statistics (us) of one traced call from its trace words ([n_warps, 16] uint64, zero rows = warps that
+    did not run). Offsets are from the first warp's entry. History warps: entry offset, then each phase between
+    consecutive marks; window CTAs: entry and end offsets. Also the span (first entry to last end), the warp that
+    ends last with its phases, the history CTAs per SM, and the loop's us per block after block 0."""
+    words = np.asarray(words, dtype=np.uint64).reshape(-1, WORDS)
+    live = words[:, 14] != 0
+    w = words[live]
+    if not len(w):
+        raise ValueError("no traced warps: was the trace build launched?")
+    smid, split, nblocks, window = decode_meta(w[:, 14])
+    gt = w[:, 0:14:2].astype(np.int64)  # [n, 7] ns
+    ck = w[:, 1:14:2].astype(np.int64)
+    off = (gt - gt[:, 0].min()) / 1e3  # us from the first entry
+    hist = ~window
+    out = dict(warps=int(len(w)), history_warps=int(hist.sum()), window_warps=int(window.sum()),
+               span_us=float(off[:, 6].max()), history_end=_stats(off[hist, 6]),
+               entry=_stats(off[hist, 0]))
+    phases = {}
+    for i in range(1, 7):
+        if i == 5:  # loop: from block 0's data to the loop's end
+            d = off[hist, 5] - off[hist, 4]
+        else:
+            d = off[hist, i] - off[hist, i - 1]
+        phases[f"{MARKS[i - 1]}->{MARKS[i]}"] = _stats(d)
+    out["phases"] = phases
+    if window.any():
+        out["window_entry"] = _stats(off[window, 0])
+        out["window_end"] = _stats(off[window, 6])
+    nb = nblocks[hist]
+    many = nb > 1
+    if many.any():
+        out["loop_us_per_block"] = _stats((off[hist, 5] - off[hist, 4])[many] / (nb[many] - 1))
+    out["nblocks"] = _stats(nb)
+    # the SM clock over each warp's life (clock64 cycles per ns), and the globaltimer's smallest step seen
+    life_ns = gt[:, 6] - gt[:, 0]
+    ok = life_ns > 0
+    out["sm_ghz"] = float(np.median((ck[ok, 6] - ck[ok, 0]) / life_ns[ok])) if ok.any() else None
+    steps = np.diff(np.unique(gt.ravel()))
+    out["globaltimer_min_step_ns"] = int(steps[steps > 0].min()) if (steps > 0).any() else None
+    last = int(np.argmax(off[:, 6]))
+    out["last_warp"] = dict(window=bool(window[last]), smid=int(smid[last]), split=int(split[last]),
+                            nblocks=int(nblocks[last]), offsets=[round(float(x), 3) for x in off[last]])
+    # history CTAs per SM (warp 0 of each CTA) and, per SM, the last end
+    first_warps = np.flatnonzero(live)[hist] % warps_per_cta == 0
+    sm_of_cta = smid[hist][first_warps]
+    counts = np.bincount(sm_of_cta, minlength=int(smid.max()) + 1)
+    out["history_ctas_per_sm"] = {str(k): int(v) for k, v in zip(*np.unique(counts, return_counts=True))}
+    return out
+
+
+def per_warp_offsets(words: np.ndarray) -> dict:
+    """The offsets (us from the first entry, 3 decimals) of every live warp's marks, with its SM, split and block
+    count: the raw timeline of one call, for plots."""
+    words = np.asarray(words, dtype=np.uint64).reshape(-1, WORDS)
+    w = words[words[:, 14] != 0]
+    smid, split, nblocks, window = decode_meta(w[:, 14])
+    gt = w[:, 0:14:2].astype(np.int64)
+    off = np.round((gt - gt[:, 0].min()) / 1e3, 3)
+    return dict(smid=smid.tolist(), split=split.tolist(), nblocks=nblocks.tolist(), window=window.tolist(),
+                column=w[:, 15].astype(np.int64).tolist(), offsets=off.tolist())
+
+
+def main():
+    import torch
+    import triton
+
+    from bench_decode import MODELS, bench, capture_graph, make_oscar, n_copies, oscar_bytes, oscar_fns
+    from bench_write import git_commit, write_json
+    from bench_write_decode import OSCAR_PAGE, oscar_chain_fns
+    from sglang_oscar.kernels import history_cuda
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS))
+    ap.add_argument("--configs", default="alone:65536:1:auto,alone:65536:1:16,chain:65536:1:auto,"
+                                         "alone:131072:1:auto,alone:32768:1:auto,alone:65536:8:auto",
+                    help="comma list of mode:context:batch:splits (mode alone or chain; splits auto or a count)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    hq, hkv, d = MODELS[args.model]
+    dev = torch.cuda.get_device_name()
+    shipped = history_cuda.library()
+    traced = history_cuda.load(history_cuda.build(("OSCAR_HISTORY_TRACE",)))
+    traced.oscar_history_trace_read.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    traced.oscar_history_trace_words.restype = ctypes.c_int
+    n_words = traced.oscar_history_trace_words()
+    rows = []
+    for spec in args.configs.split(","):
+        mode, ctx, b, splits = spec.split(":")
+        ctx, b = int(ctx), int(b)
+        n = None if splits == "auto" else int(splits)
+        copies = n_copies(oscar_bytes(b, hq, hkv, d, ctx))
+        if mode == "alone":
+            q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
+            cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=OSCAR_PAGE)
+            fns = oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, history_kernel="cuda", num_splits=n)
+            keep = (q, cache, r2t, seq, ring_start)
+        elif mode == "chain":
+            fns, _, keep = oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write=True, fuse_q=True, num_splits=n)
+        else:
+            raise SystemExit(f"mode must be alone or chain, got {mode!r}")
+        times = {}
+        for name, lib in (("shipped", shipped), ("trace", traced), ("shipped_again", shipped)):
+            history_cuda.use_library(lib)
+            times[name] = 1e3 * bench(fns)
+        history_cuda.use_library(traced)
+        graph = capture_graph(fns)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        traced.oscar_history_trace_clear()
+        graph.replay()
+        torch.cuda.synchronize()
+        buf = np.zeros(n_words, dtype=np.uint64)
+        rc = traced.oscar_history_trace_read(buf.ctypes.data, n_words)
+        if rc:
+            raise RuntimeError(f"trace read failed (cuda error {rc})")
+        summ = summarize(buf, history_cuda.WARPS)
+        row = dict(config=spec, mode=mode, context=ctx, batch=b, splits=n, us_shipped=times["shipped"],
+                   us_shipped_again=times["shipped_again"], us_trace=times["trace"], calls_per_replay=len(fns),
+                   summary=summ)
+        if b == 1:
+            row["warps"] = per_warp_offsets(buf)
+        rows.append(row)
+        ph = summ["phases"]
+        print(f"{spec:24s} shipped {times['shipped']:.1f} / {times['shipped_again']:.1f} us, trace {times['trace']:.1f}"
+              f" | span {summ['span_us']:.1f} | entry p90 {summ['entry']['p90']:.1f} max {summ['entry']['max']:.1f} | "
+              + " ".join(f"{k} {v['median']:.2f}/{v['max']:.2f}" for k, v in ph.items() if v)
+              + f" | per block {summ.get('loop_us_per_block', {}).get('median', math.nan):.2f}"
+              f" | last {summ['last_warp']} | ctas/sm {summ['history_ctas_per_sm']}", flush=True)
+        del fns, keep, graph
+        torch.cuda.empty_cache()
+    history_cuda.use_library(None)
+    out = dict(device=dev, model=args.model, page=OSCAR_PAGE, marks=MARKS,
+               versions=dict(torch=torch.__version__, triton=triton.__version__, git_commit=git_commit()),
+               rows=rows)
+    write_json(args.out, "probe_history_trace" + (f"_{args.tag}" if args.tag else ""), dev, out)
+
+
+if __name__ == "__main__":
+    main()
