@@ -66,8 +66,9 @@ def summarize(words: np.ndarray, warps_per_cta: int) -> dict:
     gt = w[:, 0:14:2].astype(np.int64)  # [n, 7] ns
     ck = w[:, 1:14:2].astype(np.int64)
     off = (gt - gt[:, 0].min()) / 1e3  # us from the first entry
-    hist = ~window
+    hist = ~window & (nblocks > 0)  # a history warp without rows never takes the "first" mark
     out = dict(warps=int(len(w)), history_warps=int(hist.sum()), window_warps=int(window.sum()),
+               empty_history_warps=int((~window & (nblocks == 0)).sum()),
                span_us=float(off[:, 6].max()), history_end=_stats(off[hist, 6]),
                entry=_stats(off[hist, 0]))
     phases = {}
@@ -129,16 +130,23 @@ def main():
     ap.add_argument("--configs", default="alone:65536:1:auto,alone:65536:1:16,chain:65536:1:auto,"
                                          "alone:131072:1:auto,alone:32768:1:auto,alone:65536:8:auto",
                     help="comma list of mode:context:batch:splits (mode alone or chain; splits auto or a count)")
+    ap.add_argument("--sources", default="",
+                    help="comma list of name=path: other kernel sources (e.g. the previous commit's "
+                         "int2_history.cu) timed and traced beside this tree's ('new') in the same process")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per configuration")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     hq, hkv, d = MODELS[args.model]
     dev = torch.cuda.get_device_name()
-    shipped = history_cuda.library()
-    traced = history_cuda.load(history_cuda.build(("OSCAR_HISTORY_TRACE",)))
-    traced.oscar_history_trace_read.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    traced.oscar_history_trace_words.restype = ctypes.c_int
-    n_words = traced.oscar_history_trace_words()
+    sources = [("new", history_cuda.SOURCE)] + [tuple(x.split("=", 1)) for x in args.sources.split(",") if x]
+    libs = {}
+    for name, src in sources:
+        plain = history_cuda.load(history_cuda.build((), src))
+        traced = history_cuda.load(history_cuda.build(("OSCAR_HISTORY_TRACE",), src))
+        traced.oscar_history_trace_read.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        traced.oscar_history_trace_words.restype = ctypes.c_int
+        libs[name] = (plain, traced)
     rows = []
     for spec in args.configs.split(","):
         mode, ctx, b, splits = spec.split(":")
@@ -154,42 +162,50 @@ def main():
             fns, _, keep = oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write=True, fuse_q=True, num_splits=n)
         else:
             raise SystemExit(f"mode must be alone or chain, got {mode!r}")
-        times = {}
-        for name, lib in (("shipped", shipped), ("trace", traced), ("shipped_again", shipped)):
-            history_cuda.use_library(lib)
-            times[name] = 1e3 * bench(fns)
-        history_cuda.use_library(traced)
-        graph = capture_graph(fns)
-        for _ in range(3):
+        times = {name: [] for name in libs}
+        for r in range(args.rounds):  # interleaved, alternating order
+            for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
+                history_cuda.use_library(libs[name][0])
+                times[name].append(1e3 * bench(fns))
+        base = float(np.median(times["new"]))
+        for name, (_, traced) in libs.items():
+            history_cuda.use_library(traced)
+            us_trace = 1e3 * bench(fns)
+            graph = capture_graph(fns)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            traced.oscar_history_trace_clear()
             graph.replay()
-        torch.cuda.synchronize()
-        traced.oscar_history_trace_clear()
-        graph.replay()
-        torch.cuda.synchronize()
-        buf = np.zeros(n_words, dtype=np.uint64)
-        rc = traced.oscar_history_trace_read(buf.ctypes.data, n_words)
-        if rc:
-            raise RuntimeError(f"trace read failed (cuda error {rc})")
-        summ = summarize(buf, history_cuda.WARPS)
-        row = dict(config=spec, mode=mode, context=ctx, batch=b, splits=n, us_shipped=times["shipped"],
-                   us_shipped_again=times["shipped_again"], us_trace=times["trace"], calls_per_replay=len(fns),
-                   summary=summ)
-        if b == 1:
-            row["warps"] = per_warp_offsets(buf)
-        rows.append(row)
-        ph = summ["phases"]
-        print(f"{spec:24s} shipped {times['shipped']:.1f} / {times['shipped_again']:.1f} us, trace {times['trace']:.1f}"
-              f" | span {summ['span_us']:.1f} | entry p90 {summ['entry']['p90']:.1f} max {summ['entry']['max']:.1f} | "
-              + " ".join(f"{k} {v['median']:.2f}/{v['max']:.2f}" for k, v in ph.items() if v)
-              + f" | per block {summ.get('loop_us_per_block', {}).get('median', math.nan):.2f}"
-              f" | last {summ['last_warp']} | ctas/sm {summ['history_ctas_per_sm']}", flush=True)
-        del fns, keep, graph
+            torch.cuda.synchronize()
+            n_words = traced.oscar_history_trace_words()
+            buf = np.zeros(n_words, dtype=np.uint64)
+            rc = traced.oscar_history_trace_read(buf.ctypes.data, n_words)
+            if rc:
+                raise RuntimeError(f"trace read failed (cuda error {rc})")
+            summ = summarize(buf, history_cuda.WARPS)
+            us = float(np.median(times[name]))
+            row = dict(config=spec, source=name, mode=mode, context=ctx, batch=b, splits=n, us=us,
+                       us_rounds=times[name], us_trace=us_trace, vs_new=us / base, calls_per_replay=len(fns),
+                       summary=summ)
+            if b == 1:
+                row["warps"] = per_warp_offsets(buf)
+            rows.append(row)
+            ph = summ["phases"]
+            print(f"{spec:22s} {name:5s} {us:6.1f} us ({us / base:.3f}x new; trace build {us_trace:.1f}) | span "
+                  f"{summ['span_us']:.1f} hist end p50/max {summ['history_end']['median']:.1f}/"
+                  f"{summ['history_end']['max']:.1f} win {summ.get('window_entry', {}).get('median', math.nan):.1f}-"
+                  f"{summ.get('window_end', {}).get('max', math.nan):.1f} | "
+                  + " ".join(f"{k} {v['median']:.2f}" for k, v in ph.items() if v)
+                  + f" | per block {summ.get('loop_us_per_block', {}).get('median', math.nan):.2f}", flush=True)
+            del graph
+        del fns, keep
         torch.cuda.empty_cache()
-    history_cuda.use_library(None)
-    out = dict(device=dev, model=args.model, page=OSCAR_PAGE, marks=MARKS,
-               versions=dict(torch=torch.__version__, triton=triton.__version__, git_commit=git_commit()),
-               rows=rows)
-    write_json(args.out, "probe_history_trace" + (f"_{args.tag}" if args.tag else ""), dev, out)
+        history_cuda.use_library(None)
+        out = dict(device=dev, model=args.model, page=OSCAR_PAGE, marks=MARKS, sources=dict(sources),
+                   versions=dict(torch=torch.__version__, triton=triton.__version__, git_commit=git_commit()),
+                   rows=rows)
+        write_json(args.out, "probe_history_trace" + (f"_{args.tag}" if args.tag else ""), dev, out)
 
 
 if __name__ == "__main__":

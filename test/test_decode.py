@@ -1143,6 +1143,24 @@ def test_cuda_history_explicit_splits_and_graph_capture(gqa):
 
 
 @requires_cuda
+def test_cuda_history_q_dtypes_and_alignment():
+    """The warps read a 16-bit q in 16-byte loads before their index chain (fp32 q element by element): bf16, fp16
+    and fp32 q against the oracle, the history and window CTAs both; a q that does not start 16-byte aligned is
+    refused with what to do, not read misaligned."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        case = make_case([1500, 700, 97], hkv=2, gqa=4, d=128, sink=64, window=256, pool_page=64, seed=11)
+        case["q"] = case["q"].to(dtype)
+        run_and_check(case, history_kernel="cuda")
+    case = make_case([700], hkv=2, gqa=4, d=128, sink=64, window=256, pool_page=64, seed=12)
+    flat = torch.empty(case["q"].numel() + 4, dtype=case["q"].dtype, device=case["q"].device)
+    q = flat[4:].view_as(case["q"])  # contiguous, 8 bytes past the start
+    q.copy_(case["q"])
+    case["q"] = q
+    with pytest.raises(ValueError, match="q must start 16-byte aligned"):
+        oscar_decode(**case, history_kernel="cuda")
+
+
+@requires_cuda
 @pytest.mark.parametrize("config", [None, (2, 4), (3, 4), (4, 2)])  # (stages, warps); None: the default
 def test_cuda_history_split_counts_pdl_and_index_dtypes(config, monkeypatch):
     """One partial per CTA (its warps merged in shared memory): any split count, including CTAs whose warps

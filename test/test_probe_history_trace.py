@@ -43,12 +43,15 @@ def test_summary_phases_span_and_last_warp():
         for _ in range(ws):
             ph = [1000, 500, 200, 300, 3000, 700]
             rows.append(_warp(start, ph, sm, cta, 4))
+    # a warp without history rows: no "first" mark (zero), left out of the phases
+    rows.append(_warp(1000, [1000, 500, 200, 0, 0, 700], 5, 0, 0))
+    rows[-1][8] = 0
     # a window CTA after them, the one that ends last
     for _ in range(ws):
         rows.append(_warp(9000, [0, 0, 0, 0, 0, 1500], 9, -1, 0, window=True))
     words = np.concatenate([np.stack(rows), np.zeros((3, probe.WORDS), dtype=np.uint64)])  # 3 warps that never ran
     s = probe.summarize(words, ws)
-    assert s["warps"] == 8 and s["history_warps"] == 6 and s["window_warps"] == 2
+    assert s["warps"] == 9 and s["history_warps"] == 6 and s["window_warps"] == 2 and s["empty_history_warps"] == 1
     assert s["entry"]["max"] == pytest.approx(2.0) and s["entry"]["min"] == 0.0
     assert s["phases"]["entry->index"]["median"] == pytest.approx(1.0)
     assert s["phases"]["index->slots"]["median"] == pytest.approx(0.5)
@@ -61,7 +64,8 @@ def test_summary_phases_span_and_last_warp():
     assert s["history_ctas_per_sm"] == {"0": 8, "1": 1, "2": 1}  # SMs 0..9: two CTAs on SM 5, one on SM 9
     assert s["sm_ghz"] == pytest.approx(1.8, rel=1e-3)
     off = probe.per_warp_offsets(words)
-    assert len(off["offsets"]) == 8 and off["offsets"][0][0] == 0.0 and off["split"][-1] == -1
+    assert s["phases"]["q->first"]["min"] == pytest.approx(0.3)
+    assert len(off["offsets"]) == 9 and off["offsets"][0][0] == 0.0 and off["split"][-1] == -1
 
 
 def test_summary_refuses_an_empty_trace():

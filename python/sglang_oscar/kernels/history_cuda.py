@@ -118,15 +118,17 @@ def _nvcc() -> str:
                                  "history_kernel='triton'")
 
 
-def build(defines: tuple = ()) -> str:
-    """Path of the compiled library of SOURCE with these preprocessor macros (none: the shipped kernel), built with
-    nvcc on first use and cached on disk by (source, macros, GPU arch, nvcc). Variants (e.g. OSCAR_HISTORY_TRACE for
-    benchmark/probe_history_trace.py) get their own file."""
+def build(defines: tuple = (), source: Optional[str] = None) -> str:
+    """Path of the compiled library of `source` (default SOURCE) with these preprocessor macros (none: the shipped
+    kernel), built with nvcc on first use and cached on disk by (source text, macros, GPU arch, nvcc). Variants
+    (OSCAR_HISTORY_TRACE, or an older source for a same-run A/B: benchmark/probe_history_trace.py) get their own
+    file."""
+    source = source or SOURCE
     nvcc = _nvcc()
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    src = open(SOURCE, "rb").read()
+    src = open(source, "rb").read()
     flags = [f"-D{d}" for d in defines]
     key = hashlib.sha256(src + arch.encode() + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
     cache = os.environ.get("SGLANG_OSCAR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sglang_oscar"))
@@ -135,10 +137,10 @@ def build(defines: tuple = ()) -> str:
     if not os.path.exists(so):
         tmp = f"{so}.{os.getpid()}.tmp"
         cmd = [nvcc, "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared", "-Xcompiler", "-fPIC",
-               *flags, "-o", tmp, SOURCE]
+               *flags, "-o", tmp, source]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
-            raise CudaHistoryUnavailable(f"nvcc failed to build {SOURCE}:\n{res.stderr[-2000:]}")
+            raise CudaHistoryUnavailable(f"nvcc failed to build {source}:\n{res.stderr[-2000:]}")
         os.replace(tmp, so)  # atomic: concurrent builders (TP ranks) each write their own tmp file
     return so
 
@@ -321,6 +323,9 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         merge = (out.data_ptr(), Q_DTYPES[out.dtype], cnt.data_ptr(), 1)
     if not (req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q.is_contiguous()):
         raise ValueError("history_kernel='cuda' needs contiguous q, req_pool_indices and seq_lens")
+    if q.data_ptr() % 16:  # its warps read q's rows in 16-byte loads
+        raise ValueError("history_kernel='cuda' reads q in 16-byte loads: q must start 16-byte aligned (a tensor at "
+                         "its own storage's start, e.g. q.clone(), is)")
     page = cache.page
     # q [B, Hq, 128] contiguous; each warp builds its operands from it (no extra launches)
     rc = lib.oscar_history_launch(

@@ -340,6 +340,18 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const bool is_sink = j < a.nwin_sink;
+  // q's elements of this lane (16-bit q: dims 32jj + 8t .. + 7 of column g's head, one 16-byte load per jj), issued
+  // before the index loads so that they do not queue behind them (the history warps' reason, int2_history_kernel)
+  const int qhead = HC == 8 ? g : (g & 3);
+  const bool qvalid = qhead < nh;
+  const size_t qrow = (size_t)(hq_base + (qvalid ? qhead : 0)) * 128;
+  uint4 qraw[4];
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    qraw[jj] = make_uint4(0u, 0u, 0u, 0u);
+    if (qvalid && a.q_dtype != 2)
+      qraw[jj] = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(a.q) + qrow + 32 * jj + 8 * t));
+  }
   const int L = a.seq_lens[b];
   const int req = a.req_idx_64 ? (int)reinterpret_cast<const long long*>(a.req_idx)[b]
                                 : reinterpret_cast<const int*>(a.req_idx)[b];
@@ -354,15 +366,23 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   // zero for a spare column)
   uint32_t qw[4][4];
   {
-    const int head = HC == 8 ? g : (g & 3);
-    const bool qvalid = head < nh;
-    const size_t qrow = (size_t)(hq_base + (qvalid ? head : 0)) * 128;
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const size_t d = qrow + 32 * jj + 8 * t + 2 * k;
-        const float x0 = qvalid ? load_q(a, d) * a.c0 : 0.f, x1 = qvalid ? load_q(a, d + 1) * a.c0 : 0.f;
+        // word k of qraw[jj] holds dims d, d + 1 (16-bit q); fp32 q is read here
+        const uint32_t wd = k == 0 ? qraw[jj].x : k == 1 ? qraw[jj].y : k == 2 ? qraw[jj].z : qraw[jj].w;
+        float x0, x1;
+        if (a.q_dtype == 0) {
+          x0 = bf_lo(wd); x1 = bf_hi(wd);
+        } else if (a.q_dtype == 1) {
+          x0 = __half2float(__ushort_as_half((unsigned short)(wd & 0xffffu)));
+          x1 = __half2float(__ushort_as_half((unsigned short)(wd >> 16)));
+        } else {
+          x0 = qvalid ? load_q(a, d) : 0.f; x1 = qvalid ? load_q(a, d + 1) : 0.f;
+        }
+        x0 *= a.c0; x1 *= a.c0;
         __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
         qw[jj][k] = *reinterpret_cast<uint32_t*>(&v);
       }
@@ -510,6 +530,24 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     return;
   }
 
+  // q's elements of this lane (16-bit q: dims p*32 + t*8 .. + 7 of column g's head, one 16-byte load per plane p),
+  // loaded before the index chain wherever q is written before this grid (not kPdlAfterWriteQ). Why: the trace of
+  // this kernel (benchmark/probe_history_trace.py) had q's scalar loads, issued after the first copies, land ~4.5 us
+  // later, queued behind them, and the second stage's copies wait for the q build.
+  const int qhead = HC == 8 ? g : (g & 3);  // column g's head
+  const bool qvalid = qhead < nh;  // a spare column: zero query (its scores are 0; nothing is stored)
+  const size_t qrow = (size_t)(hq_base + (qvalid ? qhead : 0)) * 128;
+  uint4 qraw[4];
+  auto load_qraw = [&]() {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      qraw[p] = make_uint4(0u, 0u, 0u, 0u);
+      if (qvalid && a.q_dtype != 2)
+        qraw[p] = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(a.q) + qrow + p * 32 + t * 8));
+    }
+  };
+  if (a.pdl != kPdlAfterWriteQ) load_qraw();
+
   const int L = a.seq_lens[b];
   const int req = a.req_idx_64 ? (int)reinterpret_cast<const long long*>(a.req_idx)[b]
                                 : reinterpret_cast<const int*>(a.req_idx)[b];
@@ -578,7 +616,10 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     load_slots(s + 1);
   }
 
-  if (a.pdl == kPdlAfterWriteQ) grid_dependency_wait();  // q' is the write's output
+  if (a.pdl == kPdlAfterWriteQ) {  // q' is the write's output
+    grid_dependency_wait();
+    load_qraw();
+  }
   // built while the first stages' copies are in flight
   // q' = c0 q 4^(2g - p) as this lane's B fragments: reg 2ks + w of k-step ks = (plane p, half hh) holds dims
   // p*32 + t*8 + 4hh + 2w + (0, 1) of column g's head; and the group sums of q. This lane's accumulator
@@ -587,14 +628,22 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   uint32_t qb[16];
   float gs0 = 0.f, gs1 = 0.f;
   {
-    const int head = HC == 8 ? g : (g & 3);  // column g's head
-    const bool qvalid = head < nh;  // a spare column: zero query (its scores are 0; nothing is stored)
-    const size_t qrow = (size_t)(hq_base + (qvalid ? head : 0)) * 128;
 #pragma unroll
     for (int r = 0; r < 16; ++r) {
       const int ks = r >> 1, w = r & 1, p = ks >> 1, hh = ks & 1;
       const int d = p * 32 + t * 8 + 4 * hh + 2 * w;
-      const float x0 = qvalid ? load_q(a, qrow + d) * a.c0 : 0.f, x1 = qvalid ? load_q(a, qrow + d + 1) * a.c0 : 0.f;
+      // word 2hh + w of plane p's 16 bytes holds dims d, d + 1 (16-bit q); fp32 q is read here
+      const uint32_t wd = (hh ? (w ? qraw[p].w : qraw[p].z) : (w ? qraw[p].y : qraw[p].x));
+      float x0, x1;
+      if (a.q_dtype == 0) {
+        x0 = bf_lo(wd); x1 = bf_hi(wd);
+      } else if (a.q_dtype == 1) {
+        x0 = __half2float(__ushort_as_half((unsigned short)(wd & 0xffffu)));
+        x1 = __half2float(__ushort_as_half((unsigned short)(wd >> 16)));
+      } else {
+        x0 = qvalid ? load_q(a, qrow + d) : 0.f; x1 = qvalid ? load_q(a, qrow + d + 1) : 0.f;
+      }
+      x0 *= a.c0; x1 *= a.c0;
       if (p < 2) gs0 += x0 + x1; else gs1 += x0 + x1;
       const float f = (p & 1) ? 0.25f : 1.f;
       qb[r] = h2u(__floats2half2_rn(x0 * f, x1 * f));
