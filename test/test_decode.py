@@ -1062,6 +1062,29 @@ def test_cuda_window_ctas_match_the_oracle(sink, window, lens, ring_starts, warp
 
 
 @requires_cuda
+@pytest.mark.parametrize("warps,rows", [(8, 16), (2, 32)])
+def test_cuda_ring_ctas_zero_the_rows_below_ring_start(warps, rows, monkeypatch):
+    """The ring CTAs copy the ring rows of max(L - W, S) .. L - 1 without waiting for ring_start, then zero and mask
+    those of positions below it (W steps after a prefix-cache hit, where those positions are INT2 history). Here
+    those ring rows hold NaN (stale bits): the output must still match the oracle, which never reads them; ring_start
+    inside the first tile, on a tile edge, in a later CTA, and L - 1 (one ring row)."""
+    from sglang_oscar.kernels import history_cuda
+
+    monkeypatch.setattr(history_cuda, "WARPS", warps)
+    monkeypatch.setattr(history_cuda, "WINDOW_ROWS_PER_WARP", rows)
+    sink, window = 64, 256
+    lens = [3000, 3000, 3000, 3000, 700, 321]
+    ring_starts = [2750, 2760, 2936, 2999, 600, 300]  # L - W = 2744 (444, 65): 6, 16, 192, 255 rows masked
+    # make_case fills the ring with NaN and writes only the rows of positions max(ring_start, L - W) .. L - 1
+    case = make_case(lens, hkv=2, gqa=4, d=128, sink=sink, window=window, ring_starts=ring_starts, pool_page=64,
+                     seed=41 + warps)
+    c, r = case["cache"], int(case["req_pool_indices"][0])
+    assert torch.isnan(c.ring_k[r * window + (lens[0] - window) % window]).all()  # position L - W: stale NaN
+    run_and_check(case, history_kernel="cuda")
+    run_and_check(case, history_kernel="cuda", num_splits=5)
+
+
+@requires_cuda
 def test_cuda_fused_merge_counters_dtypes_and_replays(monkeypatch):
     """The merge by the last CTA of each column (history_cuda.FUSED_MERGE): its counters are zero after every call
     (eager and graph replays; a counter left behind would make no CTA the last one and leave the poisoned output),

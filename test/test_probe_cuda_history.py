@@ -227,8 +227,18 @@ def test_history_k_dot_with_the_kernels_q_fragments(hc):
     qb = kernel_q_fragments(q, head, c0)
     check_history_k_dot(history_k_dot(kc, qb), kc, q * c0, head)
     src = open(PRODUCTION_SOURCE).read()
-    assert "const int head = HC == 8 ? g : (g & 3);" in src and "const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;" in src
+    assert "const int qhead = HC == 8 ? g : (g & 3);" in src and "const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;" in src
     assert "const int d = p * 32 + t * 8 + 4 * hh + 2 * w;" in src and "(p & 1) ? 0.25f : 1.f" in src
+    # 16-bit q arrives in one 16-byte load per plane p (dims p*32 + t*8 .. + 7): its 32-bit word 2hh + w holds
+    # dims d, d + 1 of the fragment register (p, hh, w)
+    assert "+ qrow + p * 32 + t * 8));" in src
+    assert "const uint32_t wd = (hh ? (w ? qraw[p].w : qraw[p].z) : (w ? qraw[p].y : qraw[p].x));" in src
+    for t in range(4):
+        for p in range(4):
+            for hh in range(2):
+                for w in range(2):
+                    word = 2 * hh + w  # x, y, z, w
+                    assert p * 32 + t * 8 + 2 * word == p * 32 + t * 8 + 4 * hh + 2 * w
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -319,6 +329,9 @@ def test_window_tile_layouts_match_the_kernel_source():
 def test_window_tile_k_and_v_dots(seed, hc):
     """hc: query heads per CTA column (the kernel's HC): at 4, columns 4..7 repeat heads 0..3; at 8 column g is
     head g."""
+    src = open(PRODUCTION_SOURCE).read()  # 16-bit q in one 16-byte load per jj (dims 32jj + 8t .. + 7): word k = dims 2k, 2k + 1
+    assert "+ qrow + 32 * jj + 8 * t));" in src
+    assert "const uint32_t wd = k == 0 ? qraw[jj].x : k == 1 ? qraw[jj].y : k == 2 ? qraw[jj].z : qraw[jj].w;" in src
     rng = np.random.default_rng(seed + 20 + hc)
     K = rng.integers(-4, 5, (16, 128)).astype(np.float64)
     V = rng.integers(-4, 5, (16, 128)).astype(np.float64)

@@ -356,8 +356,12 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   const int req = a.req_idx_64 ? (int)reinterpret_cast<const long long*>(a.req_idx)[b]
                                 : reinterpret_cast<const int*>(a.req_idx)[b];
   const int range_hi = is_sink ? min(L, a.sink) : L;
-  const int range_lo = is_sink ? 0 : min(max(max(L - a.window, a.sink), a.ring_start[req]), L);
-  const int first0 = range_lo + ((is_sink ? j : j - a.nwin_sink) * nwarps + warp) * a.win_tiles * 16;
+  // ring CTAs: tiles from max(L - W, S), which needs no ring_start, so that its load is off the copies' chain (under
+  // the history CTAs' copies each dependent load of a window CTA took ~2 us; benchmark/probe_history_trace.py).
+  // Positions below ring_start (W steps after a prefix-cache hit) are copied too, then zeroed and masked.
+  const int base_lo = is_sink ? 0 : min(max(L - a.window, a.sink), L);
+  const int ring_lo = is_sink ? 0 : a.ring_start[req];
+  const int first0 = base_lo + ((is_sink ? j : j - a.nwin_sink) * nwarps + warp) * a.win_tiles * 16;
   const __nv_bfloat16* kbase = is_sink ? a.sk : a.rk;
   const __nv_bfloat16* vbase = is_sink ? a.sv : a.rv;
   const uint32_t st = (uint32_t)__cvta_generic_to_shared(smem) + warp * 8192;  // K tile 4 KB, V tile 4 KB
@@ -422,9 +426,23 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
       }
     }
     cp_commit();
-    const bool tok_a = __shfl_sync(0xffffffffu, row, g) != -1, tok_b = __shfl_sync(0xffffffffu, row, g + 8) != -1;
+    const int range_lo = min(max(base_lo, ring_lo), L);  // the window's first position (ring_start applied)
+    const bool tok_a = __shfl_sync(0xffffffffu, row, g) != -1 && first + g >= range_lo;
+    const bool tok_b = __shfl_sync(0xffffffffu, row, g + 8) != -1 && first + g + 8 >= range_lo;
     cp_wait<0>();
     __syncwarp();
+    if (first < range_lo) {  // uniform per warp; ring rows of positions below ring_start: zeros, not stale bits
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int c = lane + 32 * i, r = c >> 4, ch = c & 15;
+        if (first + r < range_lo) {
+          const uint32_t dst = st + r * 256 + ((ch ^ swz(r)) << 4);
+          asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0u) : "memory");
+          asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst + 4096), "r"(0u) : "memory");
+        }
+      }
+      __syncwarp();
+    }
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
@@ -608,13 +626,25 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // after the write: row L - 1 (this step's token, its INT2 record being written) is history only where
   // ring_start >= L; uniform per CTA
   if (after_write && hist_hi >= L && n > 0) grid_dependency_wait();
-  load_slots(0);
+  // the slots of the first NSTAGE blocks, all loaded before the first copy is issued: a load issued after the copies
+  // waits behind them, and so does every instruction after it (the trace: q's operands and the second stage's copies
+  // ~3.4 us after the first copies at 64k batch 1)
+  int ps0[NSTAGE], ps1[NSTAGE];
+#pragma unroll
+  for (int s = 0; s < NSTAGE; ++s) {
+    load_slots(s);
+    ps0[s] = s0;
+    ps1[s] = s1;
+  }
 #pragma unroll
   for (int s = 0; s < NSTAGE - 1; ++s) {
+    s0 = ps0[s];
+    s1 = ps1[s];
     issue(s);
     if (s == 0) TRACE_MARK(kMarkSlots, s0);  // block 0's copies issued (its slots landed)
-    load_slots(s + 1);
   }
+  s0 = ps0[NSTAGE - 1];
+  s1 = ps1[NSTAGE - 1];
 
   if (a.pdl == kPdlAfterWriteQ) {  // q' is the write's output
     grid_dependency_wait();
