@@ -116,6 +116,22 @@ def per_warp_offsets(words: np.ndarray) -> dict:
                 column=w[:, 15].astype(np.int64).tolist(), offsets=off.tolist())
 
 
+def parse_source(spec: str, default_path: str, default_stages: int):
+    """(path, macros, stages) of a --sources value 'path[+S<stages>][+D<macro>=<value>]...' (empty path: this
+    tree's kernel source)."""
+    parts = spec.split("+")
+    path = parts[0] or default_path
+    defines, stages = [], default_stages
+    for p in parts[1:]:
+        if p[:1] == "S" and p[1:].isdigit():
+            stages = int(p[1:])
+        elif p[:1] == "D" and len(p) > 1:
+            defines.append(p[1:])
+        else:
+            raise SystemExit(f"--sources: cannot read {p!r} in {spec!r} (S<stages> or D<macro>=<value>)")
+    return path, tuple(defines), stages
+
+
 def main():
     import torch
     import triton
@@ -131,22 +147,27 @@ def main():
                                          "alone:131072:1:auto,alone:32768:1:auto,alone:65536:8:auto",
                     help="comma list of mode:context:batch:splits (mode alone or chain; splits auto or a count)")
     ap.add_argument("--sources", default="",
-                    help="comma list of name=path: other kernel sources (e.g. the previous commit's "
-                         "int2_history.cu) timed and traced beside this tree's ('new') in the same process")
+                    help="comma list of name=path[+S<stages>][+D<macro>=<value>]...: other kernel sources (e.g. the "
+                         "previous commit's int2_history.cu; an empty path: this tree's) with their stage count "
+                         "(history_cuda.STAGES) and macros (e.g. +DOSCAR_TOK=32), timed and traced beside this "
+                         "tree's default ('new') in the same process")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per configuration")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     hq, hkv, d = MODELS[args.model]
     dev = torch.cuda.get_device_name()
-    sources = [("new", history_cuda.SOURCE)] + [tuple(x.split("=", 1)) for x in args.sources.split(",") if x]
-    libs = {}
-    for name, src in sources:
-        plain = history_cuda.load(history_cuda.build((), src))
-        traced = history_cuda.load(history_cuda.build(("OSCAR_HISTORY_TRACE",), src))
+    sources = [("new", "")] + [tuple(x.split("=", 1)) for x in args.sources.split(",") if x]
+    libs, stages, specs = {}, {}, {}
+    for name, spec in sources:
+        path, defines, stages[name] = parse_source(spec, history_cuda.SOURCE, history_cuda.STAGES)
+        specs[name] = dict(path=path, defines=list(defines), stages=stages[name])
+        plain = history_cuda.load(history_cuda.build(defines, path))
+        traced = history_cuda.load(history_cuda.build(defines + ("OSCAR_HISTORY_TRACE",), path))
         traced.oscar_history_trace_read.argtypes = [ctypes.c_void_p, ctypes.c_int]
         traced.oscar_history_trace_words.restype = ctypes.c_int
         libs[name] = (plain, traced)
+    default_stages = history_cuda.STAGES
     rows = []
     for spec in args.configs.split(","):
         mode, ctx, b, splits = spec.split(":")
@@ -165,10 +186,12 @@ def main():
         times = {name: [] for name in libs}
         for r in range(args.rounds):  # interleaved, alternating order
             for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
+                history_cuda.STAGES = stages[name]
                 history_cuda.use_library(libs[name][0])
                 times[name].append(1e3 * bench(fns))
         base = float(np.median(times["new"]))
         for name, (_, traced) in libs.items():
+            history_cuda.STAGES = stages[name]
             history_cuda.use_library(traced)
             us_trace = 1e3 * bench(fns)
             graph = capture_graph(fns)
@@ -201,8 +224,9 @@ def main():
             del graph
         del fns, keep
         torch.cuda.empty_cache()
+        history_cuda.STAGES = default_stages
         history_cuda.use_library(None)
-        out = dict(device=dev, model=args.model, page=OSCAR_PAGE, marks=MARKS, sources=dict(sources),
+        out = dict(device=dev, model=args.model, page=OSCAR_PAGE, marks=MARKS, sources=specs,
                    versions=dict(torch=torch.__version__, triton=triton.__version__, git_commit=git_commit()),
                    rows=rows)
         write_json(args.out, "probe_history_trace" + (f"_{args.tag}" if args.tag else ""), dev, out)

@@ -68,6 +68,14 @@ def test_summary_phases_span_and_last_warp():
     assert len(off["offsets"]) == 9 and off["offsets"][0][0] == 0.0 and off["split"][-1] == -1
 
 
+def test_source_specs():
+    assert probe.parse_source("", "/k.cu", 2) == ("/k.cu", (), 2)
+    assert probe.parse_source("/old.cu", "/k.cu", 2) == ("/old.cu", (), 2)
+    assert probe.parse_source("+S3+DOSCAR_TOK=32", "/k.cu", 2) == ("/k.cu", ("OSCAR_TOK=32",), 3)
+    with pytest.raises(SystemExit, match="cannot read"):
+        probe.parse_source("/k.cu+X3", "/k.cu", 2)
+
+
 def test_summary_refuses_an_empty_trace():
     with pytest.raises(ValueError, match="no traced warps"):
         probe.summarize(np.zeros((4, probe.WORDS), dtype=np.uint64), 8)

@@ -55,9 +55,17 @@
 
 namespace {
 
-constexpr int kTok = 64;                 // tokens per pipeline stage of a warp
+#ifndef OSCAR_TOK
+#define OSCAR_TOK 64
+#endif
+// tokens per pipeline stage of a warp: 64, or 32 (an experiment knob: -DOSCAR_TOK=32, benchmark/probe_history_trace.py)
+constexpr int kTok = OSCAR_TOK;
+static_assert(kTok == 64 || kTok == 32, "OSCAR_TOK must be 64 or 32");
 constexpr int kStageBytes = kTok * 80;   // K codes 32 + V codes 32 + K params 8 + V params 8 per token
 constexpr int kVcOff = kTok * 32, kKpOff = kTok * 64, kVpOff = kTok * 72;
+// a warp's shared memory: its NSTAGE stages, and at least the one K and one V tile of 16 BF16 rows (8 KB) that a
+// window CTA's warp reads (window_cta)
+constexpr int warp_smem(int nstage) { return nstage * kStageBytes > 8192 ? nstage * kStageBytes : 8192; }
 constexpr float kTwo24 = 16777216.0f;
 constexpr float kLazy = 8.0f;            // log2 units a score may pass the running max without a rescale
 // Args.pdl: how this grid was launched.
@@ -582,7 +590,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // the slots of the next block to issue (lane's tokens: lane and lane + 32)
   int s0 = 0, s1 = 0;
   auto load_slots = [&](int blk) {
-    const int p0 = lo + blk * kTok + lane, p1 = p0 + 32;
+    const int p0 = lo + blk * kTok + lane, p1 = kTok == 64 ? p0 + 32 : hi;  // kTok 32: one token per lane
     s0 = (blk < nblocks && p0 < hi) ? __ldg(r2t_row + p0) : 0;
     s1 = (blk < nblocks && p1 < hi) ? __ldg(r2t_row + p1) : 0;
   };
@@ -593,7 +601,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       // codes: lanes 2i, 2i+1 copy the two 16-byte halves of token i (+16k), so that one instruction
       // covers 16 whole rows (contiguous where the layout and the slots are)
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
+      for (int k = 0; k < kTok / 16; ++k) {
         const int tok = (lane >> 1) + 16 * k, half = lane & 1;
         const int s = __shfl_sync(0xffffffffu, k < 2 ? s0 : s1, tok & 31);
         const int n = (pos0 + tok) < hi ? 16 : 0;
@@ -602,7 +610,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         cp_async16(st + kVcOff + tok * 32 + 16 * half, a.vc + off, n);
       }
 #pragma unroll
-      for (int k = 0; k < 2; ++k) {
+      for (int k = 0; k < kTok / 32; ++k) {
         const int tok = lane + 32 * k;
         const bool in = (pos0 + tok) < hi;
         const long long off = pool_record(a, k ? s1 : s0, h, pmask);
@@ -864,7 +872,7 @@ int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t s
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(bh, grid_y);
   cfg.blockDim = dim3(warps * 32);
-  cfg.dynamicSmemBytes = warps * NSTAGE * kStageBytes;
+  cfg.dynamicSmemBytes = warps * warp_smem(NSTAGE);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the window programs run
@@ -879,14 +887,14 @@ int prepare(int) {  // the dynamic shared-memory limit, once, before any graph c
   // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
   // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
   return (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   8 * NSTAGE * kStageBytes);
+                                   8 * warp_smem(NSTAGE));
 }
 
 template <int NSTAGE, int HC>
 int occupancy(int warps) {
   int n = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC>, warps * 32,
-                                                warps * NSTAGE * kStageBytes);
+                                                warps * warp_smem(NSTAGE));
   return n;
 }
 
