@@ -8,14 +8,16 @@ rate explains, and the split sweeps fit time = ~16 us + ~13 us x (the largest sh
 (benchmark/NOTES.md). Kernel-level timelines (probe_chain_timeline.py) cannot say whether that fixed part is CTA
 dispatch, the index chain, the first data, the loop's tail or the CTA merge; this can.
 
-Each configuration is timed twice in the same process (the shipped build, then the trace build: the marks' cost),
-then one CUDA-graph replay of the trace build is read back: the last call of the replay (every call of a replay
-writes the same slots). No SGLang or FlashInfer needed (kernels only).
+Each configuration is timed with every source's plain build in interleaved rounds (--sources: a same-call A/B of
+kernel sources, stage counts or macros) and once with its trace build (the marks' cost), then one CUDA-graph replay
+of the trace build is read back: the last call of the replay (every call of a replay writes the same slots). No
+SGLang or FlashInfer needed (kernels only).
 
     python benchmark/probe_history_trace.py --configs alone:65536:1:auto,alone:65536:1:16,chain:65536:1:auto
 
-Writes $OUT/probe_history_trace_<tag>_<device>.json: per configuration the us per call of both builds, a summary
-of the phases (median / p90 / max, us) and the offsets of each warp (batch 1 only, for plots).
+Writes $OUT/probe_history_trace_<tag>_<device>.json: per configuration and source the us per call (interleaved
+rounds) of the plain build and of the trace build, and a summary of the phases (median / p10 / p90 / max, us);
+with --raw also the offsets of each warp (batch 1 only, for plots).
 """
 
 from __future__ import annotations
@@ -152,6 +154,8 @@ def main():
                          "(history_cuda.STAGES) and macros (e.g. +DOSCAR_TOK=32), timed and traced beside this "
                          "tree's default ('new') in the same process")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per configuration")
+    ap.add_argument("--raw", action="store_true",
+                    help="also write every warp's offsets at batch 1 (~1-2 MB per configuration and source)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -211,7 +215,7 @@ def main():
             row = dict(config=spec, source=name, mode=mode, context=ctx, batch=b, splits=n, us=us,
                        us_rounds=times[name], us_trace=us_trace, vs_new=us / base, calls_per_replay=len(fns),
                        summary=summ)
-            if b == 1:
+            if args.raw and b == 1:
                 row["warps"] = per_warp_offsets(buf)
             rows.append(row)
             ph = summ["phases"]
