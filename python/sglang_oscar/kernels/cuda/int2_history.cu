@@ -61,7 +61,7 @@ namespace {
 // tokens per pipeline stage of a warp: 32, or 64 (-DOSCAR_TOK=64, an experiment knob). 32 since 57af105: with half the
 // bytes in flight per SM the dependent loads queued behind them wait less; same-call H100 A/B (probe_history_trace.py,
 // results/probe_history_trace_57af105_tok_*): 0.95x at 32k batch 1 and in the 64k batch-1 write chain, 0.97-1.00x
-// elsewhere; 3 or 4 stages of 32 were slower (1.01-1.07x)
+// elsewhere; 3 stages of 32 0.98-1.02x, 4 stages 1.01-1.07x
 constexpr int kTok = OSCAR_TOK;
 static_assert(kTok == 64 || kTok == 32, "OSCAR_TOK must be 64 or 32");
 constexpr int kStageBytes = kTok * 80;   // K codes 32 + V codes 32 + K params 8 + V params 8 per token
