@@ -1016,6 +1016,14 @@ def test_cuda_chained_split_count(monkeypatch):
     for batch, width, chained in ((1, (1 << 15) - 1, 24), (1, (1 << 16) + 1, 24), (2, 1 << 15, 48), (1, 1 << 15, None)):
         assert history_cuda.split_count(batch, 8, 4, width, 132, 3, chained) == \
             history_cuda.default_num_splits(batch * 8, 4, width, 132, 3)
+    # batch 1 beyond 64k: one round (33 columns' worth) less one slot per column, so that each column's sink CTA
+    # starts in the first round; the one-round count elsewhere (batch 2: 16 x 16 columns = 256 <= 264)
+    assert history_cuda.default_num_splits(8, 4, 1 << 17, 132, 3) == 33
+    for chained in (None, 24):
+        assert history_cuda.split_count(1, 8, 4, 1 << 17, 132, 3, chained) == 32
+        assert history_cuda.split_count(1, 8, 8, 1 << 17, 132, 3, chained) == 32  # GQA 8: one 8-head column per KV head
+    assert history_cuda.split_count(2, 8, 4, 1 << 17, 132, 3) == history_cuda.default_num_splits(16, 4, 1 << 17, 132, 3)
+    assert history_cuda.split_count(1, 1, 4, 1 << 20, 4, 3) == 7  # 8 slots, 1 column: 7
 
 
 def test_cuda_window_ctas_cover_the_window():
