@@ -118,20 +118,23 @@ def per_warp_offsets(words: np.ndarray) -> dict:
                 column=w[:, 15].astype(np.int64).tolist(), offsets=off.tolist())
 
 
-def parse_source(spec: str, default_path: str, default_stages: int):
-    """(path, macros, stages) of a --sources value 'path[+S<stages>][+D<macro>=<value>]...' (empty path: this
-    tree's kernel source)."""
+def parse_source(spec: str, default_path: str, default_stages: int, default_window_rows: int = 16):
+    """(path, macros, stages, window rows per warp) of a --sources value
+    'path[+S<stages>][+W<rows>][+D<macro>=<value>]...' (empty path: this tree's kernel source; W: history_cuda.
+    WINDOW_ROWS_PER_WARP, the window CTAs' rows per warp)."""
     parts = spec.split("+")
     path = parts[0] or default_path
-    defines, stages = [], default_stages
+    defines, stages, wrows = [], default_stages, default_window_rows
     for p in parts[1:]:
         if p[:1] == "S" and p[1:].isdigit():
             stages = int(p[1:])
+        elif p[:1] == "W" and p[1:].isdigit():
+            wrows = int(p[1:])
         elif p[:1] == "D" and len(p) > 1:
             defines.append(p[1:])
         else:
-            raise SystemExit(f"--sources: cannot read {p!r} in {spec!r} (S<stages> or D<macro>=<value>)")
-    return path, tuple(defines), stages
+            raise SystemExit(f"--sources: cannot read {p!r} in {spec!r} (S<stages>, W<rows> or D<macro>=<value>)")
+    return path, tuple(defines), stages, wrows
 
 
 def main():
@@ -162,16 +165,17 @@ def main():
     hq, hkv, d = MODELS[args.model]
     dev = torch.cuda.get_device_name()
     sources = [("new", "")] + [tuple(x.split("=", 1)) for x in args.sources.split(",") if x]
-    libs, stages, specs = {}, {}, {}
+    libs, stages, wrows, specs = {}, {}, {}, {}
     for name, spec in sources:
-        path, defines, stages[name] = parse_source(spec, history_cuda.SOURCE, history_cuda.STAGES)
-        specs[name] = dict(path=path, defines=list(defines), stages=stages[name])
+        path, defines, stages[name], wrows[name] = parse_source(spec, history_cuda.SOURCE, history_cuda.STAGES,
+                                                                history_cuda.WINDOW_ROWS_PER_WARP)
+        specs[name] = dict(path=path, defines=list(defines), stages=stages[name], window_rows_per_warp=wrows[name])
         plain = history_cuda.load(history_cuda.build(defines, path))
         traced = history_cuda.load(history_cuda.build(defines + ("OSCAR_HISTORY_TRACE",), path))
         traced.oscar_history_trace_read.argtypes = [ctypes.c_void_p, ctypes.c_int]
         traced.oscar_history_trace_words.restype = ctypes.c_int
         libs[name] = (plain, traced)
-    default_stages = history_cuda.STAGES
+    default_stages, default_wrows = history_cuda.STAGES, history_cuda.WINDOW_ROWS_PER_WARP
     rows = []
     for spec in args.configs.split(","):
         mode, ctx, b, splits = spec.split(":")
@@ -190,12 +194,12 @@ def main():
         times = {name: [] for name in libs}
         for r in range(args.rounds):  # interleaved, alternating order
             for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
-                history_cuda.STAGES = stages[name]
+                history_cuda.STAGES, history_cuda.WINDOW_ROWS_PER_WARP = stages[name], wrows[name]
                 history_cuda.use_library(libs[name][0])
                 times[name].append(1e3 * bench(fns))
         base = float(np.median(times["new"]))
         for name, (_, traced) in libs.items():
-            history_cuda.STAGES = stages[name]
+            history_cuda.STAGES, history_cuda.WINDOW_ROWS_PER_WARP = stages[name], wrows[name]
             history_cuda.use_library(traced)
             us_trace = 1e3 * bench(fns)
             graph = capture_graph(fns)
@@ -228,7 +232,7 @@ def main():
             del graph
         del fns, keep
         torch.cuda.empty_cache()
-        history_cuda.STAGES = default_stages
+        history_cuda.STAGES, history_cuda.WINDOW_ROWS_PER_WARP = default_stages, default_wrows
         history_cuda.use_library(None)
         out = dict(device=dev, model=args.model, page=OSCAR_PAGE, marks=MARKS, sources=specs,
                    versions=dict(torch=torch.__version__, triton=triton.__version__, git_commit=git_commit()),

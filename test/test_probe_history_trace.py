@@ -69,9 +69,10 @@ def test_summary_phases_span_and_last_warp():
 
 
 def test_source_specs():
-    assert probe.parse_source("", "/k.cu", 2) == ("/k.cu", (), 2)
-    assert probe.parse_source("/old.cu", "/k.cu", 2) == ("/old.cu", (), 2)
-    assert probe.parse_source("+S3+DOSCAR_TOK=32", "/k.cu", 2) == ("/k.cu", ("OSCAR_TOK=32",), 3)
+    assert probe.parse_source("", "/k.cu", 2) == ("/k.cu", (), 2, 16)
+    assert probe.parse_source("/old.cu", "/k.cu", 2) == ("/old.cu", (), 2, 16)
+    assert probe.parse_source("+S3+DOSCAR_TOK=32", "/k.cu", 2) == ("/k.cu", ("OSCAR_TOK=32",), 3, 16)
+    assert probe.parse_source("+W32", "/k.cu", 2) == ("/k.cu", (), 2, 32)
     with pytest.raises(SystemExit, match="cannot read"):
         probe.parse_source("/k.cu+X3", "/k.cu", 2)
 
