@@ -339,7 +339,7 @@ __device__ __forceinline__ void store_int2_chunk(const Args& a, uint32_t dst, lo
 
 // A window CTA: window CTA j of its column (sink CTAs j < nwin_sink, then ring CTAs). Warp w reads win_tiles tiles
 // of 16 positions, ((j' * nwarps + w) * win_tiles + k) * 16 on from the range's start, one at a time (the warp's
-// 8 KB of the stage buffers hold one K and one V tile), as m16n8k16 dots with BF16 operands and fp32 sums:
+// 8 KB of shared memory, warp_smem, hold one K and one V tile), as m16n8k16 dots with BF16 operands and fp32 sums:
 //   S^T[16 tokens, 8 cols] = K[16, 128] . (c0 q)^T: the 128 dims in a permuted order (lane t's four k-values of
 //     k-step 2j + e are dims 32j + 8t + 4e + 0..3, the same for q), so that a lane reads whole 16-byte chunks;
 //   O^T[128 dims, 8 cols] += V^T[128, 16] . P^T[16, 8]: m-row g of m-tile mt is dim 16g + 2mt, row g + 8 dim
@@ -590,7 +590,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int* r2t_row = a.r2t + (size_t)req * a.r2t_stride;
   const int pmask = (1 << a.page_log2) - 1;
 
-  // the slots of the next block to issue (lane's tokens: lane and lane + 32)
+  // the slots of the next block to issue (lane's tokens: lane and, at kTok 64, lane + 32)
   int s0 = 0, s1 = 0;
   auto load_slots = [&](int blk) {
     const int p0 = lo + blk * kTok + lane, p1 = kTok == 64 ? p0 + 32 : hi;  // kTok 32: one token per lane
