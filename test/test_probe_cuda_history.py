@@ -231,8 +231,9 @@ def test_history_k_dot_with_the_kernels_q_fragments(hc):
     assert "const int d = p * 32 + t * 8 + 4 * hh + 2 * w;" in src and "(p & 1) ? 0.25f : 1.f" in src
     # 16-bit q arrives in one 16-byte load per plane p (dims p*32 + t*8 .. + 7): its 32-bit word 2hh + w holds
     # dims d, d + 1 of the fragment register (p, hh, w)
-    assert "+ qrow + p * 32 + t * 8));" in src
-    assert "const uint32_t wd = (hh ? (w ? qraw[p].w : qraw[p].z) : (w ? qraw[p].y : qraw[p].x));" in src
+    assert "qraw[p] = load_q8(a, qvalid, qrow + p * 32 + t * 8);" in src
+    assert "q_pair(a, qraw[p], 2 * hh + w, qvalid, qrow + d);" in src
+    assert "const uint32_t wd = k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;" in src  # word k: x, y, z, w
     for t in range(4):
         for p in range(4):
             for hh in range(2):
@@ -330,8 +331,8 @@ def test_window_tile_k_and_v_dots(seed, hc):
     """hc: query heads per CTA column (the kernel's HC): at 4, columns 4..7 repeat heads 0..3; at 8 column g is
     head g."""
     src = open(PRODUCTION_SOURCE).read()  # 16-bit q in one 16-byte load per jj (dims 32jj + 8t .. + 7): word k = dims 2k, 2k + 1
-    assert "+ qrow + 32 * jj + 8 * t));" in src
-    assert "const uint32_t wd = k == 0 ? qraw[jj].x : k == 1 ? qraw[jj].y : k == 2 ? qraw[jj].z : qraw[jj].w;" in src
+    assert "qraw[jj] = load_q8(a, qvalid, qrow + 32 * jj + 8 * t);" in src
+    assert "q_pair(a, qraw[jj], k, qvalid, qrow + 32 * jj + 8 * t + 2 * k);" in src
     rng = np.random.default_rng(seed + 20 + hc)
     K = rng.integers(-4, 5, (16, 128)).astype(np.float64)
     V = rng.integers(-4, 5, (16, 128)).astype(np.float64)

@@ -102,11 +102,15 @@ __device__ __forceinline__ void grid_dependency_wait() {
 constexpr int kTraceWarps = 1 << 16, kTraceWords = 16;
 __device__ unsigned long long g_trace[kTraceWarps * kTraceWords];
 enum TraceMark { kMarkEntry, kMarkIndex, kMarkSlots, kMarkQ, kMarkFirst, kMarkLoop, kMarkEnd };
+// this warp's first trace word
+__device__ __forceinline__ unsigned trace_slot() {
+  return ((blockIdx.y * gridDim.x + blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kTraceWords;
+}
 __device__ __forceinline__ void trace_mark(int mark, uint32_t dep) {
   unsigned long long t, c;
   asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t) : "r"(dep) : "memory");
   asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(c) : "r"(dep) : "memory");
-  const unsigned idx = ((blockIdx.y * gridDim.x + blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kTraceWords;
+  const unsigned idx = trace_slot();
   if ((threadIdx.x & 31) == 0 && idx < kTraceWarps * kTraceWords) {
     g_trace[idx + 2 * mark] = t;
     g_trace[idx + 2 * mark + 1] = c;
@@ -115,7 +119,7 @@ __device__ __forceinline__ void trace_mark(int mark, uint32_t dep) {
 __device__ __forceinline__ void trace_meta(int split, int nblocks, int window) {
   uint32_t smid;
   asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
-  const unsigned idx = ((blockIdx.y * gridDim.x + blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kTraceWords;
+  const unsigned idx = trace_slot();
   if ((threadIdx.x & 31) == 0 && idx < kTraceWarps * kTraceWords) {
     g_trace[idx + 14] = (unsigned long long)smid | ((unsigned long long)(split + 1) << 8) |
                         ((unsigned long long)nblocks << 24) | ((unsigned long long)window << 40);
@@ -225,6 +229,28 @@ __device__ __forceinline__ float load_q(const Args& a, size_t i) {
   if (a.q_dtype == 0) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.q)[i]);
   if (a.q_dtype == 1) return __half2float(reinterpret_cast<const __half*>(a.q)[i]);
   return reinterpret_cast<const float*>(a.q)[i];
+}
+
+// q's elements i .. i + 7 as one 16-byte load (16-bit q; i a multiple of 8), zeros for a spare column and for fp32 q
+// (which q_pair reads element by element)
+__device__ __forceinline__ uint4 load_q8(const Args& a, bool valid, size_t i) {
+  if (!valid || a.q_dtype == 2) return make_uint4(0u, 0u, 0u, 0u);
+  return __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(a.q) + i));
+}
+
+// c0 q[i], c0 q[i + 1]: from 32-bit word k of v, the load_q8 of elements i - 2k .. (16-bit q), or read here (fp32 q)
+__device__ __forceinline__ float2 q_pair(const Args& a, const uint4& v, int k, bool valid, size_t i) {
+  const uint32_t wd = k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+  float x0, x1;
+  if (a.q_dtype == 0) {
+    x0 = bf_lo(wd); x1 = bf_hi(wd);
+  } else if (a.q_dtype == 1) {
+    x0 = __half2float(__ushort_as_half((unsigned short)(wd & 0xffffu)));
+    x1 = __half2float(__ushort_as_half((unsigned short)(wd >> 16)));
+  } else {
+    x0 = valid ? load_q(a, i) : 0.f; x1 = valid ? load_q(a, i + 1) : 0.f;
+  }
+  return make_float2(x0 * a.c0, x1 * a.c0);
 }
 
 // The CTA's merge. Each warp has parked its unnormalised O (HC heads x 128 dims) and its (m, l) per head in shared
@@ -358,11 +384,7 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   const size_t qrow = (size_t)(hq_base + (qvalid ? qhead : 0)) * 128;
   uint4 qraw[4];
 #pragma unroll
-  for (int jj = 0; jj < 4; ++jj) {
-    qraw[jj] = make_uint4(0u, 0u, 0u, 0u);
-    if (qvalid && a.q_dtype != 2)
-      qraw[jj] = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(a.q) + qrow + 32 * jj + 8 * t));
-  }
+  for (int jj = 0; jj < 4; ++jj) qraw[jj] = load_q8(a, qvalid, qrow + 32 * jj + 8 * t);
   const int L = a.seq_lens[b];
   const int req = a.req_idx_64 ? (int)reinterpret_cast<const long long*>(a.req_idx)[b]
                                 : reinterpret_cast<const int*>(a.req_idx)[b];
@@ -385,20 +407,9 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
     for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const size_t d = qrow + 32 * jj + 8 * t + 2 * k;
-        // word k of qraw[jj] holds dims d, d + 1 (16-bit q); fp32 q is read here
-        const uint32_t wd = k == 0 ? qraw[jj].x : k == 1 ? qraw[jj].y : k == 2 ? qraw[jj].z : qraw[jj].w;
-        float x0, x1;
-        if (a.q_dtype == 0) {
-          x0 = bf_lo(wd); x1 = bf_hi(wd);
-        } else if (a.q_dtype == 1) {
-          x0 = __half2float(__ushort_as_half((unsigned short)(wd & 0xffffu)));
-          x1 = __half2float(__ushort_as_half((unsigned short)(wd >> 16)));
-        } else {
-          x0 = qvalid ? load_q(a, d) : 0.f; x1 = qvalid ? load_q(a, d + 1) : 0.f;
-        }
-        x0 *= a.c0; x1 *= a.c0;
-        __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+        // word k of qraw[jj] holds dims 32jj + 8t + 2k, + 1
+        const float2 x = q_pair(a, qraw[jj], k, qvalid, qrow + 32 * jj + 8 * t + 2 * k);
+        __nv_bfloat162 v = __floats2bfloat162_rn(x.x, x.y);
         qw[jj][k] = *reinterpret_cast<uint32_t*>(&v);
       }
     }
@@ -569,11 +580,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   uint4 qraw[4];
   auto load_qraw = [&]() {
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      qraw[p] = make_uint4(0u, 0u, 0u, 0u);
-      if (qvalid && a.q_dtype != 2)
-        qraw[p] = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(a.q) + qrow + p * 32 + t * 8));
-    }
+    for (int p = 0; p < 4; ++p) qraw[p] = load_q8(a, qvalid, qrow + p * 32 + t * 8);
   };
   if (a.pdl != kPdlAfterWriteQ) load_qraw();
 
@@ -673,18 +680,9 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     for (int r = 0; r < 16; ++r) {
       const int ks = r >> 1, w = r & 1, p = ks >> 1, hh = ks & 1;
       const int d = p * 32 + t * 8 + 4 * hh + 2 * w;
-      // word 2hh + w of plane p's 16 bytes holds dims d, d + 1 (16-bit q); fp32 q is read here
-      const uint32_t wd = (hh ? (w ? qraw[p].w : qraw[p].z) : (w ? qraw[p].y : qraw[p].x));
-      float x0, x1;
-      if (a.q_dtype == 0) {
-        x0 = bf_lo(wd); x1 = bf_hi(wd);
-      } else if (a.q_dtype == 1) {
-        x0 = __half2float(__ushort_as_half((unsigned short)(wd & 0xffffu)));
-        x1 = __half2float(__ushort_as_half((unsigned short)(wd >> 16)));
-      } else {
-        x0 = qvalid ? load_q(a, qrow + d) : 0.f; x1 = qvalid ? load_q(a, qrow + d + 1) : 0.f;
-      }
-      x0 *= a.c0; x1 *= a.c0;
+      // word 2hh + w of plane p's 16 bytes holds dims d, d + 1
+      const float2 xq = q_pair(a, qraw[p], 2 * hh + w, qvalid, qrow + d);
+      const float x0 = xq.x, x1 = xq.y;
       if (p < 2) gs0 += x0 + x1; else gs1 += x0 + x1;
       const float f = (p & 1) ? 0.25f : 1.f;
       qb[r] = h2u(__floats2half2_rn(x0 * f, x1 * f));
