@@ -176,6 +176,10 @@ def main():
         traced.oscar_history_trace_words.restype = ctypes.c_int
         libs[name] = (plain, traced)
     default_stages, default_wrows = history_cuda.STAGES, history_cuda.WINDOW_ROWS_PER_WARP
+
+    def use(name, lib):  # launch from this source's build, with its stage count and window rows
+        history_cuda.STAGES, history_cuda.WINDOW_ROWS_PER_WARP = stages[name], wrows[name]
+        history_cuda.use_library(lib)
     rows = []
     for spec in args.configs.split(","):
         mode, ctx, b, splits = spec.split(":")
@@ -194,13 +198,11 @@ def main():
         times = {name: [] for name in libs}
         for r in range(args.rounds):  # interleaved, alternating order
             for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
-                history_cuda.STAGES, history_cuda.WINDOW_ROWS_PER_WARP = stages[name], wrows[name]
-                history_cuda.use_library(libs[name][0])
+                use(name, libs[name][0])
                 times[name].append(1e3 * bench(fns))
         base = float(np.median(times["new"]))
         for name, (_, traced) in libs.items():
-            history_cuda.STAGES, history_cuda.WINDOW_ROWS_PER_WARP = stages[name], wrows[name]
-            history_cuda.use_library(traced)
+            use(name, traced)
             us_trace = 1e3 * bench(fns)
             graph = capture_graph(fns)
             for _ in range(3):
