@@ -1144,6 +1144,9 @@ def test_cuda_window_ctas_gqa_and_batch_64(monkeypatch):
 @pytest.mark.parametrize("lens,ring_starts", [
     ([5001], [0]),  # batch 1, odd length
     ([3000, 777, 330, 70], [0, 700, 0, 0]),  # ring_start > L - W, a request without history, L < S + W
+    # the ranges taken again from ring_start (the kernel takes them from L first): ring_start = L, > L (clamped to
+    # L), inside the window by one row, on a split's 16-row step, and below L - W (the ranges from L stand)
+    ([2500, 600, 1201, 1200, 4000], [2500, 610, 946, 1104, 3000]),
     ([400 + 613 * i for i in range(64)], None),  # batch 64
 ])
 def test_cuda_history_matches_the_oracle(pool_page, lens, ring_starts):
