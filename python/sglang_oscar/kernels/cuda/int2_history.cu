@@ -587,22 +587,12 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int L = a.seq_lens[b];
   const int req = a.req_idx_64 ? (int)reinterpret_cast<const long long*>(a.req_idx)[b]
                                 : reinterpret_cast<const int*>(a.req_idx)[b];
-  // The split ranges are first taken from L alone, [sink, min(max(L - window, sink), L)), and the first stages'
-  // slots loaded for them in the same round trip as ring_start[req]; only where ring_start then moves the history's
-  // end (W steps after a prefix-cache hit, uniform per CTA) are they taken again and the slots reloaded. Why: with
-  // ring_start in the chain, req_idx -> ring_start -> req_to_token was three round trips before the first copy.
   const int hist_lo = a.sink;
-  const int ring_lo = a.ring_start[req];  // issued before the slot loads below, landed with them
-  int hist_hi = min(max(L - a.window, a.sink), L);
-  int n = 0, lo = 0, hi = 0, nblocks = 0;
-  auto take_range = [&]() {
-    n = hist_hi - hist_lo;
-    const int chunk = ((n + a.nsw - 1) / a.nsw + 15) & ~15;
-    lo = min(hist_lo + widx * chunk, hist_hi);
-    hi = min(lo + chunk, hist_hi);
-    nblocks = (hi - lo + kTok - 1) / kTok;
-  };
-  take_range();
+  const int hist_hi = min(max(max(L - a.window, a.sink), a.ring_start[req]), L);
+  const int n = hist_hi - hist_lo;
+  const int chunk = ((n + a.nsw - 1) / a.nsw + 15) & ~15;
+  const int lo = min(hist_lo + widx * chunk, hist_hi), hi = min(lo + chunk, hist_hi);
+  const int nblocks = (hi - lo + kTok - 1) / kTok;
   TRACE_MARK(kMarkIndex, hist_hi);
   const int* r2t_row = a.r2t + (size_t)req * a.r2t_stride;
   const int pmask = (1 << a.page_log2) - 1;
@@ -651,27 +641,19 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   float thr0 = (m0 + kLazy) / kTwo24, thr1 = thr0;
 
   const int sg = (g >> 1) + 4 * (g & 1);  // sigma(g): the tile row of M-row g
+  // after the write: row L - 1 (this step's token, its INT2 record being written) is history only where
+  // ring_start >= L; uniform per CTA
+  if (after_write && hist_hi >= L && n > 0) grid_dependency_wait();
   // the slots of the first NSTAGE blocks, all loaded before the first copy is issued: a load issued after the copies
   // waits behind them, and so does every instruction after it (the trace: q's operands and the second stage's copies
   // ~3.4 us after the first copies at 64k batch 1)
   int ps0[NSTAGE], ps1[NSTAGE];
-  auto load_first_slots = [&]() {
 #pragma unroll
-    for (int s = 0; s < NSTAGE; ++s) {
-      load_slots(s);
-      ps0[s] = s0;
-      ps1[s] = s1;
-    }
-  };
-  load_first_slots();
-  if (ring_lo > hist_hi && hist_hi < L) {  // ring_start moves the history's end: the ranges again (uniform per CTA)
-    hist_hi = min(ring_lo, L);
-    take_range();
-    load_first_slots();
+  for (int s = 0; s < NSTAGE; ++s) {
+    load_slots(s);
+    ps0[s] = s0;
+    ps1[s] = s1;
   }
-  // after the write: row L - 1 (this step's token, its INT2 record being written) is history only where
-  // ring_start >= L; uniform per CTA
-  if (after_write && hist_hi >= L && n > 0) grid_dependency_wait();
 #pragma unroll
   for (int s = 0; s < NSTAGE - 1; ++s) {
     s0 = ps0[s];
