@@ -118,23 +118,27 @@ def per_warp_offsets(words: np.ndarray) -> dict:
                 column=w[:, 15].astype(np.int64).tolist(), offsets=off.tolist())
 
 
-def parse_source(spec: str, default_path: str, default_stages: int, default_window_rows: int = 16):
-    """(path, macros, stages, window rows per warp) of a --sources value
-    'path[+S<stages>][+W<rows>][+D<macro>=<value>]...' (empty path: this tree's kernel source; W: history_cuda.
-    WINDOW_ROWS_PER_WARP, the window CTAs' rows per warp)."""
+def parse_source(spec: str, default_path: str, defaults: dict):
+    """(path, macros, history_cuda settings) of a --sources value 'path[+S<stages>][+W<rows>][+F<0|1>][+D<macro>=
+    <value>]...' (empty path: this tree's kernel source). Settings: the module attributes of kernels/history_cuda.py
+    that the source's calls run with, `defaults` (STAGES, WINDOW_ROWS_PER_WARP, FOLD_WINDOW) updated by S (stages),
+    W (the window CTAs' rows per warp) and F (the window folded into the history CTAs, or not)."""
     parts = spec.split("+")
     path = parts[0] or default_path
-    defines, stages, wrows = [], default_stages, default_window_rows
+    defines, settings = [], dict(defaults)
     for p in parts[1:]:
         if p[:1] == "S" and p[1:].isdigit():
-            stages = int(p[1:])
+            settings["STAGES"] = int(p[1:])
         elif p[:1] == "W" and p[1:].isdigit():
-            wrows = int(p[1:])
+            settings["WINDOW_ROWS_PER_WARP"] = int(p[1:])
+        elif p in ("F0", "F1"):
+            settings["FOLD_WINDOW"] = p == "F1"
         elif p[:1] == "D" and len(p) > 1:
             defines.append(p[1:])
         else:
-            raise SystemExit(f"--sources: cannot read {p!r} in {spec!r} (S<stages>, W<rows> or D<macro>=<value>)")
-    return path, tuple(defines), stages, wrows
+            raise SystemExit(f"--sources: cannot read {p!r} in {spec!r} (S<stages>, W<rows>, F0 / F1 or "
+                             f"D<macro>=<value>)")
+    return path, tuple(defines), settings
 
 
 def main():
@@ -165,20 +169,22 @@ def main():
     hq, hkv, d = MODELS[args.model]
     dev = torch.cuda.get_device_name()
     sources = [("new", "")] + [tuple(x.split("=", 1)) for x in args.sources.split(",") if x]
-    libs, stages, wrows, specs = {}, {}, {}, {}
+    defaults = {k: getattr(history_cuda, k) for k in ("STAGES", "WINDOW_ROWS_PER_WARP", "FOLD_WINDOW")}
+    libs, settings, specs = {}, {}, {}
     for name, spec in sources:
-        path, defines, stages[name], wrows[name] = parse_source(spec, history_cuda.SOURCE, history_cuda.STAGES,
-                                                                history_cuda.WINDOW_ROWS_PER_WARP)
-        specs[name] = dict(path=path, defines=list(defines), stages=stages[name], window_rows_per_warp=wrows[name])
+        path, defines, settings[name] = parse_source(spec, history_cuda.SOURCE, defaults)
+        specs[name] = dict(path=path, defines=list(defines), stages=settings[name]["STAGES"],
+                           window_rows_per_warp=settings[name]["WINDOW_ROWS_PER_WARP"],
+                           fold_window=settings[name]["FOLD_WINDOW"])
         plain = history_cuda.load(history_cuda.build(defines, path))
         traced = history_cuda.load(history_cuda.build(defines + ("OSCAR_HISTORY_TRACE",), path))
         traced.oscar_history_trace_read.argtypes = [ctypes.c_void_p, ctypes.c_int]
         traced.oscar_history_trace_words.restype = ctypes.c_int
         libs[name] = (plain, traced)
-    default_stages, default_wrows = history_cuda.STAGES, history_cuda.WINDOW_ROWS_PER_WARP
 
-    def use(name, lib):  # launch from this source's build, with its stage count and window rows
-        history_cuda.STAGES, history_cuda.WINDOW_ROWS_PER_WARP = stages[name], wrows[name]
+    def use(name, lib):  # launch from this source's build, with its settings (stage count, window rows, fold)
+        for k, v in settings[name].items():
+            setattr(history_cuda, k, v)
         history_cuda.use_library(lib)
     rows = []
     for spec in args.configs.split(","):
@@ -234,7 +240,8 @@ def main():
             del graph
         del fns, keep
         torch.cuda.empty_cache()
-        history_cuda.STAGES, history_cuda.WINDOW_ROWS_PER_WARP = default_stages, default_wrows
+        for k, v in defaults.items():
+            setattr(history_cuda, k, v)
         history_cuda.use_library(None)
         out = dict(device=dev, model=args.model, page=OSCAR_PAGE, marks=MARKS, sources=specs,
                    versions=dict(torch=torch.__version__, triton=triton.__version__, git_commit=git_commit()),

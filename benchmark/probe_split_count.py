@@ -34,15 +34,14 @@ DEFAULT_SPLITS = {1: "8,12,16,20,24,28,32", 2: "4,6,8,10,12,16", 4: "3,4,6,8"}
 
 
 def rule_splits(mode, b, hkv, gqa, d, ctx):
-    """The count oscar_decode picks by itself (num_splits None) in this mode (history_cuda.split_count; chain: the
-    write rotates q, as the server's)."""
+    """The count oscar_decode picks by itself (num_splits None) in this mode (history_cuda.plan; chain: the write
+    rotates q, as the server's)."""
     from sglang_oscar.kernels import history_cuda
     from sglang_oscar.kernels.decode import _num_sms
     from sglang_oscar.kernels.write import default_block_t, write_grid
 
     chained = math.prod(write_grid(b, hkv, default_block_t(b, d), True)) if mode == "chain" else None
-    return history_cuda.split_count(b, hkv, gqa, ctx, _num_sms(torch.device("cuda")),
-                                    sum(history_cuda.window_ctas(SINK, WINDOW)), chained)
+    return history_cuda.plan(b, hkv, gqa, ctx, _num_sms(torch.device("cuda")), SINK, WINDOW, chained)[0]
 
 
 def main():

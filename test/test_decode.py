@@ -1026,6 +1026,31 @@ def test_cuda_chained_split_count(monkeypatch):
     assert history_cuda.split_count(1, 1, 4, 1 << 20, 4, 3) == 7  # 8 slots, 1 column: 7
 
 
+def test_cuda_window_fold_plan(monkeypatch):
+    """history_cuda.plan: with FOLD_WINDOW the split count of a grid without window CTAs, folded where it has a split
+    per window tile (fold_tiles: ceil(S / 16) + ceil(W / 16)); else split_count with the window CTAs. Qwen3-8B on 132
+    SMs x 2 CTAs: batch 1 at 64k folds into 32 splits (rows cap), at 128k into one whole round (33, no slot kept for a
+    sink CTA), chained at 32k-64k into (264 - 24 write programs) / 8 = 30; batch 1 at 32k (16 splits by the rows cap)
+    and batch 2 (16) keep the window CTAs."""
+    from sglang_oscar.kernels import history_cuda
+
+    monkeypatch.setattr(history_cuda, "occupancy", lambda stages=None, warps=None, heads=4: 2)
+    assert history_cuda.fold_tiles(64, 256) == 20 and history_cuda.fold_tiles(5, 40) == 4
+    assert history_cuda.fold_tiles(0, 16) == 1 and history_cuda.fold_tiles(130, 129) == 9 + 9
+    assert history_cuda.folds(20, 64, 256) and not history_cuda.folds(19, 64, 256)
+    assert history_cuda.plan(1, 8, 4, 1 << 16, 132, 64, 256) == (32, True)  # the rows cap: 64k / (256 x 8 warps)
+    assert history_cuda.plan(1, 8, 4, 1 << 17, 132, 64, 256) == (33, True)
+    assert history_cuda.plan(1, 8, 4, 1 << 16, 132, 64, 256, chained_write_programs=24) == (30, True)
+    assert history_cuda.plan(1, 8, 4, 1 << 17, 132, 64, 256, chained_write_programs=24) == (33, True)
+    assert history_cuda.plan(1, 8, 4, 1 << 15, 132, 64, 256) == (16, False)
+    assert history_cuda.plan(2, 8, 4, 1 << 17, 132, 64, 256) == (16, False)
+    assert history_cuda.plan(1, 8, 4, 1 << 15, 132, 5, 40) == (16, True)  # 4 window tiles
+    monkeypatch.setattr(history_cuda, "FOLD_WINDOW", False)
+    assert history_cuda.plan(1, 8, 4, 1 << 17, 132, 64, 256) == (32, False)  # the sink CTA's slot kept
+    assert history_cuda.plan(1, 8, 4, 1 << 16, 132, 64, 256, chained_write_programs=24) == (27, False)
+    assert not history_cuda.folds(33, 64, 256)
+
+
 def test_cuda_window_ctas_cover_the_window():
     from sglang_oscar.kernels import history_cuda
 
@@ -1067,6 +1092,66 @@ def test_cuda_window_ctas_match_the_oracle(sink, window, lens, ring_starts, warp
     monkeypatch.setattr(history_cuda, "FUSED_WINDOW", False)  # the Triton window programs and merge
     run_and_check(case, missing_sink_int2=True, history_kernel="cuda")
     assert err_fused < TOL
+
+
+@requires_cuda
+@pytest.mark.parametrize("sink,window,lens,ring_starts", [
+    (64, 256, [3, 64, 65, 319, 320, 321, 5000], [0, 0, 0, 0, 0, 300, 4990]),  # L < S, L = S, window edges, ring_start
+    (5, 40, [1, 5, 6, 44, 45, 46, 2001], [0, 0, 0, 0, 0, 40, 1999]),  # sink and window not multiples of 16
+])
+@pytest.mark.parametrize("gqa", [4, 8])
+def test_cuda_window_folded_into_the_history_ctas(sink, window, lens, ring_starts, gqa, monkeypatch):
+    """The window folded into the history CTAs (history_cuda.folds: warp 0 of split i reads window tile i, no window
+    CTAs): at the fold's smallest split count (one split per tile) and a larger one, at GQA 4 and 8 (4- and 8-head
+    tiles), with sink positions whose INT2 records are read into the tile, with the in-kernel merge, and against the
+    oracle with poisoned outputs; the same calls with FOLD_WINDOW off (window CTAs) agree with the oracle too."""
+    from sglang_oscar.kernels import history_cuda
+
+    case = make_case(lens, hkv=2, gqa=gqa, d=128, sink=sink, window=window, ring_starts=ring_starts, pool_page=64,
+                     seed=sink + window + gqa)
+    tiles = history_cuda.fold_tiles(sink, window)
+    calls = []
+    real = history_cuda.launch
+    monkeypatch.setattr(history_cuda, "launch", lambda *a, **k: calls.append(k["fold"]) or real(*a, **k))
+    for ns in (tiles, tiles + 13):
+        assert history_cuda.folds(ns, sink, window)
+        run_and_check(case, history_kernel="cuda", num_splits=ns)
+    r0 = case["req_pool_indices"][0]
+    case["cache"].sink_table[case["req_to_token"][r0, :3].long()] = -1  # L = 3: every sink position as INT2
+    r1 = case["req_pool_indices"][-1]
+    case["cache"].sink_table[case["req_to_token"][r1, 1:4].long()] = -1
+    run_and_check(case, missing_sink_int2=True, history_kernel="cuda", num_splits=tiles)
+    monkeypatch.setattr(history_cuda, "FUSED_MERGE", True)
+    run_and_check(case, missing_sink_int2=True, history_kernel="cuda", num_splits=tiles + 1)
+    monkeypatch.setattr(history_cuda, "FUSED_MERGE", False)
+    assert calls == [True] * 4
+    monkeypatch.setattr(history_cuda, "FOLD_WINDOW", False)
+    run_and_check(case, missing_sink_int2=True, history_kernel="cuda", num_splits=tiles)
+    assert calls[-1] is False
+
+
+@requires_cuda
+def test_cuda_window_folded_batch_1_auto_splits_and_graph_replay():
+    """Batch 1 at a ~50k req_to_token width: oscar_decode's own pick folds the window (history_cuda.plan: 24 splits by
+    the rows cap), the output matches the oracle, and CUDA-graph replays reproduce the eager output bit for bit."""
+    from sglang_oscar.kernels import history_cuda
+
+    case = make_case([50001], hkv=8, gqa=4, d=128, sink=64, window=256, ring_starts=[49900], pool_page=64,
+                     seed=77)
+    ns, fold = history_cuda.plan(1, 8, 4, case["req_to_token"].shape[1], torch.cuda.get_device_properties(0)
+                                 .multi_processor_count, 64, 256)
+    assert fold and ns >= history_cuda.fold_tiles(64, 256)
+    run_and_check(case, history_kernel="cuda")
+    want = oscar_decode(**case, history_kernel="cuda")
+    out = torch.full_like(case["q"], float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        oscar_decode(**case, history_kernel="cuda", out=out)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
 
 
 @requires_cuda

@@ -69,12 +69,15 @@ def test_summary_phases_span_and_last_warp():
 
 
 def test_source_specs():
-    assert probe.parse_source("", "/k.cu", 2) == ("/k.cu", (), 2, 16)
-    assert probe.parse_source("/old.cu", "/k.cu", 2) == ("/old.cu", (), 2, 16)
-    assert probe.parse_source("+S3+DOSCAR_TOK=32", "/k.cu", 2) == ("/k.cu", ("OSCAR_TOK=32",), 3, 16)
-    assert probe.parse_source("+W32", "/k.cu", 2) == ("/k.cu", (), 2, 32)
+    d = dict(STAGES=2, WINDOW_ROWS_PER_WARP=16, FOLD_WINDOW=True)
+    assert probe.parse_source("", "/k.cu", d) == ("/k.cu", (), d)
+    assert probe.parse_source("/old.cu", "/k.cu", d) == ("/old.cu", (), d)
+    assert probe.parse_source("+S3+DOSCAR_TOK=32", "/k.cu", d) == ("/k.cu", ("OSCAR_TOK=32",), {**d, "STAGES": 3})
+    assert probe.parse_source("+W32+F0", "/k.cu", d) == ("/k.cu", (), {**d, "WINDOW_ROWS_PER_WARP": 32,
+                                                                       "FOLD_WINDOW": False})
+    assert d["FOLD_WINDOW"] is True  # the defaults are not changed
     with pytest.raises(SystemExit, match="cannot read"):
-        probe.parse_source("/k.cu+X3", "/k.cu", 2)
+        probe.parse_source("/k.cu+X3", "/k.cu", d)
 
 
 def test_summary_refuses_an_empty_trace():

@@ -1209,8 +1209,8 @@ def oscar_decode(
                 from .write import default_block_t, write_grid
 
                 chained = math.prod(write_grid(B, Hkv, default_block_t(B, D), q_from_write))
-            num_splits = history_cuda.split_count(B, Hkv, group, req_to_token.shape[1], _num_sms(q.device),
-                                                  sum(history_cuda.window_ctas(sink, window)), chained)
+            num_splits, _ = history_cuda.plan(B, Hkv, group, req_to_token.shape[1], _num_sms(q.device), sink,
+                                              window, chained)
         else:
             num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
                                             ctas_per_sm=ctas, **split_rule)
@@ -1219,13 +1219,15 @@ def oscar_decode(
     # the CUDA history kernel reads the window in its own CTAs (history_cuda.FUSED_WINDOW, window_ctas)
     fused_window = hist_cuda and history_cuda.FUSED_WINDOW
     fused_merge = fused_window and history_cuda.FUSED_MERGE
-    ss_auto, rs_auto = (history_cuda.window_ctas(sink, window) if fused_window
+    # the window folded into the history CTAs (history_cuda.folds): no window partials
+    fold_window = fused_window and history_cuda.folds(ns, sink, window)
+    ss_auto, rs_auto = ((0, 0) if fold_window else history_cuda.window_ctas(sink, window) if fused_window
                         else default_window_splits(B * Hkv, ns, sink, window, slots))
     rs = ring_splits if ring_splits is not None else rs_auto
-    if rs < 1:
+    if rs < 1 and not fold_window:
         raise ValueError(f"ring_splits must be >= 1, got {rs}")
     ss = sink_splits if sink_splits is not None else ss_auto
-    if ss < 1:
+    if ss < 1 and not fold_window:
         raise ValueError(f"sink_splits must be >= 1, got {ss}")
     ns_total = ns + ss + rs
     o_part = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
@@ -1263,7 +1265,7 @@ def oscar_decode(
                             pdl=(history_cuda.PDL_OFF if not follows_write else history_cuda.PDL_AFTER_WRITE_Q
                                  if q_from_write else history_cuda.PDL_AFTER_WRITE),
                             window_splits=(ss, rs) if fused_window else (0, 0), sink_k=sink_k, sink_v=sink_v,
-                            out=out if fused_merge else None)
+                            out=out if fused_merge else None, fold=fold_window)
         if fused_merge:
             return out
     if not fused_window:

@@ -50,6 +50,12 @@ MIN_ROWS_PER_SPLIT = 256
 FUSED_WINDOW = True
 WINDOW_ROWS_PER_WARP = 16  # a multiple of 16 (the warp reads them one 16-row tile at a time)
 WINDOW_LAST = True  # the window CTAs after the history CTAs in the grid (else before)
+# The window folded into the history CTAs where a launch has at least one history split per window tile (fold_tiles:
+# 20 for S 64, W 256): warp 0 of split i reads window tile i before its history range, and no window CTAs are
+# launched (kernels/cuda/int2_history.cu). Why: at batch 1 the window CTAs did not fit the grid's one round beside
+# the history CTAs, and those of the second round ended the call (benchmark/NOTES.md). A module attribute, so that
+# benchmarks time both in one process (probe_history_trace.py --sources name=+F0).
+FOLD_WINDOW = True
 # The merge in the kernel (with FUSED_WINDOW): the last CTA of a column to finish merges its partials and writes
 # the output, so a decode call is one launch; off, the Triton merge kernel follows (PDL). A column's CTAs count
 # themselves done in a per-device int32 counter (COUNTERS of them, zero between calls). Off by default: correct
@@ -66,7 +72,7 @@ Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel
 # oscar_history_launch's C parameters in order (test_decode checks them against the source's signature)
 _i, _p = ctypes.c_int, ctypes.c_void_p
 LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
-                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _p]
+                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _i, _p]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -215,6 +221,18 @@ def window_ctas(sink: int, window: int) -> tuple:
     return max(1, -(-sink // rows)), max(1, -(-window // rows))
 
 
+def fold_tiles(sink: int, window: int) -> int:
+    """Window tiles of 16 positions per CTA column when the window is folded into the history CTAs: the sink's, then
+    the ring's (20 for S 64, W 256)."""
+    return -(-sink // 16) + -(-window // 16)
+
+
+def folds(num_splits: int, sink: int, window: int) -> bool:
+    """Whether a launch of num_splits history splits folds the window into them (FOLD_WINDOW, FUSED_WINDOW, and a
+    split per window tile, so that a CTA reads at most one)."""
+    return FOLD_WINDOW and FUSED_WINDOW and num_splits >= fold_tiles(sink, window) > 0
+
+
 def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, window_partials: int = 8) -> int:
     """History splits (CTAs) per CTA column (kv_heads = requests x KV heads): one round of resident CTAs,
     >= MIN_ROWS_PER_SPLIT rows per warp, at most MAX_PARTIALS - window_partials (the merge holds a head's
@@ -249,6 +267,19 @@ def chained_num_splits(kv_heads: int, gqa: int, num_sms: int, write_programs: in
     return max(1, min(free // cols, MAX_PARTIALS - window_partials))
 
 
+def plan(batch: int, kv_heads: int, gqa: int, max_context: int, num_sms: int, sink: int, window: int,
+         chained_write_programs: Optional[int] = None) -> tuple:
+    """(history splits, fold) of a call where num_splits is None: with FOLD_WINDOW the count of a grid without
+    window CTAs (split_count with no window partials), and the window folded where that count has a split per
+    window tile (folds); else split_count with the window CTAs' partials."""
+    if FOLD_WINDOW and FUSED_WINDOW:
+        n = split_count(batch, kv_heads, gqa, max_context, num_sms, 0, chained_write_programs)
+        if folds(n, sink, window):
+            return n, True
+    return split_count(batch, kv_heads, gqa, max_context, num_sms, sum(window_ctas(sink, window)),
+                       chained_write_programs), False
+
+
 def split_count(batch: int, kv_heads: int, gqa: int, max_context: int, num_sms: int, window_partials: int,
                 chained_write_programs: Optional[int] = None) -> int:
     """The history split count oscar_decode uses where num_splits is None: chained_num_splits for one request chained
@@ -257,12 +288,13 @@ def split_count(batch: int, kv_heads: int, gqa: int, max_context: int, num_sms: 
     1 at most one round less one slot per column, so that each column's first window CTA (its sink CTA, whose index
     chain is the longest) starts in the first round instead of after the first history CTAs end. Measured on H100,
     Qwen3-8B batch 1, 32 splits against the one-round 33 (results/probe_split_count_8d6a747_32v33_*, 3 rounds): 128k
-    0.96x alone and 0.95x chained to the write, 96k 0.97x / 1.00x; up to 64k the rows cap is already <= 32."""
+    0.96x alone and 0.95x chained to the write, 96k 0.97x / 1.00x; up to 64k the rows cap is already <= 32.
+    window_partials 0: a grid without window CTAs (the window folded, plan), so no slot is kept for them."""
     if (chained_write_programs is not None and batch == 1
             and CHAINED_MIN_CONTEXT <= max_context <= CHAINED_MAX_CONTEXT):
         return chained_num_splits(kv_heads, gqa, num_sms, chained_write_programs, window_partials)
     n = default_num_splits(batch * kv_heads, gqa, max_context, num_sms, window_partials)
-    if batch == 1:
+    if batch == 1 and window_partials:
         cols = max(cta_columns(kv_heads, gqa), 1)
         n = max(1, min(n, (num_sms * occupancy(heads=cta_heads(gqa)) - cols) // cols))
     return n
@@ -279,11 +311,12 @@ PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q = 0, 1, 2, 3
 
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
            o_part, lse_part, pdl: int = PDL_OFF, window_splits: tuple = (0, 0), sink_k=None, sink_v=None,
-           out=None) -> None:
+           out=None, fold: bool = False) -> None:
     """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128], and
     with window_splits = (SS, RS) != (0, 0) (window_ctas) the sink partials [ns, ns + SS) and the ring partials
     [ns + SS, ns + SS + RS) as well (sink_k / sink_v: the cache's sink rows, or a one-row stand-in where it has
-    none). With out (a contiguous [B, Hq, 128] tensor of q's dtype; needs the window partials) the kernel also
+    none). fold (folds; window_splits (0, 0)): the history CTAs read the window themselves (no window partials).
+    With out (a contiguous [B, Hq, 128] tensor of q's dtype; needs the window partials or fold) the kernel also
     merges them into out (FUSED_MERGE) and nothing needs to follow. oscar_decode, the caller, has checked the index
     dtypes and check_supported the shape; this checks only what the kernel adds (the split range, contiguous 1-D
     inputs, the merge's counters).
@@ -306,7 +339,10 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
                          f"{WINDOW_ROWS_PER_WARP}")
     if not 1 <= ns <= ns_total - ss - rs:
         raise ValueError(f"history_kernel='cuda': num_splits must be in [1, {ns_total - ss - rs}], got {ns}")
-    if ss or rs:
+    if fold and (ss or rs or ns < fold_tiles(sink, window)):
+        raise ValueError(f"history_kernel='cuda' folds the window into >= {fold_tiles(sink, window)} history splits "
+                         f"without window CTAs; got {ns} splits and window_splits {window_splits}")
+    if ss or rs or fold:
         sink_k = cache.sink_k if sink_k is None else sink_k
         sink_v = cache.sink_v if sink_v is None else sink_v
         for x in (sink_k, sink_v, cache.ring_k, cache.ring_v):
@@ -319,8 +355,9 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         win = (None,) * 5
     merge = (None, 0, None, 0)
     if out is not None:
-        if not (ss or rs):
-            raise ValueError("history_kernel='cuda' merges in the kernel only with its window CTAs (window_splits)")
+        if not (ss or rs or fold):
+            raise ValueError("history_kernel='cuda' merges in the kernel only with the window in its grid "
+                             "(window_splits or fold)")
         if out.dtype != q.dtype or out.shape != q.shape or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
         cols = cta_columns(q.shape[0] * cache.kv_heads, q.shape[1] // cache.kv_heads)
@@ -343,7 +380,7 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
         o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(page)), int(pdl), *win, ss, rs,
-        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST), *merge,
+        WINDOW_ROWS_PER_WARP // 16, int(WINDOW_LAST), *merge, fold_tiles(sink, window) if fold else 0,
         torch.cuda.current_stream().cuda_stream)
     if rc:
         raise RuntimeError(f"history_kernel='cuda' launch failed (cuda error {rc})")

@@ -69,6 +69,12 @@ constexpr int kVcOff = kTok * 32, kKpOff = kTok * 64, kVpOff = kTok * 72;
 // a warp's shared memory: its NSTAGE stages, and at least the one K and one V tile of 16 BF16 rows (8 KB) that a
 // window CTA's warp reads (window_cta)
 constexpr int warp_smem(int nstage) { return nstage * kStageBytes > 8192 ? nstage * kStageBytes : 8192; }
+// a CTA's shared memory: its warps', and with the window folded (Args.fold_tiles) 8 KB past the warps' stages for
+// warp 0's window tile (inside the warps' 8 KB each at 2 stages of 32 tokens: no more than without)
+constexpr int cta_smem(int nstage, int warps, bool fold) {
+  return fold && warps * nstage * kStageBytes + 8192 > warps * warp_smem(nstage)
+             ? warps * nstage * kStageBytes + 8192 : warps * warp_smem(nstage);
+}
 constexpr float kTwo24 = 16777216.0f;
 constexpr float kLazy = 8.0f;            // log2 units a score may pass the running max without a rescale
 // Args.pdl: how this grid was launched.
@@ -102,9 +108,16 @@ __device__ __forceinline__ void grid_dependency_wait() {
 constexpr int kTraceWarps = 1 << 16, kTraceWords = 16;
 __device__ unsigned long long g_trace[kTraceWarps * kTraceWords];
 enum TraceMark { kMarkEntry, kMarkIndex, kMarkSlots, kMarkQ, kMarkFirst, kMarkLoop, kMarkEnd };
-// this warp's first trace word
+// this warp's first trace word, from special registers read anew at each mark (asm volatile: not kept live across
+// the kernel, where it took one of the 128 registers and was spilled once the window could be folded)
 __device__ __forceinline__ unsigned trace_slot() {
-  return ((blockIdx.y * gridDim.x + blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kTraceWords;
+  unsigned cx, cy, nx, nt, tx;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cx));
+  asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(cy));
+  asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(nx));
+  asm volatile("mov.u32 %0, %%ntid.x;\n" : "=r"(nt));
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tx));
+  return ((cy * nx + cx) * (nt >> 5) + (tx >> 5)) * kTraceWords;
 }
 __device__ __forceinline__ void trace_mark(int mark, uint32_t dep) {
   unsigned long long t, c;
@@ -215,6 +228,9 @@ struct Args {
   int out_dtype;
   int* counters;            // [>= gridDim.x] zero between calls: CTAs of a column done (the last one resets it)
   int fused_merge;
+  // the window folded into the history CTAs (no window CTAs): warp 0 of split i < fold_tiles reads window tile i
+  // first (window_tile_*), see int2_history_kernel
+  int fold_tiles;
 };
 
 // record of (pool slot s, KV head h): kernels/records.py pool_record (pages of 2^page_log2 slots; pmask = page - 1,
@@ -257,19 +273,26 @@ __device__ __forceinline__ float2 q_pair(const Args& a, const uint4& v, int k, b
 // memory (so, sml); thread e of the CTA combines output e (+ k.threads) over the warps: M = max m_w,
 // O = sum 2^(m_w - M) O_w, L = sum 2^(m_w - M) l_w. An empty warp has l = 0 and m = -1e30, so it weighs 0 (or all
 // weigh 1 and L = 0: an empty split, o 0 and lse -inf).
+// xo: one more entry ([HC][128] O, then [HC] (m, l)) beside the warps' (a folded window tile's), or null.
 template <int HC>
 __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so, const float* sml, int nwarps, int nh,
-                                                  int hq_base, int split) {
+                                                  int hq_base, int split, const float* xo = nullptr) {
   for (int e = threadIdx.x; e < HC * 128; e += blockDim.x) {
     const int hl = e >> 7, d = e & 127;
     if (hl >= nh) continue;
     float M = -1e30f;
     for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sml[(w * HC + hl) * 2]);
+    if (xo) M = fmaxf(M, xo[HC * 128 + hl * 2]);
     float L = 0.f, O = 0.f;
     for (int w = 0; w < nwarps; ++w) {
       const float wt = ex2(sml[(w * HC + hl) * 2] - M);
       L = fmaf(wt, sml[(w * HC + hl) * 2 + 1], L);
       O = fmaf(wt, so[(w * HC + hl) * 128 + d], O);
+    }
+    if (xo) {
+      const float wt = ex2(xo[HC * 128 + hl * 2] - M);
+      L = fmaf(wt, xo[HC * 128 + hl * 2 + 1], L);
+      O = fmaf(wt, xo[hl * 128 + d], O);
     }
     const size_t row = (size_t)hq_base + hl;
     a.o_part[(row * a.ns_total + split) * 128 + d] = L > 0.f ? O / L : 0.f;
@@ -363,6 +386,185 @@ __device__ __forceinline__ void store_int2_chunk(const Args& a, uint32_t dst, lo
   }
 }
 
+// One window tile: positions [first, first + 16) of the sink range [0, min(L, S)) or of the ring range
+// [max(L - W, S), L) (positions below ring_start: copied, then zeroed and masked), read by one warp (a window CTA's,
+// or a history CTA's folded warp).
+struct WinTile {
+  int first, range_lo, range_hi;  // range_lo: the range's first valid position (ring_start applied)
+  bool is_sink;
+};
+
+// Tile k (from 0) of the sink (is_sink) or ring range of a request of length L whose ring starts at ring_lo.
+__device__ __forceinline__ WinTile window_tile(const Args& a, bool is_sink, int k, int L, int ring_lo) {
+  // ring tiles from max(L - W, S), which needs no ring_start, so that its load is off the copies' chain (under the
+  // history CTAs' copies each dependent load of a window CTA took ~2 us; benchmark/probe_history_trace.py)
+  const int base_lo = is_sink ? 0 : min(max(L - a.window, a.sink), L);
+  WinTile w;
+  w.first = base_lo + 16 * k;
+  w.range_hi = is_sink ? min(L, a.sink) : L;
+  w.range_lo = is_sink ? 0 : min(max(base_lo, ring_lo), L);
+  w.is_sink = is_sink;
+  return w;
+}
+
+// This lane's row of the tile (lanes 0..15: position first + lane): >= 0 a BF16 row, -1 none (masked), <= -2 a sink
+// position without a sink row (rare: no sink row was free), whose INT2 record at slot -2 - row is read instead. An
+// int: pool slots are int32 (req_to_token) and a pool of 2^31 - 2 slots would not fit a GPU.
+__device__ __forceinline__ int window_row(const Args& a, const WinTile& w, int req, int lane) {
+  const int pos = w.first + (lane & 15);
+  int row = -1;
+  if (lane < 16 && pos < w.range_hi) {
+    if (w.is_sink) {
+      const int slot = __ldg(a.r2t + (size_t)req * a.r2t_stride + pos);
+      const int sr = __ldg(a.sink_table + slot);
+      row = sr >= 0 ? sr : -2 - slot;
+    } else {
+      row = req * a.window + pos % a.window;
+    }
+  }
+  return row;
+}
+
+// The tile's K and V rows of KV head h into the warp's 8 KB at st (K tile, V tile 4 KB on), one cp.async group.
+__device__ __forceinline__ void window_issue(const Args& a, const WinTile& w, int row, int h, uint32_t st,
+                                             int lane) {
+  const __nv_bfloat16* kbase = w.is_sink ? a.sk : a.rk;
+  const __nv_bfloat16* vbase = w.is_sink ? a.sv : a.rv;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int c = lane + 32 * i, r = c >> 4, ch = c & 15;
+    const int rr = __shfl_sync(0xffffffffu, row, r);
+    const long long off = rr < 0 ? 0 : ((long long)rr * a.hkv + h) * 128 + ch * 8;
+    const uint32_t dst = st + r * 256 + ((ch ^ swz(r)) << 4);
+    if (rr > -2) {
+      cp_async16(dst, kbase + off, rr < 0 ? 0 : 16);
+      cp_async16(dst + 4096, vbase + off, rr < 0 ? 0 : 16);
+    }
+  }
+  cp_commit();
+  // sink positions without a sink row (rare): their INT2 records, dequantized into the tile here, in a rolled loop
+  // (unrolled, its 8 copies were ~1000 instructions per use of this function)
+  if (__any_sync(0xffffffffu, lane < 16 && row <= -2)) {
+#pragma unroll 1
+    for (int i = 0; i < 8; ++i) {
+      const int c = lane + 32 * i, r = c >> 4, ch = c & 15;
+      const int rr = __shfl_sync(0xffffffffu, row, r);
+      if (rr <= -2) store_int2_chunk(a, st + r * 256 + ((ch ^ swz(r)) << 4), -2 - (long long)rr, h, ch);
+    }
+  }
+}
+
+// c0 q as BF16 B fragments: qw[j][k] = dims 32j + 8t + 2k, +1 of this lane's column's head (zero for a spare column),
+// from its four 16-byte loads qraw (load_q8).
+__device__ __forceinline__ void window_q(const Args& a, const uint4 (&qraw)[4], bool qvalid, size_t qrow, int t,
+                                         uint32_t (&qw)[4][4]) {
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      // word k of qraw[jj] holds dims 32jj + 8t + 2k, + 1
+      const float2 x = q_pair(a, qraw[jj], k, qvalid, qrow + 32 * jj + 8 * t + 2 * k);
+      __nv_bfloat162 v = __floats2bfloat162_rn(x.x, x.y);
+      qw[jj][k] = *reinterpret_cast<uint32_t*>(&v);
+    }
+  }
+}
+
+// The tile's dots and the running (m, l, O) of this warp, once its group has landed (the caller waited): rows
+// below range_lo are zeroed first (ring rows of positions below ring_start hold stale bits), masked rows score -inf.
+__device__ __forceinline__ void window_compute(const WinTile& w, int row, uint32_t st, const uint8_t* sts,
+                                               const uint32_t (&qw)[4][4], float (&o)[8][4], float& m0, float& m1,
+                                               float& l0, float& l1) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int first = w.first, range_lo = w.range_lo;
+  const bool tok_a = __shfl_sync(0xffffffffu, row, g) != -1 && first + g >= range_lo;
+  const bool tok_b = __shfl_sync(0xffffffffu, row, g + 8) != -1 && first + g + 8 >= range_lo;
+  __syncwarp();
+  if (first < range_lo) {  // uniform per warp
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int c = lane + 32 * i, r = c >> 4, ch = c & 15;
+      if (first + r < range_lo) {
+        const uint32_t dst = st + r * 256 + ((ch ^ swz(r)) << 4);
+        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0u) : "memory");
+        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst + 4096), "r"(0u) : "memory");
+      }
+    }
+    __syncwarp();
+  }
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    const uint4 k0 = *reinterpret_cast<const uint4*>(sts + g * 256 + (((4 * jj + t) ^ swz(g)) << 4));
+    const uint4 k1 = *reinterpret_cast<const uint4*>(sts + (g + 8) * 256 + (((4 * jj + t) ^ swz(g + 8)) << 4));
+    mma16816_bf16(acc, k0.x, k1.x, k0.y, k1.y, qw[jj][0], qw[jj][1]);
+    mma16816_bf16(acc, k0.z, k1.z, k0.w, k1.w, qw[jj][2], qw[jj][3]);
+  }
+  const float s0 = tok_a ? acc[0] : -INFINITY, s1 = tok_a ? acc[1] : -INFINITY;
+  const float s2 = tok_b ? acc[2] : -INFINITY, s3 = tok_b ? acc[3] : -INFINITY;
+  float c0 = fmaxf(s0, s2), c1 = fmaxf(s1, s3);
+#pragma unroll
+  for (int x = 4; x < 32; x <<= 1) {
+    c0 = fmaxf(c0, __shfl_xor_sync(0xffffffffu, c0, x));
+    c1 = fmaxf(c1, __shfl_xor_sync(0xffffffffu, c1, x));
+  }
+  const float n0 = fmaxf(m0, c0), n1 = fmaxf(m1, c1);  // a tile of masked rows leaves m as it was
+  const float al0 = ex2(m0 - n0), al1 = ex2(m1 - n1);
+  m0 = n0; m1 = n1;
+  const float p0 = ex2(s0 - m0), p1 = ex2(s1 - m1), p2 = ex2(s2 - m0), p3 = ex2(s3 - m1);
+  float t0 = p0 + p2, t1 = p1 + p3;
+#pragma unroll
+  for (int x = 4; x < 32; x <<= 1) {
+    t0 += __shfl_xor_sync(0xffffffffu, t0, x);
+    t1 += __shfl_xor_sync(0xffffffffu, t1, x);
+  }
+  l0 = fmaf(l0, al0, t0);
+  l1 = fmaf(l1, al1, t1);
+  __nv_bfloat162 pa = __floats2bfloat162_rn(p0, p1), pb = __floats2bfloat162_rn(p2, p3);
+  const uint32_t b0 = movm_trans(*reinterpret_cast<uint32_t*>(&pa));
+  const uint32_t b1 = movm_trans(*reinterpret_cast<uint32_t*>(&pb));
+#pragma unroll
+  for (int sc = 0; sc < 2; ++sc) {  // chunk 2g + sc of rows 2t, 2t + 1, 2t + 8, 2t + 9: dims 16g + 8sc .. + 7
+    const uint8_t* vt = sts + 4096;
+    const uint4 vA = *reinterpret_cast<const uint4*>(vt + (2 * t) * 256 + (((2 * g + sc) ^ swz(2 * t)) << 4));
+    const uint4 vB = *reinterpret_cast<const uint4*>(vt + (2 * t + 1) * 256 + (((2 * g + sc) ^ swz(2 * t + 1)) << 4));
+    const uint4 vC = *reinterpret_cast<const uint4*>(vt + (2 * t + 8) * 256 + (((2 * g + sc) ^ swz(2 * t + 8)) << 4));
+    const uint4 vD = *reinterpret_cast<const uint4*>(vt + (2 * t + 9) * 256 + (((2 * g + sc) ^ swz(2 * t + 9)) << 4));
+    const uint32_t wa[4] = {vA.x, vA.y, vA.z, vA.w}, wb[4] = {vB.x, vB.y, vB.z, vB.w};
+    const uint32_t wc[4] = {vC.x, vC.y, vC.z, vC.w}, wd[4] = {vD.x, vD.y, vD.z, vD.w};
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int mt = 4 * sc + x;
+      o[mt][0] *= al0; o[mt][1] *= al1; o[mt][2] *= al0; o[mt][3] *= al1;
+      mma16816_bf16(o[mt], prmt(wa[x], wb[x], 0x5410), prmt(wa[x], wb[x], 0x7632), prmt(wc[x], wd[x], 0x5410),
+                    prmt(wc[x], wd[x], 0x7632), b0, b1);
+    }
+  }
+  __syncwarp();  // the next tile's copies overwrite these buffers
+}
+
+// A window warp's (m, l, O) as one merge entry: O [HC][128] at ow, (m, l) of head i at ml[2i], ml[2i + 1]
+// (store_cta_partial's layout). At HC 4 columns 4..7 repeat heads 0..3: lanes t < 2 hold the stored ones.
+template <int HC>
+__device__ __forceinline__ void window_park(float* ow, float* ml, const float (&o)[8][4], float m0, float m1,
+                                            float l0, float l1) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if (HC == 8 || t < 2) {
+    const int head0 = 2 * t;
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) {
+      const int d = 16 * g + 2 * mt;
+      ow[head0 * 128 + d] = o[mt][0];
+      ow[(head0 + 1) * 128 + d] = o[mt][1];
+      ow[head0 * 128 + d + 1] = o[mt][2];
+      ow[(head0 + 1) * 128 + d + 1] = o[mt][3];
+    }
+    if (g == 0) {
+      ml[head0 * 2] = m0; ml[head0 * 2 + 1] = l0; ml[head0 * 2 + 2] = m1; ml[head0 * 2 + 3] = l1;
+    }
+  }
+}
+
 // A window CTA: window CTA j of its column (sink CTAs j < nwin_sink, then ring CTAs). Warp w reads win_tiles tiles
 // of 16 positions, ((j' * nwarps + w) * win_tiles + k) * 16 on from the range's start, one at a time (the warp's
 // 8 KB of shared memory, warp_smem, hold one K and one V tile), as m16n8k16 dots with BF16 operands and fp32 sums:
@@ -388,153 +590,29 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   const int L = a.seq_lens[b];
   const int req = a.req_idx_64 ? (int)reinterpret_cast<const long long*>(a.req_idx)[b]
                                 : reinterpret_cast<const int*>(a.req_idx)[b];
-  const int range_hi = is_sink ? min(L, a.sink) : L;
-  // ring CTAs: tiles from max(L - W, S), which needs no ring_start, so that its load is off the copies' chain (under
-  // the history CTAs' copies each dependent load of a window CTA took ~2 us; benchmark/probe_history_trace.py).
-  // Positions below ring_start (W steps after a prefix-cache hit) are copied too, then zeroed and masked.
-  const int base_lo = is_sink ? 0 : min(max(L - a.window, a.sink), L);
-  const int ring_lo = is_sink ? 0 : a.ring_start[req];
-  const int first0 = base_lo + ((is_sink ? j : j - a.nwin_sink) * nwarps + warp) * a.win_tiles * 16;
-  const __nv_bfloat16* kbase = is_sink ? a.sk : a.rk;
-  const __nv_bfloat16* vbase = is_sink ? a.sv : a.rv;
+  const int ring_lo = is_sink ? 0 : a.ring_start[req];  // used only in the mask, after the copies
+  const int k0 = ((is_sink ? j : j - a.nwin_sink) * nwarps + warp) * a.win_tiles;
   const uint32_t st = (uint32_t)__cvta_generic_to_shared(smem) + warp * 8192;  // K tile 4 KB, V tile 4 KB
   const uint8_t* sts = smem + warp * 8192;
-  // c0 q as BF16 B fragments: qw[j][k] = dims 32j + 8t + 2k, +1 of column g's head (g & 3 at HC 4, g at HC 8;
-  // zero for a spare column)
   uint32_t qw[4][4];
-  {
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        // word k of qraw[jj] holds dims 32jj + 8t + 2k, + 1
-        const float2 x = q_pair(a, qraw[jj], k, qvalid, qrow + 32 * jj + 8 * t + 2 * k);
-        __nv_bfloat162 v = __floats2bfloat162_rn(x.x, x.y);
-        qw[jj][k] = *reinterpret_cast<uint32_t*>(&v);
-      }
-    }
-  }
+  window_q(a, qraw, qvalid, qrow, t, qw);
   float o[8][4];
 #pragma unroll
   for (int mt = 0; mt < 8; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
   float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f;  // an empty warp keeps these: weighed 0 by the CTA merge
   for (int tile = 0; tile < a.win_tiles; ++tile) {
-    const int first = first0 + 16 * tile;
-    if (first >= range_hi) break;  // uniform per warp
-    // lanes 0..15: the row of position first + lane: >= 0 a BF16 row, -1 none (masked), <= -2 a sink position
-    // without a sink row (rare: no sink row was free), whose INT2 record at slot -2 - row is read instead
-    const int pos = first + (lane & 15);
-    long long row = -1;
-    if (lane < 16 && pos < range_hi) {
-      if (is_sink) {
-        const int slot = __ldg(a.r2t + (size_t)req * a.r2t_stride + pos);
-        const int sr = __ldg(a.sink_table + slot);
-        row = sr >= 0 ? (long long)sr : -2 - (long long)slot;
-      } else {
-        row = (long long)req * a.window + pos % a.window;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int c = lane + 32 * i, r = c >> 4, ch = c & 15;
-      const long long rr = __shfl_sync(0xffffffffu, row, r);
-      const long long off = rr < 0 ? 0 : (rr * a.hkv + h) * 128 + ch * 8;
-      const uint32_t dst = st + r * 256 + ((ch ^ swz(r)) << 4);
-      if (rr <= -2) {
-        store_int2_chunk(a, dst, -2 - rr, h, ch);
-      } else {
-        cp_async16(dst, kbase + off, rr < 0 ? 0 : 16);
-        cp_async16(dst + 4096, vbase + off, rr < 0 ? 0 : 16);
-      }
-    }
-    cp_commit();
-    const int range_lo = min(max(base_lo, ring_lo), L);  // the window's first position (ring_start applied)
-    const bool tok_a = __shfl_sync(0xffffffffu, row, g) != -1 && first + g >= range_lo;
-    const bool tok_b = __shfl_sync(0xffffffffu, row, g + 8) != -1 && first + g + 8 >= range_lo;
+    const WinTile w = window_tile(a, is_sink, k0 + tile, L, ring_lo);
+    if (w.first >= w.range_hi) break;  // uniform per warp
+    const int row = window_row(a, w, req, lane);
+    window_issue(a, w, row, h, st, lane);
     cp_wait<0>();
-    __syncwarp();
-    if (first < range_lo) {  // uniform per warp; ring rows of positions below ring_start: zeros, not stale bits
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int c = lane + 32 * i, r = c >> 4, ch = c & 15;
-        if (first + r < range_lo) {
-          const uint32_t dst = st + r * 256 + ((ch ^ swz(r)) << 4);
-          asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0u) : "memory");
-          asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst + 4096), "r"(0u) : "memory");
-        }
-      }
-      __syncwarp();
-    }
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      const uint4 k0 = *reinterpret_cast<const uint4*>(sts + g * 256 + (((4 * jj + t) ^ swz(g)) << 4));
-      const uint4 k1 = *reinterpret_cast<const uint4*>(sts + (g + 8) * 256 + (((4 * jj + t) ^ swz(g + 8)) << 4));
-      mma16816_bf16(acc, k0.x, k1.x, k0.y, k1.y, qw[jj][0], qw[jj][1]);
-      mma16816_bf16(acc, k0.z, k1.z, k0.w, k1.w, qw[jj][2], qw[jj][3]);
-    }
-    const float s0 = tok_a ? acc[0] : -INFINITY, s1 = tok_a ? acc[1] : -INFINITY;
-    const float s2 = tok_b ? acc[2] : -INFINITY, s3 = tok_b ? acc[3] : -INFINITY;
-    float c0 = fmaxf(s0, s2), c1 = fmaxf(s1, s3);
-#pragma unroll
-    for (int x = 4; x < 32; x <<= 1) {
-      c0 = fmaxf(c0, __shfl_xor_sync(0xffffffffu, c0, x));
-      c1 = fmaxf(c1, __shfl_xor_sync(0xffffffffu, c1, x));
-    }
-    const float n0 = fmaxf(m0, c0), n1 = fmaxf(m1, c1);  // a tile of masked rows leaves m as it was
-    const float al0 = ex2(m0 - n0), al1 = ex2(m1 - n1);
-    m0 = n0; m1 = n1;
-    const float p0 = ex2(s0 - m0), p1 = ex2(s1 - m1), p2 = ex2(s2 - m0), p3 = ex2(s3 - m1);
-    float t0 = p0 + p2, t1 = p1 + p3;
-#pragma unroll
-    for (int x = 4; x < 32; x <<= 1) {
-      t0 += __shfl_xor_sync(0xffffffffu, t0, x);
-      t1 += __shfl_xor_sync(0xffffffffu, t1, x);
-    }
-    l0 = fmaf(l0, al0, t0);
-    l1 = fmaf(l1, al1, t1);
-    __nv_bfloat162 pa = __floats2bfloat162_rn(p0, p1), pb = __floats2bfloat162_rn(p2, p3);
-    const uint32_t b0 = movm_trans(*reinterpret_cast<uint32_t*>(&pa));
-    const uint32_t b1 = movm_trans(*reinterpret_cast<uint32_t*>(&pb));
-#pragma unroll
-    for (int sc = 0; sc < 2; ++sc) {  // chunk 2g + sc of rows 2t, 2t + 1, 2t + 8, 2t + 9: dims 16g + 8sc .. + 7
-      const uint8_t* vt = sts + 4096;
-      const uint4 vA = *reinterpret_cast<const uint4*>(vt + (2 * t) * 256 + (((2 * g + sc) ^ swz(2 * t)) << 4));
-      const uint4 vB = *reinterpret_cast<const uint4*>(vt + (2 * t + 1) * 256 + (((2 * g + sc) ^ swz(2 * t + 1)) << 4));
-      const uint4 vC = *reinterpret_cast<const uint4*>(vt + (2 * t + 8) * 256 + (((2 * g + sc) ^ swz(2 * t + 8)) << 4));
-      const uint4 vD = *reinterpret_cast<const uint4*>(vt + (2 * t + 9) * 256 + (((2 * g + sc) ^ swz(2 * t + 9)) << 4));
-      const uint32_t wa[4] = {vA.x, vA.y, vA.z, vA.w}, wb[4] = {vB.x, vB.y, vB.z, vB.w};
-      const uint32_t wc[4] = {vC.x, vC.y, vC.z, vC.w}, wd[4] = {vD.x, vD.y, vD.z, vD.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const int mt = 4 * sc + w;
-        o[mt][0] *= al0; o[mt][1] *= al1; o[mt][2] *= al0; o[mt][3] *= al1;
-        mma16816_bf16(o[mt], prmt(wa[w], wb[w], 0x5410), prmt(wa[w], wb[w], 0x7632), prmt(wc[w], wd[w], 0x5410),
-                      prmt(wc[w], wd[w], 0x7632), b0, b1);
-      }
-    }
-    __syncwarp();  // the next tile's copies overwrite these buffers
+    window_compute(w, row, st, sts, qw, o, m0, m1, l0, l1);
   }
   // park O, m, l for the CTA merge (the tiles above are dead once every warp is past this barrier)
   __syncthreads();
   float* so = reinterpret_cast<float*>(smem);
   float* sml = so + nwarps * HC * 128;
-  if (HC == 8 || t < 2) {  // at HC 4 columns 4..7 repeat heads 0..3
-    float* ow = so + warp * HC * 128;
-    const int head0 = 2 * t;
-#pragma unroll
-    for (int mt = 0; mt < 8; ++mt) {
-      const int d = 16 * g + 2 * mt;
-      ow[head0 * 128 + d] = o[mt][0];
-      ow[(head0 + 1) * 128 + d] = o[mt][1];
-      ow[head0 * 128 + d + 1] = o[mt][2];
-      ow[(head0 + 1) * 128 + d + 1] = o[mt][3];
-    }
-    if (g == 0) {
-      float* ml = sml + (warp * HC + head0) * 2;
-      ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
-    }
-  }
+  window_park<HC>(so + warp * HC * 128, sml + warp * HC * 2, o, m0, m1, l0, l1);
   __syncthreads();
   const int ns_hist = gridDim.y - a.nwin_sink - a.nwin_ring;
   store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, ns_hist + j);
@@ -641,6 +719,23 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   float thr0 = (m0 + kLazy) / kTwo24, thr1 = thr0;
 
   const int sg = (g >> 1) + 4 * (g & 1);  // sigma(g): the tile row of M-row g
+  // The window folded into this grid (fold_tiles > 0, no window CTAs): warp 0 of split i < fold_tiles reads window
+  // tile i (the sink's ceil(S / 16) tiles, then the ring's ceil(W / 16)) before its history range, into the 8 KB past
+  // the warps' stages, and adds it to the CTA merge as one more entry. Why: at batch 1 the window CTAs did not fit
+  // the grid's one round beside the history CTAs; those of the second round started when history CTAs ended and
+  // ended ~2-3 us after the last of them (64k, probe_history_trace.py). Uniform per warp.
+  const int n_sink_tiles = (a.sink + 15) >> 4;
+  const bool fold = a.fold_tiles > 0 && warp == 0 && split < a.fold_tiles;
+  WinTile wt{0, 0, 0, false};
+  int wrow = -1;
+  bool wnew = false;  // after the write, the tile holding row L - 1 (written by the write) waits for it
+  if (fold) {
+    const bool ws = split < n_sink_tiles;
+    wt = window_tile(a, ws, ws ? split : split - n_sink_tiles, L, ws ? 0 : a.ring_start[req]);
+    wnew = after_write && wt.first <= L - 1 && L - 1 < wt.first + 16;
+    // the sink's index loads before the slots' and the copies (a load issued after the copies queues behind them)
+    if (!wnew) wrow = window_row(a, wt, req, lane);
+  }
   // after the write: row L - 1 (this step's token, its INT2 record being written) is history only where
   // ring_start >= L; uniform per CTA
   if (after_write && hist_hi >= L && n > 0) grid_dependency_wait();
@@ -663,10 +758,38 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   }
   s0 = ps0[NSTAGE - 1];
   s1 = ps1[NSTAGE - 1];
+  const uint32_t wst = (uint32_t)__cvta_generic_to_shared(smem) + nwarps * NSTAGE * kStageBytes;  // folded tile
+  if (fold && wt.first < wt.range_hi) {
+    if (wnew) {
+      grid_dependency_wait();
+      wrow = window_row(a, wt, req, lane);
+    }
+    window_issue(a, wt, wrow, h, wst, lane);
+  }
 
   if (a.pdl == kPdlAfterWriteQ) {  // q' is the write's output
     grid_dependency_wait();
     load_qraw();
+  }
+  if (fold) {  // the folded window tile, parked as (O, m, l) in its own 8 KB until the CTA merge
+    float* xo = reinterpret_cast<float*>(smem + nwarps * NSTAGE * kStageBytes);
+    if (wt.first < wt.range_hi) {
+      uint32_t qw[4][4];
+      window_q(a, qraw, qvalid, qrow, t, qw);
+      float wo[8][4];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) wo[i][0] = wo[i][1] = wo[i][2] = wo[i][3] = 0.f;
+      float wm0 = -1e30f, wm1 = -1e30f, wl0 = 0.f, wl1 = 0.f;
+      cp_wait<0>();  // the tile's group (and the stages issued before it)
+      window_compute(wt, wrow, wst, smem + nwarps * NSTAGE * kStageBytes, qw, wo, wm0, wm1, wl0, wl1);
+      window_park<HC>(xo, xo + HC * 128, wo, wm0, wm1, wl0, wl1);
+    } else {  // an empty tile: O 0, m -1e30, l 0, weighed 0 by the CTA merge (as an empty warp)
+      for (int e = lane; e < HC * 128; e += 32) xo[e] = 0.f;
+      if (lane < HC) {
+        xo[HC * 128 + 2 * lane] = -1e30f;
+        xo[HC * 128 + 2 * lane + 1] = 0.f;
+      }
+    }
   }
   // built while the first stages' copies are in flight
   // q' = c0 q 4^(2g - p) as this lane's B fragments: reg 2ks + w of k-step ks = (plane p, half hh) holds dims
@@ -862,7 +985,9 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   }
   __syncthreads();
   if (after_write) grid_dependency_wait();  // this grid ends after the write (long done by now)
-  store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, split);
+  const bool folded = a.fold_tiles > 0 && split < a.fold_tiles;  // uniform per CTA: warp 0 parked a window entry
+  store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, split,
+                        folded ? reinterpret_cast<const float*>(smem + nwarps * NSTAGE * kStageBytes) : nullptr);
   TRACE_MARK(kMarkEnd, 0);
   TRACE_META(split, nblocks, 0);
   if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
@@ -873,7 +998,7 @@ int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t s
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(bh, grid_y);
   cfg.blockDim = dim3(warps * 32);
-  cfg.dynamicSmemBytes = warps * warp_smem(NSTAGE);
+  cfg.dynamicSmemBytes = cta_smem(NSTAGE, warps, a.fold_tiles > 0);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the window programs run
@@ -888,7 +1013,7 @@ int prepare(int) {  // the dynamic shared-memory limit, once, before any graph c
   // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
   // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
   return (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   8 * warp_smem(NSTAGE));
+                                   cta_smem(NSTAGE, 8, true));
 }
 
 template <int NSTAGE, int HC>
@@ -925,7 +1050,7 @@ int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg1
                          int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
                          const void* sk, const void* sv, const void* rk, const void* rv, const int* sink_table,
                          int nwin_sink, int nwin_ring, int win_tiles, int win_last, void* out, int out_dtype,
-                         int* counters, int fused_merge, void* stream) {
+                         int* counters, int fused_merge, int fold_tiles, void* stream) {
   // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows of the grid) before or after them;
   // a KV head's query heads in ceil(gqa / hc) CTA columns (head groups)
   const int hgroups = (gqa + hc - 1) / hc;
@@ -933,7 +1058,7 @@ int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg1
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
          grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, hgroups, kg128, vg128,
          (const __nv_bfloat16*)sk, (const __nv_bfloat16*)sv, (const __nv_bfloat16*)rk, (const __nv_bfloat16*)rv,
-         sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge};
+         sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge, fold_tiles};
   DISPATCH(nstage, hc, launch, a, bh * hgroups, warps, grid_y + nwin_sink + nwin_ring, pdl, (cudaStream_t)stream)
 }
 
