@@ -1099,13 +1099,16 @@ def test_cuda_window_ctas_match_the_oracle(sink, window, lens, ring_starts, warp
     (64, 256, [3, 64, 65, 319, 320, 321, 5000], [0, 0, 0, 0, 0, 300, 4990]),  # L < S, L = S, window edges, ring_start
     (5, 40, [1, 5, 6, 44, 45, 46, 2001], [0, 0, 0, 0, 0, 40, 1999]),  # sink and window not multiples of 16
 ])
-@pytest.mark.parametrize("gqa", [4, 8])
-def test_cuda_window_folded_into_the_history_ctas(sink, window, lens, ring_starts, gqa, monkeypatch):
+@pytest.mark.parametrize("gqa,warps", [(4, 8), (8, 8), (4, 2)])
+def test_cuda_window_folded_into_the_history_ctas(sink, window, lens, ring_starts, gqa, warps, monkeypatch):
     """The window folded into the history CTAs (history_cuda.folds: warp 0 of split i reads window tile i, no window
-    CTAs): at the fold's smallest split count (one split per tile) and a larger one, at GQA 4 and 8 (4- and 8-head
-    tiles), with sink positions whose INT2 records are read into the tile, with the in-kernel merge, and against the
-    oracle with poisoned outputs; the same calls with FOLD_WINDOW off (window CTAs) agree with the oracle too."""
+    CTAs, and hands up to min(7, warps - 1) 16-row units of its history to the next warps): at the fold's smallest
+    split count (one split per tile) and a larger one, at GQA 4 and 8 (4- and 8-head tiles), 8 and 2 warps per CTA,
+    with sink positions whose INT2 records are read into the tile, with the in-kernel merge, and against the oracle
+    with poisoned outputs; the same calls with FOLD_WINDOW off (window CTAs) agree with the oracle too."""
     from sglang_oscar.kernels import history_cuda
+
+    monkeypatch.setattr(history_cuda, "WARPS", warps)
 
     case = make_case(lens, hkv=2, gqa=gqa, d=128, sink=sink, window=window, ring_starts=ring_starts, pool_page=64,
                      seed=sink + window + gqa)

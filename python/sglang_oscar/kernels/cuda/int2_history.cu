@@ -669,7 +669,14 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int hist_hi = min(max(max(L - a.window, a.sink), a.ring_start[req]), L);
   const int n = hist_hi - hist_lo;
   const int chunk = ((n + a.nsw - 1) / a.nsw + 15) & ~15;
-  const int lo = min(hist_lo + widx * chunk, hist_hi), hi = min(lo + chunk, hist_hi);
+  // In a CTA whose warp 0 reads a folded window tile (fold_tiles, below), warp 0 hands k <= min(7, nwarps - 1) of
+  // its 16-row units to warps 1..k, one each: the tile's 8 KB of BF16 rows weigh ~100 INT2 rows, and the CTA ends
+  // with its last warp (the first A/B of the fold: loop -> end 2.0 -> 2.8-3.4 us at 64k / 128k batch 1). The CTA's
+  // range is unchanged.
+  const int k = (a.fold_tiles > 0 && split < a.fold_tiles) ? min(min(7, nwarps - 1), chunk >> 4) : 0;  // per CTA
+  const int lo0 = hist_lo + widx * chunk + (warp == 0 ? 0 : 16 * (min(warp - 1, k) - k));
+  const int lo = min(lo0, hist_hi);
+  const int hi = min(lo0 + chunk + (warp == 0 ? -16 * k : warp <= k ? 16 : 0), hist_hi);
   const int nblocks = (hi - lo + kTok - 1) / kTok;
   TRACE_MARK(kMarkIndex, hist_hi);
   const int* r2t_row = a.r2t + (size_t)req * a.r2t_stride;
