@@ -9,7 +9,7 @@ rate explains, and the split sweeps fit time = ~16 us + ~13 us x (the largest sh
 dispatch, the index chain, the first data, the loop's tail or the CTA merge; this can.
 
 Each configuration is timed with every source's plain build in interleaved rounds (--sources: a same-call A/B of
-kernel sources, stage counts or macros) and once with its trace build (the marks' cost), then one CUDA-graph replay
+kernel sources, stage counts, window rows, the folded window (+F0 / +F1) or macros) and once with its trace build (the marks' cost), then one CUDA-graph replay
 of the trace build is read back: the last call of the replay (every call of a replay writes the same slots). No
 SGLang or FlashInfer needed (kernels only).
 
@@ -156,10 +156,11 @@ def main():
                                          "alone:131072:1:auto,alone:32768:1:auto,alone:65536:8:auto",
                     help="comma list of mode:context:batch:splits (mode alone or chain; splits auto or a count)")
     ap.add_argument("--sources", default="",
-                    help="comma list of name=path[+S<stages>][+D<macro>=<value>]...: other kernel sources (e.g. the "
-                         "previous commit's int2_history.cu; an empty path: this tree's) with their stage count "
-                         "(history_cuda.STAGES) and macros (e.g. +DOSCAR_TOK=32), timed and traced beside this "
-                         "tree's default ('new') in the same process")
+                    help="comma list of name=path[+S<stages>][+W<rows>][+F0|+F1][+D<macro>=<value>]...: other kernel "
+                         "sources (e.g. the previous commit's int2_history.cu, with the same launch signature; an "
+                         "empty path: this tree's) with their stage count (history_cuda.STAGES), window CTA rows per "
+                         "warp (WINDOW_ROWS_PER_WARP), folded window off / on (FOLD_WINDOW) and macros (e.g. "
+                         "+DOSCAR_TOK=32), timed and traced beside this tree's default ('new') in the same process")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per configuration")
     ap.add_argument("--raw", action="store_true",
                     help="also write every warp's offsets at batch 1 (~1-2 MB per configuration and source)")

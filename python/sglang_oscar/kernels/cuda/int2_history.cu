@@ -32,7 +32,9 @@
 // per warp) and store partials ns_hist + j, the Triton window programs' layout (split NS + j for sink j < SS, then
 // ring), so that the merge is unchanged. A sink position without a sink row is read from its INT2 record into the
 // tile (store_int2_chunk), so no partial needs the merge's recompute. Without window CTAs (nwin 0) decode.py runs
-// the Triton window programs after this kernel as its programmatic dependents.
+// the Triton window programs after this kernel as its programmatic dependents, unless the window is folded into the
+// history CTAs (fold_tiles > 0, history_cuda.folds: a split per window tile): then warp 0 of split i reads window
+// tile i (the same helpers as the window CTAs) before its history range, and its CTA merges it as one more entry.
 // Launch order (kernels/decode.py): this kernel lets its dependents launch at once; the merge (PDL) waits for it.
 // In a served decode step this kernel is itself launched as the KV write's dependent (Args.pdl, kPdl* below).
 //
