@@ -9,9 +9,9 @@ rate explains, and the split sweeps fit time = ~16 us + ~13 us x (the largest sh
 dispatch, the index chain, the first data, the loop's tail or the CTA merge; this can.
 
 Each configuration is timed with every source's plain build in interleaved rounds (--sources: a same-call A/B of
-kernel sources, stage counts, window rows, the folded window (+F0 / +F1) or macros) and once with its trace build (the marks' cost), then one CUDA-graph replay
-of the trace build is read back: the last call of the replay (every call of a replay writes the same slots). No
-SGLang or FlashInfer needed (kernels only).
+kernel sources, stage counts, window rows, the folded window (+F0 / +F1) or macros) and once with its trace build
+(the marks' cost), then one CUDA-graph replay of the trace build is read back: the last call of the replay (every
+call of a replay writes the same slots). No SGLang or FlashInfer needed (kernels only).
 
     python benchmark/probe_history_trace.py --configs alone:65536:1:auto,alone:65536:1:16,chain:65536:1:auto
 
