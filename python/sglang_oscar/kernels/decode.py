@@ -1076,8 +1076,9 @@ def oscar_decode(
 
     k_level_a / v_level_a: INT2 codebook parameter a (levels 0, a, 3−a, 3); None = uniform.
     num_splits: INT2 history splits per (request, KV head); None = default_num_splits(..., waves=split_waves)
-    (history_kernel "cuda": history_cuda.split_count, i.e. default_num_splits, or chained_num_splits for one request
-    that follows_write at req_to_token widths of 32k-64k).
+    (history_kernel "cuda": history_cuda.plan, i.e. default_num_splits, or chained_num_splits for one request that
+    follows_write at req_to_token widths of 32k-64k, with the window folded into the history CTAs where the count has
+    a split per window tile, history_cuda.folds; an explicit count folds by the same rule).
     block_n / num_warps / num_stages: the INT2 loop's tokens per iteration, warps and pipeline depth
     (None / 2 / 3: 128 tokens, 64 per warp, measured best on H100 in benchmark/NOTES.md v4; 64 where NP >= 16,
     default_block_n); maxnreg caps

@@ -1,7 +1,8 @@
 """The INT2 history stage of oscar_decode in CUDA (kernels/cuda/int2_history.cu): build, checks, launch.
 
 oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) (one split per CTA; its
-warps merge in shared memory) and, in the same grid, the BF16 sink and ring rows (window CTAs, FUSED_WINDOW), then
+warps merge in shared memory) and, in the same grid, the BF16 sink and ring rows (window CTAs, FUSED_WINDOW; or,
+where a launch has a split per 16-row window tile, the first warp of each of those splits: FOLD_WINDOW), then
 the Triton merge (PDL; FUSED_MERGE: the last CTA of each (request, KV head) merges instead, measured slower). In
 a served decode step it is itself the PDL dependent of the step's KV write (oscar_decode follows_write;
 PDL_AFTER_WRITE / PDL_AFTER_WRITE_Q below): its history CTAs stream while the write runs. It
