@@ -393,3 +393,40 @@ def test_window_tile_k_and_v_dots(seed, hc):
             d = 16 * g + 2 * mt
             np.testing.assert_array_equal(o[mt][lane], [O[d, 2 * t], O[d, 2 * t + 1], O[d + 1, 2 * t],
                                                         O[d + 1, 2 * t + 1]])
+
+
+def test_folded_cta_warp_ranges_tile_the_cta_range():
+    """The folded window's hand-off (int2_history_kernel): in a CTA whose warp 0 reads a window tile, warp 0 gives
+    k = min(7, nwarps - 1, chunk / 16) of its 16-row units to warps 1..k. Emulated from the source's expressions
+    (checked verbatim below): for every warp count and chunk, the warps' ranges are contiguous, disjoint, in 16-row
+    steps, cover exactly the range of a CTA without the tile, and warp 0 keeps chunk - 16k >= 0 rows, clamped at the
+    history's end as the kernel clamps them."""
+    src = open(PRODUCTION_SOURCE).read()
+    assert "? min(min(7, nwarps - 1), chunk >> 4) : 0;" in src
+    assert "const int lo0 = hist_lo + widx * chunk + (warp == 0 ? 0 : 16 * (min(warp - 1, k) - k));" in src
+    assert "const int hi = min(lo0 + chunk + (warp == 0 ? -16 * k : warp <= k ? 16 : 0), hist_hi);" in src
+    assert "const int lo = min(lo0, hist_hi);" in src
+
+    def ranges(nwarps, chunk, split, hist_lo, hist_hi, folded):
+        k = min(min(7, nwarps - 1), chunk >> 4) if folded else 0
+        out = []
+        for warp in range(nwarps):
+            widx = split * nwarps + warp
+            lo0 = hist_lo + widx * chunk + (0 if warp == 0 else 16 * (min(warp - 1, k) - k))
+            hi = min(lo0 + chunk + (-16 * k if warp == 0 else 16 if warp <= k else 0), hist_hi)
+            out.append((min(lo0, hist_hi), hi))
+        return out, k
+
+    for nwarps in (1, 2, 4, 8):
+        for chunk in range(0, 400, 16):
+            for split, hist_hi in ((0, 10**6), (3, 10**6), (2, 64 + 2 * nwarps * chunk + 37)):
+                plain, _ = ranges(nwarps, chunk, split, 64, hist_hi, False)
+                folded, k = ranges(nwarps, chunk, split, 64, hist_hi, True)
+                assert folded[0][0] == plain[0][0] and folded[-1][1] == plain[-1][1]  # the CTA's range is unchanged
+                for (lo_a, hi_a), (lo_b, _) in zip(folded, folded[1:]):
+                    assert lo_a <= hi_a and hi_a == lo_b or hi_a == lo_b == hist_hi  # contiguous, disjoint
+                assert sum(max(0, hi - lo) for lo, hi in folded) == sum(max(0, hi - lo) for lo, hi in plain)
+                if hist_hi == 10**6:
+                    assert folded[0][1] - folded[0][0] == chunk - 16 * k >= 0
+                    assert k == (min(7, nwarps - 1, chunk // 16))
+                    assert all((hi - lo) % 16 == 0 for lo, hi in folded)
