@@ -675,7 +675,11 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // its 16-row units to warps 1..k, one each: the tile's 8 KB of BF16 rows weigh ~100 INT2 rows, and the CTA ends
   // with its last warp (the first A/B of the fold: loop -> end 2.0 -> 2.8-3.4 us at 64k / 128k batch 1). The CTA's
   // range is unchanged.
-  const int k = (a.fold_tiles > 0 && split < a.fold_tiles) ? min(min(7, nwarps - 1), chunk >> 4) : 0;  // per CTA
+  // a CTA of the folded window (fold_tiles, below): its warp 0 reads window tile `split` and parks it in wbuf, the 8 KB
+  // past the warps' stages (cta_smem); uniform per CTA
+  const bool fold_cta = a.fold_tiles > 0 && split < a.fold_tiles;
+  uint8_t* const wbuf = smem + nwarps * NSTAGE * kStageBytes;
+  const int k = fold_cta ? min(min(7, nwarps - 1), chunk >> 4) : 0;
   const int lo0 = hist_lo + widx * chunk + (warp == 0 ? 0 : 16 * (min(warp - 1, k) - k));
   const int lo = min(lo0, hist_hi);
   const int hi = min(lo0 + chunk + (warp == 0 ? -16 * k : warp <= k ? 16 : 0), hist_hi);
@@ -734,7 +738,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // the grid's one round beside the history CTAs; those of the second round started when history CTAs ended and
   // ended ~2-3 us after the last of them (64k, probe_history_trace.py). Uniform per warp.
   const int n_sink_tiles = (a.sink + 15) >> 4;
-  const bool fold = a.fold_tiles > 0 && warp == 0 && split < a.fold_tiles;
+  const bool fold = fold_cta && warp == 0;
   WinTile wt{0, 0, 0, false};
   int wrow = -1;
   bool wnew = false;  // after the write, the tile holding row L - 1 (written by the write) waits for it
@@ -767,7 +771,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   }
   s0 = ps0[NSTAGE - 1];
   s1 = ps1[NSTAGE - 1];
-  const uint32_t wst = (uint32_t)__cvta_generic_to_shared(smem) + nwarps * NSTAGE * kStageBytes;  // folded tile
+  const uint32_t wst = (uint32_t)__cvta_generic_to_shared(wbuf);
   if (fold && wt.first < wt.range_hi) {
     if (wnew) {
       grid_dependency_wait();
@@ -781,7 +785,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     load_qraw();
   }
   if (fold) {  // the folded window tile, parked as (O, m, l) in its own 8 KB until the CTA merge
-    float* xo = reinterpret_cast<float*>(smem + nwarps * NSTAGE * kStageBytes);
+    float* xo = reinterpret_cast<float*>(wbuf);
     if (wt.first < wt.range_hi) {
       uint32_t qw[4][4];
       window_q(a, qraw, qvalid, qrow, t, qw);
@@ -790,7 +794,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       for (int i = 0; i < 8; ++i) wo[i][0] = wo[i][1] = wo[i][2] = wo[i][3] = 0.f;
       float wm0 = -1e30f, wm1 = -1e30f, wl0 = 0.f, wl1 = 0.f;
       cp_wait<0>();  // the tile's group (and the stages issued before it)
-      window_compute(wt, wrow, wst, smem + nwarps * NSTAGE * kStageBytes, qw, wo, wm0, wm1, wl0, wl1);
+      window_compute(wt, wrow, wst, wbuf, qw, wo, wm0, wm1, wl0, wl1);
       window_park<HC>(xo, xo + HC * 128, wo, wm0, wm1, wl0, wl1);
     } else {  // an empty tile: O 0, m -1e30, l 0, weighed 0 by the CTA merge (as an empty warp)
       for (int e = lane; e < HC * 128; e += 32) xo[e] = 0.f;
@@ -994,9 +998,9 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   }
   __syncthreads();
   if (after_write) grid_dependency_wait();  // this grid ends after the write (long done by now)
-  const bool folded = a.fold_tiles > 0 && split < a.fold_tiles;  // uniform per CTA: warp 0 parked a window entry
+  // a folded CTA's warp 0 parked its window tile's entry in wbuf
   store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, split,
-                        folded ? reinterpret_cast<const float*>(smem + nwarps * NSTAGE * kStageBytes) : nullptr);
+                        fold_cta ? reinterpret_cast<const float*>(wbuf) : nullptr);
   TRACE_MARK(kMarkEnd, 0);
   TRACE_META(split, nblocks, 0);
   if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
