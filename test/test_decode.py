@@ -117,6 +117,22 @@ def run_and_check(case, tol=TOL, missing_sink_int2=False, **kw):
     return err
 
 
+def assert_graph_replays_equal(case, want, replays=2, after_each=None, **kw):
+    """oscar_decode(**case, **kw) captured in a CUDA graph: each replay into a NaN-poisoned out equals `want` bit for
+    bit (after_each: a further check after every replay). The caller has warmed the call up outside the capture."""
+    out = torch.full_like(case["q"], float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        oscar_decode(**case, out=out, **kw)
+    for _ in range(replays):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        if after_each is not None:
+            after_each()
+
+
 # ---------------------------------------------------------------------------- the oracle itself
 
 
@@ -1146,15 +1162,7 @@ def test_cuda_window_folded_batch_1_auto_splits_and_graph_replay():
     assert fold and ns >= history_cuda.fold_tiles(64, 256)
     run_and_check(case, history_kernel="cuda")
     want = oscar_decode(**case, history_kernel="cuda")
-    out = torch.full_like(case["q"], float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        oscar_decode(**case, history_kernel="cuda", out=out)
-    for _ in range(2):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
+    assert_graph_replays_equal(case, want, history_kernel="cuda")
 
 
 @requires_cuda
@@ -1196,17 +1204,11 @@ def test_cuda_fused_merge_counters_dtypes_and_replays(monkeypatch):
         c = {**case, "q": case["q"].to(qdt)}
         run_and_check(c, history_kernel="cuda")
         assert int(cnt.abs().sum()) == 0
-    out = torch.full_like(case["q"], float("nan"))
-    oscar_decode(**case, history_kernel="cuda", out=out)
-    want = out.clone()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        oscar_decode(**case, history_kernel="cuda", out=out)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want) and int(cnt.abs().sum()) == 0
+    want = oscar_decode(**case, history_kernel="cuda")
+
+    def counters_zero():
+        assert int(cnt.abs().sum()) == 0
+    assert_graph_replays_equal(case, want, replays=3, after_each=counters_zero, history_kernel="cuda")
     monkeypatch.setattr(history_cuda, "FUSED_MERGE", False)
     unfused = oscar_decode(**case, history_kernel="cuda")
     torch.testing.assert_close(want.float(), unfused.float(), rtol=1e-2, atol=1e-2)
@@ -1252,16 +1254,8 @@ def test_cuda_history_matches_the_oracle(pool_page, lens, ring_starts):
 def test_cuda_history_explicit_splits_and_graph_capture(gqa):
     case = make_case([2000, 1500], hkv=2, gqa=gqa, d=128, sink=64, window=256, pool_page=64, seed=3 + gqa)
     run_and_check(case, history_kernel="cuda", num_splits=8)
-    out = torch.full_like(case["q"], float("nan"))
-    oscar_decode(**case, history_kernel="cuda", out=out)  # build and warm up outside the capture
-    want = out.clone()
-    out.fill_(float("nan"))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        oscar_decode(**case, history_kernel="cuda", out=out)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
+    want = oscar_decode(**case, history_kernel="cuda")  # build and warm up outside the capture
+    assert_graph_replays_equal(case, want, replays=1, history_kernel="cuda")
 
 
 @requires_cuda
