@@ -133,6 +133,27 @@ def hot_loop(ins: list) -> dict:
     return best
 
 
+def block_loop(ins: list, hot: dict) -> dict:
+    """The shortest loop strictly around the hot loop: a history warp's 32-token block (its copies' addresses and
+    issue, the next slots' loads, the stage wait, and the hot loop twice by trip count). {start, end, length, extra}:
+    extra = its instructions outside the hot loop, the per-block cost that every history token shares."""
+    best = None
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if not m:
+            continue
+        target = int(m.group(1), 16)
+        if target >= addr or not (target <= hot["start"] and hot["end"] <= addr) or (target, addr) == (
+                hot["start"], hot["end"]):
+            continue
+        length = sum(1 for a, _ in ins if target <= a <= addr)
+        if best is None or length < best["length"]:
+            best = dict(start=target, end=addr, length=length, extra=length - hot["length"])
+    if best is None:
+        raise ValueError("no loop around the hot loop found")
+    return best
+
+
 def inspect(source: str = SOURCE) -> dict:
     found = tools()
     if found is None:
@@ -144,7 +165,9 @@ def inspect(source: str = SOURCE) -> dict:
         funcs = sass_functions(cubin, cuobjdump)
     out = {}
     for key in sorted(funcs):
-        out[key] = dict(res.get(key, {}), instructions=len(funcs[key]), hot_loop=hot_loop(funcs[key]))
+        hot = hot_loop(funcs[key])
+        out[key] = dict(res.get(key, {}), instructions=len(funcs[key]), hot_loop=hot,
+                        block_loop=block_loop(funcs[key], hot))
     return out
 
 
@@ -158,7 +181,8 @@ def main(argv=None) -> int:
         loop_b, total_b = BUDGET.get((nstage, hc), (None, None))
         print(f"NSTAGE {nstage} HC {hc}: {r.get('registers')} registers, stack {r.get('stack')}, spills "
               f"{r.get('spill_stores')}/{r.get('spill_loads')}, {r['instructions']} instructions (budget {total_b}), "
-              f"hot loop {r['hot_loop']['length']} ({r['hot_loop']['hmma']} HMMA; budget {loop_b})")
+              f"hot loop {r['hot_loop']['length']} ({r['hot_loop']['hmma']} HMMA; budget {loop_b}), "
+              f"per block {r['block_loop']['extra']} more")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{k[0]}x{k[1]}": v for k, v in rows.items()}, f, indent=1)

@@ -430,3 +430,44 @@ def test_folded_cta_warp_ranges_tile_the_cta_range():
                     assert folded[0][1] - folded[0][0] == chunk - 16 * k >= 0
                     assert k == (min(7, nwarps - 1, chunk // 16))
                     assert all((hi - lo) % 16 == 0 for lo, hi in folded)
+
+
+def test_pool_record32_is_the_records_rule():
+    """The history loop's copies index (slot, KV head) records in 32 bits (pool_record32, int2_history.cu), emulated
+    from the source's expression (checked verbatim): the same record as kernels/records.py's rule
+    ((slot // P) * H + h) * P + slot % P for pages of 1-64 slots, 1-8 KV heads, slots up to a pool of 2^31 records,
+    and 2 * record + 1 (a record's second 16-byte half) still fits 32 bits there (history_cuda.launch refuses
+    larger pools)."""
+    src = open(PRODUCTION_SOURCE).read()
+    assert "return (((u >> a.page_log2) * (uint32_t)a.hkv + (uint32_t)h) << a.page_log2) | (u & pmask);" in src
+    assert "const uint32_t hrec = 2u * __shfl_sync(0xffffffffu, k < 2 ? r0 : r1, tok & 31) + (uint32_t)half;" in src
+    m32 = (1 << 32) - 1
+
+    def rec32(s, h, hkv, plog):
+        u = s & m32
+        return ((((u >> plog) * hkv + h) & m32) << plog & m32) | (u & ((1 << plog) - 1))
+
+    rng = np.random.default_rng(0)
+    for plog in (0, 4, 6):
+        page = 1 << plog
+        for hkv in (1, 3, 8):
+            max_slots = ((1 << 31) // hkv) // page * page  # a pool just under 2^31 records
+            slots = np.concatenate([rng.integers(0, max_slots, 2000), [0, page - 1, page, max_slots - 1]])
+            for s in slots.tolist():
+                for h in {0, hkv - 1}:
+                    ref = ((s // page) * hkv + h) * page + s % page
+                    assert rec32(s, h, hkv, plog) == ref < 1 << 31
+                    assert 2 * ref + 1 <= m32
+
+
+def test_cuda_history_refuses_pools_past_32bit_records():
+    """history_cuda.launch: a pool of 2^31 or more records (the loop's 32-bit record index) is refused with the way
+    out, before anything is launched (a meta tensor stands in for the codes)."""
+    from types import SimpleNamespace
+
+    from sglang_oscar.kernels import history_cuda
+
+    cache = SimpleNamespace(k_codes=torch.empty(1 << 31, 1, 32, dtype=torch.uint8, device="meta"))
+    with pytest.raises(ValueError, match="32 bits.*history_kernel='triton'"):
+        history_cuda.launch(None, cache, None, None, None, None, sink=64, window=256, sm_scale=1.0, ns=1,
+                            ns_total=1, o_part=None, lse_part=None)

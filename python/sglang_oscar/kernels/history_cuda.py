@@ -329,6 +329,9 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     if pdl not in (PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q):
         raise ValueError(f"pdl must be PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE or PDL_AFTER_WRITE_Q (0-3), "
                          f"got {pdl!r}")
+    if cache.k_codes.numel() // 32 >= 1 << 31:  # the loop's copies index records in 32 bits (pool_record32)
+        raise ValueError(f"history_kernel='cuda' indexes the pool's (slot, KV head) records in 32 bits; this pool has "
+                         f"{cache.k_codes.numel() // 32} (>= 2^31): use history_kernel='triton' or a smaller pool")
     lib = library()
     b, hq = q.shape[0], q.shape[1]
     hkv = cache.kv_heads

@@ -242,6 +242,16 @@ __device__ __forceinline__ long long pool_record(const Args& a, Slot s, int h, i
   return ((long long)(s >> a.page_log2) * a.hkv + h) * (pmask + 1) + (s & pmask);
 }
 
+// The same record in 32 bits, for the history loop's copies: one shift, one multiply-add, one shift and one
+// three-input logic op per token and block (the 64-bit form above, with its sign handling, was ~3x that per use, and
+// the loop used it three times per lane and block: ~137 instructions per 32-token block, a quarter of the kernel's
+// at batch >= 8; ncu, results/history_ncu_*). history_cuda.launch refuses pools of 2^31 records or more, so that
+// 2 * record + 1 (a record's 16-byte halves) fits 32 bits too.
+__device__ __forceinline__ uint32_t pool_record32(const Args& a, int s, int h, uint32_t pmask) {
+  const uint32_t u = (uint32_t)s;
+  return (((u >> a.page_log2) * (uint32_t)a.hkv + (uint32_t)h) << a.page_log2) | (u & pmask);
+}
+
 // element i of q (dtype code q_dtype) as fp32
 __device__ __forceinline__ float load_q(const Args& a, size_t i) {
   if (a.q_dtype == 0) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.q)[i]);
@@ -686,7 +696,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int nblocks = (hi - lo + kTok - 1) / kTok;
   TRACE_MARK(kMarkIndex, hist_hi);
   const int* r2t_row = a.r2t + (size_t)req * a.r2t_stride;
-  const int pmask = (1 << a.page_log2) - 1;
+  const uint32_t pmask = (1u << a.page_log2) - 1u;
 
   // the slots of the next block to issue (lane's tokens: lane and, at kTok 64, lane + 32)
   int s0 = 0, s1 = 0;
@@ -698,27 +708,29 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   auto issue = [&](int blk) {
     if (blk < nblocks) {
       const uint32_t st = sbase + (blk % NSTAGE) * kStageBytes;
-      const int pos0 = lo + blk * kTok;
+      const int rem = hi - (lo + blk * kTok);  // tokens of this block inside the range (may exceed kTok)
+      // each lane's token's record, once (its params' copies use it; the codes' copies take it by shuffle)
+      const uint32_t r0 = pool_record32(a, s0, h, pmask);
+      const uint32_t r1 = kTok == 64 ? pool_record32(a, s1, h, pmask) : 0u;
       // codes: lanes 2i, 2i+1 copy the two 16-byte halves of token i (+16k), so that one instruction
       // covers 16 whole rows (contiguous where the layout and the slots are)
 #pragma unroll
       for (int k = 0; k < kTok / 16; ++k) {
         const int tok = (lane >> 1) + 16 * k, half = lane & 1;
-        const int s = __shfl_sync(0xffffffffu, k < 2 ? s0 : s1, tok & 31);
-        const int n = (pos0 + tok) < hi ? 16 : 0;
-        const long long off = pool_record(a, s, h, pmask) * 32 + 16 * half;
-        cp_async16(st + tok * 32 + 16 * half, a.kc + off, n);
-        cp_async16(st + kVcOff + tok * 32 + 16 * half, a.vc + off, n);
+        const uint32_t hrec = 2u * __shfl_sync(0xffffffffu, k < 2 ? r0 : r1, tok & 31) + (uint32_t)half;
+        const int n = tok < rem ? 16 : 0;
+        cp_async16(st + tok * 32 + 16 * half, a.kc + (size_t)hrec * 16u, n);
+        cp_async16(st + kVcOff + tok * 32 + 16 * half, a.vc + (size_t)hrec * 16u, n);
       }
 #pragma unroll
       for (int k = 0; k < kTok / 32; ++k) {
         const int tok = lane + 32 * k;
-        const bool in = (pos0 + tok) < hi;
-        const long long off = pool_record(a, k ? s1 : s0, h, pmask);
-        if (a.kg128) cp_async4(st + kKpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.kp) + off, in ? 4 : 0);
-        else cp_async8(st + kKpOff + tok * 8, a.kp + off, in ? 8 : 0);
-        if (a.vg128) cp_async4(st + kVpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.vp) + off, in ? 4 : 0);
-        else cp_async8(st + kVpOff + tok * 8, a.vp + off, in ? 8 : 0);
+        const bool in = tok < rem;
+        const uint32_t r = k ? r1 : r0;
+        if (a.kg128) cp_async4(st + kKpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.kp) + r, in ? 4 : 0);
+        else cp_async8(st + kKpOff + tok * 8, a.kp + r, in ? 8 : 0);
+        if (a.vg128) cp_async4(st + kVpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.vp) + r, in ? 4 : 0);
+        else cp_async8(st + kVpOff + tok * 8, a.vp + r, in ? 8 : 0);
       }
     }
     cp_commit();  // an empty group past the end keeps the wait count uniform
