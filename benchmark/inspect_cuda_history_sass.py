@@ -125,7 +125,7 @@ def hot_loop(ins: list) -> dict:
         if target >= addr:
             continue
         body = [t for a, t in ins if target <= a <= addr]
-        hmma = sum(1 for t in body if re.search(r"\bHMMA\b", t))
+        hmma = sum(1 for t in body if re.search(r"\b[HI]MMA\b", t))
         if hmma >= 16 and (best is None or len(body) < best["length"]):
             best = dict(start=target, end=addr, length=len(body), hmma=hmma)
     if best is None:

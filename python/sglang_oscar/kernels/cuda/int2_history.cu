@@ -65,6 +65,13 @@ namespace {
 // results/probe_history_trace_57af105_tok_*): 0.95x at 32k batch 1 and in the 64k batch-1 write chain, 0.97-1.00x
 // elsewhere; 3 stages of 32 0.98-1.02x, 4 stages 1.01-1.07x
 constexpr int kTok = OSCAR_TOK;
+#ifndef OSCAR_IMMA_K
+#define OSCAR_IMMA_K 0
+#endif
+// OSCAR_IMMA_K 1: the K dot as integer mma (m16n8k32, u8 codes x s8 q): the plane masks cover four codes per LOP3
+// instead of two and the bytes need no PRMT (16 logic ops per tile instead of 40; the logic pipe is the SM's busiest
+// at batch >= 8, ncu results/history_ncu_*); q is quantized per warp and plane group to 14 bits as hi . 128 + lo
+// (two mma per plane), whose error is below fp16 q's (2^-11 of each element) for the largest elements.
 static_assert(kTok == 64 || kTok == 32, "OSCAR_TOK must be 64 or 32");
 constexpr int kStageBytes = kTok * 80;   // K codes 32 + V codes 32 + K params 8 + V params 8 per token
 constexpr int kVcOff = kTok * 32, kKpOff = kTok * 64, kVpOff = kTok * 72;
@@ -186,6 +193,20 @@ __device__ __forceinline__ void mma16816_bf16(float (&c)[4], uint32_t a0, uint32
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// c[4] (s32) += A[16, 32] (u8) . B[32, 8] (s8): a0 / a2 rows g, k 4t..4t+3 / 16+4t..; a1 / a3 the same of row g + 8;
+// b0 / b1 k 4t.. / 16+4t.. of column g; c as mma16816's (PTX ISA, m16n8k32 fragments)
+__device__ __forceinline__ void imma16832(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// four int8 (x0 in the low byte) as one word
+__device__ __forceinline__ uint32_t pack_s8(int x0, int x1, int x2, int x3) {
+  return (uint32_t)(x0 & 0xff) | ((uint32_t)(x1 & 0xff) << 8) | ((uint32_t)(x2 & 0xff) << 16) |
+         ((uint32_t)x3 << 24);
 }
 __device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
@@ -845,6 +866,53 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const float q01 = __shfl_sync(0xffffffffu, gs0, (head0 + 1) * 4) / kTwo24;
   const float q10 = __shfl_sync(0xffffffffu, gs1, head0 * 4) / kTwo24;
   const float q11 = __shfl_sync(0xffffffffu, gs1, (head0 + 1) * 4) / kTwo24;
+#if OSCAR_IMMA_K
+  // q for the integer K dot: register 2p + w holds c0 q 4^-p of column g's head at dims p*32 + t*8 + 4w + 0..3 (the
+  // lane's bytes 8t + 4w .. + 3 of plane p, whose masked codes are c 4^p) as int8, scaled per plane group gp by
+  // S_gp = 16256 / max |c0 q 4^-p| over the warp: v = x S = 128 hi + lo (hi in [-127, 127], lo in [-64, 64]).
+  // iS_gp = 2^-24 / S_gp puts the dot in the fp16 path's units (2^-24 log2), so the score math is unchanged.
+  uint32_t qhi[8], qlo[8];
+  float iS0, iS1;
+  {
+    float xs[4][8], mx0 = 0.f, mx1 = 0.f;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const float f = p == 0 ? 1.f : p == 1 ? 0.25f : p == 2 ? 0.0625f : 0.015625f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 xq = q_pair(a, qraw[p], k, qvalid, qrow + p * 32 + t * 8 + 2 * k);
+        xs[p][2 * k] = xq.x * f;
+        xs[p][2 * k + 1] = xq.y * f;
+        const float m = fmaxf(fabsf(xs[p][2 * k]), fabsf(xs[p][2 * k + 1]));
+        if (p < 2) mx0 = fmaxf(mx0, m); else mx1 = fmaxf(mx1, m);
+      }
+    }
+#pragma unroll
+    for (int x = 1; x < 32; x <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+    }
+    const float S0 = mx0 > 0.f ? 16256.f / mx0 : 0.f, S1 = mx1 > 0.f ? 16256.f / mx1 : 0.f;
+    iS0 = mx0 / (16256.f * kTwo24);
+    iS1 = mx1 / (16256.f * kTwo24);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        int hi[4], lo[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float v = xs[p][4 * w + i] * (p < 2 ? S0 : S1);
+          const float h = rintf(v * (1.f / 128.f));
+          hi[i] = (int)h;
+          lo[i] = (int)rintf(fmaf(h, -128.f, v));
+        }
+        qhi[2 * p + w] = pack_s8(hi[0], hi[1], hi[2], hi[3]);
+        qlo[2 * p + w] = pack_s8(lo[0], lo[1], lo[2], lo[3]);
+      }
+    }
+  }
+#endif
   TRACE_MARK(kMarkQ, __float_as_uint(q11));
 
   for (int blk = 0; blk < nblocks; ++blk) {
@@ -863,6 +931,24 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       const uint8_t* kcs = st + j * 16 * 32;
       const uint2 kw0 = *reinterpret_cast<const uint2*>(kcs + sg * 32 + t * 8);
       const uint2 kw1 = *reinterpret_cast<const uint2*>(kcs + (sg + 8) * 32 + t * 8);
+#if OSCAR_IMMA_K
+      // plane p's codes as c 4^p in each byte (A, u8: the lane's bytes 8t .. 8t + 7 of tokens sg, sg + 8 are k
+      // 4t.. and 16 + 4t.., matching qhi / qlo); hi and lo of each plane group in their own accumulators
+      int ih0[4] = {0, 0, 0, 0}, il0[4] = {0, 0, 0, 0}, ih1[4] = {0, 0, 0, 0}, il1[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const uint32_t M = 0x03030303u << (2 * p);
+        const uint32_t a0 = kw0.x & M, a1 = kw1.x & M, a2 = kw0.y & M, a3 = kw1.y & M;
+        imma16832(p < 2 ? ih0 : ih1, a0, a1, a2, a3, qhi[2 * p], qhi[2 * p + 1]);
+        imma16832(p < 2 ? il0 : il1, a0, a1, a2, a3, qlo[2 * p], qlo[2 * p + 1]);
+      }
+      float acc0[4], acc1[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc0[e] = (float)(ih0[e] * 128 + il0[e]);
+        acc1[e] = (float)(ih1[e] * 128 + il1[e]);
+      }
+#else
       // two bytes -> the low bytes of two halfwords, shared by the four planes
       const uint32_t lo0x = prmt(kw0.x, 0, 0x1100), hi0x = prmt(kw0.x, 0, 0x3322);
       const uint32_t lo0y = prmt(kw0.y, 0, 0x1100), hi0y = prmt(kw0.y, 0, 0x3322);
@@ -881,11 +967,17 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
           else mma16816(acc1, a0, a1, a2, a3, qb[2 * ks], qb[2 * ks + 1]);
         }
       }
+#endif
       const uint2* kps = reinterpret_cast<const uint2*>(st + kKpOff) + j * 16;
       const uint2 pr0 = kps[sg], pr1 = kps[sg + 8];
       const uint32_t py0 = a.kg128 ? pr0.x : pr0.y, py1 = a.kg128 ? pr1.x : pr1.y;  // dims 64..127's pair
+#if OSCAR_IMMA_K
+      const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, mn1a = bf_hi(py0);
+      const float sc0b = bf_lo(pr1.x) * iS0, mn0b = bf_hi(pr1.x), sc1b = bf_lo(py1) * iS1, mn1b = bf_hi(py1);
+#else
       const float sc0a = bf_lo(pr0.x), mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * 0.0625f, mn1a = bf_hi(py0);
       const float sc0b = bf_lo(pr1.x), mn0b = bf_hi(pr1.x), sc1b = bf_lo(py1) * 0.0625f, mn1b = bf_hi(py1);
+#endif
       float s[4];
       s[0] = fmaf(mn1a, q10, fmaf(mn0a, q00, fmaf(acc1[0], sc1a, acc0[0] * sc0a)));
       s[1] = fmaf(mn1a, q11, fmaf(mn0a, q01, fmaf(acc1[1], sc1a, acc0[1] * sc0a)));
