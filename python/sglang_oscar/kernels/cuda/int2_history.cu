@@ -204,14 +204,13 @@ __device__ __forceinline__ void imma16832(int (&c)[4], uint32_t a0, uint32_t a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 // four int8 (x0 in the low byte) as one word
-__device__ __forceinline__ uint32_t pack_s8(int x0, int x1, int x2, int x3) {
-  return prmt(prmt((uint32_t)x0, (uint32_t)x1, 0x0040), prmt((uint32_t)x2, (uint32_t)x3, 0x0040), 0x5410);
+__device__ __forceinline__ uint32_t pack_s8(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3) {
+  return prmt(prmt(x0, x1, 0x0040), prmt(x2, x3, 0x0040), 0x5410);
 }
-// round-to-nearest-even of |x| < 2^22 through fp32 addition (1.5 . 2^23 leaves the integer in the low mantissa bits):
-// an FMA-pipe add and an integer subtract, where rintf + cvt were two conversions on the slow pipe each (the first
-// IMMA A/B: the q build took 3.4 us instead of 0.75 at batch 1, results/probe_history_trace_3303786_imma_*)
+// round-to-nearest-even of |x| < 2^22 through fp32 addition: x + 1.5 . 2^23 leaves the integer in the low mantissa bits
+// (FMA-pipe ops, where rintf + cvt were two conversions on the slow pipe each: the first IMMA A/B's q build took
+// 3.4 us instead of 0.75 at batch 1, results/probe_history_trace_3303786_imma_*)
 constexpr float kRoundMagic = 12582912.f;
-__device__ __forceinline__ int magic_to_int(float x_plus_magic) { return __float_as_int(x_plus_magic) - 0x4B400000; }
 __device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 __device__ __forceinline__ float ex2(float x) {
@@ -878,19 +877,22 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   uint32_t qhi[8], qlo[8];
   float iS0, iS1;
   {
-    float xs[4][8], mx0 = 0.f, mx1 = 0.f;
+    // q (times c0) per plane, the group maxima of |c0 q 4^-p| over the warp, then per element four FMA-pipe ops:
+    // hm = v / 128 + magic (hi in its low byte), -128 hi + 128 magic, v - 128 hi, + magic (lo in its low byte), with
+    // v = c0 q 4^-p S folded into one constant per plane; the packs take the low bytes of the fp32 bits directly
+    float xs[4][8], mq[4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      const float f = p == 0 ? 1.f : p == 1 ? 0.25f : p == 2 ? 0.0625f : 0.015625f;
+      mq[p] = 0.f;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float2 xq = q_pair(a, qraw[p], k, qvalid, qrow + p * 32 + t * 8 + 2 * k);
-        xs[p][2 * k] = xq.x * f;
-        xs[p][2 * k + 1] = xq.y * f;
-        const float m = fmaxf(fabsf(xs[p][2 * k]), fabsf(xs[p][2 * k + 1]));
-        if (p < 2) mx0 = fmaxf(mx0, m); else mx1 = fmaxf(mx1, m);
+        xs[p][2 * k] = xq.x;
+        xs[p][2 * k + 1] = xq.y;
+        mq[p] = fmaxf(mq[p], fmaxf(fabsf(xq.x), fabsf(xq.y)));
       }
     }
+    float mx0 = fmaxf(mq[0], 0.25f * mq[1]), mx1 = fmaxf(0.0625f * mq[2], 0.015625f * mq[3]);
 #pragma unroll
     for (int x = 1; x < 32; x <<= 1) {
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
@@ -901,18 +903,21 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     iS1 = mx1 / (16256.f * kTwo24);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
+      const float kp = (p == 0 ? 1.f : p == 1 ? 0.25f : p == 2 ? 0.0625f : 0.015625f) * (p < 2 ? S0 : S1);
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
-        int hi[4], lo[4];
+        uint32_t hb[4], lb[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const float v = xs[p][4 * w + i] * (p < 2 ? S0 : S1);
-          const float hm = fmaf(v, 1.f / 128.f, kRoundMagic);  // rint(v / 128) + magic
-          hi[i] = magic_to_int(hm);
-          lo[i] = magic_to_int(fmaf(hm - kRoundMagic, -128.f, v) + kRoundMagic);
+          const float x = xs[p][4 * w + i];
+          const float hm = fmaf(x, kp * (1.f / 128.f), kRoundMagic);  // rint(v / 128) + magic
+          const float lm = fmaf(x, kp, fmaf(hm, -128.f, 128.f * kRoundMagic)) + kRoundMagic;  // rint(v - 128 hi) + magic
+          hb[i] = __float_as_uint(hm);
+          lb[i] = __float_as_uint(lm);
         }
-        qhi[2 * p + w] = pack_s8(hi[0], hi[1], hi[2], hi[3]);
-        qlo[2 * p + w] = pack_s8(lo[0], lo[1], lo[2], lo[3]);
+        // the low byte of magic + n is n mod 256 (the magic's low byte is 0): n as int8
+        qhi[2 * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);
+        qlo[2 * p + w] = pack_s8(lb[0], lb[1], lb[2], lb[3]);
       }
     }
   }
