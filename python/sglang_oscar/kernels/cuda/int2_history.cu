@@ -66,7 +66,7 @@ namespace {
 // elsewhere; 3 stages of 32 0.98-1.02x, 4 stages 1.01-1.07x
 constexpr int kTok = OSCAR_TOK;
 #ifndef OSCAR_IMMA_K
-#define OSCAR_IMMA_K 0
+#define OSCAR_IMMA_K 1
 #endif
 // OSCAR_IMMA_K 1: the K dot as integer mma (m16n8k32, u8 codes x s8 q): the plane masks cover four codes per LOP3
 // instead of two and the bytes need no PRMT (16 logic ops per tile instead of 40; the logic pipe is the SM's busiest
