@@ -1,6 +1,6 @@
 """Static resources of the CUDA history kernel (kernels/cuda/int2_history.cu) for sm_90, compiled here with nvcc (no
 GPU): per template instance (pipeline stages NSTAGE, query heads per CTA column HC) its registers, stack and spills
-(ptxas -v), its SASS size, and its hot loop: the shortest loop with >= 16 HMMA, i.e. one 16-token tile of a history
+(ptxas -v), its SASS size, and its hot loop: the shortest loop with >= 16 HMMA + IMMA, i.e. one 16-token tile of a history
 warp (8 mma for the K dot, 8 for the V dot).
 
 Why: 2 CTAs of 8 warps per SM need <= 128 registers, and a longer hot loop costs every history token. Both can be
@@ -33,8 +33,14 @@ from sglang_oscar.kernels.history_cuda import SOURCE  # noqa: E402  (the source 
 # The whole kernel is held too: rotate_q (8ecb8ea) left the hot loop as it was and grew the kernel by 32-43%, and
 # that alone cost every batch-1 call ~1.8 us. A change that grows either needs a GPU A/B (run_gpu_ab.sh,
 # probe_history_trace.py --sources) before these move; one that shrinks them lowers them.
-BUDGET = {(2, 4): (254, 7792), (2, 8): (276, 7872), (3, 4): (254, 7928), (3, 8): (276, 8048), (4, 4): (254, 8088),
-          (4, 8): (276, 8208)}
+# The K dot as integer mma (OSCAR_IMMA_K, 289fc8b) cut the hot loop by 6 and the block's copies in 32-bit records
+# (f43d1c9) the per-block code 137 -> 90 (HC 4); the int8 q build grew the kernel ~10% (7608 -> 8352 at NSTAGE 2), kept
+# on same-call H200 A/Bs (results/probe_history_trace_imma3_*: batch 1 0.99-1.01x alone, 1.02x chained; batch 8 / 32
+# 0.93 / 0.95x).
+BUDGET = {(2, 4): (248, 8352), (2, 8): (270, 8440), (3, 4): (248, 8456), (3, 8): (270, 8552), (4, 4): (248, 8552),
+          (4, 8): (270, 8648)}
+# instructions of a 32-token block outside the hot loop (block_loop extra)
+BLOCK_BUDGET = {(2, 4): 90, (2, 8): 93, (3, 4): 100, (3, 8): 99, (4, 4): 96, (4, 8): 95}
 BUDGET_NVCC = "13.0"
 TOTAL_SLACK = 1.05  # whole-kernel growth allowed without an A/B
 MAX_REGISTERS = 128  # 2 CTAs of 256 threads per SM (64K registers)
@@ -115,7 +121,7 @@ def sass_functions(cubin: str, cuobjdump: str) -> dict:
 
 
 def hot_loop(ins: list) -> dict:
-    """The shortest loop (a backward branch and its target) holding >= 16 HMMA: {start, end, length, hmma}."""
+    """The shortest loop (a backward branch and its target) holding >= 16 HMMA + IMMA: {start, end, length, hmma}."""
     best = None
     for addr, text in ins:
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
@@ -129,7 +135,7 @@ def hot_loop(ins: list) -> dict:
         if hmma >= 16 and (best is None or len(body) < best["length"]):
             best = dict(start=target, end=addr, length=len(body), hmma=hmma)
     if best is None:
-        raise ValueError("no loop with >= 16 HMMA found")
+        raise ValueError("no loop with >= 16 HMMA + IMMA found")
     return best
 
 
@@ -181,8 +187,8 @@ def main(argv=None) -> int:
         loop_b, total_b = BUDGET.get((nstage, hc), (None, None))
         print(f"NSTAGE {nstage} HC {hc}: {r.get('registers')} registers, stack {r.get('stack')}, spills "
               f"{r.get('spill_stores')}/{r.get('spill_loads')}, {r['instructions']} instructions (budget {total_b}), "
-              f"hot loop {r['hot_loop']['length']} ({r['hot_loop']['hmma']} HMMA; budget {loop_b}), "
-              f"per block {r['block_loop']['extra']} more")
+              f"hot loop {r['hot_loop']['length']} ({r['hot_loop']['hmma']} HMMA / IMMA; budget {loop_b}), "
+              f"per block {r['block_loop']['extra']} more (budget {BLOCK_BUDGET.get((nstage, hc))})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{k[0]}x{k[1]}": v for k, v in rows.items()}, f, indent=1)

@@ -1,7 +1,8 @@
 """The CUDA history kernel's static budget for sm_90, compiled on the CPU (benchmark/inspect_cuda_history_sass.py):
 every template instance at <= 128 registers with no stack or spills (2 CTAs of 8 warps per SM), its hot loop (one
-16-token tile: 16 HMMA) no longer than recorded, and the whole kernel within 5% of its recorded size (code outside the
-loop once cost every batch-1 call ~1.8 us). Skips without nvcc / cuobjdump or with an nvcc other than the budget's."""
+16-token tile: 16 HMMA + IMMA) and a 32-token block's other code no longer than recorded, and the whole kernel within
+5% of its recorded size (code outside the loop once cost every batch-1 call ~1.8 us). Skips without nvcc / cuobjdump
+or with an nvcc other than the budget's."""
 
 import os
 import sys
@@ -29,6 +30,7 @@ def test_every_instance_within_its_budget(rows):
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (key, r)
         assert r["hot_loop"]["hmma"] == 16, (key, r["hot_loop"])
         assert r["hot_loop"]["length"] <= loop_budget, (key, r["hot_loop"], "the hot loop grew: A/B it on a GPU")
+        assert r["block_loop"]["extra"] <= sass.BLOCK_BUDGET[key], (key, r["block_loop"], "a block's code grew")
         assert r["instructions"] <= total_budget * sass.TOTAL_SLACK, (key, r["instructions"],
                                                                        "the kernel grew: A/B it on a GPU")
 

@@ -471,3 +471,124 @@ def test_cuda_history_refuses_pools_past_32bit_records():
     with pytest.raises(ValueError, match="32 bits.*history_kernel='triton'"):
         history_cuda.launch(None, cache, None, None, None, None, sink=64, window=256, sm_scale=1.0, ns=1,
                             ns_total=1, o_part=None, lse_part=None)
+
+
+def _f32(x):
+    return np.float32(x)
+
+
+def _fma32(a, b, c):
+    """fp32 fused multiply-add (the exact product of two fp32 values fits a float64; one rounding to fp32)."""
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def kernel_int8_q(q, head_of_column, c0):
+    """The production kernel's q for the integer K dot (int2_history_kernel's prologue, OSCAR_IMMA_K), in fp32 as the
+    kernel rounds it: lane (g, t), register 2p + w holds c0 q 4^-p S_gp of column g's head at dims p*32 + t*8 + 4w +
+    0..3 as int8 hi (qhi) and lo (qlo), v = 128 hi + lo, with S_gp = 16256 / (the warp's max |c0 q 4^-p| over plane
+    group gp). Returns (qhi, qlo) as int arrays [32 lanes, 8 registers, 4 bytes] and (iS0, iS1)."""
+    magic = _f32(12582912.0)
+    f = [_f32(1.0), _f32(0.25), _f32(0.0625), _f32(0.015625)]
+    xs = np.zeros((32, 4, 8), dtype=np.float32)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for p in range(4):
+            xs[lane, p] = (q[head_of_column(g), p * 32 + t * 8:p * 32 + t * 8 + 8] * c0).astype(np.float32)
+    mq = np.abs(xs).max(axis=(0, 2))  # the warp's max per plane
+    mx0, mx1 = max(mq[0], _f32(0.25) * mq[1]), max(_f32(0.0625) * mq[2], _f32(0.015625) * mq[3])
+    S = [_f32(16256.0) / mx0, _f32(16256.0) / mx1]
+    qhi, qlo = np.zeros((32, 8, 4), dtype=np.int64), np.zeros((32, 8, 4), dtype=np.int64)
+    for lane in range(32):
+        for p in range(4):
+            kp = f[p] * S[p // 2]
+            for w in range(2):
+                for i in range(4):
+                    x = xs[lane, p, 4 * w + i]
+                    hm = _fma32(x, kp * _f32(1 / 128), magic)
+                    lm = _f32(_fma32(x, kp, _fma32(hm, _f32(-128.0), _f32(128.0) * magic)) + magic)
+                    hb = int(np.array([hm], dtype=np.float32).view(np.uint32)[0]) & 0xFF
+                    lb = int(np.array([lm], dtype=np.float32).view(np.uint32)[0]) & 0xFF
+                    qhi[lane, 2 * p + w, i] = hb - 256 if hb > 127 else hb
+                    qlo[lane, 2 * p + w, i] = lb - 256 if lb > 127 else lb
+    kt = _f32(16777216.0)
+    return qhi, qlo, (mx0 / (_f32(16256.0) * kt), mx1 / (_f32(16256.0) * kt))
+
+
+def imma(acc, a_regs, b_regs):
+    """acc[lane][4] += A.B for mma.m16n8k32 (u8 A [16, 32], s8 B [32, 8], PTX ISA fragments): a0 / a2 row g,
+    k 4t..4t+3 / 16+4t..; a1 / a3 the same for row g + 8; b0 / b1 k 4t.. / 16+4t.. of column g. Registers as
+    lists of 4 byte values."""
+    A, B = np.zeros((16, 32), dtype=np.int64), np.zeros((32, 8), dtype=np.int64)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        a = a_regs[lane]
+        A[g, 4 * t:4 * t + 4], A[g + 8, 4 * t:4 * t + 4] = a[0], a[1]
+        A[g, 16 + 4 * t:20 + 4 * t], A[g + 8, 16 + 4 * t:20 + 4 * t] = a[2], a[3]
+        B[4 * t:4 * t + 4, g], B[16 + 4 * t:20 + 4 * t, g] = b_regs[lane][0], b_regs[lane][1]
+    C = A @ B
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        acc[lane] += np.array([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]])
+
+
+@pytest.mark.parametrize("hc", [4, 8])
+def test_integer_k_dot_with_the_kernels_int8_q(hc):
+    """The K dot as the production kernel runs it (OSCAR_IMMA_K 1, its default): the lane's code bytes 8t .. 8t + 7
+    of tokens sigma(g), sigma(g) + 8 masked per plane (c 4^p in each byte) as u8 A, q as int8 hi / lo (kernel_int8_q)
+    as B, hi . 128 + lo per plane group, times iS_gp: the same dot as the fp16 path (check_history_k_dot, both groups in
+    units of 2^-24 after the fp16 path's 1/16), within the 14-bit quantization of q. The source's expressions are
+    checked verbatim."""
+    src = open(PRODUCTION_SOURCE).read()
+    for line in ("#define OSCAR_IMMA_K 1",
+                 "const uint32_t M = 0x03030303u << (2 * p);",
+                 "const uint32_t a0 = kw0.x & M, a1 = kw1.x & M, a2 = kw0.y & M, a3 = kw1.y & M;",
+                 "imma16832(p < 2 ? ih0 : ih1, a0, a1, a2, a3, qhi[2 * p], qhi[2 * p + 1]);",
+                 "imma16832(p < 2 ? il0 : il1, a0, a1, a2, a3, qlo[2 * p], qlo[2 * p + 1]);",
+                 "acc0[e] = (float)(ih0[e] * 128 + il0[e]);",
+                 "const float2 xq = q_pair(a, qraw[p], k, qvalid, qrow + p * 32 + t * 8 + 2 * k);",
+                 "float mx0 = fmaxf(mq[0], 0.25f * mq[1]), mx1 = fmaxf(0.0625f * mq[2], 0.015625f * mq[3]);",
+                 "const float S0 = mx0 > 0.f ? 16256.f / mx0 : 0.f, S1 = mx1 > 0.f ? 16256.f / mx1 : 0.f;",
+                 "const float hm = fmaf(x, kp * (1.f / 128.f), kRoundMagic);",
+                 "const float lm = fmaf(x, kp, fmaf(hm, -128.f, 128.f * kRoundMagic)) + kRoundMagic;",
+                 "qhi[2 * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);",
+                 "return prmt(prmt(x0, x1, 0x0040), prmt(x2, x3, 0x0040), 0x5410);",
+                 "iS0 = mx0 / (16256.f * kTwo24);",
+                 "const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, mn1a = bf_hi(py0);"):
+        assert line in src, line
+    rng = np.random.default_rng(40 + hc)
+    kc = rng.integers(0, 256, (16, 32))
+    q = rng.standard_normal((hc, 128)) * 0.5
+    q[0] *= 0.01  # a head of much smaller norm shares the warp's scale
+    head = (lambda c: c) if hc == 8 else (lambda c: c & 3)
+    c0 = 1 / math.sqrt(128) * probe.LOG2E
+    qhi, qlo, (is0, is1) = kernel_int8_q(q, head, c0)
+    assert np.abs(qhi).max() <= 127 and np.abs(qlo).max() <= 64
+    ih = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
+    il = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
+    for p in range(4):
+        a_regs = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            r0, r1 = kc[sigma(g)], kc[sigma(g) + 8]
+            a_regs.append([[(int(r0[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
+                           [(int(r1[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
+                           [(int(r0[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
+                           [(int(r1[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)]])
+        imma(ih[p // 2], a_regs, [[qhi[lane, 2 * p], qhi[lane, 2 * p + 1]] for lane in range(32)])
+        imma(il[p // 2], a_regs, [[qlo[lane, 2 * p], qlo[lane, 2 * p + 1]] for lane in range(32)])
+    assert max(np.abs(ih[i] * 128 + il[i]).max() for i in range(2)) < 2 ** 31
+    # in the fp16 path's units: group 0 2^-24, group 1 2^-20 (check_history_k_dot), so group 1 carries 16 iS1
+    acc = [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
+    check_history_k_dot(acc, kc, q * c0, head)
+    # and tighter than that check's tolerance: the error of 14-bit q against the float64 dot, relative to the dot's
+    # scale (max |q| . sum |codes|) per group
+    K = codes(kc)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for e in range(4):
+            row, hd = sigma(g) + 8 * (e >> 1), head(2 * t + (e & 1))
+            for grp, unit in ((0, 2.0 ** 24), (1, 2.0 ** 20)):
+                qs = q[hd, 64 * grp:64 * grp + 64] * c0
+                want = (qs * K[row, 64 * grp:64 * grp + 64]).sum()
+                scale = np.abs(q[:, 64 * grp:64 * grp + 64] * c0).max() * K[row, 64 * grp:64 * grp + 64].sum()
+                assert abs(acc[grp][lane, e] * unit - want) <= 2e-4 * scale

@@ -39,10 +39,11 @@
 // In a served decode step this kernel is itself launched as the KV write's dependent (Args.pdl, kPdl* below).
 //
 // Per warp and 16-token tile (all in registers, no CTA barrier):
-//   K dot  S^T[16 tokens, 8 cols] = codes[16, 128] . q'[128, 8]: 8 x mma m16n8k16 (at HC 4 cols 4..7
-//          repeat heads 0..3), two accumulators (groups). Codes enter as fp16 subnormals c.2^(2p-24) (plane p): one
-//          PRMT spreads two bytes into two halfwords for all four planes, one AND per two codes per plane;
-//          q' carries 4^(2g-p) (built per warp in the prologue from q).
+//   K dot  S^T[16 tokens, 8 cols] = codes[16, 128] . q'[128, 8] (at HC 4 cols 4..7 repeat heads 0..3), two
+//          accumulators (groups). OSCAR_IMMA_K (default): 8 x mma m16n8k32 u8 x s8, one AND per four codes and plane
+//          (bytes c.4^p), q as int8 hi and lo per plane (built per warp in the prologue, scale per plane group).
+//          Else 8 x mma m16n8k16 with codes as fp16 subnormals c.2^(2p-24): one PRMT spreads two bytes into two
+//          halfwords for all four planes, one AND per two codes per plane; q' carries 4^(2g-p).
 //   scores s' = acc0.sc0 + acc1.sc1/16 + mn0.Q0 + mn1.Q1 (units of 2^-24 log2), lazy max: the row-max
 //          shuffles and the rescale run only when a score passes m + 8 (a warp vote).
 //   V dot  O^T[128 dims, 8 cols] += V^T codes[128, 16] . (p.vscale)^T[16, 8]: at HC 4 cols 0..3 carry p.scale
@@ -68,9 +69,11 @@ constexpr int kTok = OSCAR_TOK;
 #ifndef OSCAR_IMMA_K
 #define OSCAR_IMMA_K 1
 #endif
-// OSCAR_IMMA_K 1: the K dot as integer mma (m16n8k32, u8 codes x s8 q): the plane masks cover four codes per LOP3
-// instead of two and the bytes need no PRMT (16 logic ops per tile instead of 40; the logic pipe is the SM's busiest
-// at batch >= 8, ncu results/history_ncu_*); q is quantized per warp and plane group to 14 bits as hi . 128 + lo
+// OSCAR_IMMA_K 1 (default since 289fc8b): the K dot as integer mma (m16n8k32, u8 codes x s8 q): the plane masks cover
+// four codes per LOP3 instead of two and the bytes need no PRMT (16 logic ops per tile instead of 40; the logic pipe
+// is the SM's busiest at batch >= 8: ncu, results/history_ncu_*). Same-call H200 A/B (results/probe_history_trace_
+// imma3_*): 64k batch 8 0.93x, batch 32 0.95x, batch 1 1.01x alone and 1.02x chained, 128k batch 1 0.99x. q is
+// quantized per warp and plane group to 14 bits as hi . 128 + lo
 // (two mma per plane), whose error is below fp16 q's (2^-11 of each element) for the largest elements.
 static_assert(kTok == 64 || kTok == 32, "OSCAR_TOK must be 64 or 32");
 constexpr int kStageBytes = kTok * 80;   // K codes 32 + V codes 32 + K params 8 + V params 8 per token
