@@ -496,7 +496,7 @@ def kernel_int8_q(q, head_of_column, c0):
             xs[lane, p] = (q[head_of_column(g), p * 32 + t * 8:p * 32 + t * 8 + 8] * c0).astype(np.float32)
     mq = np.abs(xs).max(axis=(0, 2))  # the warp's max per plane
     mx0, mx1 = max(mq[0], _f32(0.25) * mq[1]), max(_f32(0.0625) * mq[2], _f32(0.015625) * mq[3])
-    S = [_f32(16256.0) / mx0, _f32(16256.0) / mx1]
+    S = [_f32(16256.0) / m if m > _f32(1e-30) else _f32(0.0) for m in (mx0, mx1)]
     qhi, qlo = np.zeros((32, 8, 4), dtype=np.int64), np.zeros((32, 8, 4), dtype=np.int64)
     for lane in range(32):
         for p in range(4):
@@ -547,13 +547,14 @@ def test_integer_k_dot_with_the_kernels_int8_q(hc):
                  "acc0[e] = (float)(ih0[e] * 128 + il0[e]);",
                  "const float2 xq = q_pair(a, qraw[p], k, qvalid, qrow + p * 32 + t * 8 + 2 * k);",
                  "float mx0 = fmaxf(mq[0], 0.25f * mq[1]), mx1 = fmaxf(0.0625f * mq[2], 0.015625f * mq[3]);",
-                 "const float S0 = mx0 > 0.f ? 16256.f / mx0 : 0.f, S1 = mx1 > 0.f ? 16256.f / mx1 : 0.f;",
+                 "const float S0 = mx0 > 1e-30f ? 16256.f / mx0 : 0.f, S1 = mx1 > 1e-30f ? 16256.f / mx1 : 0.f;",
                  "const float hm = fmaf(x, kp * (1.f / 128.f), kRoundMagic);",
                  "const float lm = fmaf(x, kp, fmaf(hm, -128.f, 128.f * kRoundMagic)) + kRoundMagic;",
                  "qhi[2 * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);",
                  "return prmt(prmt(x0, x1, 0x0040), prmt(x2, x3, 0x0040), 0x5410);",
                  "iS0 = mx0 / (16256.f * kTwo24);",
-                 "const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, mn1a = bf_hi(py0);"):
+                 "const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, "
+                 "mn1a = bf_hi(py0);"):
         assert line in src, line
     rng = np.random.default_rng(40 + hc)
     kc = rng.integers(0, 256, (16, 32))
@@ -563,6 +564,8 @@ def test_integer_k_dot_with_the_kernels_int8_q(hc):
     c0 = 1 / math.sqrt(128) * probe.LOG2E
     qhi, qlo, (is0, is1) = kernel_int8_q(q, head, c0)
     assert np.abs(qhi).max() <= 127 and np.abs(qlo).max() <= 64
+    zhi, zlo, _ = kernel_int8_q(np.zeros_like(q), head, c0)  # an all-zero q: S 0, no inf . 0
+    assert not zhi.any() and not zlo.any()
     ih = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
     il = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
     for p in range(4):
