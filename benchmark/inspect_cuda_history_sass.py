@@ -1,7 +1,7 @@
 """Static resources of the CUDA history kernel (kernels/cuda/int2_history.cu) for sm_90, compiled here with nvcc (no
 GPU): per template instance (pipeline stages NSTAGE, query heads per CTA column HC) its registers, stack and spills
-(ptxas -v), its SASS size, and its hot loop: the shortest loop with >= 16 HMMA + IMMA, i.e. one 16-token tile of a history
-warp (8 mma for the K dot, 8 for the V dot).
+(ptxas -v), its SASS size, its hot loop: the shortest loop with >= 16 HMMA + IMMA, i.e. one 16-token tile of a
+history warp (8 mma for the K dot, 8 for the V dot), and the code of a 32-token block outside it (its copies).
 
 Why: 2 CTAs of 8 warps per SM need <= 128 registers, and a longer hot loop costs every history token. Both can be
 checked on a CPU; test/test_cuda_history_sass.py holds them to BUDGET. A GPU is still needed for time: code outside
