@@ -120,16 +120,18 @@ def sass_functions(cubin: str, cuobjdump: str) -> dict:
     return out
 
 
+def _backward_branches(ins: list):
+    """(target, address) of every branch back to an earlier address: the loops of the listing."""
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            yield int(m.group(1), 16), addr
+
+
 def hot_loop(ins: list) -> dict:
     """The shortest loop (a backward branch and its target) holding >= 16 HMMA + IMMA: {start, end, length, hmma}."""
     best = None
-    for addr, text in ins:
-        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        if not m:
-            continue
-        target = int(m.group(1), 16)
-        if target >= addr:
-            continue
+    for target, addr in _backward_branches(ins):
         body = [t for a, t in ins if target <= a <= addr]
         hmma = sum(1 for t in body if re.search(r"\b[HI]MMA\b", t))
         if hmma >= 16 and (best is None or len(body) < best["length"]):
@@ -144,13 +146,8 @@ def block_loop(ins: list, hot: dict) -> dict:
     issue, the next slots' loads, the stage wait, and the hot loop twice by trip count). {start, end, length, extra}:
     extra = its instructions outside the hot loop, the per-block cost that every history token shares."""
     best = None
-    for addr, text in ins:
-        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        if not m:
-            continue
-        target = int(m.group(1), 16)
-        if target >= addr or not (target <= hot["start"] and hot["end"] <= addr) or (target, addr) == (
-                hot["start"], hot["end"]):
+    for target, addr in _backward_branches(ins):
+        if not (target <= hot["start"] and hot["end"] <= addr) or (target, addr) == (hot["start"], hot["end"]):
             continue
         length = sum(1 for a, _ in ins if target <= a <= addr)
         if best is None or length < best["length"]:
