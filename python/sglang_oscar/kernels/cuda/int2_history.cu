@@ -849,7 +849,11 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // p*32 + t*8 + 4hh + 2w + (0, 1) of column g's head; and the group sums of q. This lane's accumulator
   // columns 2t, 2t+1 are heads head0, head0 + 1 (HC 4: columns 4..7 repeat heads 0..3)
   const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;
+#if OSCAR_IMMA_K
+  float xs[4][8];  // c0 q at dims p*32 + t*8 + i, for the int8 q below (read once, here)
+#else
   uint32_t qb[16];
+#endif
   float gs0 = 0.f, gs1 = 0.f;
   {
 #pragma unroll
@@ -860,8 +864,13 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       const float2 xq = q_pair(a, qraw[p], 2 * hh + w, qvalid, qrow + d);
       const float x0 = xq.x, x1 = xq.y;
       if (p < 2) gs0 += x0 + x1; else gs1 += x0 + x1;
+#if OSCAR_IMMA_K
+      xs[p][4 * hh + 2 * w] = x0;
+      xs[p][4 * hh + 2 * w + 1] = x1;
+#else
       const float f = (p & 1) ? 0.25f : 1.f;
       qb[r] = h2u(__floats2half2_rn(x0 * f, x1 * f));
+#endif
     }
   }
 #pragma unroll
@@ -881,20 +890,15 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   uint32_t qhi[8], qlo[8];
   float iS0, iS1;
   {
-    // q (times c0) per plane, the group maxima of |c0 q 4^-p| over the warp, then per element four FMA-pipe ops:
-    // hm = v / 128 + magic (hi in its low byte), -128 hi + 128 magic, v - 128 hi, + magic (lo in its low byte), with
-    // v = c0 q 4^-p S folded into one constant per plane; the packs take the low bytes of the fp32 bits directly
-    float xs[4][8], mq[4];
+    // the group maxima of |c0 q 4^-p| over the warp, then per element four FMA-pipe ops: hm = v / 128 + magic (hi in
+    // its low byte), -128 hi + 128 magic, v - 128 hi, + magic (lo in its low byte), with v = c0 q 4^-p S folded into
+    // one constant per plane; the packs take the low bytes of the fp32 bits directly
+    float mq[4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       mq[p] = 0.f;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 xq = q_pair(a, qraw[p], k, qvalid, qrow + p * 32 + t * 8 + 2 * k);
-        xs[p][2 * k] = xq.x;
-        xs[p][2 * k + 1] = xq.y;
-        mq[p] = fmaxf(mq[p], fmaxf(fabsf(xq.x), fabsf(xq.y)));
-      }
+      for (int i = 0; i < 8; ++i) mq[p] = fmaxf(mq[p], fabsf(xs[p][i]));
     }
     float mx0 = fmaxf(mq[0], 0.25f * mq[1]), mx1 = fmaxf(0.0625f * mq[2], 0.015625f * mq[3]);
 #pragma unroll
