@@ -94,9 +94,10 @@ def history_k_dot(kc, q_regs):
     return acc
 
 
-def check_history_k_dot(acc, kc, qf, head_of_column):
+def check_history_k_dot(acc, kc, qf, head_of_column, scale_tol=None):
     """Lane (g, t)'s accumulator entry e is token sigma(g) + 8 (e >> 1) and column 2t + (e & 1), i.e. that column's
-    head; group 0 in units of 2^-24, group 1 of 2^-20 (the kernel's sc1 / 16 and exp2(s' 2^24 - m))."""
+    head; group 0 in units of 2^-24, group 1 of 2^-20 (the kernel's sc1 / 16 and exp2(s' 2^24 - m)). scale_tol: also
+    |error| <= scale_tol . the dot's scale (the group's max |qf| over all heads . the row's code sum)."""
     K = codes(kc)
     for lane in range(32):
         g, t = lane >> 2, lane & 3
@@ -105,6 +106,9 @@ def check_history_k_dot(acc, kc, qf, head_of_column):
             for grp, unit in ((0, 2.0 ** 24), (1, 2.0 ** 20)):
                 want = (qf[head, 64 * grp:64 * grp + 64] * K[row, 64 * grp:64 * grp + 64]).sum()
                 assert acc[grp][lane, e] * unit == pytest.approx(want, rel=2e-3, abs=2e-3)
+                if scale_tol is not None:
+                    scale = np.abs(qf[:, 64 * grp:64 * grp + 64]).max() * K[row, 64 * grp:64 * grp + 64].sum()
+                    assert abs(acc[grp][lane, e] * unit - want) <= scale_tol * scale
 
 
 def p_operands(P, vs, head_of_column, group_of_lane):
@@ -584,16 +588,6 @@ def test_integer_k_dot_with_the_kernels_int8_q(hc):
     assert max(np.abs(ih[i] * 128 + il[i]).max() for i in range(2)) < 2 ** 31
     # in the fp16 path's units: group 0 2^-24, group 1 2^-20 (check_history_k_dot), so group 1 carries 16 iS1
     acc = [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
-    check_history_k_dot(acc, kc, q * c0, head)
     # and tighter than that check's tolerance: the error of 14-bit q against the float64 dot, relative to the dot's
     # scale (max |q| . sum |codes|) per group
-    K = codes(kc)
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        for e in range(4):
-            row, hd = sigma(g) + 8 * (e >> 1), head(2 * t + (e & 1))
-            for grp, unit in ((0, 2.0 ** 24), (1, 2.0 ** 20)):
-                qs = q[hd, 64 * grp:64 * grp + 64] * c0
-                want = (qs * K[row, 64 * grp:64 * grp + 64]).sum()
-                scale = np.abs(q[:, 64 * grp:64 * grp + 64] * c0).max() * K[row, 64 * grp:64 * grp + 64].sum()
-                assert abs(acc[grp][lane, e] * unit - want) <= 2e-4 * scale
+    check_history_k_dot(acc, kc, q * c0, head, scale_tol=2e-4)
