@@ -17,7 +17,7 @@ call of a replay writes the same slots). No SGLang or FlashInfer needed (kernels
 
 Writes $OUT/probe_history_trace_<tag>_<device>.json: per configuration and source the us per call (interleaved
 rounds) of the plain build and of the trace build, and a summary of the phases (median / p10 / p90 / max, us);
-with --raw also the offsets of each warp (batch 1 only, for plots).
+with --raw also the offsets of each warp, with its SM, split and column (for plots and per-SM analysis).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def main():
                          "+DOSCAR_TOK=32), timed and traced beside this tree's default ('new') in the same process")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per configuration")
     ap.add_argument("--raw", action="store_true",
-                    help="also write every warp's offsets at batch 1 (~1-2 MB per configuration and source)")
+                    help="also write every warp's offsets, SM, split and column (~1-2 MB per configuration and source at batch 1-8)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -228,7 +228,7 @@ def main():
             row = dict(config=spec, source=name, mode=mode, context=ctx, batch=b, splits=n, us=us,
                        us_rounds=times[name], us_trace=us_trace, vs_new=us / base, calls_per_replay=len(fns),
                        summary=summ)
-            if args.raw and b == 1:
+            if args.raw:
                 row["warps"] = per_warp_offsets(buf)
             rows.append(row)
             ph = summ["phases"]
