@@ -163,7 +163,8 @@ def main():
                          "+DOSCAR_TOK=32), timed and traced beside this tree's default ('new') in the same process")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per configuration")
     ap.add_argument("--raw", action="store_true",
-                    help="also write every warp's offsets, SM, split and column (~1-2 MB per configuration and source at batch 1-8)")
+                    help="also write every warp's offsets, SM, split and column (~1-2 MB per configuration and "
+                         "source at batch 1-8)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
