@@ -27,6 +27,7 @@ import ctypes
 import math
 import os
 import sys
+from typing import Optional
 
 import numpy as np
 
@@ -103,7 +104,30 @@ def summarize(words: np.ndarray, warps_per_cta: int) -> dict:
     sm_of_cta = smid[hist][first_warps]
     counts = np.bincount(sm_of_cta, minlength=int(smid.max()) + 1)
     out["history_ctas_per_sm"] = {str(k): int(v) for k, v in zip(*np.unique(counts, return_counts=True))}
+    out["arrival_order"] = arrival_order(off[hist], smid[hist], split[hist], w[hist, 15].astype(np.int64))
     return out
+
+
+def arrival_order(off: np.ndarray, smid: np.ndarray, split: np.ndarray, column: np.ndarray) -> Optional[dict]:
+    """On the SMs that hold exactly two history CTAs: the loop time (median over the CTA's warps, us from block 0's
+    data to the loop's end) and the end (its last warp's) of the CTA that arrived first and of the one that arrived
+    second (by the CTA's first entry), medians over those SMs. Why: on H200 the second CTA's loop ran 28-37% slower
+    on every such SM (the schedulers favour the older CTA's warps), and the call ends with it."""
+    ctas: dict = {}
+    for i, key in enumerate(zip(column.tolist(), split.tolist())):
+        ctas.setdefault(key, []).append(i)
+    per_sm: dict = {}
+    for ix in ctas.values():
+        ix = np.asarray(ix)
+        per_sm.setdefault(int(smid[ix[0]]), []).append(
+            (float(off[ix, 0].min()), float(np.median(off[ix, 5] - off[ix, 4])), float(off[ix, 6].max())))
+    pairs = [sorted(v) for v in per_sm.values() if len(v) == 2]
+    if not pairs:
+        return None
+    return dict(sms=len(pairs), loop_first=float(np.median([p[0][1] for p in pairs])),
+                loop_second=float(np.median([p[1][1] for p in pairs])),
+                end_first=float(np.median([p[0][2] for p in pairs])),
+                end_second=float(np.median([p[1][2] for p in pairs])))
 
 
 def per_warp_offsets(words: np.ndarray) -> dict:

@@ -110,3 +110,24 @@ def test_trace_build_compiles_within_the_register_budget(tmp_path):
         assert ("oscar_history_trace_read" in syms) == traced
         assert ("oscar_history_trace_clear" in syms) == traced
         assert "oscar_history_launch" in syms
+
+
+def test_arrival_order_pairs_the_two_ctas_of_an_sm():
+    """arrival_order: on SMs with exactly two history CTAs, the CTA that entered first vs second (loop and end
+    medians); an SM with one CTA is left out, and none with two gives None."""
+    # [entry, index, slots, q, first, loop, end] offsets in us; two warps per CTA
+    def warp(entry, first, loop, end):
+        return [entry, entry, entry, entry, first, loop, end]
+    rows, sm, split, col = [], [], [], []
+    for s_id, (a_loop, b_loop) in enumerate([(10.0, 14.0), (11.0, 15.0), (9.0, 13.0)]):
+        for c, (entry, lp) in enumerate([(0.5, b_loop), (0.1, a_loop)]):  # listed second-first: order is by entry
+            for wi in range(2):
+                rows.append(warp(entry, 2.0, 2.0 + lp + 0.1 * wi, 3.0 + lp + 0.1 * wi))
+                sm.append(s_id), split.append(c), col.append(s_id)
+    rows.append(warp(0.0, 1.0, 5.0, 6.0)), sm.append(7), split.append(0), col.append(99)  # alone on SM 7
+    out = probe.arrival_order(np.array(rows), np.array(sm), np.array(split), np.array(col))
+    assert out["sms"] == 3
+    assert out["loop_first"] == pytest.approx(10.05) and out["loop_second"] == pytest.approx(14.05)
+    assert out["end_first"] == pytest.approx(13.1) and out["end_second"] == pytest.approx(17.1)
+    assert probe.arrival_order(np.array(rows[-1:]), np.array(sm[-1:]), np.array(split[-1:]),
+                               np.array(col[-1:])) is None

@@ -15,7 +15,9 @@ bandwidth at 64k / 128k batch >= 8 for Qwen3-8B / 14B / 32B shapes, against 56-6
 Build: nvcc (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin) compiles the source once per (source, GPU arch,
 nvcc) into $SGLANG_OSCAR_CACHE (default ~/.cache/sglang_oscar) and the library is loaded with ctypes (no
 Python extension, no ninja). The Triton path needs none of this; CPU CI covers this kernel's register layouts
-through test/test_probe_cuda_history.py and the GPU tests compare it with the oracle.
+through test/test_probe_cuda_history.py and the GPU tests compare it with the oracle. $SGLANG_OSCAR_HISTORY_DEFINES
+(space-separated NAME=VALUE macros, e.g. OSCAR_CTA_PACK=2) builds the shipped source with the kernel's experiment
+knobs, so that the GPU tests can run a variant before it becomes the default; unset in production.
 """
 
 from __future__ import annotations
@@ -152,6 +154,17 @@ def build(defines: tuple = (), source: Optional[str] = None) -> str:
     return so
 
 
+def env_defines() -> tuple:
+    """The kernel macros of $SGLANG_OSCAR_HISTORY_DEFINES (module docstring), checked for the NAME=VALUE form."""
+    defines = tuple(os.environ.get("SGLANG_OSCAR_HISTORY_DEFINES", "").split())
+    for d in defines:
+        name, eq, value = d.partition("=")
+        if not (name.startswith("OSCAR_") and name.replace("_", "").isalnum() and eq and value.isdigit()):
+            raise ValueError(f"SGLANG_OSCAR_HISTORY_DEFINES: {d!r} is not OSCAR_<NAME>=<integer> (e.g. "
+                             f"OSCAR_CTA_PACK=2)")
+    return defines
+
+
 def load(path: str) -> ctypes.CDLL:
     """The library at `path` (build()) with its entry points typed."""
     lib = ctypes.CDLL(path)
@@ -179,7 +192,7 @@ def library() -> ctypes.CDLL:
     with _lock:
         if _lib is not None:
             return _lib
-        _lib = load(build())
+        _lib = load(build(env_defines()))
     for heads in (4, 8):  # first load: the default configurations' shared-memory limits, before any graph capture
         occupancy(heads=heads)
     if FUSED_MERGE:
