@@ -478,41 +478,18 @@ def test_cuda_history_refuses_pools_past_32bit_records():
 
 
 def test_history_defines_from_the_environment(monkeypatch):
-    """$SGLANG_OSCAR_HISTORY_DEFINES (a variant of the kernel for the GPU tests, e.g. OSCAR_CTA_PACK=2): read as
+    """$SGLANG_OSCAR_HISTORY_DEFINES (a variant of the kernel for the GPU tests, e.g. OSCAR_IMMA_K=0): read as
     OSCAR_<NAME>=<integer> macros; anything else is refused with the form expected, before any build."""
     from sglang_oscar.kernels import history_cuda
 
     monkeypatch.delenv("SGLANG_OSCAR_HISTORY_DEFINES", raising=False)
     assert history_cuda.env_defines() == ()
-    monkeypatch.setenv("SGLANG_OSCAR_HISTORY_DEFINES", " OSCAR_CTA_PACK=2  OSCAR_IMMA_K=0 ")
-    assert history_cuda.env_defines() == ("OSCAR_CTA_PACK=2", "OSCAR_IMMA_K=0")
+    monkeypatch.setenv("SGLANG_OSCAR_HISTORY_DEFINES", " OSCAR_TOK=64  OSCAR_IMMA_K=0 ")
+    assert history_cuda.env_defines() == ("OSCAR_TOK=64", "OSCAR_IMMA_K=0")
     for bad in ("OSCAR_CTA_PACK", "CTA_PACK=2", "OSCAR_CTA_PACK=two", "OSCAR_X=1;rm", "-DOSCAR_CTA_PACK=2"):
         monkeypatch.setenv("SGLANG_OSCAR_HISTORY_DEFINES", bad)
         with pytest.raises(ValueError, match="OSCAR_<NAME>=<integer>"):
             history_cuda.env_defines()
-
-
-def test_cta_pack_keeps_the_grids_order_and_shared_memory():
-    """OSCAR_CTA_PACK (kernels/cuda/int2_history.cu): grid CTA v runs as half v % kPack of launched CTA v / kPack,
-    so the grid's order is kept; each half has its own shared memory (kPack x cta_smem per launch, and the half's
-    base at half x cta_smem) and its own barrier; the occupancy counts grid CTAs. Checked on the source, as the
-    kernel cannot run here; the GPU tests run it (SGLANG_OSCAR_HISTORY_DEFINES=OSCAR_CTA_PACK=2)."""
-    src = open(os.path.join(os.path.dirname(__file__), "..", "python", "sglang_oscar", "kernels", "cuda",
-                            "int2_history.cu")).read()
-    for line in ("return (int)c * kPack + cta_half();",
-                 "cfg.gridDim = dim3((a.grid_x * a.grid_y + kPack - 1) / kPack);",
-                 "cfg.blockDim = dim3(warps * 32 * kPack);",
-                 "cfg.dynamicSmemBytes = kPack * cta_smem(NSTAGE, warps, a.fold_tiles > 0);",
-                 "return kPack == 1 ? smem_all : smem_all + cta_half() * cta_smem(NSTAGE, nwarps, a.fold_tiles > 0);",
-                 "asm volatile(\"bar.sync %0, %1;\\n\" ::\"r\"(1 + cta_half()), \"r\"(cta_threads()) : \"memory\");",
-                 "return n * kPack;",
-                 "__global__ void __launch_bounds__(256 * kPack) int2_history_kernel(Args a) {"):
-        assert line in src, line
-    # no barrier or thread index of the whole launched CTA is left in the kernel's code (comments aside)
-    code = "\n".join(ln.split("//")[0] for ln in src.splitlines())
-    assert code.count("__syncthreads()") == 1  # cta_sync's kPack 1 branch
-    assert "blockIdx" not in code.replace("blockIdx.x * kPack", "") and "gridDim.y" not in code
-    assert code.count("threadIdx.x") == code.count("threadIdx.x & 31") + 1  # the lanes, and cta_tid
 
 
 def _f32(x):

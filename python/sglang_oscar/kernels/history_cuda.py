@@ -16,7 +16,7 @@ Build: nvcc (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin) compiles the source on
 nvcc) into $SGLANG_OSCAR_CACHE (default ~/.cache/sglang_oscar) and the library is loaded with ctypes (no
 Python extension, no ninja). The Triton path needs none of this; CPU CI covers this kernel's register layouts
 through test/test_probe_cuda_history.py and the GPU tests compare it with the oracle. $SGLANG_OSCAR_HISTORY_DEFINES
-(space-separated NAME=VALUE macros, e.g. OSCAR_CTA_PACK=2) builds the shipped source with the kernel's experiment
+(space-separated NAME=VALUE macros, e.g. OSCAR_IMMA_K=0) builds the shipped source with the kernel's experiment
 knobs, so that the GPU tests can run a variant before it becomes the default; unset in production.
 """
 
@@ -161,7 +161,7 @@ def env_defines() -> tuple:
         name, eq, value = d.partition("=")
         if not (name.startswith("OSCAR_") and name.replace("_", "").isalnum() and eq and value.isdigit()):
             raise ValueError(f"SGLANG_OSCAR_HISTORY_DEFINES: {d!r} is not OSCAR_<NAME>=<integer> (e.g. "
-                             f"OSCAR_CTA_PACK=2)")
+                             f"OSCAR_IMMA_K=0)")
     return defines
 
 

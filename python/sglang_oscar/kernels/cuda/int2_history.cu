@@ -77,26 +77,14 @@ constexpr int kTok = OSCAR_TOK;
 // at most 2^-15 of the group's largest |c0 q 4^-p| (fp16 q: 2^-12 of each element), test_probe_cuda_history.py.
 // 0 (an experiment knob): the fp16 K dot below.
 static_assert(kTok == 64 || kTok == 32, "OSCAR_TOK must be 64 or 32");
-#ifndef OSCAR_CTA_PACK
-#define OSCAR_CTA_PACK 1
-#endif
-// CTAs of the grid (a history split or window CTA of one column, `warps` warps each) per launched CTA: 1, or 2 (an
-// experiment knob: 2 x 8 warps, one launched CTA per SM). Why: with two 8-warp CTAs per SM, the one that arrived
-// second ran its loop 28-37% slower than the first on every such SM (H200 trace, results/probe_history_trace_
-// head_vs_289fc8b_*: Qwen3-8B 64k batch 8 84.7 vs 116.4 us, 128k batch 1 20.7 vs 27.6; the schedulers favour the
-// older CTA's warps), and the call ends with the slower one, alone on its SM for the last ~25%. The grid keeps its
-// CTAs and their order (grid CTA v = launched CTA v / kPack, half v % kPack, each with its own shared memory and
-// barrier); only the arrival ties.
-constexpr int kPack = OSCAR_CTA_PACK;
-static_assert(kPack == 1 || kPack == 2, "OSCAR_CTA_PACK must be 1 or 2");
 constexpr int kStageBytes = kTok * 80;   // K codes 32 + V codes 32 + K params 8 + V params 8 per token
 constexpr int kVcOff = kTok * 32, kKpOff = kTok * 64, kVpOff = kTok * 72;
 // a warp's shared memory: its NSTAGE stages, and at least the one K and one V tile of 16 BF16 rows (8 KB) that a
 // window CTA's warp reads (window_cta)
-__host__ __device__ constexpr int warp_smem(int nstage) { return nstage * kStageBytes > 8192 ? nstage * kStageBytes : 8192; }
+constexpr int warp_smem(int nstage) { return nstage * kStageBytes > 8192 ? nstage * kStageBytes : 8192; }
 // a CTA's shared memory: its warps', and with the window folded (Args.fold_tiles) 8 KB past the warps' stages for
 // warp 0's window tile (inside the warps' 8 KB each at 2 stages of 32 tokens: no more than without)
-__host__ __device__ constexpr int cta_smem(int nstage, int warps, bool fold) {
+constexpr int cta_smem(int nstage, int warps, bool fold) {
   return fold && warps * nstage * kStageBytes + 8192 > warps * warp_smem(nstage)
              ? warps * nstage * kStageBytes + 8192 : warps * warp_smem(nstage);
 }
@@ -123,38 +111,10 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
-// The grid's CTA that this thread belongs to (kPack of them per launched CTA, above): its warps, its half of the
-// launched CTA, the thread's index in it, its index v in the grid, and its barrier (barrier 0 = __syncthreads where
-// kPack is 1, else 1 + half). The half and v are read anew from special registers at each use (asm volatile), so
-// that they are not kept live across the history loop (128 registers: with them live, the kernel spilled).
-__device__ __forceinline__ int cta_nwarps() { return (int)(blockDim.x >> 5) / kPack; }
-__device__ __forceinline__ int cta_half() {
-  if (kPack == 1) return 0;
-  unsigned tx, nt;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tx));
-  asm volatile("mov.u32 %0, %%ntid.x;\n" : "=r"(nt));
-  return tx >= (nt >> 1) ? 1 : 0;
-}
-__device__ __forceinline__ int cta_tid() { return (int)threadIdx.x - cta_half() * cta_nwarps() * 32; }
-__device__ __forceinline__ int cta_threads() { return cta_nwarps() * 32; }
-__device__ __forceinline__ int cta_index() {
-  unsigned c;
-  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(c));
-  return (int)c * kPack + cta_half();
-}
-__device__ __forceinline__ void cta_sync() {
-  if (kPack == 1) {
-    __syncthreads();
-  } else {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + cta_half()), "r"(cta_threads()) : "memory");
-  }
-}
-
 // OSCAR_HISTORY_TRACE (benchmark/probe_history_trace.py builds a separate library with it; the shipped build has
 // none of this): lane 0 of every warp stores %globaltimer and clock64 at the marks below into g_trace, 16 words per
-// warp at (v * warps + warp) * 16 (v: the grid's CTA, grid_x x grid_y in order, kPack per launched CTA): words 2i,
-// 2i + 1 are mark i's (globaltimer, clock64), word 14 the warp's (smid | split + 1 << 8 | nblocks << 24 | window
-// CTA << 40), word 15 its CTA column.
+// warp at ((blockIdx.y * gridDim.x + blockIdx.x) * warps + warp) * 16: words 2i, 2i + 1 are mark i's (globaltimer,
+// clock64), word 14 the warp's (smid | split + 1 << 8 | nblocks << 24 | window CTA << 40), word 15 its CTA column.
 // A mark's "dep" operand makes it wait for that value (an asm input), so that a mark after a load is taken after
 // the load has landed.
 #ifdef OSCAR_HISTORY_TRACE
@@ -182,21 +142,21 @@ __device__ __forceinline__ void trace_mark(int mark, uint32_t dep) {
     g_trace[idx + 2 * mark + 1] = c;
   }
 }
-__device__ __forceinline__ void trace_meta(int split, int nblocks, int window, int col) {
+__device__ __forceinline__ void trace_meta(int split, int nblocks, int window) {
   uint32_t smid;
   asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
   const unsigned idx = trace_slot();
   if ((threadIdx.x & 31) == 0 && idx < kTraceWarps * kTraceWords) {
     g_trace[idx + 14] = (unsigned long long)smid | ((unsigned long long)(split + 1) << 8) |
                         ((unsigned long long)nblocks << 24) | ((unsigned long long)window << 40);
-    g_trace[idx + 15] = col;
+    g_trace[idx + 15] = blockIdx.x;
   }
 }
 #define TRACE_MARK(mark, dep) trace_mark(mark, (uint32_t)(dep))
-#define TRACE_META(split, nblocks, window, col) trace_meta(split, nblocks, window, col)
+#define TRACE_META(split, nblocks, window) trace_meta(split, nblocks, window)
 #else
 #define TRACE_MARK(mark, dep) ((void)0)
-#define TRACE_META(split, nblocks, window, col) ((void)0)
+#define TRACE_META(split, nblocks, window) ((void)0)
 #endif
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int n) {
@@ -296,12 +256,11 @@ struct Args {
   // the merge in this kernel (fused_merge): the last CTA of a column to finish merges the column's partials
   void* out;                // [B, Hq, 128], dtype code out_dtype (as q_dtype)
   int out_dtype;
-  int* counters;            // [>= grid_x] zero between calls: CTAs of a column done (the last one resets it)
+  int* counters;            // [>= gridDim.x] zero between calls: CTAs of a column done (the last one resets it)
   int fused_merge;
   // the window folded into the history CTAs (no window CTAs): warp 0 of split i < fold_tiles reads window tile i
   // first (window_tile_*), see int2_history_kernel
   int fold_tiles;
-  int grid_x, grid_y;  // the grid of CTAs (columns x rows: history splits and window CTAs), kPack per launched CTA
 };
 
 // record of (pool slot s, KV head h): kernels/records.py pool_record (pages of 2^page_log2 slots; pmask = page - 1,
@@ -358,7 +317,7 @@ __device__ __forceinline__ float2 q_pair(const Args& a, const uint4& v, int k, b
 template <int HC>
 __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so, const float* sml, int nwarps, int nh,
                                                   int hq_base, int split, const float* xo = nullptr) {
-  for (int e = cta_tid(); e < HC * 128; e += cta_threads()) {
+  for (int e = threadIdx.x; e < HC * 128; e += blockDim.x) {
     const int hl = e >> 7, d = e & 127;
     if (hl >= nh) continue;
     float M = -1e30f;
@@ -387,22 +346,21 @@ __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so
 // split order (the same bits whichever CTA is last), writes out and resets the counter for the next call.
 template <int HC>
 __device__ __forceinline__ void merge_column(const Args& a, uint8_t* smem, int col, int hq_base, int nh) {
-  __shared__ int last_of[kPack];
-  int& last = last_of[cta_half()];
+  __shared__ int last;
   __threadfence();
-  cta_sync();
-  if (cta_tid() == 0) {
-    last = atomicAdd(a.counters + col, 1) == a.grid_y - 1;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(a.counters + col, 1) == (int)gridDim.y - 1;
     if (last) a.counters[col] = 0;  // every other CTA of the column has counted: no one touches it until the next call
   }
-  cta_sync();
+  __syncthreads();
   if (!last) return;
   __threadfence();
   // the weights 2^(lse_s - M) / L of each head's partials into shared memory (one warp per head, lanes striding
   // over the splits), then every output reads its partials with independent loads
-  const int n = a.ns_total, lane = threadIdx.x & 31, warp = cta_tid() >> 5;
+  const int n = a.ns_total, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float* sw = reinterpret_cast<float*>(smem);  // [HC][n]; the CTA's own merge is done with this memory
-  for (int hw = warp; hw < nh; hw += cta_nwarps()) {  // head hw (CTAs of fewer than 4 warps loop)
+  for (int hw = warp; hw < nh; hw += (int)(blockDim.x >> 5)) {  // head hw (CTAs of fewer than 4 warps loop)
     const float* lse = a.lse_part + (size_t)(hq_base + hw) * n;
     float M = -INFINITY;
     for (int s = lane; s < n; s += 32) {
@@ -421,8 +379,8 @@ __device__ __forceinline__ void merge_column(const Args& a, uint8_t* smem, int c
     const float inv = L > 0.f ? 1.f / L : 0.f;
     for (int s = lane; s < n; s += 32) sw[hw * n + s] = M != -INFINITY ? ex2(sw[hw * n + s] - M) * inv : 0.f;
   }
-  cta_sync();
-  for (int e = cta_tid(); e < HC * 128; e += cta_threads()) {
+  __syncthreads();
+  for (int e = threadIdx.x; e < HC * 128; e += blockDim.x) {
     const int hl = e >> 7, d = e & 127;
     if (hl >= nh) continue;
     const size_t row = (size_t)hq_base + hl;
@@ -657,9 +615,8 @@ __device__ __forceinline__ void window_park(float* ow, float* ml, const float (&
 // Columns 4..7 repeat heads 0..3 (as in the history loop); lanes t < 2 own the stored ones. Scores, p and the
 // running max are in log2 units (c0 = sm_scale log2 e), as in the history warps, so the CTA merges both alike.
 template <int HC>
-__device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int col, int j, int b, int h, int hq_base,
-                                           int nh) {
-  const int lane = threadIdx.x & 31, warp = cta_tid() >> 5, nwarps = cta_nwarps();
+__device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, int b, int h, int hq_base, int nh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const bool is_sink = j < a.nwin_sink;
   // q's elements of this lane (16-bit q: dims 32jj + 8t .. + 7 of column g's head, one 16-byte load per jj), issued
@@ -692,37 +649,29 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int col
     window_compute(w, row, st, sts, qw, o, m0, m1, l0, l1);
   }
   // park O, m, l for the CTA merge (the tiles above are dead once every warp is past this barrier)
-  cta_sync();
+  __syncthreads();
   float* so = reinterpret_cast<float*>(smem);
   float* sml = so + nwarps * HC * 128;
   window_park<HC>(so + warp * HC * 128, sml + warp * HC * 2, o, m0, m1, l0, l1);
-  cta_sync();
-  const int ns_hist = a.grid_y - a.nwin_sink - a.nwin_ring;
+  __syncthreads();
+  const int ns_hist = gridDim.y - a.nwin_sink - a.nwin_ring;
   store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, ns_hist + j);
-  if (a.fused_merge) merge_column<HC>(a, smem, col, hq_base, nh);
+  if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
 
 template <int NSTAGE, int HC>
-__global__ void __launch_bounds__(256 * kPack) int2_history_kernel(Args a) {
-  extern __shared__ __align__(16) uint8_t smem_all[];
-  const int lane = threadIdx.x & 31, nwarps = cta_nwarps(), warp = cta_tid() >> 5;
+__global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3, gsel = t >> 1;
   TRACE_MARK(kMarkEntry, 0);
-  // this CTA of the grid: column cx, row cy (the launched CTA's half; kPack, above), with its own shared memory
-  if (cta_index() >= a.grid_x * a.grid_y) return;  // the spare half of the last launched CTA (its barrier is its own)
-  const int cy = cta_index() / a.grid_x, cx = cta_index() - cy * a.grid_x;
-  // the CTA's shared memory, recomputed where used (cta_half)
-  auto cta_smem_base = [&]() -> uint8_t* {
-    return kPack == 1 ? smem_all : smem_all + cta_half() * cta_smem(NSTAGE, nwarps, a.fold_tiles > 0);
-  };
-  uint8_t* const smem = cta_smem_base();
-  const int bh = cx / a.hgroups, hg = cx - bh * a.hgroups, b = bh / a.hkv, h = bh - b * a.hkv;
+  const int bh = blockIdx.x / a.hgroups, hg = blockIdx.x - bh * a.hgroups, b = bh / a.hkv, h = bh - b * a.hkv;
   const int hq_base = b * a.hkv * a.gqa + h * a.gqa + hg * HC;  // query head of local head 0 of this group
   const int nh = min(HC, a.gqa - hg * HC);                        // valid local heads of this group
-  const int nwin = a.nwin_sink + a.nwin_ring, ns_hist = a.grid_y - nwin;
+  const int nwin = a.nwin_sink + a.nwin_ring, ns_hist = (int)gridDim.y - nwin;
   // this CTA's history split (< 0: window CTA wj)
-  const int split = a.win_last ? (cy < ns_hist ? cy : -1) : cy - nwin;
-  const int wj = a.win_last ? cy - ns_hist : cy;
+  const int split = a.win_last ? ((int)blockIdx.y < ns_hist ? (int)blockIdx.y : -1) : (int)blockIdx.y - nwin;
+  const int wj = a.win_last ? (int)blockIdx.y - ns_hist : (int)blockIdx.y;
   const int widx = split * nwarps + warp;
   const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem) + warp * NSTAGE * kStageBytes;
   const uint8_t* wbase = smem + warp * NSTAGE * kStageBytes;
@@ -733,9 +682,9 @@ __global__ void __launch_bounds__(256 * kPack) int2_history_kernel(Args a) {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the window programs / merge may launch now
 #endif
   if (split < 0) {  // uniform per CTA
-    window_cta<HC>(a, smem, cx, wj, b, h, hq_base, nh);
+    window_cta<HC>(a, smem, wj, b, h, hq_base, nh);
     TRACE_MARK(kMarkEnd, 0);
-    TRACE_META(-1, 0, 1, cx);
+    TRACE_META(-1, 0, 1);
     return;
   }
 
@@ -1139,9 +1088,8 @@ __global__ void __launch_bounds__(256 * kPack) int2_history_kernel(Args a) {
   }
   // The CTA's merge (store_cta_partial). Each warp parks its unnormalised O = c.2^(24-2p) + lv (HC heads x 128
   // dims), m and l in shared memory (the pipeline stages are free now).
-  cta_sync();  // every warp is past its last stage read
-  uint8_t* const cbase = cta_smem_base();
-  float* so = reinterpret_cast<float*>(cbase);  // [nwarps][HC heads][128]
+  __syncthreads();  // every warp is past its last stage read
+  float* so = reinterpret_cast<float*>(smem);  // [nwarps][HC heads][128]
   float* sml = so + nwarps * HC * 128;         // [nwarps][HC heads] (m, l)
   float* ow = so + warp * HC * 128;
   // m-tile mt's rows g, g + 8 are dims d0, d0 + 1 (the V codes' plane p = mt / 2)
@@ -1172,22 +1120,22 @@ __global__ void __launch_bounds__(256 * kPack) int2_history_kernel(Args a) {
     float* ml = sml + (warp * HC + head0) * 2;
     ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
   }
-  cta_sync();
+  __syncthreads();
   if (after_write) grid_dependency_wait();  // this grid ends after the write (long done by now)
   // a folded CTA's warp 0 parked its window tile's entry in wbuf
   store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, split,
-                        fold_cta ? reinterpret_cast<const float*>(cbase + nwarps * NSTAGE * kStageBytes) : nullptr);
+                        fold_cta ? reinterpret_cast<const float*>(wbuf) : nullptr);
   TRACE_MARK(kMarkEnd, 0);
-  TRACE_META(split, nblocks, 0, cta_index() % a.grid_x);
-  if (a.fused_merge) merge_column<HC>(a, cbase, cta_index() % a.grid_x, hq_base, nh);
+  TRACE_META(split, nblocks, 0);
+  if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
 
 template <int NSTAGE, int HC>
-int launch(const Args& a, int warps, int pdl, cudaStream_t stream) {
+int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((a.grid_x * a.grid_y + kPack - 1) / kPack);  // the grid's CTAs in order, kPack per launch
-  cfg.blockDim = dim3(warps * 32 * kPack);
-  cfg.dynamicSmemBytes = kPack * cta_smem(NSTAGE, warps, a.fold_tiles > 0);
+  cfg.gridDim = dim3(bh, grid_y);
+  cfg.blockDim = dim3(warps * 32);
+  cfg.dynamicSmemBytes = cta_smem(NSTAGE, warps, a.fold_tiles > 0);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the window programs run
@@ -1202,15 +1150,15 @@ int prepare(int) {  // the dynamic shared-memory limit, once, before any graph c
   // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
   // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
   return (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   kPack * cta_smem(NSTAGE, 8, true));
+                                   cta_smem(NSTAGE, 8, true));
 }
 
 template <int NSTAGE, int HC>
-int occupancy(int warps) {  // the grid's CTAs resident per SM (kPack per launched CTA)
+int occupancy(int warps) {
   int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC>, warps * 32 * kPack,
-                                                kPack * warps * warp_smem(NSTAGE));
-  return n * kPack;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC>, warps * 32,
+                                                warps * warp_smem(NSTAGE));
+  return n;
 }
 
 }  // namespace
@@ -1247,9 +1195,8 @@ int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg1
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
          grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, hgroups, kg128, vg128,
          (const __nv_bfloat16*)sk, (const __nv_bfloat16*)sv, (const __nv_bfloat16*)rk, (const __nv_bfloat16*)rv,
-         sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge, fold_tiles,
-         bh * hgroups, grid_y + nwin_sink + nwin_ring};
-  DISPATCH(nstage, hc, launch, a, warps, pdl, (cudaStream_t)stream)
+         sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge, fold_tiles};
+  DISPATCH(nstage, hc, launch, a, bh * hgroups, warps, grid_y + nwin_sink + nwin_ring, pdl, (cudaStream_t)stream)
 }
 
 #ifdef OSCAR_HISTORY_TRACE
