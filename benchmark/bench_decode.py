@@ -472,13 +472,16 @@ def plot(res, path):
     models = sorted({r["model"] for r in rows})
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(len(models), len(batches), figsize=(4 * len(batches), 3.5 * len(models)), squeeze=False)
+    impls = sorted({r["impl"] for r in rows})
+    # one colour per impl across panels (a panel without some impl, e.g. no CUDA history at D 64, keeps the others')
+    colour = {impl: f"C{k % 10}" for k, impl in enumerate(impls)}
     for i, m in enumerate(models):
         for j, b in enumerate(batches):
             ax = axes[i][j]
-            for impl in sorted({r["impl"] for r in rows}):
+            for impl in impls:
                 pts = sorted((r["context"], r["ms"]) for r in rows if r["model"] == m and r["batch"] == b and r["impl"] == impl)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl, color=colour[impl])
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{m}, batch {b}")
