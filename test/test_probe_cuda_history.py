@@ -477,16 +477,22 @@ def test_cuda_history_refuses_pools_past_32bit_records():
                             ns_total=1, o_part=None, lse_part=None)
 
 
-def test_history_defines_from_the_environment(monkeypatch):
+def test_history_defines_from_the_environment(monkeypatch, caplog):
     """$SGLANG_OSCAR_HISTORY_DEFINES (a variant of the kernel for the GPU tests, e.g. OSCAR_IMMA_K=0): read as
-    OSCAR_<NAME>=<integer> macros; anything else is refused with the form expected, before any build."""
+    OSCAR_<NAME>=<integer> macros, and a variant is logged as a warning; anything else is refused with the form
+    expected, before any build."""
     from sglang_oscar.kernels import history_cuda
 
     monkeypatch.delenv("SGLANG_OSCAR_HISTORY_DEFINES", raising=False)
-    assert history_cuda.env_defines() == ()
+    with caplog.at_level("WARNING"):
+        assert history_cuda.env_defines() == ()
+    assert not caplog.records
     monkeypatch.setenv("SGLANG_OSCAR_HISTORY_DEFINES", " OSCAR_TOK=64  OSCAR_IMMA_K=0 ")
-    assert history_cuda.env_defines() == ("OSCAR_TOK=64", "OSCAR_IMMA_K=0")
-    for bad in ("OSCAR_CTA_PACK", "CTA_PACK=2", "OSCAR_CTA_PACK=two", "OSCAR_X=1;rm", "-DOSCAR_CTA_PACK=2"):
+    with caplog.at_level("WARNING"):
+        assert history_cuda.env_defines() == ("OSCAR_TOK=64", "OSCAR_IMMA_K=0")
+    assert "not as shipped" in caplog.text and "OSCAR_TOK=64 OSCAR_IMMA_K=0" in caplog.text
+    for bad in ("OSCAR_CTA_PACK", "CTA_PACK=2", "OSCAR_CTA_PACK=two", "OSCAR_X=1;rm", "-DOSCAR_CTA_PACK=2",
+                "OSCAR_TOK=\u00b2"):
         monkeypatch.setenv("SGLANG_OSCAR_HISTORY_DEFINES", bad)
         with pytest.raises(ValueError, match="OSCAR_<NAME>=<integer>"):
             history_cuda.env_defines()

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -155,13 +157,17 @@ def build(defines: tuple = (), source: Optional[str] = None) -> str:
 
 
 def env_defines() -> tuple:
-    """The kernel macros of $SGLANG_OSCAR_HISTORY_DEFINES (module docstring), checked for the NAME=VALUE form."""
+    """The kernel macros of $SGLANG_OSCAR_HISTORY_DEFINES (module docstring), checked for the NAME=VALUE form; a
+    non-empty set is logged as a warning, since it builds a kernel other than the shipped one."""
     defines = tuple(os.environ.get("SGLANG_OSCAR_HISTORY_DEFINES", "").split())
     for d in defines:
-        name, eq, value = d.partition("=")
-        if not (name.startswith("OSCAR_") and name.replace("_", "").isalnum() and eq and value.isdigit()):
+        if not re.fullmatch(r"OSCAR_[A-Z0-9_]+=[0-9]+", d):
             raise ValueError(f"SGLANG_OSCAR_HISTORY_DEFINES: {d!r} is not OSCAR_<NAME>=<integer> (e.g. "
                              f"OSCAR_IMMA_K=0)")
+    if defines:
+        logging.getLogger(__name__).warning(
+            "SGLANG_OSCAR_HISTORY_DEFINES=%s: the CUDA history kernel is built with these experiment macros, not as "
+            "shipped (unset it for the shipped kernel)", " ".join(defines))
     return defines
 
 
