@@ -30,9 +30,10 @@ from bench_write import device_tag, git_commit, write_json  # noqa: E402  (bench
 from read_roofline import read_fns  # noqa: E402
 
 # layer shapes per GPU (q heads, KV heads, head_dim); the default table runs the first two. qwen3-32b: GQA 8
-# (the unfolded kernel, NP = 8); qwen3-14b: GQA 5; glm-4.7-tp8: 96 q / 8 KV heads split over 8 GPUs, GQA 12 (NP = 16)
+# (the unfolded kernel, NP = 8); qwen3-14b: GQA 5; glm-4.7-tp8 / -tp4: 96 q / 8 KV heads split over 8 / 4 GPUs, GQA 12
+# (NP = 16)
 MODELS = {"qwen3-8b": (32, 8, 128), "smollm2": (9, 3, 64), "qwen3-32b": (64, 8, 128), "glm-4.7-tp8": (12, 1, 128),
-          "qwen3-14b": (40, 8, 128)}
+          "glm-4.7-tp4": (24, 2, 128), "qwen3-14b": (40, 8, 128)}
 SINK, WINDOW, GK, GV = 64, 256, 64, 64
 L2_BYTES = 50 * 2**20
 MEM_CAP = 24 * 2**30  # per implementation's KV buffers
