@@ -659,11 +659,15 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
 
-template <int NSTAGE, int HC>
+// G64: K and V groups of 64 known at compile time (the default format, launch picks this instance), so that the block's
+// params copies and the tile's group selects are not issued both ways under a runtime flag (Args.kg128 / vg128 read
+// only where G64 is false)
+template <int NSTAGE, int HC, bool G64>
 __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3, gsel = t >> 1;
+  const bool kg128 = !G64 && a.kg128, vg128 = !G64 && a.vg128;
   TRACE_MARK(kMarkEntry, 0);
   const int bh = blockIdx.x / a.hgroups, hg = blockIdx.x - bh * a.hgroups, b = bh / a.hkv, h = bh - b * a.hkv;
   const int hq_base = b * a.hkv * a.gqa + h * a.gqa + hg * HC;  // query head of local head 0 of this group
@@ -755,9 +759,9 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         const int tok = lane + 32 * k;
         const bool in = tok < rem;
         const uint32_t r = k ? r1 : r0;
-        if (a.kg128) cp_async4(st + kKpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.kp) + r, in ? 4 : 0);
+        if (kg128) cp_async4(st + kKpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.kp) + r, in ? 4 : 0);
         else cp_async8(st + kKpOff + tok * 8, a.kp + r, in ? 8 : 0);
-        if (a.vg128) cp_async4(st + kVpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.vp) + r, in ? 4 : 0);
+        if (vg128) cp_async4(st + kVpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.vp) + r, in ? 4 : 0);
         else cp_async8(st + kVpOff + tok * 8, a.vp + r, in ? 8 : 0);
       }
     }
@@ -990,7 +994,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
 #endif
       const uint2* kps = reinterpret_cast<const uint2*>(st + kKpOff) + j * 16;
       const uint2 pr0 = kps[sg], pr1 = kps[sg + 8];
-      const uint32_t py0 = a.kg128 ? pr0.x : pr0.y, py1 = a.kg128 ? pr1.x : pr1.y;  // dims 64..127's pair
+      const uint32_t py0 = kg128 ? pr0.x : pr0.y, py1 = kg128 ? pr1.x : pr1.y;  // dims 64..127's pair
 #if OSCAR_IMMA_K
       const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, mn1a = bf_hi(py0);
       const float sc0b = bf_lo(pr1.x) * iS0, mn0b = bf_hi(pr1.x), sc1b = bf_lo(py1) * iS1, mn1b = bf_hi(py1);
@@ -1032,7 +1036,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       uint32_t b0, b1, c0, c1;  // the V dot's B operands: m-tiles 0..3 (V group 0) take b, 4..7 (group 1) c
       if (HC == 4) {
         // columns 0..3 carry p.scale of V group 0, columns 4..7 of group 1: one operand pair serves both groups
-        const int vsel = a.vg128 ? 0 : gsel;  // this lane's V group pair
+        const int vsel = vg128 ? 0 : gsel;  // this lane's V group pair
         const uint32_t vr0 = vps[sg * 2 + vsel], vr1 = vps[(sg + 8) * 2 + vsel];
         const float vsa = bf_lo(vr0), vma = bf_hi(vr0), vsb = bf_lo(vr1), vmb = bf_hi(vr1);
         lv0 = fmaf(p0, vma, fmaf(p2, vmb, lv0));
@@ -1043,7 +1047,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         // eight heads in eight columns: p.scale of group 0 for m-tiles 0..3, of group 1 for 4..7 (the same word
         // at G = 128)
         const uint32_t va0 = vps[sg * 2], vb0 = vps[(sg + 8) * 2];
-        const uint32_t va1 = a.vg128 ? va0 : vps[sg * 2 + 1], vb1 = a.vg128 ? vb0 : vps[(sg + 8) * 2 + 1];
+        const uint32_t va1 = vg128 ? va0 : vps[sg * 2 + 1], vb1 = vg128 ? vb0 : vps[(sg + 8) * 2 + 1];
         lv0 = fmaf(p0, bf_hi(va0), fmaf(p2, bf_hi(vb0), lv0));
         lv1 = fmaf(p1, bf_hi(va0), fmaf(p3, bf_hi(vb0), lv1));
         lw0 = fmaf(p0, bf_hi(va1), fmaf(p2, bf_hi(vb1), lw0));
@@ -1142,23 +1146,28 @@ int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t s
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, int2_history_kernel<NSTAGE, HC>, a);
+  return (int)cudaLaunchKernelEx(&cfg, a.kg128 || a.vg128 ? int2_history_kernel<NSTAGE, HC, false>
+                                                           : int2_history_kernel<NSTAGE, HC, true>, a);
 }
 
 template <int NSTAGE, int HC>
 int prepare(int) {  // the dynamic shared-memory limit, once, before any graph capture
   // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
   // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
-  return (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   cta_smem(NSTAGE, 8, true));
+  const int rc = (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, true>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, cta_smem(NSTAGE, 8, true));
+  return rc ? rc : (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, false>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, cta_smem(NSTAGE, 8, true));
 }
 
 template <int NSTAGE, int HC>
-int occupancy(int warps) {
-  int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC>, warps * 32,
+int occupancy(int warps) {  // the fewer of the two group instances' (both 128 registers: test_cuda_history_sass.py)
+  int n = 0, n128 = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC, true>, warps * 32,
                                                 warps * warp_smem(NSTAGE));
-  return n;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n128, int2_history_kernel<NSTAGE, HC, false>, warps * 32,
+                                                warps * warp_smem(NSTAGE));
+  return n < n128 ? n : n128;
 }
 
 }  // namespace
