@@ -807,15 +807,17 @@ def test_cuda_history_rejects_what_it_does_not_cover():
 
     assert os.path.exists(history_cuda.SOURCE)  # shipped as package data (pyproject.toml)
     case = make_case([40, 30], hkv=2, gqa=2, d=64, device="cpu")
-    with pytest.raises(ValueError, match="history_kernel='cuda' covers head_dim 128, GQA 1-8, K/V groups 64 or 128"):
+    with pytest.raises(ValueError, match="history_kernel='cuda' covers head_dim 128, GQA 1-16, K/V groups 64 or 128"):
         oscar_decode(**case, history_kernel="cuda")
     case = make_case([40, 30], hkv=2, gqa=4, d=128, gk=64, gv=32, device="cpu")
     with pytest.raises(ValueError, match="this call has head_dim 128, GQA 4, groups 64/32"):
         oscar_decode(**case, history_kernel="cuda")
-    for gqa in (9, 12):  # GLM-4.7 at TP8 (12): Triton only (above the 8-head tile)
-        case = make_case([40, 30], hkv=1, gqa=gqa, d=128, device="cpu")
-        with pytest.raises(ValueError, match=f"this call has head_dim 128, GQA {gqa}"):
-            oscar_decode(**case, history_kernel="cuda")
+    for gqa in (17, 20):  # above head groups of 8 x 2 (GLM-4.7's 12 is covered: 8 + 4); oscar_decode refuses
+        with pytest.raises(ValueError, match=f"this call has head_dim 128, GQA {gqa}"):  # these before, for both
+            history_cuda.check_supported(128, gqa, 64, 64, False, "cpu")
+    case = make_case([40, 30], hkv=1, gqa=12, d=128, device="cpu", dtype=torch.bfloat16)  # GLM-4.7 TP8: covered
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        oscar_decode(**case, history_kernel="cuda")
     case = make_case([40, 30], hkv=1, gqa=8, d=128, device="cpu", dtype=torch.bfloat16)  # Qwen3-32B: covered
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         oscar_decode(**case, history_kernel="cuda")
@@ -1042,11 +1044,30 @@ def test_cuda_chained_split_count(monkeypatch):
     assert history_cuda.split_count(1, 1, 4, 1 << 20, 4, 3) == 7  # 8 slots, 1 column: 7
 
 
+def test_cuda_split_floor_fills_the_sms(monkeypatch):
+    """history_cuda.default_num_splits: >= MIN_ROWS_PER_SPLIT (256) rows per warp, unless that leaves SMs without a
+    CTA; then up to one CTA per SM, down to MIN_ROWS_TO_FILL (32) rows per warp. GLM-4.7 at TP8 (1 KV head, GQA 12:
+    2 head-group columns) at batch 1 on 132 SMs: 66 splits at 32k (the 256-row floor gave 16: 32 CTAs) and at 64k /
+    128k; Qwen3-8B (8 columns): 17 at 8k (was 4) and 32k (was 16), 32 at 64k (the 256-row floor, > 17); batch 8 (64
+    columns, 3 wanted per column): 4 at 8k (the 256-row floor); a context too short for one block per warp keeps
+    what the rows allow (1 split per 256 rows)."""
+    from sglang_oscar.kernels import history_cuda
+
+    monkeypatch.setattr(history_cuda, "occupancy", lambda stages=None, warps=None, heads=4: 2)
+    glm = [history_cuda.default_num_splits(1, 12, ctx, 132, 0) for ctx in (1 << 15, 1 << 16, 1 << 17)]
+    assert glm == [66, 66, 66]
+    qwen = [history_cuda.default_num_splits(8, 4, ctx, 132, 0) for ctx in (1 << 13, 1 << 15, 1 << 16)]
+    assert qwen == [17, 17, 32]
+    assert history_cuda.default_num_splits(64, 4, 1 << 13, 132, 0) == 4
+    assert history_cuda.default_num_splits(8, 4, 1024, 132, 0) == 4  # 1024 // (32 x 8): one block per warp
+    assert history_cuda.default_num_splits(8, 4, 100, 132, 0) == 1
+
+
 def test_cuda_window_fold_plan(monkeypatch):
     """history_cuda.plan: with FOLD_WINDOW the split count of a grid without window CTAs, folded where it has a split
     per window tile (fold_tiles: ceil(S / 16) + ceil(W / 16)); else split_count with the window CTAs. Qwen3-8B on 132
     SMs x 2 CTAs: batch 1 at 64k folds into 32 splits (rows cap), at 128k into one whole round (33, no slot kept for a
-    sink CTA), chained at 32k-64k into (264 - 24 write programs) / 8 = 30; batch 1 at 32k (16 splits by the rows cap)
+    sink CTA), chained at 32k-64k into (264 - 24 write programs) / 8 = 30; batch 1 at 32k (17 splits: one CTA per SM)
     and batch 2 (16) keep the window CTAs."""
     from sglang_oscar.kernels import history_cuda
 
@@ -1058,9 +1079,9 @@ def test_cuda_window_fold_plan(monkeypatch):
     assert history_cuda.plan(1, 8, 4, 1 << 17, 132, 64, 256) == (33, True)
     assert history_cuda.plan(1, 8, 4, 1 << 16, 132, 64, 256, chained_write_programs=24) == (30, True)
     assert history_cuda.plan(1, 8, 4, 1 << 17, 132, 64, 256, chained_write_programs=24) == (33, True)
-    assert history_cuda.plan(1, 8, 4, 1 << 15, 132, 64, 256) == (16, False)
+    assert history_cuda.plan(1, 8, 4, 1 << 15, 132, 64, 256) == (17, False)  # one CTA per SM (test_cuda_split_floor)
     assert history_cuda.plan(2, 8, 4, 1 << 17, 132, 64, 256) == (16, False)
-    assert history_cuda.plan(1, 8, 4, 1 << 15, 132, 5, 40) == (16, True)  # 4 window tiles
+    assert history_cuda.plan(1, 8, 4, 1 << 15, 132, 5, 40) == (17, True)  # 4 window tiles
     monkeypatch.setattr(history_cuda, "FOLD_WINDOW", False)
     assert history_cuda.plan(1, 8, 4, 1 << 17, 132, 64, 256) == (32, False)  # the sink CTA's slot kept
     assert history_cuda.plan(1, 8, 4, 1 << 16, 132, 64, 256, chained_write_programs=24) == (27, False)
@@ -1306,12 +1327,11 @@ def test_cuda_history_split_counts_pdl_and_index_dtypes(config, monkeypatch):
 def test_cuda_history_gqa_head_groups(gqa, wide, monkeypatch):
     """GQA != 4: spare columns of a CTA store nothing. GQA 5-8 in one column of 8 heads (the 8-head tile:
     Qwen3-14B / 32B, MiniMax-M2); with WIDE_TILE off in head groups of 4 (the earlier way, kept for experiments);
-    above 8 (refused by default, MAX_GQA = 8) head groups of 8 (12 = 8 + 4 with spare columns, 16 = 8 + 8). The
+    above 8 head groups of 8 (12 = 8 + 4 with spare columns: GLM-4.x; 16 = 8 + 8). The
     output is poisoned with NaN before the call, so a missing or misplaced head fails the check; the 8-head tile
     also agrees with the head groups of 4 to within the rounding of their different sums."""
     from sglang_oscar.kernels import history_cuda
 
-    monkeypatch.setattr(history_cuda, "MAX_GQA", 16)
     monkeypatch.setattr(history_cuda, "WIDE_TILE", wide)
     for gk, gv in ((64, 64), (128, 64), (64, 128)):
         case = make_case([3001, 1200, 90], hkv=2, gqa=gqa, d=128, gk=gk, gv=gv, sink=64, window=256,

@@ -1094,7 +1094,7 @@ def oscar_decode(
     is a multiple of 32 and peel_tail / lazy_rescale are off; then maxnreg defaults to FOLD_MAXNREG on the GPU).
     merge_splits: programs per query head in the merge, each merging D / merge_splits output dims (a power of
     two, D / merge_splits >= MERGE_MIN_DIMS; None: default_merge_splits).
-    history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128, GQA 1-8, groups 64/128,
+    history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128, GQA 1-16, groups 64/128,
     uniform levels, BF16 window rows; one split per CTA of 8 warps, num_splits None: its own rule; the sink and
     ring rows in the same kernel's window CTAs, history_cuda.window_ctas, so ring_splits / sink_splits do not apply;
     with history_cuda.FUSED_MERGE the merge too, and merge_splits does not apply). An unsupported shape raises

@@ -7,7 +7,7 @@ the Triton merge (PDL; FUSED_MERGE: the last CTA of each (request, KV head) merg
 a served decode step it is itself the PDL dependent of the step's KV write (oscar_decode follows_write;
 PDL_AFTER_WRITE / PDL_AFTER_WRITE_Q below): its history CTAs stream while the write runs. It
 covers the shape family it was written and measured for: D 128, K and V groups of 64 or 128, uniform INT2 levels,
-GQA 1-8 (Qwen3-4B / 8B / 14B / 32B, Llama-3-8B), BF16 sink / ring rows. Anything else raises with the reason
+GQA 1-16 (Qwen3-4B / 8B / 14B / 32B, Llama-3-8B, MiniMax-M2; GLM-4.x's 12 in head groups), BF16 sink / ring rows. Anything else raises with the reason
 instead of falling back. It pays on a pool in pages (kernels/records.py): on H100, page 64, 78-93% of copy
 bandwidth at 64k / 128k batch >= 8 for Qwen3-8B / 14B / 32B shapes, against 56-68% for the Triton path
 (benchmark/NOTES.md).
@@ -40,15 +40,23 @@ HEAD_DIM, GROUPS = 128, (64, 128)  # K and V groups, each either
 # Query heads per KV head. A CTA column holds 4 query heads (GQA <= 4) or, with WIDE_TILE, 8 (GQA 5-8: one head
 # per column of the warp's tile, the same MMA count per token; kernels/cuda/int2_history.cu "HC"). A KV head with
 # more query heads than a column holds is read by several CTA columns (head groups): GQA 5-8 that way (WIDE_TILE
-# off) measured slower than the Triton path on H100 (Qwen3-32B: 0.86-0.95x, results/decode_cuda_history_gqa8_*),
-# and GQA > 8 (GLM-4.7 at TP8: 12) is refused; both module attributes, for experiments.
-MAX_GQA = 8
+# off) measured slower than the Triton path on H100 (Qwen3-32B: 0.86-0.95x, results/decode_cuda_history_gqa8_*).
+# GQA 9-16 (GLM-4.x: 96 q / 8 KV heads, 12 per KV head at any TP) runs in head groups of 8 (12 = 8 + 4 with spare
+# columns): on H200 (results/decode_kernel_glm_*) 1.05-1.12x the Triton path's speed at batch >= 8, and with the
+# split floor below (MIN_ROWS_TO_FILL) at batch 1 too except at 32k (~0.9x); refused on H100 before that floor
+# (0.86-0.99x at batch >= 8 in 2026-11-27's kernel). Both module attributes, for experiments.
+MAX_GQA = 16
 WIDE_TILE = True
 # Per CTA. 8 warps x 2 stages: 0.96-1.00x the time of 4 x 2 at Qwen3-8B 32k-128k batch 1 / 8 in one H100 run
 # (3 x 4 and 4 x 4 slower: 1.02-1.16x; results/probe_decode_fixed_cost_cuda_configs_*), and half the partials.
 # Module attributes, so that benchmarks can time others (probe_decode_fixed_cost.py --cuda-configs).
 WARPS, STAGES = 8, 2
 MIN_ROWS_PER_SPLIT = 256
+# ...unless that leaves SMs without a CTA: then up to one CTA per SM, down to MIN_ROWS_TO_FILL rows per warp (one
+# 32-token block). Why: with few CTA columns (GLM-4.7 at TP8 / TP4: 1 / 2 KV heads in head groups of 8, 2 / 4
+# columns at batch 1) the 256-row floor gave 16 splits at 32k, 32 / 64 CTAs on 132 SMs; an H200 sweep
+# (results/probe_split_count_glm-4.7-*_c53b907_*) had 64 splits 0.80x / 0.84x the time at 32k / 64k (TP8).
+MIN_ROWS_TO_FILL = 32
 # The BF16 sink and ring rows in the kernel's own CTAs (16 positions per warp; partials in the Triton window
 # programs' layout) instead of the Triton window programs launched after it. A module attribute, so that
 # benchmarks time both in one run (probe_decode_fixed_cost.py --cuda-windows).
@@ -255,13 +263,15 @@ def folds(num_splits: int, sink: int, window: int) -> bool:
 
 def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, window_partials: int = 8) -> int:
     """History splits (CTAs) per CTA column (kv_heads = requests x KV heads): one round of resident CTAs,
-    >= MIN_ROWS_PER_SPLIT rows per warp, at most MAX_PARTIALS - window_partials (the merge holds a head's
+    >= MIN_ROWS_PER_SPLIT rows per warp unless fewer fill the SMs once (MIN_ROWS_TO_FILL), at most MAX_PARTIALS - window_partials (the merge holds a head's
     partials, windows included, in one tile). The window CTAs are not counted in the round: they end within a
     few microseconds. Shapes only (max_context = req_to_token's width), so CUDA-graph capturable."""
     ctas = occupancy(heads=cta_heads(gqa))
-    want = max(1, (num_sms * ctas) // max(cta_columns(kv_heads, gqa), 1))
+    cols = max(cta_columns(kv_heads, gqa), 1)
+    want = max(1, (num_sms * ctas) // cols)
     rows = max(max_context, 1) // (MIN_ROWS_PER_SPLIT * WARPS)
-    return max(1, min(want, rows, MAX_PARTIALS - window_partials))
+    fill = min(-(-num_sms // cols), max(max_context, 1) // (MIN_ROWS_TO_FILL * WARPS))  # one CTA per SM, if rows allow
+    return max(1, min(want, max(rows, fill), MAX_PARTIALS - window_partials))
 
 
 # chained_num_splits for req_to_token widths (the longest context a call can have; in a server its context length)

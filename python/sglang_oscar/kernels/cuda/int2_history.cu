@@ -8,9 +8,9 @@
 // history loop"; the probe benchmark/cuda/int2_history_probe.cu is the experiment it grew from).
 //
 // Shapes: D 128, K and V groups of 64 or 128 each (a 128 group has one (scale, min) pair per row: it is copied
-// into the first half of the 8-byte stage slot and serves both 64-dim halves), uniform levels, GQA 1-8
-// (history_cuda.py; more runs as head groups, an experiment knob). A warp's tile has 8 columns; HC (template) is the
-// number of query heads per CTA column:
+// into the first half of the 8-byte stage slot and serves both 64-dim halves), uniform levels, GQA 1-8 per CTA
+// column (history_cuda.py; GQA 9-16, GLM-4.x's 12, as head groups of 8). A warp's tile has 8 columns; HC (template)
+// is the number of query heads per CTA column:
 //   HC 4 (GQA <= 4): columns 0..3 are heads 0..3 with V group 0's scales, columns 4..7 repeat them with group 1's,
 //        so one V-dot operand serves both V groups (half of the V dot's outputs are dropped);
 //   HC 8 (GQA 5-8): one head per column; the V dot takes group 0's operand for the m-tiles of dims 0..63 and group
