@@ -1046,18 +1046,19 @@ def test_cuda_chained_split_count(monkeypatch):
 
 def test_cuda_split_floor_fills_the_sms(monkeypatch):
     """history_cuda.default_num_splits: >= MIN_ROWS_PER_SPLIT (256) rows per warp, unless that leaves SMs without a
-    CTA; then up to one CTA per SM, down to MIN_ROWS_TO_FILL (32) rows per warp. GLM-4.7 at TP8 (1 KV head, GQA 12:
-    2 head-group columns) at batch 1 on 132 SMs: 66 splits at 32k (the 256-row floor gave 16: 32 CTAs) and at 64k /
-    128k; Qwen3-8B (8 columns): 17 at 8k (was 4) and 32k (was 16), 32 at 64k (the 256-row floor, > 17); batch 8 (64
-    columns, 3 wanted per column): 4 at 8k (the 256-row floor); a context too short for one block per warp keeps
-    what the rows allow (1 split per 256 rows)."""
+    CTA; then as many CTAs as SMs (never more: 17 x 8 = 136 CTAs on 132 SMs was 1.23x slower than 16 at 32k),
+    down to MIN_ROWS_TO_FILL (32) rows per warp. GLM-4.7 at TP8 (1 KV head, GQA 12: 2 head-group columns) at batch
+    1 on 132 SMs: 66 splits at 32k (the 256-row floor gave 16: 32 CTAs) and at 64k / 128k; Qwen3-8B (8 columns):
+    16 at 8k (was 4) and 32k, 32 at 64k (the 256-row floor, > 16); batch 8 (64 columns): 4 at 8k (the 256-row
+    floor); a short context keeps one block per warp at least."""
     from sglang_oscar.kernels import history_cuda
 
     monkeypatch.setattr(history_cuda, "occupancy", lambda stages=None, warps=None, heads=4: 2)
     glm = [history_cuda.default_num_splits(1, 12, ctx, 132, 0) for ctx in (1 << 15, 1 << 16, 1 << 17)]
     assert glm == [66, 66, 66]
     qwen = [history_cuda.default_num_splits(8, 4, ctx, 132, 0) for ctx in (1 << 13, 1 << 15, 1 << 16)]
-    assert qwen == [17, 17, 32]
+    assert qwen == [16, 16, 32]
+    assert history_cuda.default_num_splits(16, 4, 1 << 13, 132, 0) == 8  # batch 2: 132 // 16 columns
     assert history_cuda.default_num_splits(64, 4, 1 << 13, 132, 0) == 4
     assert history_cuda.default_num_splits(8, 4, 1024, 132, 0) == 4  # 1024 // (32 x 8): one block per warp
     assert history_cuda.default_num_splits(8, 4, 100, 132, 0) == 1
@@ -1067,7 +1068,7 @@ def test_cuda_window_fold_plan(monkeypatch):
     """history_cuda.plan: with FOLD_WINDOW the split count of a grid without window CTAs, folded where it has a split
     per window tile (fold_tiles: ceil(S / 16) + ceil(W / 16)); else split_count with the window CTAs. Qwen3-8B on 132
     SMs x 2 CTAs: batch 1 at 64k folds into 32 splits (rows cap), at 128k into one whole round (33, no slot kept for a
-    sink CTA), chained at 32k-64k into (264 - 24 write programs) / 8 = 30; batch 1 at 32k (17 splits: one CTA per SM)
+    sink CTA), chained at 32k-64k into (264 - 24 write programs) / 8 = 30; batch 1 at 32k (16 splits by the rows cap)
     and batch 2 (16) keep the window CTAs."""
     from sglang_oscar.kernels import history_cuda
 
@@ -1079,9 +1080,9 @@ def test_cuda_window_fold_plan(monkeypatch):
     assert history_cuda.plan(1, 8, 4, 1 << 17, 132, 64, 256) == (33, True)
     assert history_cuda.plan(1, 8, 4, 1 << 16, 132, 64, 256, chained_write_programs=24) == (30, True)
     assert history_cuda.plan(1, 8, 4, 1 << 17, 132, 64, 256, chained_write_programs=24) == (33, True)
-    assert history_cuda.plan(1, 8, 4, 1 << 15, 132, 64, 256) == (17, False)  # one CTA per SM (test_cuda_split_floor)
+    assert history_cuda.plan(1, 8, 4, 1 << 15, 132, 64, 256) == (16, False)
     assert history_cuda.plan(2, 8, 4, 1 << 17, 132, 64, 256) == (16, False)
-    assert history_cuda.plan(1, 8, 4, 1 << 15, 132, 5, 40) == (17, True)  # 4 window tiles
+    assert history_cuda.plan(1, 8, 4, 1 << 15, 132, 5, 40) == (16, True)  # 4 window tiles
     monkeypatch.setattr(history_cuda, "FOLD_WINDOW", False)
     assert history_cuda.plan(1, 8, 4, 1 << 17, 132, 64, 256) == (32, False)  # the sink CTA's slot kept
     assert history_cuda.plan(1, 8, 4, 1 << 16, 132, 64, 256, chained_write_programs=24) == (27, False)

@@ -52,10 +52,12 @@ WIDE_TILE = True
 # Module attributes, so that benchmarks can time others (probe_decode_fixed_cost.py --cuda-configs).
 WARPS, STAGES = 8, 2
 MIN_ROWS_PER_SPLIT = 256
-# ...unless that leaves SMs without a CTA: then up to one CTA per SM, down to MIN_ROWS_TO_FILL rows per warp (one
-# 32-token block). Why: with few CTA columns (GLM-4.7 at TP8 / TP4: 1 / 2 KV heads in head groups of 8, 2 / 4
+# ...unless that leaves SMs without a CTA: then as many CTAs as SMs (not more), down to MIN_ROWS_TO_FILL rows per warp
+# (one 32-token block). Why: with few CTA columns (GLM-4.7 at TP8 / TP4: 1 / 2 KV heads in head groups of 8, 2 / 4
 # columns at batch 1) the 256-row floor gave 16 splits at 32k, 32 / 64 CTAs on 132 SMs; an H200 sweep
-# (results/probe_split_count_glm-4.7-*_c53b907_*) had 64 splits 0.80x / 0.84x the time at 32k / 64k (TP8).
+# (results/probe_split_count_glm-4.7-*_c53b907_*) had 64 splits 0.80x / 0.84x the time at 32k / 64k (TP8); Qwen3-8B at
+# 8k batch 1 16 splits 0.76x the time of the old 4. Not past one CTA per SM: Qwen3-8B at 32k batch 1, 17 splits (136
+# CTAs: 4 SMs run two, at half rate) took 1.23x the time of 16 (results/probe_split_count_floor_qwen3-8b_2cb7139_*).
 MIN_ROWS_TO_FILL = 32
 # The BF16 sink and ring rows in the kernel's own CTAs (16 positions per warp; partials in the Triton window
 # programs' layout) instead of the Triton window programs launched after it. A module attribute, so that
@@ -263,14 +265,14 @@ def folds(num_splits: int, sink: int, window: int) -> bool:
 
 def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, window_partials: int = 8) -> int:
     """History splits (CTAs) per CTA column (kv_heads = requests x KV heads): one round of resident CTAs,
-    >= MIN_ROWS_PER_SPLIT rows per warp unless fewer fill the SMs once (MIN_ROWS_TO_FILL), at most MAX_PARTIALS - window_partials (the merge holds a head's
+    >= MIN_ROWS_PER_SPLIT rows per warp unless fewer fill the SMs once (MIN_ROWS_TO_FILL, at most one CTA per SM), at most MAX_PARTIALS - window_partials (the merge holds a head's
     partials, windows included, in one tile). The window CTAs are not counted in the round: they end within a
     few microseconds. Shapes only (max_context = req_to_token's width), so CUDA-graph capturable."""
     ctas = occupancy(heads=cta_heads(gqa))
     cols = max(cta_columns(kv_heads, gqa), 1)
     want = max(1, (num_sms * ctas) // cols)
     rows = max(max_context, 1) // (MIN_ROWS_PER_SPLIT * WARPS)
-    fill = min(-(-num_sms // cols), max(max_context, 1) // (MIN_ROWS_TO_FILL * WARPS))  # one CTA per SM, if rows allow
+    fill = min(num_sms // cols, max(max_context, 1) // (MIN_ROWS_TO_FILL * WARPS))  # <= one CTA per SM, rows allowing
     return max(1, min(want, max(rows, fill), MAX_PARTIALS - window_partials))
 
 
