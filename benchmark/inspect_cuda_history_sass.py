@@ -191,8 +191,9 @@ def main(argv=None) -> int:
     rows = inspect(args.source)
     for (nstage, hc, g64), r in rows.items():
         loop_b, total_b = BUDGET.get((nstage, hc, g64), (None, None))
-        print(f"NSTAGE {nstage} HC {hc} {'G64' if g64 else 'G*'}: {r.get('registers')} registers, stack {r.get('stack')}, spills "
-              f"{r.get('spill_stores')}/{r.get('spill_loads')}, {r['instructions']} instructions (budget {total_b}), "
+        print(f"NSTAGE {nstage} HC {hc} {'G64' if g64 else 'G*'}: {r.get('registers')} registers, "
+              f"stack {r.get('stack')}, spills {r.get('spill_stores')}/{r.get('spill_loads')}, "
+              f"{r['instructions']} instructions (budget {total_b}), "
               f"hot loop {r['hot_loop']['length']} ({r['hot_loop']['hmma']} HMMA / IMMA; budget {loop_b}), "
               f"per block {r['block_loop']['extra']} more (budget {BLOCK_BUDGET.get((nstage, hc, g64))})")
     if args.json:

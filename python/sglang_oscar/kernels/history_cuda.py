@@ -7,10 +7,10 @@ the Triton merge (PDL; FUSED_MERGE: the last CTA of each (request, KV head) merg
 a served decode step it is itself the PDL dependent of the step's KV write (oscar_decode follows_write;
 PDL_AFTER_WRITE / PDL_AFTER_WRITE_Q below): its history CTAs stream while the write runs. It
 covers the shape family it was written and measured for: D 128, K and V groups of 64 or 128, uniform INT2 levels,
-GQA 1-16 (Qwen3-4B / 8B / 14B / 32B, Llama-3-8B, MiniMax-M2; GLM-4.x's 12 in head groups), BF16 sink / ring rows. Anything else raises with the reason
-instead of falling back. It pays on a pool in pages (kernels/records.py): on H100, page 64, 78-93% of copy
-bandwidth at 64k / 128k batch >= 8 for Qwen3-8B / 14B / 32B shapes, against 56-68% for the Triton path
-(benchmark/NOTES.md).
+GQA 1-16 (Qwen3-4B / 8B / 14B / 32B, Llama-3-8B, MiniMax-M2; GLM-4.x's 12 in head groups), BF16 sink / ring rows.
+Anything else raises with the reason instead of falling back. It pays on a pool in pages (kernels/records.py): on
+H100, page 64, 78-93% of copy bandwidth at 64k / 128k batch >= 8 for Qwen3-8B / 14B / 32B shapes, against 56-68%
+for the Triton path (benchmark/NOTES.md).
 
 Build: nvcc (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin) compiles the source once per (source, GPU arch,
 nvcc) into $SGLANG_OSCAR_CACHE (default ~/.cache/sglang_oscar) and the library is loaded with ctypes (no
@@ -265,9 +265,10 @@ def folds(num_splits: int, sink: int, window: int) -> bool:
 
 def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, window_partials: int = 8) -> int:
     """History splits (CTAs) per CTA column (kv_heads = requests x KV heads): one round of resident CTAs,
-    >= MIN_ROWS_PER_SPLIT rows per warp unless fewer fill the SMs once (MIN_ROWS_TO_FILL, at most one CTA per SM), at most MAX_PARTIALS - window_partials (the merge holds a head's
-    partials, windows included, in one tile). The window CTAs are not counted in the round: they end within a
-    few microseconds. Shapes only (max_context = req_to_token's width), so CUDA-graph capturable."""
+    >= MIN_ROWS_PER_SPLIT rows per warp unless more splits fill the SMs once (MIN_ROWS_TO_FILL, at most one CTA per
+    SM), at most MAX_PARTIALS - window_partials (the merge holds a head's partials, windows included, in one tile).
+    The window CTAs are not counted in the round: they end within a few microseconds. Shapes only (max_context =
+    req_to_token's width), so CUDA-graph capturable."""
     ctas = occupancy(heads=cta_heads(gqa))
     cols = max(cta_columns(kv_heads, gqa), 1)
     want = max(1, (num_sms * ctas) // cols)
