@@ -294,10 +294,10 @@ def main():
                     "sglang_triton_bf16", help="read_same_bytes / copy_same_traffic: a streaming read of the bytes "
                     "of one oscar call (benchmark/read_roofline.py) / a copy moving them: the size's ceiling; oscar_pageN: the first "
                     "oscar config on a pool in pages of N (kernels/records.py); oscar_cuda[_pageN]: the CUDA history "
-                    "(kernels/history_cuda.py: D 128, GQA <= 8; oscar_cuda_groups4_pageN: GQA 5-8 in head groups of 4, "
-                    "history_cuda.WIDE_TILE off)")
+                    "(kernels/history_cuda.py: D 128, GQA <= 16, above 8 in head groups of 8; "
+                    "oscar_cuda_groups4_pageN: head groups of 4, history_cuda.WIDE_TILE off)")
     ap.add_argument("--cuda-max-gqa", type=int, default=None,
-                    help="history_cuda.MAX_GQA for the oscar_cuda impls (experiments: GQA above 8 in head groups)")
+                    help="history_cuda.MAX_GQA for the oscar_cuda impls (default 16; experiments)")
     ap.add_argument("--oscar-configs", default="auto:2:3,64:2:3",
                     help="BLOCK_N|auto:num_warps:num_stages[:rN][:wN][:ringN][:sinkN][:wfB][:pdlB][:subB][:peelB]"
                          "[:lazyT][:foldB] (rN: maxnreg N, wN: split_waves N, ringN: ring_splits N, sinkN: "
