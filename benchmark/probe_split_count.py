@@ -56,13 +56,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="")
-    ap.add_argument("--cuda-max-gqa", type=int, default=None,
-                    help="history_cuda.MAX_GQA (GQA above 8 runs in head groups of 8: e.g. 16 for glm-4.7-tp8)")
     args = ap.parse_args()
     hq, hkv, d = MODELS[args.model]
-    if args.cuda_max_gqa:
-        from sglang_oscar.kernels import history_cuda
-        history_cuda.MAX_GQA = args.cuda_max_gqa
     per_batch = dict(DEFAULT_SPLITS)
     for spec in args.splits:
         b, _, lst = spec.partition(":")

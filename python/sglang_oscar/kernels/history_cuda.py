@@ -272,8 +272,9 @@ def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, 
     ctas = occupancy(heads=cta_heads(gqa))
     cols = max(cta_columns(kv_heads, gqa), 1)
     want = max(1, (num_sms * ctas) // cols)
-    rows = max(max_context, 1) // (MIN_ROWS_PER_SPLIT * WARPS)
-    fill = min(num_sms // cols, max(max_context, 1) // (MIN_ROWS_TO_FILL * WARPS))  # <= one CTA per SM, rows allowing
+    ctx = max(max_context, 1)
+    rows = ctx // (MIN_ROWS_PER_SPLIT * WARPS)
+    fill = min(num_sms // cols, ctx // (MIN_ROWS_TO_FILL * WARPS))  # <= one CTA per SM, rows allowing
     return max(1, min(want, max(rows, fill), MAX_PARTIALS - window_partials))
 
 
