@@ -294,9 +294,8 @@ def main():
                     "sglang_triton_bf16", help="read_same_bytes / copy_same_traffic: a streaming read of the bytes "
                     "of one oscar call (benchmark/read_roofline.py) / a copy moving them: the size's ceiling; oscar_pageN: the first "
                     "oscar config on a pool in pages of N (kernels/records.py); oscar_cuda[_pageN]: the CUDA history "
-                    "(kernels/history_cuda.py: D 128, GQA <= 16, above 8 in one column of 16 heads; "
-                    "oscar_cuda_groups4_pageN: head groups of 4, history_cuda.WIDE_TILE off; "
-                    "oscar_cuda_groups8_pageN: GQA > 8 in head groups of 8, history_cuda.TILE16 off)")
+                    "(kernels/history_cuda.py: D 128, GQA <= 16, above 8 in head groups of 8; "
+                    "oscar_cuda_groups4_pageN: head groups of 4, history_cuda.WIDE_TILE off)")
     ap.add_argument("--cuda-max-gqa", type=int, default=None,
                     help="history_cuda.MAX_GQA for the oscar_cuda impls (default 16; experiments)")
     ap.add_argument("--oscar-configs", default="auto:2:3,64:2:3",
@@ -359,7 +358,7 @@ def main():
                             knobs = {}
                             if impl.startswith("oscar_cuda"):
                                 kw = {"history_kernel": "cuda"}
-                                knobs = dict(WIDE_TILE="groups4" not in impl, TILE16="groups8" not in impl)
+                                knobs = dict(WIDE_TILE="groups4" not in impl)
                                 if args.cuda_max_gqa:
                                     knobs["MAX_GQA"] = args.cuda_max_gqa
                             from sglang_oscar.kernels import history_cuda
@@ -372,7 +371,7 @@ def main():
                                 for k, v in saved.items():
                                     setattr(history_cuda, k, v)
                             cfg = f"{'cuda' if 'cuda' in impl else cfgs[0][0]}:page{page}" + \
-                                (":groups4" if "groups4" in impl else "") + (":groups8" if "groups8" in impl else "")
+                                (":groups4" if "groups4" in impl else "")
                             del cache, r2t
                         elif impl == "oscar_prev":
                             kw = {k: v for k, v in cfgs[0][1].items() if k in prev_params}

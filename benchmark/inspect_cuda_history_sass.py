@@ -41,33 +41,17 @@ from sglang_oscar.kernels.history_cuda import SOURCE  # noqa: E402  (the source 
 # Keys (NSTAGE, HC, G64). The groups-of-64 instances (G64, compile-time groups: the default format) cut the hot loop by
 # 2 (HC 4) / 8 (HC 8) and a block's other code by 15: the params copies and group selects were issued both ways under
 # the runtime flags, which the other instances (G*: a group of 128 on either side) still read.
-# HC 16 (two 8-column tiles sharing the code masks, GQA 9-16): 432 / 437 per 16-token tile of 16 columns (~300 without
-# the rare rescale, which scales both tiles' O) against 2 x 262 for two head groups of 8; ~206 registers.
-# The NT generalisation that added HC 16 left HC 4 / 8 as they were, except G* HC 8's block code at NSTAGE 2 (93 -> 94).
-BUDGET = {(2, 4, False): (248, 8088), (2, 8, False): (270, 8192), (3, 4, False): (248, 8200),
+BUDGET = {(2, 4, False): (248, 8088), (2, 8, False): (270, 8184), (3, 4, False): (248, 8200),
           (3, 8, False): (270, 8288), (4, 4, False): (248, 8288), (4, 8, False): (270, 8384),
           (2, 4, True): (246, 8048), (2, 8, True): (262, 8152), (3, 4, True): (246, 8144),
-          (3, 8, True): (262, 8248), (4, 4, True): (246, 8232), (4, 8, True): (262, 8336),
-          (2, 16, False): (437, 11080), (2, 16, True): (432, 11064), (3, 16, False): (437, 11144),
-          (3, 16, True): (432, 11152)}
+          (3, 8, True): (262, 8248), (4, 4, True): (246, 8232), (4, 8, True): (262, 8336)}
 # instructions of a 32-token block outside the hot loop (block_loop extra)
-BLOCK_BUDGET = {(2, 4, False): 90, (2, 8, False): 94, (3, 4, False): 100, (3, 8, False): 99, (4, 4, False): 96,
+BLOCK_BUDGET = {(2, 4, False): 90, (2, 8, False): 93, (3, 4, False): 100, (3, 8, False): 99, (4, 4, False): 96,
                 (4, 8, False): 95, (2, 4, True): 75, (2, 8, True): 78, (3, 4, True): 85, (3, 8, True): 88,
-                (4, 4, True): 81, (4, 8, True): 84, (2, 16, False): 114, (2, 16, True): 100, (3, 16, False): 117,
-                (3, 16, True): 104}
+                (4, 4, True): 81, (4, 8, True): 84}
 BUDGET_NVCC = "13.0"
 TOTAL_SLACK = 1.05  # whole-kernel growth allowed without an A/B
 MAX_REGISTERS = 128  # 2 CTAs of 256 threads per SM (64K registers)
-MAX_REGISTERS_16 = 255  # HC 16: one CTA of 256 threads per SM
-
-
-def max_registers(hc: int) -> int:
-    return MAX_REGISTERS_16 if hc == 16 else MAX_REGISTERS
-
-
-def tile_mmas(hc: int) -> int:
-    """HMMA + IMMA of one 16-token tile: 8 of each per 8-column tile (K dot as IMMA, V dot as HMMA)."""
-    return 32 if hc == 16 else 16
 
 
 def tools():

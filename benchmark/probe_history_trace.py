@@ -143,11 +143,10 @@ def per_warp_offsets(words: np.ndarray) -> dict:
 
 
 def parse_source(spec: str, default_path: str, defaults: dict):
-    """(path, macros, history_cuda settings) of a --sources value
-    'path[+S<stages>][+W<rows>][+F<0|1>][+T<0|1>][+D<macro>=<value>]...' (empty path: this tree's kernel source).
-    Settings: the module attributes of kernels/history_cuda.py that the source's calls run with, `defaults` (STAGES,
-    WINDOW_ROWS_PER_WARP, FOLD_WINDOW, TILE16) updated by S (stages), W (the window CTAs' rows per warp), F (the
-    window folded into the history CTAs, or not) and T (GQA 9-16 in one 16-head column, or in head groups of 8)."""
+    """(path, macros, history_cuda settings) of a --sources value 'path[+S<stages>][+W<rows>][+F<0|1>][+D<macro>=
+    <value>]...' (empty path: this tree's kernel source). Settings: the module attributes of kernels/history_cuda.py
+    that the source's calls run with, `defaults` (STAGES, WINDOW_ROWS_PER_WARP, FOLD_WINDOW) updated by S (stages),
+    W (the window CTAs' rows per warp) and F (the window folded into the history CTAs, or not)."""
     parts = spec.split("+")
     path = parts[0] or default_path
     defines, settings = [], dict(defaults)
@@ -158,12 +157,10 @@ def parse_source(spec: str, default_path: str, defaults: dict):
             settings["WINDOW_ROWS_PER_WARP"] = int(p[1:])
         elif p in ("F0", "F1"):
             settings["FOLD_WINDOW"] = p == "F1"
-        elif p in ("T0", "T1"):
-            settings["TILE16"] = p == "T1"
         elif p[:1] == "D" and len(p) > 1:
             defines.append(p[1:])
         else:
-            raise SystemExit(f"--sources: cannot read {p!r} in {spec!r} (S<stages>, W<rows>, F0 / F1, T0 / T1 or "
+            raise SystemExit(f"--sources: cannot read {p!r} in {spec!r} (S<stages>, W<rows>, F0 / F1 or "
                              f"D<macro>=<value>)")
     return path, tuple(defines), settings
 
@@ -183,12 +180,11 @@ def main():
                                          "alone:131072:1:auto,alone:32768:1:auto,alone:65536:8:auto",
                     help="comma list of mode:context:batch:splits (mode alone or chain; splits auto or a count)")
     ap.add_argument("--sources", default="",
-                    help="comma list of name=path[+S<stages>][+W<rows>][+F0|+F1][+T0|+T1][+D<macro>=<value>]...: "
-                         "other kernel sources (e.g. the previous commit's int2_history.cu, with the same launch "
-                         "signature; an empty path: this tree's) with their stage count (history_cuda.STAGES), window "
-                         "CTA rows per warp (WINDOW_ROWS_PER_WARP), folded window off / on (FOLD_WINDOW), the 16-head "
-                         "column off / on (TILE16) and macros (e.g. +DOSCAR_TOK=32), timed and traced beside this "
-                         "tree's default ('new') in the same process")
+                    help="comma list of name=path[+S<stages>][+W<rows>][+F0|+F1][+D<macro>=<value>]...: other kernel "
+                         "sources (e.g. the previous commit's int2_history.cu, with the same launch signature; an "
+                         "empty path: this tree's) with their stage count (history_cuda.STAGES), window CTA rows per "
+                         "warp (WINDOW_ROWS_PER_WARP), folded window off / on (FOLD_WINDOW) and macros (e.g. "
+                         "+DOSCAR_TOK=32), timed and traced beside this tree's default ('new') in the same process")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per configuration")
     ap.add_argument("--raw", action="store_true",
                     help="also write every warp's offsets, SM, split and column (~1-2 MB per configuration and "
@@ -199,13 +195,13 @@ def main():
     hq, hkv, d = MODELS[args.model]
     dev = torch.cuda.get_device_name()
     sources = [("new", "")] + [tuple(x.split("=", 1)) for x in args.sources.split(",") if x]
-    defaults = {k: getattr(history_cuda, k, True) for k in ("STAGES", "WINDOW_ROWS_PER_WARP", "FOLD_WINDOW", "TILE16")}
+    defaults = {k: getattr(history_cuda, k) for k in ("STAGES", "WINDOW_ROWS_PER_WARP", "FOLD_WINDOW")}
     libs, settings, specs = {}, {}, {}
     for name, spec in sources:
         path, defines, settings[name] = parse_source(spec, history_cuda.SOURCE, defaults)
         specs[name] = dict(path=path, defines=list(defines), stages=settings[name]["STAGES"],
                            window_rows_per_warp=settings[name]["WINDOW_ROWS_PER_WARP"],
-                           fold_window=settings[name]["FOLD_WINDOW"], tile16=settings[name]["TILE16"])
+                           fold_window=settings[name]["FOLD_WINDOW"])
         plain = history_cuda.load(history_cuda.build(defines, path))
         traced = history_cuda.load(history_cuda.build(defines + ("OSCAR_HISTORY_TRACE",), path))
         traced.oscar_history_trace_read.argtypes = [ctypes.c_void_p, ctypes.c_int]

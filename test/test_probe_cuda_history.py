@@ -219,35 +219,24 @@ def kernel_q_fragments(q, head_of_column, c0):
     return regs
 
 
-def tile_heads(hc):
-    """The head of column c in each 8-column tile of a warp: HC 4 one tile, columns 4..7 repeating heads 0..3; HC 8
-    one tile, column c head c; HC 16 two tiles, column c of tile nt head c + 8nt."""
-    if hc == 4:
-        return [lambda c: c & 3]
-    return [lambda c, nt=nt: c + 8 * nt for nt in range(hc // 8)]
-
-
-@pytest.mark.parametrize("hc", [4, 8, 16])
+@pytest.mark.parametrize("hc", [4, 8])
 def test_history_k_dot_with_the_kernels_q_fragments(hc):
-    """The production kernel builds q's B fragments itself: column g is head g & 3 (HC 4), head g (HC 8) or, in
-    tile nt, head g + 8nt (HC 16), and lane (g, t)'s accumulator columns 2t, 2t + 1 are the heads head0 = (2t) & 3
-    or 2t and head0 + 1 (+ 8nt)."""
+    """The production kernel builds q's B fragments itself: column g is head g & 3 (HC 4) or head g (HC 8), and
+    lane (g, t)'s accumulator columns 2t, 2t + 1 are the heads head0 = (2t) & 3 or 2t and head0 + 1."""
     rng = np.random.default_rng(30 + hc)
     kc = rng.integers(0, 256, (16, 32))
     q = rng.standard_normal((hc, 128)) * 0.5
+    head = (lambda c: c) if hc == 8 else (lambda c: c & 3)
     c0 = 1 / math.sqrt(128) * probe.LOG2E
-    for head in tile_heads(hc):
-        qb = kernel_q_fragments(q, head, c0)
-        check_history_k_dot(history_k_dot(kc, qb), kc, q * c0, head)
+    qb = kernel_q_fragments(q, head, c0)
+    check_history_k_dot(history_k_dot(kc, qb), kc, q * c0, head)
     src = open(PRODUCTION_SOURCE).read()
-    assert "const int qhead = (HC == 4 ? (g & 3) : g) + 8 * nt;" in src
-    assert "const int head0 = HC == 4 ? (2 * t) & 3 : 2 * t;" in src
-    assert "float* ml = sml + (warp * HC + 8 * nt + head0) * 2;" in src and "float* on = ow + 8 * nt * 128;" in src
+    assert "const int qhead = HC == 8 ? g : (g & 3);" in src and "const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;" in src
     assert "const int d = p * 32 + t * 8 + 4 * hh + 2 * w;" in src and "(p & 1) ? 0.25f : 1.f" in src
     # 16-bit q arrives in one 16-byte load per plane p (dims p*32 + t*8 .. + 7): its 32-bit word 2hh + w holds
     # dims d, d + 1 of the fragment register (p, hh, w)
-    assert "qraw[nt][p] = load_q8(a, qvalid[nt], qrow[nt] + p * 32 + t * 8);" in src
-    assert "q_pair(a, qraw[nt][p], 2 * hh + w, qvalid[nt], qrow[nt] + d);" in src
+    assert "qraw[p] = load_q8(a, qvalid, qrow + p * 32 + t * 8);" in src
+    assert "q_pair(a, qraw[p], 2 * hh + w, qvalid, qrow + d);" in src
     assert "const uint32_t wd = k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;" in src  # word k: x, y, z, w
     for t in range(4):
         for p in range(4):
@@ -271,8 +260,8 @@ def test_v_dot_eight_heads_per_column(seed):
     seen = check_history_v_dot(o, P, vs, vc, lambda c: c, lambda t: range(8))  # the epilogue (park) at HC 8
     assert len(seen) == 8 * 128  # every output of the tile written once
     src = open(PRODUCTION_SOURCE).read()
-    assert "mma16816(o[nt][mt], x0, x1, x2, x3, mt < 4 ? b0[nt] : c0[nt], mt < 4 ? b1[nt] : c1[nt]);" in src
-    assert "park(nt, mt, o[nt][mt], mt < 4 ? lv0[nt] : lw0[nt], mt < 4 ? lv1[nt] : lw1[nt]);" in src
+    assert "mt < 4 ? b0 : c0, mt < 4 ? b1 : c1" in src
+    assert "for (int mt = 0; mt < 8; ++mt) park(mt, o[mt], mt < 4 ? lv0 : lw0, mt < 4 ? lv1 : lw1);" in src
 
 
 def test_head_major_copies_give_the_same_triton_output(monkeypatch):
@@ -346,7 +335,7 @@ def test_window_tile_k_and_v_dots(seed, hc):
     """hc: query heads per CTA column (the kernel's HC): at 4, columns 4..7 repeat heads 0..3; at 8 column g is
     head g."""
     src = open(PRODUCTION_SOURCE).read()  # 16-bit q in one 16-byte load per jj (dims 32jj + 8t .. + 7): word k = dims 2k, 2k + 1
-    assert "qraw[nt][jj] = load_q8(a, qvalid[nt], qrow[nt] + 32 * jj + 8 * t);" in src
+    assert "qraw[jj] = load_q8(a, qvalid, qrow + 32 * jj + 8 * t);" in src
     assert "q_pair(a, qraw[jj], k, qvalid, qrow + 32 * jj + 8 * t + 2 * k);" in src
     rng = np.random.default_rng(seed + 20 + hc)
     K = rng.integers(-4, 5, (16, 128)).astype(np.float64)
@@ -567,7 +556,7 @@ def imma(acc, a_regs, b_regs):
         acc[lane] += np.array([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]])
 
 
-@pytest.mark.parametrize("hc", [4, 8, 16])
+@pytest.mark.parametrize("hc", [4, 8])
 def test_integer_k_dot_with_the_kernels_int8_q(hc):
     """The K dot as the production kernel runs it (OSCAR_IMMA_K 1, its default): the lane's code bytes 8t .. 8t + 7
     of tokens sigma(g), sigma(g) + 8 masked per plane (c 4^p in each byte) as u8 A, q as int8 hi / lo (kernel_int8_q)
@@ -578,48 +567,48 @@ def test_integer_k_dot_with_the_kernels_int8_q(hc):
     for line in ("#define OSCAR_IMMA_K 1",
                  "const uint32_t M = 0x03030303u << (2 * p);",
                  "const uint32_t a0 = kw0.x & M, a1 = kw1.x & M, a2 = kw0.y & M, a3 = kw1.y & M;",
-                 "imma16832(p < 2 ? ih0[nt] : ih1[nt], a0, a1, a2, a3, qhi[nt][2 * p], qhi[nt][2 * p + 1]);",
-                 "imma16832(p < 2 ? il0[nt] : il1[nt], a0, a1, a2, a3, qlo[nt][2 * p], qlo[nt][2 * p + 1]);",
-                 "acc0[nt][e] = (float)(ih0[nt][e] * 128 + il0[nt][e]);",
-                 "q_pair(a, qraw[nt][p], 2 * hh + w, qvalid[nt], qrow[nt] + d);",
+                 "imma16832(p < 2 ? ih0 : ih1, a0, a1, a2, a3, qhi[2 * p], qhi[2 * p + 1]);",
+                 "imma16832(p < 2 ? il0 : il1, a0, a1, a2, a3, qlo[2 * p], qlo[2 * p + 1]);",
+                 "acc0[e] = (float)(ih0[e] * 128 + il0[e]);",
+                 "q_pair(a, qraw[p], 2 * hh + w, qvalid, qrow + d);",
                  "xs[p][4 * hh + 2 * w] = x0;",
                  "for (int i = 0; i < 8; ++i) mq[p] = fmaxf(mq[p], fabsf(xs[p][i]));",
                  "float mx0 = fmaxf(mq[0], 0.25f * mq[1]), mx1 = fmaxf(0.0625f * mq[2], 0.015625f * mq[3]);",
                  "const float S0 = mx0 > 1e-30f ? 16256.f / mx0 : 0.f, S1 = mx1 > 1e-30f ? 16256.f / mx1 : 0.f;",
                  "const float hm = fmaf(x, kp * (1.f / 128.f), kRoundMagic);",
                  "const float lm = fmaf(x, kp, fmaf(hm, -128.f, 128.f * kRoundMagic)) + kRoundMagic;",
-                 "qhi[nt][2 * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);",
+                 "qhi[2 * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);",
                  "return prmt(prmt(x0, x1, 0x0040), prmt(x2, x3, 0x0040), 0x5410);",
-                 "iS0[nt] = mx0 / (16256.f * kTwo24);",
-                 "const float sc0a = bf_lo(pr0.x) * iS0[nt], sc1a = bf_lo(py0) * iS1[nt];",
-                 "const float mn0a = bf_hi(pr0.x), mn1a = bf_hi(py0), mn0b = bf_hi(pr1.x), mn1b = bf_hi(py1);"):
+                 "iS0 = mx0 / (16256.f * kTwo24);",
+                 "const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, "
+                 "mn1a = bf_hi(py0);"):
         assert line in src, line
     rng = np.random.default_rng(40 + hc)
     kc = rng.integers(0, 256, (16, 32))
     q = rng.standard_normal((hc, 128)) * 0.5
     q[0] *= 0.01  # a head of much smaller norm shares the warp's scale
-    for head in tile_heads(hc):  # HC 16: each 8-column tile scales its own heads (iS per tile)
-        c0 = 1 / math.sqrt(128) * probe.LOG2E
-        qhi, qlo, (is0, is1) = kernel_int8_q(q, head, c0)
-        assert np.abs(qhi).max() <= 127 and np.abs(qlo).max() <= 64
-        zhi, zlo, _ = kernel_int8_q(np.zeros_like(q), head, c0)  # an all-zero q: S 0, no inf . 0
-        assert not zhi.any() and not zlo.any()
-        ih = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
-        il = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
-        for p in range(4):
-            a_regs = []
-            for lane in range(32):
-                g, t = lane >> 2, lane & 3
-                r0, r1 = kc[sigma(g)], kc[sigma(g) + 8]
-                a_regs.append([[(int(r0[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
-                               [(int(r1[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
-                               [(int(r0[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
-                               [(int(r1[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)]])
-            imma(ih[p // 2], a_regs, [[qhi[lane, 2 * p], qhi[lane, 2 * p + 1]] for lane in range(32)])
-            imma(il[p // 2], a_regs, [[qlo[lane, 2 * p], qlo[lane, 2 * p + 1]] for lane in range(32)])
-        assert max(np.abs(ih[i] * 128 + il[i]).max() for i in range(2)) < 2 ** 31
-        # in the fp16 path's units: group 0 2^-24, group 1 2^-20 (check_history_k_dot), so group 1 carries 16 iS1
-        acc = [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
-        # and tighter than that check's tolerance: the error of 14-bit q against the float64 dot, relative to the dot's
-        # scale (max |q| . sum |codes|) per group
-        check_history_k_dot(acc, kc, q * c0, head, scale_tol=2e-4)
+    head = (lambda c: c) if hc == 8 else (lambda c: c & 3)
+    c0 = 1 / math.sqrt(128) * probe.LOG2E
+    qhi, qlo, (is0, is1) = kernel_int8_q(q, head, c0)
+    assert np.abs(qhi).max() <= 127 and np.abs(qlo).max() <= 64
+    zhi, zlo, _ = kernel_int8_q(np.zeros_like(q), head, c0)  # an all-zero q: S 0, no inf . 0
+    assert not zhi.any() and not zlo.any()
+    ih = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
+    il = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
+    for p in range(4):
+        a_regs = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            r0, r1 = kc[sigma(g)], kc[sigma(g) + 8]
+            a_regs.append([[(int(r0[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
+                           [(int(r1[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
+                           [(int(r0[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
+                           [(int(r1[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)]])
+        imma(ih[p // 2], a_regs, [[qhi[lane, 2 * p], qhi[lane, 2 * p + 1]] for lane in range(32)])
+        imma(il[p // 2], a_regs, [[qlo[lane, 2 * p], qlo[lane, 2 * p + 1]] for lane in range(32)])
+    assert max(np.abs(ih[i] * 128 + il[i]).max() for i in range(2)) < 2 ** 31
+    # in the fp16 path's units: group 0 2^-24, group 1 2^-20 (check_history_k_dot), so group 1 carries 16 iS1
+    acc = [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
+    # and tighter than that check's tolerance: the error of 14-bit q against the float64 dot, relative to the dot's
+    # scale (max |q| . sum |codes|) per group
+    check_history_k_dot(acc, kc, q * c0, head, scale_tol=2e-4)

@@ -44,16 +44,9 @@ HEAD_DIM, GROUPS = 128, (64, 128)  # K and V groups, each either
 # GQA 9-16 (GLM-4.x: 96 q / 8 KV heads, 12 per KV head at any TP) runs in head groups of 8 (12 = 8 + 4 with spare
 # columns): on H200 (results/decode_kernel_glm_*) 1.05-1.12x the Triton path's speed at batch >= 8, and with the
 # split floor below (MIN_ROWS_TO_FILL) at batch 1 too except at 32k (~0.9x); refused on H100 before that floor
-# (0.86-0.99x at batch >= 8 in 2026-11-27's kernel). With TILE16, GQA 9-16 in one column of 16 heads instead: two
-# 8-column tiles per warp that share one mask of the K and V codes (head groups mask them once per group) and one
-# read of the pages, at ~206 registers (one CTA of 8 warps per SM; HC 4 / 8 fit two). Per KV-head token and 16-token
-# tile the 16-column loop issues ~432 instructions (~300 without the rare rescale) against 2 x 262 (2 x ~196) for
-# two head groups of 8 (sm_90 SASS, benchmark/inspect_cuda_history_sass.py). Module attributes, for experiments.
+# (0.86-0.99x at batch >= 8 in 2026-11-27's kernel). Both module attributes, for experiments.
 MAX_GQA = 16
 WIDE_TILE = True
-TILE16 = True
-HEADS = (4, 8, 16)  # the kernel's query heads per CTA column (its HC instances)
-STAGES_16 = (2, 3)  # stage counts built at 16 heads per column
 # Per CTA. 8 warps x 2 stages: 0.96-1.00x the time of 4 x 2 at Qwen3-8B 32k-128k batch 1 / 8 in one H100 run
 # (3 x 4 and 4 x 4 slower: 1.02-1.16x; results/probe_decode_fixed_cost_cuda_configs_*), and half the partials.
 # Module attributes, so that benchmarks can time others (probe_decode_fixed_cost.py --cuda-configs).
@@ -216,9 +209,8 @@ def library() -> ctypes.CDLL:
         if _lib is not None:
             return _lib
         _lib = load(build(env_defines()))
-    for heads in HEADS:  # first load: the default configurations' shared-memory limits, before any graph capture
-        if heads != 16 or STAGES in STAGES_16:
-            occupancy(heads=heads)
+    for heads in (4, 8):  # first load: the default configurations' shared-memory limits, before any graph capture
+        occupancy(heads=heads)
     if FUSED_MERGE:
         counters(torch.cuda.current_device())
     return _lib
@@ -230,11 +222,9 @@ def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: 
     dynamic shared-memory limit."""
     lib = _lib if _lib is not None else library()
     stages, warps = stages or STAGES, warps or WARPS
-    if (stages not in (2, 3, 4) or warps not in (1, 2, 4, 8) or heads not in HEADS
-            or (heads == 16 and stages not in STAGES_16)):
-        raise ValueError(f"history_kernel='cuda' builds stages 2-4, 1/2/4/8 warps per CTA and 4, 8 or 16 heads per "
-                         f"CTA column (16 at stages {'/'.join(map(str, STAGES_16))} only), got stages {stages}, "
-                         f"{warps} warps, {heads} heads")
+    if stages not in (2, 3, 4) or warps not in (1, 2, 4, 8) or heads not in (4, 8):
+        raise ValueError(f"history_kernel='cuda' builds stages 2-4, 1/2/4/8 warps per CTA and 4 or 8 heads per CTA "
+                         f"column, got {stages}/{warps}/{heads}")
     key = (torch.cuda.current_device(), stages, warps, heads)
     if key not in _occupancy:
         rc = lib.oscar_history_prepare(stages, warps, heads)
@@ -245,10 +235,7 @@ def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: 
 
 
 def cta_heads(gqa: int) -> int:
-    """Query heads per CTA column: 4 up to GQA 4, 8 above with WIDE_TILE (else head groups of 4), 16 above 8 with
-    TILE16 too (else head groups of 8)."""
-    if gqa > 8 and WIDE_TILE and TILE16:
-        return 16
+    """Query heads per CTA column: 4 up to GQA 4, 8 above with WIDE_TILE (else head groups of 4)."""
     return 8 if gqa > 4 and WIDE_TILE else 4
 
 

@@ -82,21 +82,11 @@ constexpr int kVcOff = kTok * 32, kKpOff = kTok * 64, kVpOff = kTok * 72;
 // a warp's shared memory: its NSTAGE stages, and at least the one K and one V tile of 16 BF16 rows (8 KB) that a
 // window CTA's warp reads (window_cta)
 constexpr int warp_smem(int nstage) { return nstage * kStageBytes > 8192 ? nstage * kStageBytes : 8192; }
-// the CTA merge's area (store_cta_partial): each warp's unnormalised O [hc][128] and (m, l) per head, fp32
-__host__ __device__ constexpr int park_bytes(int warps, int hc) { return warps * hc * 130 * 4; }
-// where a folded window tile's 8 KB begin (Args.fold_tiles): past the warps' stages and past the merge's area, since
-// the tile's parked entry is read by that merge (at HC 4 / 8 the stages are the larger; at HC 16 the merge's area)
-__host__ __device__ constexpr int wbuf_offset(int nstage, int warps, int hc) {
-  return warps * nstage * kStageBytes > park_bytes(warps, hc) ? warps * nstage * kStageBytes : park_bytes(warps, hc);
-}
-// the folded tile's buffer: its K and V tiles (8 KB), then its parked entry ([hc][128] O and (m, l) per head)
-__host__ __device__ constexpr int wbuf_bytes(int hc) { return hc * 130 * 4 > 8192 ? hc * 130 * 4 : 8192; }
-__host__ __device__ constexpr int max_i(int x, int y) { return x > y ? x : y; }
-// a CTA's shared memory: its warps' (and the merge's area), and with the window folded the tile's buffer past both (at
-// HC 4 / 8 inside the warps' 8 KB each at 2 stages of 32 tokens: no more than without)
-constexpr int cta_smem(int nstage, int warps, bool fold, int hc) {
-  return max_i(max_i(warps * warp_smem(nstage), park_bytes(warps, hc)),
-               fold ? wbuf_offset(nstage, warps, hc) + wbuf_bytes(hc) : 0);
+// a CTA's shared memory: its warps', and with the window folded (Args.fold_tiles) 8 KB past the warps' stages for
+// warp 0's window tile (inside the warps' 8 KB each at 2 stages of 32 tokens: no more than without)
+constexpr int cta_smem(int nstage, int warps, bool fold) {
+  return fold && warps * nstage * kStageBytes + 8192 > warps * warp_smem(nstage)
+             ? warps * nstage * kStageBytes + 8192 : warps * warp_smem(nstage);
 }
 constexpr float kTwo24 = 16777216.0f;
 constexpr float kLazy = 8.0f;            // log2 units a score may pass the running max without a rescale
@@ -624,26 +614,19 @@ __device__ __forceinline__ void window_park(float* ow, float* ml, const float (&
 //     16g + 2mt + 1 (one 32-bit word of a row), P^T from the score accumulator with two movmatrix.trans.
 // Columns 4..7 repeat heads 0..3 (as in the history loop); lanes t < 2 own the stored ones. Scores, p and the
 // running max are in log2 units (c0 = sm_scale log2 e), as in the history warps, so the CTA merges both alike.
-// HC 16: two such 8-column tiles (heads 0..7, 8..15) on the same K and V rows.
 template <int HC>
 __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, int b, int h, int hq_base, int nh) {
-  constexpr int NT = HC == 16 ? 2 : 1;  // 8-column tiles
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const bool is_sink = j < a.nwin_sink;
   // q's elements of this lane (16-bit q: dims 32jj + 8t .. + 7 of column g's head, one 16-byte load per jj), issued
   // before the index loads so that they do not queue behind them (the history warps' reason, int2_history_kernel)
-  bool qvalid[NT];
-  size_t qrow[NT];
-  uint4 qraw[NT][4];
+  const int qhead = HC == 8 ? g : (g & 3);
+  const bool qvalid = qhead < nh;
+  const size_t qrow = (size_t)(hq_base + (qvalid ? qhead : 0)) * 128;
+  uint4 qraw[4];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int qhead = (HC == 4 ? (g & 3) : g) + 8 * nt;
-    qvalid[nt] = qhead < nh;
-    qrow[nt] = (size_t)(hq_base + (qvalid[nt] ? qhead : 0)) * 128;
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) qraw[nt][jj] = load_q8(a, qvalid[nt], qrow[nt] + 32 * jj + 8 * t);
-  }
+  for (int jj = 0; jj < 4; ++jj) qraw[jj] = load_q8(a, qvalid, qrow + 32 * jj + 8 * t);
   const int L = a.seq_lens[b];
   const int req = a.req_idx_64 ? (int)reinterpret_cast<const long long*>(a.req_idx)[b]
                                 : reinterpret_cast<const int*>(a.req_idx)[b];
@@ -651,34 +634,25 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   const int k0 = ((is_sink ? j : j - a.nwin_sink) * nwarps + warp) * a.win_tiles;
   const uint32_t st = (uint32_t)__cvta_generic_to_shared(smem) + warp * 8192;  // K tile 4 KB, V tile 4 KB
   const uint8_t* sts = smem + warp * 8192;
-  uint32_t qw[NT][4][4];
-  float o[NT][8][4];
-  float m0[NT], m1[NT], l0[NT], l1[NT];  // an empty warp keeps these: weighed 0 by the CTA merge
+  uint32_t qw[4][4];
+  window_q(a, qraw, qvalid, qrow, t, qw);
+  float o[8][4];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    window_q(a, qraw[nt], qvalid[nt], qrow[nt], t, qw[nt]);
-#pragma unroll
-    for (int mt = 0; mt < 8; ++mt) o[nt][mt][0] = o[nt][mt][1] = o[nt][mt][2] = o[nt][mt][3] = 0.f;
-    m0[nt] = m1[nt] = -1e30f;
-    l0[nt] = l1[nt] = 0.f;
-  }
+  for (int mt = 0; mt < 8; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+  float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f;  // an empty warp keeps these: weighed 0 by the CTA merge
   for (int tile = 0; tile < a.win_tiles; ++tile) {
     const WinTile w = window_tile(a, is_sink, k0 + tile, L, ring_lo);
     if (w.first >= w.range_hi) break;  // uniform per warp
     const int row = window_row(a, w, req, lane);
     window_issue(a, w, row, h, st, lane);
     cp_wait<0>();
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) window_compute(w, row, st, sts, qw[nt], o[nt], m0[nt], m1[nt], l0[nt], l1[nt]);
+    window_compute(w, row, st, sts, qw, o, m0, m1, l0, l1);
   }
   // park O, m, l for the CTA merge (the tiles above are dead once every warp is past this barrier)
   __syncthreads();
   float* so = reinterpret_cast<float*>(smem);
   float* sml = so + nwarps * HC * 128;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-    window_park<HC == 4 ? 4 : 8>(so + (warp * HC + 8 * nt) * 128, sml + (warp * HC + 8 * nt) * 2, o[nt], m0[nt],
-                                 m1[nt], l0[nt], l1[nt]);
+  window_park<HC>(so + warp * HC * 128, sml + warp * HC * 2, o, m0, m1, l0, l1);
   __syncthreads();
   const int ns_hist = gridDim.y - a.nwin_sink - a.nwin_ring;
   store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, ns_hist + j);
@@ -688,13 +662,8 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
 // G64: K and V groups of 64 known at compile time (the default format, launch picks this instance), so that the block's
 // params copies and the tile's group selects are not issued both ways under a runtime flag (Args.kg128 / vg128 read
 // only where G64 is false)
-// HC 16 (GQA 9-16): two 8-column tiles, heads 0..7 and 8..15 of the column, each as HC 8's; the K and V codes are
-// masked once for both (the head groups of 8 each masked them again), at up to 255 registers: one CTA of 8 warps per
-// SM (HC 4 / 8 fit 128 registers, 2 CTAs per SM: test_cuda_history_sass.py holds each instance to its count).
 template <int NSTAGE, int HC, bool G64>
 __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
-  static_assert(HC == 4 || HC == 8 || HC == 16, "HC is 4, 8 or 16");
-  constexpr int NT = HC == 16 ? 2 : 1;  // 8-column tiles of a warp
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3, gsel = t >> 1;
@@ -727,21 +696,13 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // loaded before the index chain wherever q is written before this grid (not kPdlAfterWriteQ). Why: the trace of
   // this kernel (benchmark/probe_history_trace.py) had q's scalar loads, issued after the first copies, land ~4.5 us
   // later, queued behind them, and the second stage's copies wait for the q build.
-  bool qvalid[NT];  // a spare column: zero query (its scores are 0; nothing is stored)
-  size_t qrow[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int qhead = (HC == 4 ? (g & 3) : g) + 8 * nt;  // column g's head in tile nt
-    qvalid[nt] = qhead < nh;
-    qrow[nt] = (size_t)(hq_base + (qvalid[nt] ? qhead : 0)) * 128;
-  }
-  uint4 qraw[NT][4];
+  const int qhead = HC == 8 ? g : (g & 3);  // column g's head
+  const bool qvalid = qhead < nh;  // a spare column: zero query (its scores are 0; nothing is stored)
+  const size_t qrow = (size_t)(hq_base + (qvalid ? qhead : 0)) * 128;
+  uint4 qraw[4];
   auto load_qraw = [&]() {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int p = 0; p < 4; ++p) qraw[nt][p] = load_q8(a, qvalid[nt], qrow[nt] + p * 32 + t * 8);
-    }
+    for (int p = 0; p < 4; ++p) qraw[p] = load_q8(a, qvalid, qrow + p * 32 + t * 8);
   };
   if (a.pdl != kPdlAfterWriteQ) load_qraw();
 
@@ -759,7 +720,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // a CTA of the folded window (fold_tiles, below): its warp 0 reads window tile `split` and parks it in wbuf, the 8 KB
   // past the warps' stages (cta_smem); uniform per CTA
   const bool fold_cta = a.fold_tiles > 0 && split < a.fold_tiles;
-  uint8_t* const wbuf = smem + wbuf_offset(NSTAGE, nwarps, HC);
+  uint8_t* const wbuf = smem + nwarps * NSTAGE * kStageBytes;
   const int k = fold_cta ? min(min(7, nwarps - 1), chunk >> 4) : 0;
   const int lo0 = hist_lo + widx * chunk + (warp == 0 ? 0 : 16 * (min(warp - 1, k) - k));
   const int lo = min(lo0, hist_hi);
@@ -807,17 +768,12 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     cp_commit();  // an empty group past the end keeps the wait count uniform
   };
 
-  float o[NT][8][4];
-  // lv: sum p.vmin of this lane's two columns, over V group gsel (HC 4) or group 0 (HC 8 / 16; lw: group 1)
-  float m0[NT], m1[NT], l0[NT], l1[NT], lv0[NT], lv1[NT], lw0[NT], lw1[NT], thr0[NT], thr1[NT];
+  float o[8][4];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[nt][i][0] = o[nt][i][1] = o[nt][i][2] = o[nt][i][3] = 0.f;
-    m0[nt] = m1[nt] = -1e30f;
-    l0[nt] = l1[nt] = lv0[nt] = lv1[nt] = lw0[nt] = lw1[nt] = 0.f;
-    thr0[nt] = thr1[nt] = (-1e30f + kLazy) / kTwo24;
-  }
+  for (int i = 0; i < 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  // lv: sum p.vmin of this lane's two columns, over V group gsel (HC 4) or group 0 (HC 8; lw: group 1)
+  float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f, lv0 = 0.f, lv1 = 0.f, lw0 = 0.f, lw1 = 0.f;
+  float thr0 = (m0 + kLazy) / kTwo24, thr1 = thr0;
 
   const int sg = (g >> 1) + 4 * (g & 1);  // sigma(g): the tile row of M-row g
   // The window folded into this grid (fold_tiles > 0, no window CTAs): warp 0 of split i < fold_tiles reads window
@@ -875,24 +831,15 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   if (fold) {  // the folded window tile, parked as (O, m, l) in its own 8 KB until the CTA merge
     float* xo = reinterpret_cast<float*>(wbuf);
     if (wt.first < wt.range_hi) {
+      uint32_t qw[4][4];
+      window_q(a, qraw, qvalid, qrow, t, qw);
+      float wo[8][4];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) wo[i][0] = wo[i][1] = wo[i][2] = wo[i][3] = 0.f;
+      float wm0 = -1e30f, wm1 = -1e30f, wl0 = 0.f, wl1 = 0.f;
       cp_wait<0>();  // the tile's group (and the stages issued before it)
-      // HC 16: the tile's two 8-head halves one after the other, both from the tile's rows in wbuf, which the
-      // parked entries overwrite only after both (the warp's own registers hold them until then)
-      float wo[NT][8][4], wm0[NT], wm1[NT], wl0[NT], wl1[NT];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        uint32_t qw[4][4];
-        window_q(a, qraw[nt], qvalid[nt], qrow[nt], t, qw);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) wo[nt][i][0] = wo[nt][i][1] = wo[nt][i][2] = wo[nt][i][3] = 0.f;
-        wm0[nt] = wm1[nt] = -1e30f;
-        wl0[nt] = wl1[nt] = 0.f;
-        window_compute(wt, wrow, wst, wbuf, qw, wo[nt], wm0[nt], wm1[nt], wl0[nt], wl1[nt]);
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        window_park<HC == 4 ? 4 : 8>(xo + 8 * nt * 128, xo + HC * 128 + 16 * nt, wo[nt], wm0[nt], wm1[nt], wl0[nt],
-                                     wl1[nt]);
+      window_compute(wt, wrow, wst, wbuf, qw, wo, wm0, wm1, wl0, wl1);
+      window_park<HC>(xo, xo + HC * 128, wo, wm0, wm1, wl0, wl1);
     } else {  // an empty tile: O 0, m -1e30, l 0, weighed 0 by the CTA merge (as an empty warp)
       for (int e = lane; e < HC * 128; e += 32) xo[e] = 0.f;
       if (lane < HC) {
@@ -904,28 +851,21 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // built while the first stages' copies are in flight
   // q' = c0 q 4^(2g - p) as this lane's B fragments: reg 2ks + w of k-step ks = (plane p, half hh) holds dims
   // p*32 + t*8 + 4hh + 2w + (0, 1) of column g's head; and the group sums of q. This lane's accumulator
-  // columns 2t, 2t+1 are heads head0, head0 + 1 (HC 4: columns 4..7 repeat heads 0..3) of each 8-column tile nt
-  // (HC 16: heads 8nt + head0, + 1)
-  const int head0 = HC == 4 ? (2 * t) & 3 : 2 * t;
+  // columns 2t, 2t+1 are heads head0, head0 + 1 (HC 4: columns 4..7 repeat heads 0..3)
+  const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;
 #if OSCAR_IMMA_K
-  uint32_t qhi[NT][8], qlo[NT][8];
-  float iS0[NT], iS1[NT];
+  float xs[4][8];  // c0 q at dims p*32 + t*8 + i, for the int8 q below (read once, here)
 #else
-  uint32_t qb[NT][16];
+  uint32_t qb[16];
 #endif
-  float q00[NT], q01[NT], q10[NT], q11[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-#if OSCAR_IMMA_K
-    float xs[4][8];  // c0 q at dims p*32 + t*8 + i, for the int8 q below (read once, here)
-#endif
-    float gs0 = 0.f, gs1 = 0.f;
+  float gs0 = 0.f, gs1 = 0.f;
+  {
 #pragma unroll
     for (int r = 0; r < 16; ++r) {
       const int ks = r >> 1, w = r & 1, p = ks >> 1, hh = ks & 1;
       const int d = p * 32 + t * 8 + 4 * hh + 2 * w;
       // word 2hh + w of plane p's 16 bytes holds dims d, d + 1
-      const float2 xq = q_pair(a, qraw[nt][p], 2 * hh + w, qvalid[nt], qrow[nt] + d);
+      const float2 xq = q_pair(a, qraw[p], 2 * hh + w, qvalid, qrow + d);
       const float x0 = xq.x, x1 = xq.y;
       if (p < 2) gs0 += x0 + x1; else gs1 += x0 + x1;
 #if OSCAR_IMMA_K
@@ -933,25 +873,28 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       xs[p][4 * hh + 2 * w + 1] = x1;
 #else
       const float f = (p & 1) ? 0.25f : 1.f;
-      qb[nt][r] = h2u(__floats2half2_rn(x0 * f, x1 * f));
+      qb[r] = h2u(__floats2half2_rn(x0 * f, x1 * f));
 #endif
     }
+  }
 #pragma unroll
-    for (int x = 1; x < 4; x <<= 1) {  // the quad's four lanes hold all 128 dims of column g's head
-      gs0 += __shfl_xor_sync(0xffffffffu, gs0, x);
-      gs1 += __shfl_xor_sync(0xffffffffu, gs1, x);
-    }
-    q00[nt] = __shfl_sync(0xffffffffu, gs0, head0 * 4) / kTwo24;  // quad g = head holds its sums
-    q01[nt] = __shfl_sync(0xffffffffu, gs0, (head0 + 1) * 4) / kTwo24;
-    q10[nt] = __shfl_sync(0xffffffffu, gs1, head0 * 4) / kTwo24;
-    q11[nt] = __shfl_sync(0xffffffffu, gs1, (head0 + 1) * 4) / kTwo24;
+  for (int x = 1; x < 4; x <<= 1) {  // the quad's four lanes hold all 128 dims of head g & 3
+    gs0 += __shfl_xor_sync(0xffffffffu, gs0, x);
+    gs1 += __shfl_xor_sync(0xffffffffu, gs1, x);
+  }
+  const float q00 = __shfl_sync(0xffffffffu, gs0, head0 * 4) / kTwo24;  // quad g = head holds its sums
+  const float q01 = __shfl_sync(0xffffffffu, gs0, (head0 + 1) * 4) / kTwo24;
+  const float q10 = __shfl_sync(0xffffffffu, gs1, head0 * 4) / kTwo24;
+  const float q11 = __shfl_sync(0xffffffffu, gs1, (head0 + 1) * 4) / kTwo24;
 #if OSCAR_IMMA_K
-    // q for the integer K dot: register 2p + w holds c0 q 4^-p of column g's head at dims p*32 + t*8 + 4w + 0..3 (the
-    // lane's bytes 8t + 4w .. + 3 of plane p, whose masked codes are c 4^p) as int8, scaled per plane group gp by
-    // S_gp = 16256 / max |c0 q 4^-p| over the warp's tile: v = x S = 128 hi + lo (hi in [-127, 127], lo in
-    // [-64, 64]). iS_gp = 2^-24 / S_gp puts the dot in the fp16 path's units (2^-24 log2), so the score math is
-    // unchanged.
-    // The group maxima of |c0 q 4^-p| over the warp, then per element four FMA-pipe ops: hm = v / 128 + magic (hi in
+  // q for the integer K dot: register 2p + w holds c0 q 4^-p of column g's head at dims p*32 + t*8 + 4w + 0..3 (the
+  // lane's bytes 8t + 4w .. + 3 of plane p, whose masked codes are c 4^p) as int8, scaled per plane group gp by
+  // S_gp = 16256 / max |c0 q 4^-p| over the warp: v = x S = 128 hi + lo (hi in [-127, 127], lo in [-64, 64]).
+  // iS_gp = 2^-24 / S_gp puts the dot in the fp16 path's units (2^-24 log2), so the score math is unchanged.
+  uint32_t qhi[8], qlo[8];
+  float iS0, iS1;
+  {
+    // the group maxima of |c0 q 4^-p| over the warp, then per element four FMA-pipe ops: hm = v / 128 + magic (hi in
     // its low byte), -128 hi + 128 magic, v - 128 hi, + magic (lo in its low byte), with v = c0 q 4^-p S folded into
     // one constant per plane; the packs take the low bytes of the fp32 bits directly
     float mq[4];
@@ -970,8 +913,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     // a group whose q is all but zero (max below 1e-30: 16256 / max would overflow to inf, and 0 . inf is NaN)
     // gets S 0, i.e. zero codes' dot; its scores keep the min terms
     const float S0 = mx0 > 1e-30f ? 16256.f / mx0 : 0.f, S1 = mx1 > 1e-30f ? 16256.f / mx1 : 0.f;
-    iS0[nt] = mx0 / (16256.f * kTwo24);
-    iS1[nt] = mx1 / (16256.f * kTwo24);
+    iS0 = mx0 / (16256.f * kTwo24);
+    iS1 = mx1 / (16256.f * kTwo24);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       const float kp = (p == 0 ? 1.f : p == 1 ? 0.25f : p == 2 ? 0.0625f : 0.015625f) * (p < 2 ? S0 : S1);
@@ -988,13 +931,13 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
           lb[i] = __float_as_uint(lm);
         }
         // the low byte of magic + n is n mod 256 (the magic's low byte is 0): n as int8
-        qhi[nt][2 * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);
-        qlo[nt][2 * p + w] = pack_s8(lb[0], lb[1], lb[2], lb[3]);
+        qhi[2 * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);
+        qlo[2 * p + w] = pack_s8(lb[0], lb[1], lb[2], lb[3]);
       }
     }
-#endif
   }
-  TRACE_MARK(kMarkQ, __float_as_uint(q11[NT - 1]));
+#endif
+  TRACE_MARK(kMarkQ, __float_as_uint(q11));
 
   for (int blk = 0; blk < nblocks; ++blk) {
     issue(blk + NSTAGE - 1);
@@ -1014,32 +957,20 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       const uint2 kw1 = *reinterpret_cast<const uint2*>(kcs + (sg + 8) * 32 + t * 8);
 #if OSCAR_IMMA_K
       // plane p's codes as c 4^p in each byte (A, u8: the lane's bytes 8t .. 8t + 7 of tokens sg, sg + 8 are k
-      // 4t.. and 16 + 4t.., matching qhi / qlo); hi and lo of each plane group in their own accumulators; one mask
-      // of the codes for every 8-column tile
-      int ih0[NT][4], il0[NT][4], ih1[NT][4], il1[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) ih0[nt][e] = il0[nt][e] = ih1[nt][e] = il1[nt][e] = 0;
-      }
+      // 4t.. and 16 + 4t.., matching qhi / qlo); hi and lo of each plane group in their own accumulators
+      int ih0[4] = {0, 0, 0, 0}, il0[4] = {0, 0, 0, 0}, ih1[4] = {0, 0, 0, 0}, il1[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
         const uint32_t M = 0x03030303u << (2 * p);
         const uint32_t a0 = kw0.x & M, a1 = kw1.x & M, a2 = kw0.y & M, a3 = kw1.y & M;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          imma16832(p < 2 ? ih0[nt] : ih1[nt], a0, a1, a2, a3, qhi[nt][2 * p], qhi[nt][2 * p + 1]);
-          imma16832(p < 2 ? il0[nt] : il1[nt], a0, a1, a2, a3, qlo[nt][2 * p], qlo[nt][2 * p + 1]);
-        }
+        imma16832(p < 2 ? ih0 : ih1, a0, a1, a2, a3, qhi[2 * p], qhi[2 * p + 1]);
+        imma16832(p < 2 ? il0 : il1, a0, a1, a2, a3, qlo[2 * p], qlo[2 * p + 1]);
       }
-      float acc0[NT][4], acc1[NT][4];
+      float acc0[4], acc1[4];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc0[nt][e] = (float)(ih0[nt][e] * 128 + il0[nt][e]);
-          acc1[nt][e] = (float)(ih1[nt][e] * 128 + il1[nt][e]);
-        }
+      for (int e = 0; e < 4; ++e) {
+        acc0[e] = (float)(ih0[e] * 128 + il0[e]);
+        acc1[e] = (float)(ih1[e] * 128 + il1[e]);
       }
 #else
       // two bytes -> the low bytes of two halfwords, shared by the four planes
@@ -1047,12 +978,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       const uint32_t lo0y = prmt(kw0.y, 0, 0x1100), hi0y = prmt(kw0.y, 0, 0x3322);
       const uint32_t lo1x = prmt(kw1.x, 0, 0x1100), hi1x = prmt(kw1.x, 0, 0x3322);
       const uint32_t lo1y = prmt(kw1.y, 0, 0x1100), hi1y = prmt(kw1.y, 0, 0x3322);
-      float acc0[NT][4], acc1[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc0[nt][e] = acc1[nt][e] = 0.f;
-      }
+      float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
         const uint32_t M = 0x00030003u << (2 * p);
@@ -1061,94 +987,75 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
           const int ks = 2 * p + hh;
           const uint32_t a0 = (hh ? lo0y : lo0x) & M, a1 = (hh ? lo1y : lo1x) & M;
           const uint32_t a2 = (hh ? hi0y : hi0x) & M, a3 = (hh ? hi1y : hi1x) & M;
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            if (p < 2) mma16816(acc0[nt], a0, a1, a2, a3, qb[nt][2 * ks], qb[nt][2 * ks + 1]);
-            else mma16816(acc1[nt], a0, a1, a2, a3, qb[nt][2 * ks], qb[nt][2 * ks + 1]);
-          }
+          if (p < 2) mma16816(acc0, a0, a1, a2, a3, qb[2 * ks], qb[2 * ks + 1]);
+          else mma16816(acc1, a0, a1, a2, a3, qb[2 * ks], qb[2 * ks + 1]);
         }
       }
 #endif
       const uint2* kps = reinterpret_cast<const uint2*>(st + kKpOff) + j * 16;
       const uint2 pr0 = kps[sg], pr1 = kps[sg + 8];
       const uint32_t py0 = kg128 ? pr0.x : pr0.y, py1 = kg128 ? pr1.x : pr1.y;  // dims 64..127's pair
-      const float mn0a = bf_hi(pr0.x), mn1a = bf_hi(py0), mn0b = bf_hi(pr1.x), mn1b = bf_hi(py1);
-      float s[NT][4];
-      bool up = false;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
 #if OSCAR_IMMA_K
-        const float sc0a = bf_lo(pr0.x) * iS0[nt], sc1a = bf_lo(py0) * iS1[nt];
-        const float sc0b = bf_lo(pr1.x) * iS0[nt], sc1b = bf_lo(py1) * iS1[nt];
+      const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, mn1a = bf_hi(py0);
+      const float sc0b = bf_lo(pr1.x) * iS0, mn0b = bf_hi(pr1.x), sc1b = bf_lo(py1) * iS1, mn1b = bf_hi(py1);
 #else
-        const float sc0a = bf_lo(pr0.x), sc1a = bf_lo(py0) * 0.0625f;
-        const float sc0b = bf_lo(pr1.x), sc1b = bf_lo(py1) * 0.0625f;
+      const float sc0a = bf_lo(pr0.x), mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * 0.0625f, mn1a = bf_hi(py0);
+      const float sc0b = bf_lo(pr1.x), mn0b = bf_hi(pr1.x), sc1b = bf_lo(py1) * 0.0625f, mn1b = bf_hi(py1);
 #endif
-        s[nt][0] = fmaf(mn1a, q10[nt], fmaf(mn0a, q00[nt], fmaf(acc1[nt][0], sc1a, acc0[nt][0] * sc0a)));
-        s[nt][1] = fmaf(mn1a, q11[nt], fmaf(mn0a, q01[nt], fmaf(acc1[nt][1], sc1a, acc0[nt][1] * sc0a)));
-        s[nt][2] = fmaf(mn1b, q10[nt], fmaf(mn0b, q00[nt], fmaf(acc1[nt][2], sc1b, acc0[nt][2] * sc0b)));
-        s[nt][3] = fmaf(mn1b, q11[nt], fmaf(mn0b, q01[nt], fmaf(acc1[nt][3], sc1b, acc0[nt][3] * sc0b)));
-        if (!full) {
-          const int pa = pos0 + j * 16 + sg;
-          if (pa >= hi) s[nt][0] = s[nt][1] = -INFINITY;
-          if (pa + 8 >= hi) s[nt][2] = s[nt][3] = -INFINITY;
-        }
-        up |= (s[nt][0] > thr0[nt]) | (s[nt][1] > thr1[nt]) | (s[nt][2] > thr0[nt]) | (s[nt][3] > thr1[nt]);
+      float s[4];
+      s[0] = fmaf(mn1a, q10, fmaf(mn0a, q00, fmaf(acc1[0], sc1a, acc0[0] * sc0a)));
+      s[1] = fmaf(mn1a, q11, fmaf(mn0a, q01, fmaf(acc1[1], sc1a, acc0[1] * sc0a)));
+      s[2] = fmaf(mn1b, q10, fmaf(mn0b, q00, fmaf(acc1[2], sc1b, acc0[2] * sc0b)));
+      s[3] = fmaf(mn1b, q11, fmaf(mn0b, q01, fmaf(acc1[3], sc1b, acc0[3] * sc0b)));
+      if (!full) {
+        const int pa = pos0 + j * 16 + sg;
+        if (pa >= hi) s[0] = s[1] = -INFINITY;
+        if (pa + 8 >= hi) s[2] = s[3] = -INFINITY;
       }
+      const bool up = (s[0] > thr0) | (s[1] > thr1) | (s[2] > thr0) | (s[3] > thr1);
       if (__any_sync(0xffffffffu, up)) {  // rare after the first tiles: the exact max and a rescale
+        float c0 = fmaxf(s[0], s[2]), c1 = fmaxf(s[1], s[3]);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          float c0 = fmaxf(s[nt][0], s[nt][2]), c1 = fmaxf(s[nt][1], s[nt][3]);
-#pragma unroll
-          for (int x = 4; x < 32; x <<= 1) {
-            c0 = fmaxf(c0, __shfl_xor_sync(0xffffffffu, c0, x));
-            c1 = fmaxf(c1, __shfl_xor_sync(0xffffffffu, c1, x));
-          }
-          const float n0 = fmaxf(m0[nt], c0 * kTwo24), n1 = fmaxf(m1[nt], c1 * kTwo24);
-          const float al0 = ex2(m0[nt] - n0), al1 = ex2(m1[nt] - n1);
-          m0[nt] = n0; m1[nt] = n1;
-          thr0[nt] = (n0 + kLazy) / kTwo24; thr1[nt] = (n1 + kLazy) / kTwo24;
-          l0[nt] *= al0; l1[nt] *= al1; lv0[nt] *= al0; lv1[nt] *= al1;
-          if (HC != 4) { lw0[nt] *= al0; lw1[nt] *= al1; }
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            o[nt][i][0] *= al0; o[nt][i][1] *= al1; o[nt][i][2] *= al0; o[nt][i][3] *= al1;
-          }
+        for (int x = 4; x < 32; x <<= 1) {
+          c0 = fmaxf(c0, __shfl_xor_sync(0xffffffffu, c0, x));
+          c1 = fmaxf(c1, __shfl_xor_sync(0xffffffffu, c1, x));
         }
+        const float n0 = fmaxf(m0, c0 * kTwo24), n1 = fmaxf(m1, c1 * kTwo24);
+        const float al0 = ex2(m0 - n0), al1 = ex2(m1 - n1);
+        m0 = n0; m1 = n1;
+        thr0 = (m0 + kLazy) / kTwo24; thr1 = (m1 + kLazy) / kTwo24;
+        l0 *= al0; l1 *= al1; lv0 *= al0; lv1 *= al1;
+        if (HC == 8) { lw0 *= al0; lw1 *= al1; }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { o[i][0] *= al0; o[i][1] *= al1; o[i][2] *= al0; o[i][3] *= al1; }
       }
+      const float p0 = ex2(fmaf(s[0], kTwo24, -m0)), p1 = ex2(fmaf(s[1], kTwo24, -m1));
+      const float p2 = ex2(fmaf(s[2], kTwo24, -m0)), p3 = ex2(fmaf(s[3], kTwo24, -m1));
+      l0 += p0 + p2; l1 += p1 + p3;
       const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + kVpOff) + j * 32;
-      uint32_t b0[NT], b1[NT], c0[NT], c1[NT];  // the V dot's B operands: m-tiles 0..3 (V group 0) take b, 4..7 c
+      uint32_t b0, b1, c0, c1;  // the V dot's B operands: m-tiles 0..3 (V group 0) take b, 4..7 (group 1) c
       if (HC == 4) {
         // columns 0..3 carry p.scale of V group 0, columns 4..7 of group 1: one operand pair serves both groups
         const int vsel = vg128 ? 0 : gsel;  // this lane's V group pair
         const uint32_t vr0 = vps[sg * 2 + vsel], vr1 = vps[(sg + 8) * 2 + vsel];
         const float vsa = bf_lo(vr0), vma = bf_hi(vr0), vsb = bf_lo(vr1), vmb = bf_hi(vr1);
-        const float p0 = ex2(fmaf(s[0][0], kTwo24, -m0[0])), p1 = ex2(fmaf(s[0][1], kTwo24, -m1[0]));
-        const float p2 = ex2(fmaf(s[0][2], kTwo24, -m0[0])), p3 = ex2(fmaf(s[0][3], kTwo24, -m1[0]));
-        l0[0] += p0 + p2; l1[0] += p1 + p3;
-        lv0[0] = fmaf(p0, vma, fmaf(p2, vmb, lv0[0]));
-        lv1[0] = fmaf(p1, vma, fmaf(p3, vmb, lv1[0]));
-        b0[0] = c0[0] = movm_trans(h2u(__floats2half2_rn(p0 * vsa, p1 * vsa)));
-        b1[0] = c1[0] = movm_trans(h2u(__floats2half2_rn(p2 * vsb, p3 * vsb)));
+        lv0 = fmaf(p0, vma, fmaf(p2, vmb, lv0));
+        lv1 = fmaf(p1, vma, fmaf(p3, vmb, lv1));
+        b0 = c0 = movm_trans(h2u(__floats2half2_rn(p0 * vsa, p1 * vsa)));
+        b1 = c1 = movm_trans(h2u(__floats2half2_rn(p2 * vsb, p3 * vsb)));
       } else {
         // eight heads in eight columns: p.scale of group 0 for m-tiles 0..3, of group 1 for 4..7 (the same word
         // at G = 128)
         const uint32_t va0 = vps[sg * 2], vb0 = vps[(sg + 8) * 2];
         const uint32_t va1 = vg128 ? va0 : vps[sg * 2 + 1], vb1 = vg128 ? vb0 : vps[(sg + 8) * 2 + 1];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const float p0 = ex2(fmaf(s[nt][0], kTwo24, -m0[nt])), p1 = ex2(fmaf(s[nt][1], kTwo24, -m1[nt]));
-          const float p2 = ex2(fmaf(s[nt][2], kTwo24, -m0[nt])), p3 = ex2(fmaf(s[nt][3], kTwo24, -m1[nt]));
-          l0[nt] += p0 + p2; l1[nt] += p1 + p3;
-          lv0[nt] = fmaf(p0, bf_hi(va0), fmaf(p2, bf_hi(vb0), lv0[nt]));
-          lv1[nt] = fmaf(p1, bf_hi(va0), fmaf(p3, bf_hi(vb0), lv1[nt]));
-          lw0[nt] = fmaf(p0, bf_hi(va1), fmaf(p2, bf_hi(vb1), lw0[nt]));
-          lw1[nt] = fmaf(p1, bf_hi(va1), fmaf(p3, bf_hi(vb1), lw1[nt]));
-          b0[nt] = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va0), p1 * bf_lo(va0))));
-          b1[nt] = movm_trans(h2u(__floats2half2_rn(p2 * bf_lo(vb0), p3 * bf_lo(vb0))));
-          c0[nt] = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va1), p1 * bf_lo(va1))));
-          c1[nt] = movm_trans(h2u(__floats2half2_rn(p2 * bf_lo(vb1), p3 * bf_lo(vb1))));
-        }
+        lv0 = fmaf(p0, bf_hi(va0), fmaf(p2, bf_hi(vb0), lv0));
+        lv1 = fmaf(p1, bf_hi(va0), fmaf(p3, bf_hi(vb0), lv1));
+        lw0 = fmaf(p0, bf_hi(va1), fmaf(p2, bf_hi(vb1), lw0));
+        lw1 = fmaf(p1, bf_hi(va1), fmaf(p3, bf_hi(vb1), lw1));
+        b0 = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va0), p1 * bf_lo(va0))));
+        b1 = movm_trans(h2u(__floats2half2_rn(p2 * bf_lo(vb0), p3 * bf_lo(vb0))));
+        c0 = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va1), p1 * bf_lo(va1))));
+        c1 = movm_trans(h2u(__floats2half2_rn(p2 * bf_lo(vb1), p3 * bf_lo(vb1))));
       }
       const uint8_t* vcs = st + kVcOff + j * 16 * 32 + 4 * g;
       const uint32_t wA = *reinterpret_cast<const uint32_t*>(vcs + t * 32);
@@ -1163,30 +1070,24 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       for (int mt = 0; mt < 8; ++mt) {
         const int p = mt >> 1, hb = mt & 1;
         const uint32_t M = 0x00030003u << (2 * p);
-        const uint32_t x0 = (hb ? e2 : e0) & M, x1 = (hb ? e3 : e1) & M, x2 = (hb ? f2 : f0) & M;
-        const uint32_t x3 = (hb ? f3 : f1) & M;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          mma16816(o[nt][mt], x0, x1, x2, x3, mt < 4 ? b0[nt] : c0[nt], mt < 4 ? b1[nt] : c1[nt]);
+        mma16816(o[mt], (hb ? e2 : e0) & M, (hb ? e3 : e1) & M, (hb ? f2 : f0) & M, (hb ? f3 : f1) & M,
+                 mt < 4 ? b0 : c0, mt < 4 ? b1 : c1);
       }
     }
     __syncwarp();  // this stage is refilled by the next iteration's issue
   }
   cp_wait<0>();
-  TRACE_MARK(kMarkLoop, __float_as_uint(l0[0]));
+  TRACE_MARK(kMarkLoop, __float_as_uint(l0));
 
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-    for (int x = 4; x < 32; x <<= 1) {
-      l0[nt] += __shfl_xor_sync(0xffffffffu, l0[nt], x);
-      l1[nt] += __shfl_xor_sync(0xffffffffu, l1[nt], x);
-      lv0[nt] += __shfl_xor_sync(0xffffffffu, lv0[nt], x);
-      lv1[nt] += __shfl_xor_sync(0xffffffffu, lv1[nt], x);
-      if (HC != 4) {
-        lw0[nt] += __shfl_xor_sync(0xffffffffu, lw0[nt], x);
-        lw1[nt] += __shfl_xor_sync(0xffffffffu, lw1[nt], x);
-      }
+  for (int x = 4; x < 32; x <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+    lv0 += __shfl_xor_sync(0xffffffffu, lv0, x);
+    lv1 += __shfl_xor_sync(0xffffffffu, lv1, x);
+    if (HC == 8) {
+      lw0 += __shfl_xor_sync(0xffffffffu, lw0, x);
+      lw1 += __shfl_xor_sync(0xffffffffu, lw1, x);
     }
   }
   // The CTA's merge (store_cta_partial). Each warp parks its unnormalised O = c.2^(24-2p) + lv (HC heads x 128
@@ -1195,16 +1096,15 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   float* so = reinterpret_cast<float*>(smem);  // [nwarps][HC heads][128]
   float* sml = so + nwarps * HC * 128;         // [nwarps][HC heads] (m, l)
   float* ow = so + warp * HC * 128;
-  // m-tile mt's rows g, g + 8 are dims d0, d0 + 1 (the V codes' plane p = mt / 2); tile nt's heads 8nt on
-  auto park = [&](int nt, int mt, const float (&c)[4], float v0, float v1) {
+  // m-tile mt's rows g, g + 8 are dims d0, d0 + 1 (the V codes' plane p = mt / 2)
+  auto park = [&](int mt, const float (&c)[4], float v0, float v1) {
     const int p = mt >> 1, hb = mt & 1;
     const float fac = __int_as_float((127 + 24 - 2 * p) << 23);  // 2^(24 - 2p), undoes the subnormal codes
     const int d0 = p * 32 + 4 * g + 2 * hb;
-    float* on = ow + 8 * nt * 128;
-    on[head0 * 128 + d0] = fmaf(c[0], fac, v0);
-    on[(head0 + 1) * 128 + d0] = fmaf(c[1], fac, v1);
-    on[head0 * 128 + d0 + 1] = fmaf(c[2], fac, v0);
-    on[(head0 + 1) * 128 + d0 + 1] = fmaf(c[3], fac, v1);
+    ow[head0 * 128 + d0] = fmaf(c[0], fac, v0);
+    ow[(head0 + 1) * 128 + d0] = fmaf(c[1], fac, v1);
+    ow[head0 * 128 + d0 + 1] = fmaf(c[2], fac, v0);
+    ow[(head0 + 1) * 128 + d0 + 1] = fmaf(c[3], fac, v1);
   };
   if (HC == 4) {
 #pragma unroll
@@ -1213,23 +1113,16 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       // not o[4 * gsel + i], which would put o in local memory
       float c[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) c[e] = gsel ? o[0][4 + i][e] : o[0][i][e];
-      park(0, 4 * gsel + i, c, lv0[0], lv1[0]);
+      for (int e = 0; e < 4; ++e) c[e] = gsel ? o[4 + i][e] : o[i][e];
+      park(4 * gsel + i, c, lv0, lv1);
     }
   } else {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int mt = 0; mt < 8; ++mt)
-        park(nt, mt, o[nt][mt], mt < 4 ? lv0[nt] : lw0[nt], mt < 4 ? lv1[nt] : lw1[nt]);
-    }
+    for (int mt = 0; mt < 8; ++mt) park(mt, o[mt], mt < 4 ? lv0 : lw0, mt < 4 ? lv1 : lw1);
   }
-  if (g == 0 && (HC != 4 || t < 2)) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      float* ml = sml + (warp * HC + 8 * nt + head0) * 2;
-      ml[0] = m0[nt]; ml[1] = l0[nt]; ml[2] = m1[nt]; ml[3] = l1[nt];
-    }
+  if (g == 0 && (HC == 8 || t < 2)) {
+    float* ml = sml + (warp * HC + head0) * 2;
+    ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
   }
   __syncthreads();
   if (after_write) grid_dependency_wait();  // this grid ends after the write (long done by now)
@@ -1246,7 +1139,7 @@ int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t s
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(bh, grid_y);
   cfg.blockDim = dim3(warps * 32);
-  cfg.dynamicSmemBytes = cta_smem(NSTAGE, warps, a.fold_tiles > 0, HC);
+  cfg.dynamicSmemBytes = cta_smem(NSTAGE, warps, a.fold_tiles > 0);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the window programs run
@@ -1261,37 +1154,33 @@ template <int NSTAGE, int HC>
 int prepare(int) {  // the dynamic shared-memory limit, once, before any graph capture
   // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
   // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
-  const int bytes = cta_smem(NSTAGE, 8, true, HC);
   const int rc = (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, true>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, cta_smem(NSTAGE, 8, true));
   return rc ? rc : (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, false>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, cta_smem(NSTAGE, 8, true));
 }
 
 template <int NSTAGE, int HC>
-int occupancy(int warps) {  // the fewer of the two group instances' (test_cuda_history_sass.py: same registers)
+int occupancy(int warps) {  // the fewer of the two group instances' (both 128 registers: test_cuda_history_sass.py)
   int n = 0, n128 = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC, true>, warps * 32,
-                                                cta_smem(NSTAGE, warps, false, HC));
+                                                warps * warp_smem(NSTAGE));
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n128, int2_history_kernel<NSTAGE, HC, false>, warps * 32,
-                                                cta_smem(NSTAGE, warps, false, HC));
+                                                warps * warp_smem(NSTAGE));
   return n < n128 ? n : n128;
 }
 
 }  // namespace
 
-// HC: query heads per CTA column, 4 (columns 4..7 of a warp's tile repeat heads 0..3), 8 (one head per column) or
-// 16 (two 8-column tiles)
+// HC: query heads per CTA column, 4 (columns 4..7 of a warp's tile repeat heads 0..3) or 8 (one head per column)
 #define DISPATCH(NS, HC, FN, ...)                                       \
-  switch (NS * 32 + HC) {                                                \
-    case 2 * 32 + 4: return FN<2, 4>(__VA_ARGS__);                       \
-    case 3 * 32 + 4: return FN<3, 4>(__VA_ARGS__);                       \
-    case 4 * 32 + 4: return FN<4, 4>(__VA_ARGS__);                       \
-    case 2 * 32 + 8: return FN<2, 8>(__VA_ARGS__);                       \
-    case 3 * 32 + 8: return FN<3, 8>(__VA_ARGS__);                       \
-    case 4 * 32 + 8: return FN<4, 8>(__VA_ARGS__);                       \
-    case 2 * 32 + 16: return FN<2, 16>(__VA_ARGS__);                     \
-    case 3 * 32 + 16: return FN<3, 16>(__VA_ARGS__);                     \
+  switch (NS * 16 + HC) {                                                \
+    case 2 * 16 + 4: return FN<2, 4>(__VA_ARGS__);                       \
+    case 3 * 16 + 4: return FN<3, 4>(__VA_ARGS__);                       \
+    case 4 * 16 + 4: return FN<4, 4>(__VA_ARGS__);                       \
+    case 2 * 16 + 8: return FN<2, 8>(__VA_ARGS__);                       \
+    case 3 * 16 + 8: return FN<3, 8>(__VA_ARGS__);                       \
+    case 4 * 16 + 8: return FN<4, 8>(__VA_ARGS__);                       \
     default: return -1;                                                  \
   }
 
