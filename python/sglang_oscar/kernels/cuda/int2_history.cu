@@ -82,9 +82,6 @@ constexpr int kVcOff = kTok * 32, kKpOff = kTok * 64, kVpOff = kTok * 72;
 // a warp's shared memory: its NSTAGE stages, and at least the one K and one V tile of 16 BF16 rows (8 KB) that a
 // window CTA's warp reads (window_cta)
 constexpr int warp_smem(int nstage) { return nstage * kStageBytes > 8192 ? nstage * kStageBytes : 8192; }
-// The CTA merge's area from the start of a CTA's memory (store_cta_partial): [warps][HC][128] O, [warps][HC] (m, l) and
-// [warps + 1][HC] weights, at most warps x 4192 + 32 bytes at HC 8: inside the warps' stages (>= 5120 bytes each), so
-// below the folded tile's 8 KB past them.
 // a CTA's shared memory: its warps', and with the window folded (Args.fold_tiles) 8 KB past the warps' stages for
 // warp 0's window tile (inside the warps' 8 KB each at 2 stages of 32 tokens: no more than without)
 constexpr int cta_smem(int nstage, int warps, bool fold) {
@@ -313,49 +310,33 @@ __device__ __forceinline__ float2 q_pair(const Args& a, const uint4& v, int k, b
 }
 
 // The CTA's merge. Each warp has parked its unnormalised O (HC heads x 128 dims) and its (m, l) per head in shared
-// memory (so, sml): M = max m_w, L = sum 2^(m_w - M) l_w, O = sum 2^(m_w - M) O_w / L. An empty warp has l = 0 and
-// m = -1e30, so it weighs 0 (or all weigh 1 and L = 0: an empty split, o 0 and lse -inf).
-// First the weights 2^(m_w - M) / L of each (entry, head), one thread per head, into shared memory past sml (sw:
-// [nwarps + 1][HC]); then thread e of the CTA sums output e (+ k.threads) with them. Why: recomputed per output, the
-// weights cost every thread 8 ex2 per output (HC 4 / 8: 2 / 4 outputs per thread at 8 warps), in the epilogue that
-// ends each batch-1 call.
+// memory (so, sml); thread e of the CTA combines output e (+ k.threads) over the warps: M = max m_w,
+// O = sum 2^(m_w - M) O_w, L = sum 2^(m_w - M) l_w. An empty warp has l = 0 and m = -1e30, so it weighs 0 (or all
+// weigh 1 and L = 0: an empty split, o 0 and lse -inf).
 // xo: one more entry ([HC][128] O, then [HC] (m, l)) beside the warps' (a folded window tile's), or null.
 template <int HC>
 __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so, const float* sml, int nwarps, int nh,
                                                   int hq_base, int split, const float* xo = nullptr) {
-  float* sw = const_cast<float*>(sml) + nwarps * HC * 2;  // [nwarps + 1][HC] (cta_smem: inside the CTA's memory)
-  const int hl = threadIdx.x;
-  if (hl < nh) {
-    float M = -1e30f;
-#pragma unroll 1
-    for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sml[(w * HC + hl) * 2]);
-    if (xo) M = fmaxf(M, xo[HC * 128 + hl * 2]);
-    float L = 0.f;
-#pragma unroll 1
-    for (int w = 0; w < nwarps; ++w) {
-      const float wt = ex2(sml[(w * HC + hl) * 2] - M);
-      sw[w * HC + hl] = wt;
-      L = fmaf(wt, sml[(w * HC + hl) * 2 + 1], L);
-    }
-    float wx = 0.f;
-    if (xo) {
-      wx = ex2(xo[HC * 128 + hl * 2] - M);
-      L = fmaf(wx, xo[HC * 128 + hl * 2 + 1], L);
-    }
-    const float inv = L > 0.f ? 1.f / L : 0.f;  // an empty split: every weight 0, o 0
-#pragma unroll 1
-    for (int w = 0; w < nwarps; ++w) sw[w * HC + hl] *= inv;
-    sw[nwarps * HC + hl] = wx * inv;
-    a.lse_part[((size_t)hq_base + hl) * a.ns_total + split] = L > 0.f ? M + __log2f(L) : -INFINITY;
-  }
-  __syncthreads();
   for (int e = threadIdx.x; e < HC * 128; e += blockDim.x) {
     const int hl = e >> 7, d = e & 127;
     if (hl >= nh) continue;
-    float O = 0.f;
-    for (int w = 0; w < nwarps; ++w) O = fmaf(sw[w * HC + hl], so[(w * HC + hl) * 128 + d], O);
-    if (xo) O = fmaf(sw[nwarps * HC + hl], xo[hl * 128 + d], O);
-    a.o_part[(((size_t)hq_base + hl) * a.ns_total + split) * 128 + d] = O;
+    float M = -1e30f;
+    for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sml[(w * HC + hl) * 2]);
+    if (xo) M = fmaxf(M, xo[HC * 128 + hl * 2]);
+    float L = 0.f, O = 0.f;
+    for (int w = 0; w < nwarps; ++w) {
+      const float wt = ex2(sml[(w * HC + hl) * 2] - M);
+      L = fmaf(wt, sml[(w * HC + hl) * 2 + 1], L);
+      O = fmaf(wt, so[(w * HC + hl) * 128 + d], O);
+    }
+    if (xo) {
+      const float wt = ex2(xo[HC * 128 + hl * 2] - M);
+      L = fmaf(wt, xo[HC * 128 + hl * 2 + 1], L);
+      O = fmaf(wt, xo[hl * 128 + d], O);
+    }
+    const size_t row = (size_t)hq_base + hl;
+    a.o_part[(row * a.ns_total + split) * 128 + d] = L > 0.f ? O / L : 0.f;
+    if (d == 0) a.lse_part[row * a.ns_total + split] = L > 0.f ? M + __log2f(L) : -INFINITY;
   }
 }
 
