@@ -952,8 +952,9 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write):
 def test_cuda_history_after_the_kv_write_batch_1(gqa, monkeypatch):
     """One request chained to its KV write, q rotated by the write: oscar_decode picks chained_num_splits (its
     context bounds lowered to this case's: they are a speed choice); the output matches the oracle on the written
-    cache, and the plain (unchained) decode of the same cache to rounding. GQA 12 (GLM-4.x, 16 head-group columns):
-    the chained count without window CTAs is below the fold's 20 tiles, so plan() asks again with them (two picks)."""
+    cache, and the plain (unchained) decode of the same cache to rounding. Where the chained count without window CTAs
+    is below the fold's 20 tiles (GQA 12: 16 head-group columns; any GQA at this short width, CHAINED_MIN_ROWS), plan()
+    asks again with them: one or two picks, all chained."""
     from sglang_oscar.kernels import history_cuda
     from sglang_oscar.kernels.write import oscar_write_kv
 
@@ -980,9 +981,8 @@ def test_cuda_history_after_the_kv_write_batch_1(gqa, monkeypatch):
     run_and_check({**case, "q": q_out.clone()}, history_kernel="cuda")  # the oracle on the cache as written
     torch.testing.assert_close(out.float(), oscar_decode(**{**case, "q": q_out}, history_kernel="cuda").float(),
                                rtol=1e-2, atol=1e-2)
-    # the chained call only: one pick where it folds (GQA 4 / 8: 30 splits), two where it does not (GQA 12: 15, then
-    # with the window CTAs' slots)
-    assert len(picked) == (1 if gqa <= 8 else 2) and all(1 < p <= history_cuda.MAX_PARTIALS for p in picked), picked
+    # the chained call only (the plain decodes above use the default count)
+    assert len(picked) in (1, 2) and all(1 < p <= history_cuda.MAX_PARTIALS for p in picked), picked
 
 
 def test_cuda_history_ctypes_signature_matches_the_source():
@@ -1028,6 +1028,15 @@ def test_cuda_chained_split_count(monkeypatch):
     assert history_cuda.chained_num_splits(1, 4, 132, write_programs=3, window_partials=3) == \
         history_cuda.MAX_PARTIALS - 3
     assert history_cuda.chained_num_splits(64, 4, 16, write_programs=192, window_partials=3) == 1
+    # CHAINED_MIN_ROWS: above one CTA per SM with < 96 rows per warp, one CTA per SM. GLM-4.7 TP8 (1 KV head, GQA 12:
+    # 2 head-group columns, 3 write programs): the round's 130 leaves 31-63 rows per warp at 32k-64k -> 66; TP4 (4
+    # columns, 6 programs): 64 -> 33 at 32k (64 rows), 64 kept at 64k (128 rows); Qwen3-8B keeps 27 (151 rows at 32k)
+    glm8 = [history_cuda.chained_num_splits(1, 12, 132, 3, 0, max_context=c) for c in (1 << 15, 1 << 16)]
+    assert glm8 == [66, 66] and history_cuda.chained_num_splits(1, 12, 132, 3, 0) == 130
+    glm4 = [history_cuda.chained_num_splits(2, 12, 132, 6, 0, max_context=c) for c in (1 << 15, 1 << 16)]
+    assert glm4 == [33, 64]
+    assert history_cuda.chained_num_splits(8, 4, 132, 24, 3, max_context=1 << 15) == 27
+    assert history_cuda.split_count(1, 1, 12, 1 << 16, 132, 0, chained_write_programs=3) == 66
     # split_count, oscar_decode's pick: chained only for one chained request at a 32k-64k req_to_token width
     from sglang_oscar.kernels.write import write_grid
 

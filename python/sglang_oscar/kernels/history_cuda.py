@@ -285,20 +285,35 @@ def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, 
 # late start of the last ones (at 48k the split sweep's neighbours, 26 and 28, were 1.02-1.03x the one-round count).
 # Below 32k it was not measured, and there the one-round count is capped by MIN_ROWS_PER_SPLIT, so it stays.
 CHAINED_MIN_CONTEXT, CHAINED_MAX_CONTEXT = 1 << 15, 1 << 16
+# ...but a chained count of more than one CTA per SM that leaves fewer than CHAINED_MIN_ROWS rows per warp falls back to
+# one CTA per SM (SMs // columns): with few CTA columns the round's second CTA per SM streams only 1-3 blocks of 32
+# tokens per warp for its own fixed cost (index chain, q build, CTA merge). H200 sweeps of the chain at batch 1
+# (results/probe_split_count_chain_*_90633ff_*): GLM-4.7 TP8 (2 columns) 66 splits 0.91-0.94x the time of the round's
+# 130 at 32k / 48k / 64k (31-63 rows per warp at 130); TP4 (4 columns) 33 splits 0.98x at 32k (64 rows at 64), even at
+# 64k (128 rows); Qwen3-8B (8 columns) keeps the round's 30 (136 / 273 rows at 32k / 64k), where one per SM (16) took
+# 1.14x / 1.32x the time.
+CHAINED_MIN_ROWS = 96
 
 
-def chained_num_splits(kv_heads: int, gqa: int, num_sms: int, write_programs: int, window_partials: int = 8) -> int:
+def chained_num_splits(kv_heads: int, gqa: int, num_sms: int, write_programs: int, window_partials: int = 8,
+                       max_context: Optional[int] = None) -> int:
     """History splits per CTA column for one request chained to its KV write (oscar_decode follows_write, batch 1):
     the slots of one round that the write's programs and this grid's window CTAs leave. Why: launched as the write's
     programmatic dependent, the history CTAs start beside the write's programs, and an SM holding one of those has no
     registers left for a second history CTA (two take all 64K), so with the one-round count (default_num_splits)
     the last-dispatched CTAs start only when the write ends (~6 us later) and end the call that much later. Measured
     at batch 1 only (H100, Qwen3-8B / 32B layers, benchmark/NOTES.md "The chained layer's timeline"): at batch 2-4
-    the one-round count stayed the fastest, and outside [CHAINED_MIN_CONTEXT, CHAINED_MAX_CONTEXT] too."""
+    the one-round count stayed the fastest, and outside [CHAINED_MIN_CONTEXT, CHAINED_MAX_CONTEXT] too. With
+    max_context (req_to_token's width), a count above one CTA per SM that leaves < CHAINED_MIN_ROWS rows per warp
+    becomes one CTA per SM (GLM-4.x's few head-group columns; see the constant)."""
     ctas = occupancy(heads=cta_heads(gqa))
     cols = max(cta_columns(kv_heads, gqa), 1)
     free = num_sms * ctas - write_programs - cols * window_partials
-    return max(1, min(free // cols, MAX_PARTIALS - window_partials))
+    n = free // cols
+    one_per_sm = num_sms // cols
+    if max_context is not None and n > one_per_sm >= 1 and max_context // (n * WARPS) < CHAINED_MIN_ROWS:
+        n = one_per_sm
+    return max(1, min(n, MAX_PARTIALS - window_partials))
 
 
 def plan(batch: int, kv_heads: int, gqa: int, max_context: int, num_sms: int, sink: int, window: int,
@@ -326,7 +341,7 @@ def split_count(batch: int, kv_heads: int, gqa: int, max_context: int, num_sms: 
     window_partials 0: a grid without window CTAs (the window folded, plan), so no slot is kept for them."""
     if (chained_write_programs is not None and batch == 1
             and CHAINED_MIN_CONTEXT <= max_context <= CHAINED_MAX_CONTEXT):
-        return chained_num_splits(kv_heads, gqa, num_sms, chained_write_programs, window_partials)
+        return chained_num_splits(kv_heads, gqa, num_sms, chained_write_programs, window_partials, max_context)
     n = default_num_splits(batch * kv_heads, gqa, max_context, num_sms, window_partials)
     if batch == 1 and window_partials:
         cols = max(cta_columns(kv_heads, gqa), 1)
