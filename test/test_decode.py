@@ -1153,7 +1153,8 @@ def test_cuda_window_ctas_match_the_oracle(sink, window, lens, ring_starts, warp
 def test_cuda_window_folded_into_the_history_ctas(sink, window, lens, ring_starts, gqa, warps, monkeypatch):
     """The window folded into the history CTAs (history_cuda.folds: warp 0 of split i reads window tile i, no window
     CTAs, and hands up to min(7, warps - 1) 16-row units of its history to the next warps): at the fold's smallest
-    split count (one split per tile) and a larger one, at GQA 4 and 8 (4- and 8-head tiles), 8 and 2 warps per CTA,
+    split count (one split per tile) and a larger one, at GQA 4 and 8 (4- and 8-head tiles), GQA 12 and 16 (head
+    groups of 8: two CTA columns per KV head, each folding its own copy of the tile), 8 and 2 warps per CTA,
     with sink positions whose INT2 records are read into the tile, with the in-kernel merge, and against the oracle
     with poisoned outputs; the same calls with FOLD_WINDOW off (window CTAs) agree with the oracle too."""
     from sglang_oscar.kernels import history_cuda
