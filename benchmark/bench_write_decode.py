@@ -149,23 +149,27 @@ def flashinfer_chain_fns(b, hq, hkv, d, ctx, copies, fp8):
 
 
 def plot(res, path):
-    """Chain per layer (us, log) against batch, one panel per context."""
+    """Chain per layer (us, log) against batch: one row of panels per model, one panel per context (several models
+    in one panel mixed their points under the first model's title)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = res["rows"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
     ctxs = sorted({r["context"] for r in rows})
-    fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 4), squeeze=False)
-    for ax, ctx in zip(axes[0], ctxs):
-        for impl in dict.fromkeys(r["impl"] for r in rows):
-            pts = sorted((r["batch"], 1e3 * r["ms"]) for r in rows if r["impl"] == impl and r["context"] == ctx)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=impl, linestyle="--" if impl.startswith("flash") else "-")
-        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="write + decode per layer (us)",
-               title=f"{rows[0]['model']}, context {ctx // 1024}k")
-        ax.grid(True, which="both", alpha=0.3)
+    fig, axes = plt.subplots(len(models), len(ctxs), figsize=(5 * len(ctxs), 4 * len(models)), squeeze=False)
+    for axrow, model in zip(axes, models):
+        for ax, ctx in zip(axrow, ctxs):
+            for impl in dict.fromkeys(r["impl"] for r in rows):
+                pts = sorted((r["batch"], 1e3 * r["ms"]) for r in rows
+                             if r["impl"] == impl and r["context"] == ctx and r["model"] == model)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=impl, linestyle="--" if impl.startswith("flash") else "-")
+            ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="write + decode per layer (us)",
+                   title=f"{model}, context {ctx // 1024}k")
+            ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{res['device']}, {res['versions'].get('git_commit', '')}", fontsize=9)
     fig.tight_layout()

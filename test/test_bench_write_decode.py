@@ -38,3 +38,20 @@ def test_committed_result_rows():
         assert r["ms"] > r["write_ms"] > 0 and abs(r["decode_share_ms"] - (r["ms"] - r["write_ms"])) < 1e-9
     for impl in impls - {"flashinfer_bf16"}:  # FlashInfer BF16 at 128k batch 64 is past the bench's memory cap
         assert {(r["context"], r["batch"]) for r in rows if r["impl"] == impl} == points, impl
+
+
+def test_plot_has_a_row_of_panels_per_model(tmp_path):
+    """A result of two models (GLM-4.7 TP8 and TP4) plots one row of panels per model: twice the height of one row
+    (they used to share the first model's panels)."""
+    import matplotlib.image as mpimg
+
+    two = os.path.join(REPO, "benchmark", "results", "decode_step_layer_glm_7b14a5c_NVIDIA_H200.json")
+    assert len({r["model"] for r in json.load(open(two))["rows"]}) == 2
+    heights = []
+    for i, path in enumerate((two, _latest())):
+        out = tmp_path / str(i)
+        out.mkdir()
+        subprocess.run([sys.executable, os.path.join(REPO, "benchmark", "bench_write_decode.py"), "--plot-from",
+                        path, "--out", str(out)], check=True, capture_output=True, text=True)
+        heights.append(mpimg.imread(next(out.glob("decode_step_layer_*.png"))).shape[0])
+    assert heights[0] == 2 * heights[1], heights
