@@ -954,7 +954,7 @@ def test_cuda_history_after_the_kv_write_batch_1(gqa, monkeypatch):
     context bounds lowered to this case's: they are a speed choice); the output matches the oracle on the written
     cache, and the plain (unchained) decode of the same cache to rounding. Where the chained count without window CTAs
     is below the fold's 20 tiles (GQA 12: 16 head-group columns; any GQA at this short width, CHAINED_MIN_ROWS), plan()
-    asks again with them: one or two picks, all chained."""
+    asks again with them: exactly plan()'s picks, all chained."""
     from sglang_oscar.kernels import history_cuda
     from sglang_oscar.kernels.write import oscar_write_kv
 
@@ -981,8 +981,16 @@ def test_cuda_history_after_the_kv_write_batch_1(gqa, monkeypatch):
     run_and_check({**case, "q": q_out.clone()}, history_kernel="cuda")  # the oracle on the cache as written
     torch.testing.assert_close(out.float(), oscar_decode(**{**case, "q": q_out}, history_kernel="cuda").float(),
                                rtol=1e-2, atol=1e-2)
-    # the chained call only (the plain decodes above use the default count)
-    assert len(picked) in (1, 2) and all(1 < p <= history_cuda.MAX_PARTIALS for p in picked), picked
+    # the chained call only (the plain decodes above use the default count): plan()'s count without window CTAs,
+    # then, where that does not fold, the count with them
+    from sglang_oscar.kernels.write import default_block_t, write_grid
+
+    programs = math.prod(write_grid(1, 8, default_block_t(1, 128), True))
+    sms, width = torch.cuda.get_device_properties(0).multi_processor_count, r2t.shape[1]
+    first = real(8, gqa, sms, programs, 0, max_context=width)
+    want = [first] if history_cuda.folds(first, 64, 256) else \
+        [first, real(8, gqa, sms, programs, sum(history_cuda.window_ctas(64, 256)), max_context=width)]
+    assert picked == want and all(1 < p <= history_cuda.MAX_PARTIALS for p in picked), (picked, want)
 
 
 def test_cuda_history_ctypes_signature_matches_the_source():
