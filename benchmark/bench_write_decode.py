@@ -13,8 +13,11 @@ chain - write, is reported):
   oscar_cuda_after_write the same kernels, the history kernel as the write's programmatic dependent: the write
                          triggers its dependents at once (follows_write)
   oscar_cuda_fused_q     q rotated by the write's own launch (oscar_write_kv q_out) instead of the GEMM, plain
-  oscar_cuda_fused_q_after_write  both: the server's decode at small batch on sm_90+ (srt/backend.py); the history
-                         CTAs issue their first copies, then wait for the write's q (q_from_write)
+  oscar_cuda_fused_q_after_write  both: the server's decode at small batch on sm_90+ before the CUDA write; the
+                         history CTAs issue their first copies, then wait for the write's q (q_from_write)
+  oscar_cuda_write_fused_q_after_write  the same with the CUDA write (oscar_write_kv kernel="cuda",
+                         kernels/write_cuda.py): the server's decode at batch <= 32 with SGLANG_OSCAR_HISTORY_KERNEL=cuda
+                         (srt/backend.py CUDA_DECODE_WRITE); any impl with "cuda_write" in its name uses it
   flashinfer_bf16        SGLang's write (store_cache, its JIT kernel, PDL-enabled as SGLang builds it) + FlashInfer
                          BF16 paged decode (tensor cores, enable_pdl=True where the API takes it), pages of 16
   flashinfer_fp8         the BF16 -> FP8 casts of SGLang's set_kv_buffer + store_cache + FlashInfer FP8 decode
@@ -48,10 +51,11 @@ OSCAR_PAGE, FI_PAGE = 64, 16
 CLIP = 0.95  # K and V clip ratios of the write (a fitted bundle's are of this order)
 
 
-def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=None, block_t=None, num_splits=None):
+def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=None, block_t=None, num_splits=None,
+                    write_kernel="triton"):
     """Per copy: q's transform (a GEMM, or in the write's launch with fuse_q), the write of one token per request
-    (position ctx - 1, a ring row) and the decode (num_splits: its history split count, None = its rule); and the
-    same without the decode. Returns (chains, writes, keep)."""
+    (position ctx - 1, a ring row; write_kernel: oscar_write_kv's kernel) and the decode (num_splits: its history
+    split count, None = its rule); and the same without the decode. Returns (chains, writes, keep)."""
     cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=OSCAR_PAGE)
     g = torch.Generator(device="cuda").manual_seed(0)
     rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, device="cuda"))[0].contiguous()
@@ -72,7 +76,7 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=N
 
         def write(slots=slots, ring_dst=ring_dst):
             oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, k_clip=CLIP, v_clip=CLIP,
-                           validate=False, pdl_trigger=after_write, block_t=block_t, **q_kw,
+                           validate=False, pdl_trigger=after_write, block_t=block_t, kernel=write_kernel, **q_kw,
                            **({"num_warps": num_warps} if num_warps else {}))
 
         def chain(idx=idx, write=write):
@@ -87,26 +91,32 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=N
     return chains, writes, (cache, r2t)
 
 
-def write_sweep(models, batches, warps, tiles=(0,), no_q=False):
+def write_sweep(models, batches, warps, tiles=(0,), no_q=False, kernels=("triton",)):
     """The write alone (one token per request, q rotated in its launch, as the server's decode) at each num_warps and
-    token tile (0: the default tile of the batch); no_q: also without q (K and V programs only): rows {model, batch,
-    num_warps, block_t, q_in_launch, us}."""
+    token tile (0: the default tile of the batch) of the Triton kernel, and with "cuda" in kernels the CUDA write
+    (one configuration: num_warps 4, block_t 1 in the rows); no_q: also without q (K and V programs only). Kernels
+    alternate per (model, batch), so that both see the same clocks: rows {model, batch, kernel, num_warps, block_t,
+    q_in_launch, us}."""
     from sglang_oscar.kernels.write import default_block_t
 
     out = []
     for model in models:
         hq, hkv, d = MODELS[model]
         for b in batches:
-            for bt in dict.fromkeys(t or default_block_t(b, d) for t in tiles):
-                for nw, fuse_q in ((w, f) for w in warps for f in ((True, False) if no_q else (True,))):
-                    # a short context: the write does not read the history
-                    _, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx=4096, copies=8, after_write=False,
-                                                      fuse_q=fuse_q, num_warps=nw, block_t=bt)
-                    us = 1e3 * bench(writes)
-                    out.append(dict(model=model, batch=b, num_warps=nw, block_t=bt, q_in_launch=fuse_q, us=us))
-                    print(f"write sweep {model} b={b:3d} block_t={bt:3d} num_warps={nw} q={int(fuse_q)}: "
-                          f"{us:6.2f} us", flush=True)
-                    del writes, keep
+            configs = [("triton", nw, bt) for bt in dict.fromkeys(t or default_block_t(b, d) for t in tiles)
+                       for nw in warps] if "triton" in kernels else []
+            configs += [("cuda", 4, 1)] if "cuda" in kernels else []
+            for (kernel, nw, bt), fuse_q in ((c, f) for c in configs for f in ((True, False) if no_q else (True,))):
+                # a short context: the write does not read the history
+                _, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx=4096, copies=8, after_write=False,
+                                                  fuse_q=fuse_q, num_warps=nw if kernel == "triton" else None,
+                                                  block_t=bt if kernel == "triton" else None, write_kernel=kernel)
+                us = 1e3 * bench(writes)
+                out.append(dict(model=model, batch=b, kernel=kernel, num_warps=nw, block_t=bt, q_in_launch=fuse_q,
+                                us=us))
+                print(f"write sweep {model} b={b:3d} {kernel:6s} block_t={bt:3d} num_warps={nw} q={int(fuse_q)}: "
+                      f"{us:6.2f} us", flush=True)
+                del writes, keep
     return out
 
 
@@ -184,8 +194,8 @@ def main():
     ap.add_argument("--contexts", default="32768,65536,131072")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--impls", default="oscar_cuda,oscar_cuda_after_write,oscar_cuda_fused_q,"
-                    "oscar_cuda_fused_q_after_write,flashinfer_bf16,flashinfer_fp8")
-    ap.add_argument("--reference", default="oscar_cuda_fused_q_after_write",
+                    "oscar_cuda_fused_q_after_write,oscar_cuda_write_fused_q_after_write,flashinfer_bf16,flashinfer_fp8")
+    ap.add_argument("--reference", default="oscar_cuda_write_fused_q_after_write",
                     help="the impl the summary's ratios divide by")
     ap.add_argument("--plot-from", default="", help="a results JSON of this script: write its PNG next to --out "
                     "and exit (no GPU needed)")
@@ -194,6 +204,7 @@ def main():
     ap.add_argument("--write-block-t", default="0", help="with --write-sweep: token tiles (comma list; 0 = the "
                     "batch's default tile)")
     ap.add_argument("--write-no-q", action="store_true", help="with --write-sweep: also time the write without q")
+    ap.add_argument("--write-kernels", default="triton", help="with --write-sweep: triton, cuda or both (comma list)")
     args = ap.parse_args()
     if args.plot_from:
         res = json.load(open(args.plot_from))
@@ -203,7 +214,8 @@ def main():
     if args.write_sweep:
         sweep = write_sweep(args.models.split(","), [int(x) for x in args.batches.split(",")],
                             [int(x) for x in args.write_sweep.split(",")],
-                            [int(x) for x in args.write_block_t.split(",")], args.write_no_q)
+                            [int(x) for x in args.write_block_t.split(",")], args.write_no_q,
+                            tuple(args.write_kernels.split(",")))
         write_json(args.out, "write_warps_sweep", dev, dict(device=dev, versions=versions(), clip=CLIP, rows=sweep))
         return
     t0 = time.time()
@@ -222,11 +234,12 @@ def main():
                                 continue
                             copies = n_copies(nbytes)
                             fuse_q = "fused_q" in impl
+                            wk = "cuda" if "cuda_write" in impl else "triton"
                             chains, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx, copies,
                                                                    after_write=impl.endswith("after_write"),
-                                                                   fuse_q=fuse_q)
+                                                                   fuse_q=fuse_q, write_kernel=wk)
                             cfg = f"page{OSCAR_PAGE}:cuda" + (":q_in_write" if fuse_q else ":q_gemm") + \
-                                (":follows_write" if "after_write" in impl else "")
+                                (":follows_write" if "after_write" in impl else "") + f":{wk}_write"
                         else:
                             fp8 = impl.endswith("fp8")
                             nbytes = fi_bytes(b, hq, hkv, d, ctx, 1 if fp8 else 2, FI_PAGE)

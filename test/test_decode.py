@@ -878,8 +878,10 @@ def test_follows_write_refuses_what_would_race():
 
 
 @requires_cuda
-@pytest.mark.parametrize("gqa,q_in_write", [(4, False), (8, False), (4, True), (5, True), (12, False), (12, True)])
-def test_cuda_history_after_the_kv_write(gqa, q_in_write):
+@pytest.mark.parametrize("gqa,q_in_write,write_kernel", [
+    (4, False, "triton"), (8, False, "triton"), (4, True, "triton"), (5, True, "triton"), (12, False, "triton"),
+    (12, True, "triton"), (4, False, "cuda"), (4, True, "cuda"), (12, True, "cuda")])
+def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel):
     """The decode step's chain as the server runs it on sm_90+: oscar_write_kv(pdl_trigger=True), then
     oscar_decode(follows_write=True), whose history CTAs run while the write does; q_in_write: the write also
     rotates q (q_out) and the history CTAs wait for it before reading q (q_from_write). Same bits as the plain chain
@@ -888,7 +890,8 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write):
     where it rotates q, at most 256 tokens), so that it is still running when the history kernel starts: a window
     CTA that read the new ring / sink row before the write had stored it, or a history CTA of the request whose
     history reaches the new token (ring_start >= L) that did not wait, would read the old row. Lengths: long, L =
-    S + 1, L = S, L < S, window edges, ring_start >= L."""
+    S + 1, L = S, L < S, window edges, ring_start >= L. write_kernel: the Triton write or the CUDA write
+    (kernels/write_cuda.py), which triggers its dependents the same way."""
     from sglang_oscar.kernels.decode import transform_query
     from sglang_oscar.kernels.write import oscar_write_kv
 
@@ -922,7 +925,7 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write):
     def chain(pdl, out):
         kw = dict(q=q_rows, q_transform=t_q, q_out=q_out) if q_in_write else {}
         oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, validate=False,
-                       pdl_trigger=pdl, **kw)
+                       pdl_trigger=pdl, kernel=write_kernel, **kw)
         return oscar_decode(**case, out=out, history_kernel="cuda", follows_write=pdl,
                             q_from_write=pdl and q_in_write)
 

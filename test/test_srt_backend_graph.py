@@ -474,16 +474,19 @@ def test_history_kernel_option_reaches_startup_and_decode(setup, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU World (the Triton interpreter); the GPU test below "
                                                     "runs the real chain")
-@pytest.mark.parametrize("fuse_q,max_batch,rows", [(True, 8, [1, 2]), (True, 8, [1]), (False, 8, [1, 2]),
-                                                   (True, 0, [1, 2])])
-def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows):
+@pytest.mark.parametrize("fuse_q,max_batch,rows,cuda_write", [
+    (True, 8, [1, 2], False), (True, 8, [1], False), (False, 8, [1, 2], False), (True, 0, [1, 2], False),
+    (True, 8, [1, 2], True), (True, 8, [1], True), (True, 8, [1, 2, 3], True)])
+def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, cuda_write):
     """A decode layer's launches. FUSE_Q_IN_WRITE: the write rotates q (q_out) and the decode gets q_out with
     q_transform None; else q's GEMM runs before the write when the decode is chained, or inside oscar_decode. With
     the CUDA history stage on sm_90+ (history_after_write) and batch <= AFTER_WRITE_MAX_BATCH the write triggers
     and oscar_decode follows it (q_from_write where the write rotated q): no kernel between the two
-    (kernels/cuda/int2_history.cu kPdlAfterWrite*). Batch 1 and 2. Without a write (save_kv_cache False) nothing
-    is fused or chained. Spies stand in for the kernels (CPU)."""
-    from sglang_oscar.kernels import decode
+    (kernels/cuda/int2_history.cu kPdlAfterWrite*). Batch 1 to 3. Without a write (save_kv_cache False) nothing
+    is fused or chained. cuda_write: the startup check finds the CUDA write covers the model (stubbed), so writes of
+    up to CUDA_WRITE_MAX_TOKENS (2 here) tokens take kernel="cuda" and larger ones the Triton kernel; else this
+    head_dim (64) keeps the Triton write. Spies stand in for the kernels (CPU)."""
+    from sglang_oscar.kernels import decode, write_cuda
     from sglang_oscar.srt import backend as backend_mod
     from sglang_oscar.srt import startup_checks
 
@@ -491,21 +494,28 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows):
     monkeypatch.setattr(startup_checks, "check_history_kernel", lambda kernel, **kw: None)
     monkeypatch.setattr(backend_mod, "FUSE_Q_IN_WRITE", fuse_q)
     monkeypatch.setattr(backend_mod, "AFTER_WRITE_MAX_BATCH", max_batch)
+    monkeypatch.setattr(backend_mod, "CUDA_WRITE_MAX_TOKENS", 2)
+    if cuda_write:
+        monkeypatch.setattr(write_cuda, "check_supported", lambda *a, **kw: None)
+        monkeypatch.setattr(write_cuda, "library", lambda: None)
     w = World(setup)
     assert w.backend.history_after_write is False  # a CPU device: no PDL
+    assert w.backend.decode_write_kernel == ("cuda" if cuda_write else "triton")
+    want_kernel = "cuda" if cuda_write and len(rows) <= 2 else "triton"
     for row in rows:
         w.prefill(row, 10, _inputs(10, row))
     w.backend.history_after_write = True
-    events, seen_q = [], []
+    events, seen_q, kernels = [], [], []
     real_transform = decode.transform_query
 
     def transform(q, t, kv_heads):
         events.append(("transform",))
         return real_transform(q, t, kv_heads)
 
-    def write_layer(layer_id, k, v, slots, sink_dst, ring_dst, pdl_trigger=False, q=None, q_transform=None,
-                    q_out=None):
+    def write_layer(layer_id, k, v, slots, sink_dst, ring_dst, pdl_trigger=False, kernel="triton", q=None,
+                    q_transform=None, q_out=None):
         events.append(("write", pdl_trigger, q is not None))
+        kernels.append(kernel)
         if q is not None:
             q_out.copy_(real_transform(q, q_transform, HKV))
 
@@ -527,6 +537,7 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows):
     else:
         want_events = [("write", False, False), ("decode", False, False, False)]
     assert events == want_events * len(LAYERS)
+    assert kernels == [want_kernel] * len(LAYERS)
     for layer, (q, _, _), got in zip(LAYERS, inputs, seen_q):  # the decode's queries, rotated once
         r = w.backend.pool.rotations[layer.layer_id]
         assert torch.equal(got, real_transform(q.reshape(-1, HQ, D), r.q_transform_as(q.dtype), HKV))
@@ -573,6 +584,7 @@ def test_cuda_history_backend_matches_triton_on_gpu(monkeypatch):
     cuda_be = OscarAttnBackend(runner)
     assert (triton_be.history_kernel, cuda_be.history_kernel) == ("triton", "cuda") and history_cuda.library()
     assert cuda_be.history_after_write == (torch.cuda.get_device_capability()[0] >= 9)
+    assert cuda_be.decode_write_kernel == "cuda"  # this shape's decode writes (3 tokens) run the CUDA write
     layer = types.SimpleNamespace(layer_id=0, tp_q_head_num=hq, qk_head_dim=d, scaling=d ** -0.5)
     g = torch.Generator(device="cuda").manual_seed(0)
     pages = torch.randperm(100, generator=g, device="cuda").cpu() + 1  # pages 1..100 (of 101) shuffled

@@ -395,3 +395,199 @@ def test_write_gpu_rotates_bf16_q(n, gqa):
                    q_transform=rot.to(torch.bfloat16), q_out=q_out)
     want = transform_query(q, rot.to(torch.bfloat16), hkv)
     torch.testing.assert_close(q_out.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+# ---- the CUDA write (oscar_write_kv kernel="cuda", kernels/write_cuda.py) ----
+
+CUDA_CASES = [
+    # T, H, Gk, Gv, per_head, mean, v_absorbed, k_clip, v_clip, k_a, v_a, page, dtype
+    (1, 8, 64, 64, True, True, False, 0.95, 0.96, 1.0, 1.0, 64, torch.bfloat16),  # Qwen3-8B, batch 1
+    (1, 1, 128, 128, False, False, True, 0.9, 1.0, 1.0, 1.0, 64, torch.bfloat16),  # GLM-4.7 TP8: one KV head
+    (8, 8, 64, 128, True, False, False, 1.0, 0.92, 0.6, 1.2, 16, torch.bfloat16),  # no K clip, codebook levels
+    (7, 2, 32, 64, False, True, True, 0.96, 0.8, 1.0, 0.7, 1, torch.float16),  # odd batch, page 1, fp16
+    (33, 4, 128, 32, True, True, False, 0.8, 1.0, 1.0, 1.0, 8, torch.bfloat16),  # past one page of 8
+    (64, 8, 64, 64, False, True, False, 0.95, 0.95, 1.0, 1.0, 64, torch.bfloat16),  # large batch
+]
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,gk,gv,per_head,mean,v_abs,k_clip,v_clip,ka,va,page,dtype", CUDA_CASES)
+def test_write_cuda_kernel_matches_oracle(T, H, gk, gv, per_head, mean, v_abs, k_clip, v_clip, ka, va, page, dtype):
+    """The CUDA write against the oracle with the module's tolerances: batch 1 to 64, 1 / 2 / 4 / 8 KV heads, groups
+    32 / 64 / 128 per side, shared and per-head transforms, with and without K's mean and V's transform, clipped and
+    unclipped, codebook levels, pages of 1 / 8 / 16 / 64, bf16 and fp16 rows; every buffer poisoned first."""
+    case = make_case(T, 128, H, gk, gv, per_head=per_head, mean=mean, v_absorbed=v_abs, seed=300 + T + H,
+                     window_dtype=torch.bfloat16, act_dtype=dtype, page=page)
+    run_and_check(*case, k_clip=k_clip, v_clip=v_clip, ka=ka, va=va, kernel="cuda")
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_write_cuda_kernel_clip_ties_constant_and_strided_rows():
+    """Integer-valued V (absorbed: x' = v) has exact ties at the clip threshold, and one row 16 tied maxima where the
+    clip count of 0.9 of 128 (12) falls inside them; a constant row (scale 0, codes 0), a zero row; k / v as views of
+    one [T, 2, H, D] buffer (token stride != H * D), then at an offset that is not 16-byte aligned (scalar loads)."""
+    cache, k, v, slots, sd, rd, kmat, kmean, vmat = make_case(9, 128, 2, 64, 32, per_head=False, mean=True,
+                                                              v_absorbed=True, seed=5, window_dtype=torch.bfloat16)
+    g = gen(6)
+    v = torch.randint(-3, 4, v.shape, generator=g).to(device=DEVICE, dtype=v.dtype)
+    v[2, 1] = 1.5
+    v[4, 0] = 0.0
+    v[5, 1, :16] = 3.0
+    v[6, 0, :8] = -3.0
+    kv = torch.stack((k, v), dim=1)
+    run_and_check(cache, kv[:, 0], kv[:, 1], slots, sd, rd, kmat, kmean, vmat, k_clip=0.9, v_clip=0.9, ka=1.0,
+                  va=0.7, kernel="cuda")
+    assert (cache.rows("v_params", slots[2:3])[0, 1, :, 0] == 0).all()
+    flat = torch.empty(1 + kv.numel(), dtype=kv.dtype, device=DEVICE)  # one element in: 2-byte aligned rows
+    odd = flat[1:].view(kv.shape)
+    odd.copy_(kv)
+    cache2 = make_case(9, 128, 2, 64, 32, per_head=False, mean=True, v_absorbed=True, seed=5,
+                       window_dtype=torch.bfloat16)[0]
+    run_and_check(cache2, odd[:, 0], odd[:, 1], slots, sd, rd, kmat, kmean, vmat, k_clip=0.9, v_clip=0.9, ka=1.0,
+                  va=0.7, kernel="cuda")
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 5, 32])
+@pytest.mark.parametrize("gqa", [1, 4, 8, 12, 16])
+@pytest.mark.parametrize("tq_dtype", [torch.bfloat16, torch.float32])
+def test_write_cuda_rotates_q(n, gqa, tq_dtype):
+    """The CUDA write's q programs (GQA 12 / 16: two passes of 8 heads) against transform_query, q_out poisoned:
+    bf16 T_q (the server's) as its bf16 GEMM with fp32 sums, up to summation order and the final rounding
+    (1e-2 absolute on rows of norm ~sqrt(D), as the Triton q programs' test); fp32 T_q against fp32 products of the
+    bf16 q rounded once (2 bf16 ulps). The cache the same bits as the CUDA write without q."""
+    LayerCache, _, oscar_write_kv = _imports()
+    from sglang_oscar.kernels.decode import transform_query
+
+    hkv, d = 2, 128
+    g = torch.Generator(device="cuda").manual_seed(n * 100 + gqa)
+
+    def cache():
+        c = LayerCache.empty(64, hkv, d, k_group=64, v_group=64, num_sink_rows=4, max_reqs=2, window=32, sink=4,
+                             device="cuda", page=64)
+        for t in c.buffers().values():
+            t.zero_()
+        return c
+
+    k, v = (torch.randn(n, hkv, d, generator=g, device="cuda").to(torch.bfloat16) for _ in "kv")
+    rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, device="cuda"))[0].contiguous()
+    q = torch.randn(n, hkv * gqa, d, generator=g, device="cuda").to(torch.bfloat16)
+    slots = torch.randperm(64, generator=g, device="cuda")[:n]
+    ring = torch.arange(n, dtype=torch.int32, device="cuda")
+    none = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    plain, fused = cache(), cache()
+    oscar_write_kv(k, v, slots, none, ring, plain, k_transform=rot, k_clip=0.95, kernel="cuda")
+    q_out = torch.full_like(q, float("nan"))
+    tq = rot.to(tq_dtype)
+    oscar_write_kv(k, v, slots, none, ring, fused, k_transform=rot, k_clip=0.95, q=q, q_transform=tq, q_out=q_out,
+                   kernel="cuda")
+    assert not q_out.isnan().any()
+    if tq_dtype == torch.bfloat16:
+        want = transform_query(q, tq, hkv)
+        torch.testing.assert_close(q_out.float(), want.float(), rtol=1e-2, atol=1e-2)
+    else:
+        want = torch.einsum("thd,hde->the", q.float().view(n, hkv, gqa, d).reshape(n, hkv * gqa, d),
+                            rot.repeat_interleave(gqa, dim=0))
+        assert_within_bf16_ulp(q_out, want.to(torch.bfloat16), "q_out", ulps=2)
+    for name, t in plain.buffers().items():
+        assert torch.equal(t, getattr(fused, name)), name
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_write_cuda_kernel_in_a_cuda_graph():
+    """Captured once, replayed with new rows and slots: the replay writes what a direct call writes (the launch holds
+    no host state but the pointers)."""
+    LayerCache, _, oscar_write_kv = _imports()
+    case = make_case(4, 128, 8, 64, 64, per_head=True, mean=True, v_absorbed=False, seed=21,
+                     window_dtype=torch.bfloat16, page=64)
+    cache, k, v, slots, sd, rd, kmat, kmean, vmat = case
+    kw = dict(k_transform=kmat, k_mean=kmean, v_transform=vmat, k_clip=0.95, v_clip=0.95, kernel="cuda",
+              validate=False)
+    kb, vb, sb = k.clone(), v.clone(), slots.clone()
+    oscar_write_kv(kb, vb, sb, sd, rd, cache, **kw)  # build and load before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        oscar_write_kv(kb, vb, sb, sd, rd, cache, **kw)
+    k2, v2 = k.flip(0).contiguous(), (v * 0.5).contiguous()
+    kb.copy_(k2), vb.copy_(v2)
+    graph.replay()
+    direct = cache.clone()
+    oscar_write_kv(k2, v2, slots, sd, rd, direct, **kw)
+    torch.cuda.synchronize()
+    for name, t in direct.buffers().items():
+        assert torch.equal(t, getattr(cache, name)), name
+
+
+def test_write_cuda_kernel_refusals():
+    """kernel='cuda' says what it does not cover (these run on the CPU: the checks come before any CUDA call)."""
+    LayerCache, _, oscar_write_kv = _imports()
+    kw = dict(k_transform=None)
+    c64 = LayerCache.empty(8, 2, 64, k_group=64, v_group=64, num_sink_rows=2, max_reqs=1, window=4, sink=2,
+                           device=DEVICE, window_dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 64, device=DEVICE, dtype=torch.bfloat16)
+    none = torch.full((2,), -1, dtype=torch.int32, device=DEVICE)
+    slots = torch.arange(2, device=DEVICE)
+    kw = dict(k_transform=torch.eye(64, device=DEVICE))
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        oscar_write_kv(k, k, slots, none, none, c64, kernel="cutlass", **kw)
+    with pytest.raises(ValueError, match="covers head_dim 128"):
+        oscar_write_kv(k, k, slots, none, none, c64, kernel="cuda", **kw)
+    with pytest.raises(ValueError, match="leave block_t, num_warps and precision"):
+        oscar_write_kv(k, k, slots, none, none, c64, kernel="cuda", block_t=1, **kw)
+    c128 = LayerCache.empty(8, 2, 128, k_group=64, v_group=64, num_sink_rows=2, max_reqs=1, window=4, sink=2,
+                            device=DEVICE, window_dtype=torch.float32)
+    k128 = torch.zeros(2, 2, 128, device=DEVICE, dtype=torch.bfloat16)
+    kw = dict(k_transform=torch.eye(128, device=DEVICE))
+    with pytest.raises(ValueError, match="stores BF16 sink / ring rows"):
+        oscar_write_kv(k128, k128, slots, none, none, c128, kernel="cuda", **kw)
+    with pytest.raises(ValueError, match="takes bf16 or fp16 k / v"):
+        oscar_write_kv(k128.float(), k128.float(), slots, none, none, c128, kernel="cuda", **kw)
+    if not HAS_CUDA:
+        cb = LayerCache.empty(8, 2, 128, k_group=64, v_group=64, num_sink_rows=2, max_reqs=1, window=4, sink=2,
+                              device=DEVICE, window_dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            oscar_write_kv(k128, k128, slots, none, none, cb, kernel="cuda", **kw)
+
+
+def test_write_cuda_launch_signature_matches_the_source():
+    """write_cuda.LAUNCH_ARGTYPES against oscar_write_launch's C parameters (a mismatch would pass garbage through
+    ctypes without an error)."""
+    import ctypes
+    import re
+
+    from sglang_oscar.kernels import write_cuda
+
+    src = open(write_cuda.SOURCE).read()
+    sig = re.search(r"int oscar_write_launch\((.*?)\)\s*\{", src, re.S).group(1)
+    params = [p.strip() for p in sig.split(",")]
+    c_types = {"int": ctypes.c_int, "float": ctypes.c_float, "long long": ctypes.c_longlong}
+    got = []
+    for p in params:
+        decl = p.rsplit(" ", 1)[0].strip()
+        got.append(ctypes.c_void_p if "*" in p else c_types[decl.replace("const ", "")])
+    assert got == write_cuda.LAUNCH_ARGTYPES
+
+
+def test_write_cuda_source_compiles_without_spills(tmp_path):
+    """The CUDA write builds for sm_90 with nvcc (where installed: CI has none and skips), both input types, with no
+    stack or spills and at most 128 registers (a CTA of 128 threads; the batch-32 write runs ~4 CTAs per SM)."""
+    import re
+    import subprocess
+
+    from sglang_oscar.kernels import history_cuda, write_cuda
+
+    try:
+        nvcc = history_cuda._nvcc()
+    except history_cuda.CudaHistoryUnavailable:
+        pytest.skip("needs nvcc")
+    res = subprocess.run([nvcc, "-O3", "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "w.cubin"),
+                          write_cuda.SOURCE], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", res.stderr)]
+    assert len(regs) == 2 and max(regs) <= 128, res.stderr
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in res.stderr
+    assert len(re.findall(r"0 bytes spill stores, 0 bytes spill loads", res.stderr)) == 2, res.stderr

@@ -140,8 +140,9 @@ def _nvcc() -> str:
 
 
 def build(defines: tuple = (), source: Optional[str] = None) -> str:
-    """Path of the compiled library of `source` (default SOURCE) with these preprocessor macros (none: the shipped
-    kernel), built with nvcc on first use and cached on disk by (source text, macros, GPU arch, nvcc). Variants
+    """Path of the compiled library of `source` (default SOURCE; kernels/write_cuda.py builds the CUDA write with it)
+    with these preprocessor macros (none: the shipped kernel), built with nvcc on first use and cached on disk by
+    (source text, macros, GPU arch, nvcc), named after the source file. Variants
     (OSCAR_HISTORY_TRACE, or an older source for a same-run A/B: benchmark/probe_history_trace.py) get their own
     file."""
     source = source or SOURCE
@@ -154,7 +155,8 @@ def build(defines: tuple = (), source: Optional[str] = None) -> str:
     key = hashlib.sha256(src + arch.encode() + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
     cache = os.environ.get("SGLANG_OSCAR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sglang_oscar"))
     os.makedirs(cache, exist_ok=True)
-    so = os.path.join(cache, f"int2_history_{key}.so")
+    stem = os.path.splitext(os.path.basename(source))[0]  # int2_history, int2_write (write_cuda.py), a variant's name
+    so = os.path.join(cache, f"{stem}_{key}.so")
     if not os.path.exists(so):
         tmp = f"{so}.{os.getpid()}.tmp"
         cmd = [nvcc, "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared", "-Xcompiler", "-fPIC",

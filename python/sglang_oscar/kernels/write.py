@@ -59,6 +59,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
     HAS_TRITON = False
 
 PRECISIONS = ("ieee", "tf32x3", "tf32")
+KERNELS = ("triton", "cuda")  # oscar_write_kv(kernel=...): kernels/write_cuda.py for "cuda"
 
 
 def level_thresholds(level_a: float) -> tuple:
@@ -422,6 +423,7 @@ def oscar_write_kv(
     q: Optional[torch.Tensor] = None,
     q_transform: Optional[torch.Tensor] = None,
     q_out: Optional[torch.Tensor] = None,
+    kernel: str = "triton",
 ) -> None:
     """Write T tokens of one layer into `pool` (in place). See the module docstring.
 
@@ -440,8 +442,16 @@ def oscar_write_kv(
     contiguous [T, Hq, D] tensor of q's dtype), in extra programs of this launch instead of a GEMM before it:
     one kernel less per layer and decode step, and with pdl_trigger nothing between the write and the decode. q and
     T_q both bf16 (or fp16): products in that dtype with fp32 sums, as transform_query's GEMM; else fp32.
+    kernel: "triton" (every shape the pool takes) or "cuda" (kernels/write_cuda.py: the decode-sized write in CUDA,
+    head_dim 128, bf16 / fp16 k and v, BF16 windows; the same results and grid; precision "ieee", no block_t /
+    num_warps). An unsupported call raises; nothing falls back.
     """
-    if not HAS_TRITON:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "cuda" and (block_t is not None or num_warps is not None or precision != "ieee"):
+        raise ValueError("kernel='cuda' has one tile (a CTA per token, head and side) and IEEE fp32 products: leave "
+                         "block_t, num_warps and precision at their defaults")
+    if not HAS_TRITON and kernel == "triton":
         raise RuntimeError("oscar_write_kv needs triton")
     if pdl_trigger and (k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9):
         raise ValueError("pdl_trigger needs programmatic dependent launch (a CUDA device of sm_90 or newer)")
@@ -481,6 +491,16 @@ def oscar_write_kv(
     k_n, v_n = clip_count(k_clip, d), clip_count(v_clip, d)
     if n == 0:
         return
+    if kernel == "cuda":
+        from . import write_cuda
+
+        tq = _check_q(q, q_transform, q_out, n, h, d, dev)
+        write_cuda.launch(k, v, slots, sink_dst, ring_dst, pool, kmat=kmat, s_kmh=s_kmh,
+                          kmean=kmean if k_mean is not None else None, s_kmeanh=s_kmeanh,
+                          vmat=vmat if v_transform is not None else None, s_vmh=s_vmh, k_clip_n=k_n, v_clip_n=v_n,
+                          k_th=kth, v_th=vth, pdl_trigger=pdl_trigger, q=q, q_transform=tq[0] if tq else None,
+                          q_out=q_out)
+        return
     bt = block_t or default_block_t(n, d, interpreter=pool.k_codes.device.type == "cpu")
     if bt not in (1, 2, 4, 8) and bt < 16 or bt & (bt - 1):
         raise ValueError(f"block_t must be a power of two (1-8: no tl.dot, >= 16: tl.dot), got {bt}")
@@ -507,10 +527,11 @@ def oscar_write_kv(
     )
 
 
-def _q_args(q, q_transform, q_out, n: int, h: int, d: int, device, bt: int) -> dict:
-    """The kernel's q arguments for oscar_write_kv(q=..., q_transform=..., q_out=...), checked; {} without q."""
+def _check_q(q, q_transform, q_out, n: int, h: int, d: int, device) -> Optional[tuple]:
+    """(T_q as [D, D] or [Hkv, D, D], its head stride) for oscar_write_kv(q=..., q_transform=..., q_out=...),
+    checked; None without q."""
     if q is None and q_transform is None and q_out is None:
-        return {}
+        return None
     if q is None or q_transform is None or q_out is None:
         raise ValueError("q, q_transform and q_out go together (the queries rotated in the write's launch)")
     if n > MID_BATCH_TOKENS:
@@ -532,6 +553,15 @@ def _q_args(q, q_transform, q_out, n: int, h: int, d: int, device, bt: int) -> d
         stride = d * d
     else:
         raise ValueError(f"q_transform must have shape [{d}, {d}] or [{h}, {d}, {d}], got {tuple(q_transform.shape)}")
+    return t, stride
+
+
+def _q_args(q, q_transform, q_out, n: int, h: int, d: int, device, bt: int) -> dict:
+    """The Triton kernel's q arguments for oscar_write_kv(q=..., q_transform=..., q_out=...), checked; {} without q."""
+    checked = _check_q(q, q_transform, q_out, n, h, d, device)
+    if checked is None:
+        return {}
+    t, stride = checked
     gqa = q.shape[1] // h
     lowp = q.dtype == t.dtype and q.dtype in (torch.bfloat16, torch.float16)
     p2 = triton.next_power_of_2(gqa)

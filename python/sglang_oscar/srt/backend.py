@@ -52,7 +52,7 @@ from .extend_attention import ExtendAttention
 from .options import OscarOptionError
 from .pool import OscarKVPool
 from .write_plan import plan_writes
-from ..kernels.write import MID_BATCH_TOKENS
+from ..kernels.write import MID_BATCH_TOKENS, SMALL_BATCH_TOKENS
 
 NAME = "oscar_int2"
 # Decode, per layer (benchmark/bench_write_decode.py, NOTES "The decode after the KV write"):
@@ -66,6 +66,12 @@ NAME = "oscar_int2"
 #   36.3 us, 128k 54.1 vs 50.0; results/decode_step_layer_ee6a1e7_*).
 FUSE_Q_IN_WRITE = True
 AFTER_WRITE_MAX_BATCH = 8
+# - CUDA_DECODE_WRITE: with the CUDA history stage, decode writes of up to CUDA_WRITE_MAX_TOKENS tokens run the CUDA
+#   write (kernels/write_cuda.py) instead of the Triton one where it covers the shape (checked and built at startup;
+#   the log says which write runs). Larger batches keep the Triton kernel's 16-row dot tiles, which read each head's
+#   transform once per 16 tokens.
+CUDA_DECODE_WRITE = True
+CUDA_WRITE_MAX_TOKENS = SMALL_BATCH_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +176,7 @@ class OscarAttnBackend(AttentionBackend):
         # SGLANG_OSCAR_HISTORY_KERNEL: checked (shape, device) and, for cuda, built with nvcc here, before
         # any CUDA graph is captured or request served; an unsupported combination refuses to start.
         self.history_kernel = opts.history_kernel
+        self.decode_write_kernel = "triton"  # the CUDA write where _check_history_kernel finds it covers the shape
         if self.history_kernel != "triton":
             self._check_history_kernel(model_runner)
         # decode with the CUDA history stage on sm_90+: the history kernel can be launched as the KV write's
@@ -205,6 +212,27 @@ class OscarAttnBackend(AttentionBackend):
                              device=self.device, page_size=pool.page_size, window_dtype=pool.window_dtype)
         logger.info("sglang_oscar: decode INT2 history stage: %s (pool page size %d)", self.history_kernel,
                     pool.page_size)
+        if CUDA_DECODE_WRITE:
+            self._check_decode_write(model_runner)
+
+    def _check_decode_write(self, model_runner) -> None:
+        """With the CUDA history stage: the CUDA decode write where it covers this model (head_dim, groups, the
+        model's dtype for k / v, BF16 windows; kernels/write_cuda.check_supported), built here before any graph
+        capture; else the Triton write, and the log says why."""
+        from ..kernels import write_cuda
+
+        pool = self.pool
+        dtype = getattr(model_runner, "dtype", None)
+        try:
+            write_cuda.check_supported(pool.head_dim, pool.setup.plan.k_group, pool.setup.plan.v_group, dtype,
+                                       pool.window_dtype, self.device)
+            write_cuda.library()
+        except (ValueError, write_cuda.CudaHistoryUnavailable) as e:
+            logger.info("sglang_oscar: decode KV write: triton (%s)", e)
+            return
+        self.decode_write_kernel = "cuda"
+        logger.info("sglang_oscar: decode KV write: cuda up to %d tokens per call, triton above",
+                    CUDA_WRITE_MAX_TOKENS)
 
     # ---- metadata (host side, once per forward) -----------------------------------------------
 
@@ -391,8 +419,9 @@ class OscarAttnBackend(AttentionBackend):
             q_kw = {}
             if fuse_q:
                 q_kw = dict(q=q, q_transform=q_transform, q_out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+            kernel = self.decode_write_kernel if n <= CUDA_WRITE_MAX_TOKENS else "triton"
             self.pool.write_layer(layer.layer_id, k.reshape(-1, h, d), v.reshape(-1, h, d), m.slots, m.sink_dst,
-                                  m.ring_dst, pdl_trigger=chain, **q_kw)
+                                  m.ring_dst, pdl_trigger=chain, kernel=kernel, **q_kw)
             if fuse_q:
                 q, q_transform = q_kw["q_out"], None
         lc = self.pool.layer_cache(layer.layer_id)

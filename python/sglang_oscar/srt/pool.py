@@ -310,17 +310,17 @@ class OscarKVPool(MHATokenToKVPool):
 
     def write_layer(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                     sink_dst: torch.Tensor, ring_dst: torch.Tensor, validate: bool = False,
-                    pdl_trigger: bool = False, **q_rotation) -> None:
+                    pdl_trigger: bool = False, kernel: str = "triton", **q_rotation) -> None:
         """One layer's write with precomputed destinations (see kernels/write.py; pdl_trigger: the decode's history
-        kernel follows as its programmatic dependent; q_rotation: q / q_transform / q_out, the step's queries
-        rotated in the same launch)."""
+        kernel follows as its programmatic dependent; kernel: "triton" or "cuda" (kernels/write_cuda.py);
+        q_rotation: q / q_transform / q_out, the step's queries rotated in the same launch)."""
         from ..kernels.write import oscar_write_kv
 
         r = self.rotations[layer_id - self.start_layer]
         oscar_write_kv(k, v, slots, sink_dst, ring_dst, self.layer_cache(layer_id), k_transform=r.k_transform,
                        k_mean=r.k_mean, v_transform=r.v_transform, k_clip=r.k_clip, v_clip=r.v_clip,
                        k_level_a=r.k_level_a, v_level_a=r.v_level_a, validate=validate, pdl_trigger=pdl_trigger,
-                       **q_rotation)
+                       kernel=kernel, **q_rotation)
 
     # ---- paths that would move only part of a slot -------------------------------------------
     #

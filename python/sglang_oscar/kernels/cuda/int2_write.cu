@@ -1,0 +1,305 @@
+// The decode-sized KV write of OSCAR in CUDA: per (token, KV head, side) one CTA of 128 threads transforms the row,
+// copies it into the BF16 sink / ring rows where asked, clips it, quantizes it to INT2 per group and packs it into
+// the pool; with q, a third CTA per (token, KV head) rotates that token's query heads (q . T_q).
+// kernels/write_cuda.py builds, checks and launches it; kernels/write.py (oscar_write_kv kernel="cuda") calls it.
+// The oracle is quant/cache_ops.py:write_reference, the math that of kernels/write.py's module docstring.
+//
+// Why CUDA for this: a decode write is a handful of programs, each one row long, so its time is one program's
+// dependent chain, not work (benchmark/NOTES.md "The decode write's one-token programs": the Triton one-token
+// program issued ~1020 instructions per warp at ~5 cycles each; 4.6 us for 1 or 8 KV heads on H200 against SGLang's
+// store_cache 1.7-2.1 us). Here the chain is: the index loads and the row's loads issued together, 32 FMAs per
+// thread into 4 independent sums, one cross-warp sum in shared memory, the clip's pairwise count over the row, warp
+// reductions (redux.sync) for the clip threshold and the group bounds, and the pack of four codes per byte.
+//
+// Thread layout (D 128, 4 warps): in x . T, warp w takes rows k of T in [32w, 32w + 32) and lane l the columns
+// [4l, 4l + 4) (one 16-byte load per row: a warp reads 512 contiguous bytes of T); the four partial rows meet in
+// shared memory and from there thread j owns column j of x', so a group of G columns is G / 32 whole warps.
+//
+// Arithmetic, as the Triton kernel and the oracle: x' in fp32 (IEEE products; the sum's order differs); the window
+// rows x' rounded to nearest even; the clip threshold tau = min{|x'_j| : #{i : |x'_i| > |x'_j|} <= n} (the
+// (n+1)-th largest |x'| with ties as torch.topk); per group scale = bf16_rn((max - min) / 3) (IEEE division),
+// min = bf16_rn(min), t = (c - min) / scale (IEEE division; 0 where scale is 0), code = #{thresholds <= t};
+// byte b of a record = c[b] | c[b+32] << 2 | c[b+64] << 4 | c[b+96] << 6 (quarter planes, quant/pack.py).
+// q programs: fp32 products of q and T_q (bf16 x bf16 products are exact in fp32, so this is transform_query's GEMM up
+// to the order of its fp32 sums), rounded to q's dtype.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kD = 128;       // head_dim (write_cuda.HEAD_DIM)
+constexpr int kThreads = 128; // 4 warps; thread j owns column j of x'
+constexpr int kQHeads = 8;    // query heads per pass of a q program (more: several passes)
+
+struct Side {             // K (blockIdx.z 0) or V (1)
+  const void* x;          // [T, Hkv, D] rows, element strides below (last dim contiguous)
+  long long stride_t, stride_h;
+  const float* mat;       // [D, D] or [Hkv, D, D] fp32, nullptr: x is already in its basis
+  long long stride_mh;
+  const float* mean;      // [D] or [Hkv, D] fp32, nullptr: none
+  long long stride_meanh;
+  uint32_t* codes;        // the pool's packed codes (D / 4 bytes per record)
+  uint32_t* params;       // (scale, min) bf16 pairs, one 32-bit word per group
+  __nv_bfloat16* sink;    // [rows, Hkv, D]
+  __nv_bfloat16* ring;
+  int group, clip_n;
+  float th0, th1, th2;    // decision thresholds of the levels (write.py level_thresholds)
+};
+
+struct Args {
+  Side side[2];
+  const long long* slots;  // [T] pool slots
+  const int* sink_dst;     // [T] sink row or -1
+  const int* ring_dst;     // [T] ring row or -1
+  int hkv, page_log2;
+  int vec;                 // k, v and q rows 16-byte aligned with strides of whole 16-byte units: vector loads
+  // q programs (blockIdx.z 2)
+  const void* q;           // [T, Hq, D] of the input type
+  long long q_stride_t, q_stride_h;
+  const void* tq;          // [D, D] or [Hkv, D, D], the input type or fp32 (tq_fp32)
+  long long tq_stride_h;
+  int tq_fp32;
+  void* q_out;             // [T, Hq, D] contiguous, the input type
+  int gqa;
+  int pdl_trigger;
+};
+
+template <typename T> __device__ __forceinline__ float to_f(T v);
+template <> __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
+
+// eight consecutive 16-bit elements as fp32: one 16-byte load where the caller knows p is 16-byte aligned (vec)
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, bool vec, float* f) {
+  if (vec) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = to_f<T>(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = to_f<T>(p[i]);
+  }
+}
+
+// fp32 <-> an unsigned key with the same order (for redux.sync, which takes integers); -0 sorts below +0
+__device__ __forceinline__ uint32_t order_key(float f) {
+  const uint32_t b = __float_as_uint(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float from_key(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// record of (slot, KV head h): kernels/records.py pool_record
+__device__ __forceinline__ long long pool_record(long long slot, int h, int hkv, int page_log2) {
+  const long long pmask = (1ll << page_log2) - 1;
+  return (((slot >> page_log2) * hkv + h) << page_log2) | (slot & pmask);
+}
+
+struct Smem {
+  float part[4][kD];       // x . T partial rows, one per warp
+  float absx[kD];          // |x'| for the clip's count
+  uint32_t tau[4];         // per-warp minimum of the clip candidates (order keys of |x'|)
+  uint32_t bound[4][2];    // per-warp (min, max) order keys of the clipped row
+  uint32_t code[kD / 4];   // code j in byte j (little endian: word j / 4, byte j % 4)
+};
+
+template <typename TI>
+__device__ void write_side(const Args& a, const Side& s, Smem& sm, int t, int h) {
+  const int tid = threadIdx.x, w = tid >> 5, l = tid & 31;
+  // the indices first: nothing below depends on them until the stores
+  const long long slot = a.slots[t];
+  const int sink_row = a.sink_dst[t], ring_row = a.ring_dst[t];
+  const TI* xrow = static_cast<const TI*>(s.x) + t * s.stride_t + h * s.stride_h;
+
+  float xt;  // x'_tid
+  if (s.mat != nullptr) {
+    float xk[32];  // x_k - mean_k for k in [32w, 32w + 32)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) load8<TI>(xrow + 32 * w + 8 * i, a.vec, xk + 8 * i);
+    if (s.mean != nullptr) {
+      const float4* mv = reinterpret_cast<const float4*>(s.mean + h * s.stride_meanh + 32 * w);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float4 m = __ldg(mv + i);
+        xk[4 * i] -= m.x; xk[4 * i + 1] -= m.y; xk[4 * i + 2] -= m.z; xk[4 * i + 3] -= m.w;
+      }
+    }
+    const float4* tm = reinterpret_cast<const float4*>(s.mat + h * s.stride_mh + (32 * w) * kD) + l;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      const float4 r = __ldg(tm + k * (kD / 4));
+      acc.x = fmaf(xk[k], r.x, acc.x); acc.y = fmaf(xk[k], r.y, acc.y);
+      acc.z = fmaf(xk[k], r.z, acc.z); acc.w = fmaf(xk[k], r.w, acc.w);
+    }
+    reinterpret_cast<float4*>(sm.part[w])[l] = acc;
+    __syncthreads();
+    xt = ((sm.part[0][tid] + sm.part[1][tid]) + sm.part[2][tid]) + sm.part[3][tid];
+  } else {
+    xt = to_f<TI>(xrow[tid]);
+  }
+
+  // BF16 window copies (coalesced: a warp stores 64 contiguous bytes)
+  const __nv_bfloat16 xb = __float2bfloat16_rn(xt);
+  if (sink_row >= 0) s.sink[((long long)sink_row * a.hkv + h) * kD + tid] = xb;
+  if (ring_row >= 0) s.ring[((long long)ring_row * a.hkv + h) * kD + tid] = xb;
+
+  // clip at the (n + 1)-th largest |x'|: count the row's values above each, keep the smallest with <= n above
+  if (s.clip_n > 0) {
+    const float ax = fabsf(xt);
+    sm.absx[tid] = ax;
+    __syncthreads();
+    int c0 = 0, c1 = 0, c2 = 0, c3 = 0;
+    const float4* av = reinterpret_cast<const float4*>(sm.absx);
+#pragma unroll 8
+    for (int i = 0; i < kD / 4; ++i) {
+      const float4 v = av[i];  // the same address in every lane: a broadcast
+      c0 += v.x > ax; c1 += v.y > ax; c2 += v.z > ax; c3 += v.w > ax;
+    }
+    // |x'| >= 0, so its bits order like its values; +inf for a non-candidate
+    uint32_t cand = (c0 + c1) + (c2 + c3) <= s.clip_n ? __float_as_uint(ax) : 0x7f800000u;
+    cand = __reduce_min_sync(0xffffffffu, cand);
+    if (l == 0) sm.tau[w] = cand;
+    __syncthreads();
+    const float tau = __uint_as_float(min(min(sm.tau[0], sm.tau[1]), min(sm.tau[2], sm.tau[3])));
+    xt = fminf(fmaxf(xt, -tau), tau);
+  }
+
+  // group bounds: one redux per warp, then the warps of a group (G / 32 of them) through shared memory
+  const uint32_t key = order_key(xt);
+  uint32_t kmin = __reduce_min_sync(0xffffffffu, key), kmax = __reduce_max_sync(0xffffffffu, key);
+  const int wpg = s.group >> 5;
+  if (wpg > 1) {
+    if (l == 0) { sm.bound[w][0] = kmin; sm.bound[w][1] = kmax; }
+    __syncthreads();
+    const int w0 = w - w % wpg;
+    kmin = sm.bound[w0][0]; kmax = sm.bound[w0][1];
+    for (int i = 1; i < wpg; ++i) { kmin = min(kmin, sm.bound[w0 + i][0]); kmax = max(kmax, sm.bound[w0 + i][1]); }
+  }
+  const float lo = from_key(kmin), hi = from_key(kmax);
+  const __nv_bfloat16 scale_b = __float2bfloat16_rn(__fdiv_rn(hi - lo, 3.0f)), min_b = __float2bfloat16_rn(lo);
+  const float scale = __bfloat162float(scale_b), mn = __bfloat162float(min_b);
+  const float u = scale > 0.f ? __fdiv_rn(xt - mn, scale) : 0.f;
+  const uint32_t code = (u >= s.th0) + (u >= s.th1) + (u >= s.th2);
+
+  const long long rec = pool_record(slot, h, a.hkv, a.page_log2);
+  if (tid % s.group == 0) {
+    const int ng = kD / s.group;
+    s.params[rec * ng + tid / s.group] =
+        (uint32_t)__bfloat16_as_ushort(scale_b) | ((uint32_t)__bfloat16_as_ushort(min_b) << 16);
+  }
+  reinterpret_cast<uint8_t*>(sm.code)[tid] = (uint8_t)code;
+  __syncthreads();
+  if (tid < 8) {  // word i of the record: bytes 4i..4i+3, each c[b] | c[b+32] << 2 | c[b+64] << 4 | c[b+96] << 6
+    const uint32_t word = sm.code[tid] | (sm.code[tid + 8] << 2) | (sm.code[tid + 16] << 4) | (sm.code[tid + 24] << 6);
+    s.codes[rec * (kD / 16) + tid] = word;
+  }
+}
+
+// q' = q . T_q[h] for the query heads of KV head h of token t, kQHeads heads per pass
+template <typename TI>
+__device__ void rotate_q(const Args& a, float (*part)[4][kD], int t, int h) {
+  const int tid = threadIdx.x, w = tid >> 5, l = tid & 31;
+  const long long tq_off = h * a.tq_stride_h + (32 * w) * kD + 4 * l;  // row 32w, columns 4l..4l+3
+  for (int r0 = 0; r0 < a.gqa; r0 += kQHeads) {
+    const int nr = min(kQHeads, a.gqa - r0);
+    float4 acc[kQHeads];
+#pragma unroll
+    for (int r = 0; r < kQHeads; ++r) acc[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+    for (int k0 = 0; k0 < 32; k0 += 8) {
+      float4 tr[8];  // T_q rows 32w + k0 .. + 7, columns 4l..4l+3
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const long long off = tq_off + (long long)(k0 + k) * kD;
+        if (a.tq_fp32) {
+          tr[k] = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(a.tq) + off));
+        } else {
+          const uint2 u = __ldg(reinterpret_cast<const uint2*>(static_cast<const TI*>(a.tq) + off));
+          const TI* e = reinterpret_cast<const TI*>(&u);
+          tr[k] = make_float4(to_f<TI>(e[0]), to_f<TI>(e[1]), to_f<TI>(e[2]), to_f<TI>(e[3]));
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kQHeads; ++r) {
+        if (r < nr) {
+          const TI* qrow = static_cast<const TI*>(a.q) + t * a.q_stride_t + (long long)(h * a.gqa + r0 + r) * a.q_stride_h;
+          float qk[8];
+          load8<TI>(qrow + 32 * w + k0, a.vec, qk);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            acc[r].x = fmaf(qk[k], tr[k].x, acc[r].x); acc[r].y = fmaf(qk[k], tr[k].y, acc[r].y);
+            acc[r].z = fmaf(qk[k], tr[k].z, acc[r].z); acc[r].w = fmaf(qk[k], tr[k].w, acc[r].w);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kQHeads; ++r)
+      if (r < nr) reinterpret_cast<float4*>(part[r][w])[l] = acc[r];
+    __syncthreads();
+    TI* out = static_cast<TI*>(a.q_out) + ((long long)t * a.hkv * a.gqa + h * a.gqa + r0) * kD + tid;
+    for (int r = 0; r < nr; ++r)
+      out[r * kD] = from_f<TI>(((part[r][0][tid] + part[r][1][tid]) + part[r][2][tid]) + part[r][3][tid]);
+    __syncthreads();  // the next pass overwrites part
+  }
+}
+
+template <typename TI>
+__global__ void __launch_bounds__(kThreads) int2_write_kernel(Args a) {
+#if __CUDA_ARCH__ >= 900
+  if (a.pdl_trigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the decode may launch
+#endif
+  const int t = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
+  if (z == 2) {
+    __shared__ float qpart[kQHeads][4][kD];
+    rotate_q<TI>(a, qpart, t, h);
+  } else {
+    __shared__ Smem sm;
+    write_side<TI>(a, a.side[z], sm, t, h);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x_dtype 0: bf16 k / v / q, 1: fp16. Returns a cudaError_t code (0: launched).
+int oscar_write_launch(int num_tokens, int hkv, int x_dtype, int page_log2, const long long* slots,
+                       const int* sink_dst, const int* ring_dst, int vec,
+                       const void* k, long long k_stride_t, long long k_stride_h, const float* kmat,
+                       long long kmat_stride_h, const float* kmean, long long kmean_stride_h, void* k_codes,
+                       void* k_params, void* sink_k, void* ring_k, int k_group, int k_clip_n, float k_th0,
+                       float k_th1, float k_th2,
+                       const void* v, long long v_stride_t, long long v_stride_h, const float* vmat,
+                       long long vmat_stride_h, void* v_codes, void* v_params, void* sink_v, void* ring_v, int v_group,
+                       int v_clip_n, float v_th0, float v_th1, float v_th2,
+                       const void* q, long long q_stride_t, long long q_stride_h, const void* tq,
+                       long long tq_stride_h, int tq_fp32, void* q_out, int gqa, int pdl_trigger, void* stream) {
+  Args a{};
+  a.side[0] = Side{k, k_stride_t, k_stride_h, kmat, kmat_stride_h, kmean, kmean_stride_h, (uint32_t*)k_codes,
+                   (uint32_t*)k_params, (__nv_bfloat16*)sink_k, (__nv_bfloat16*)ring_k, k_group, k_clip_n,
+                   k_th0, k_th1, k_th2};
+  a.side[1] = Side{v, v_stride_t, v_stride_h, vmat, vmat_stride_h, nullptr, 0, (uint32_t*)v_codes,
+                   (uint32_t*)v_params, (__nv_bfloat16*)sink_v, (__nv_bfloat16*)ring_v, v_group, v_clip_n,
+                   v_th0, v_th1, v_th2};
+  a.slots = slots; a.sink_dst = sink_dst; a.ring_dst = ring_dst;
+  a.hkv = hkv; a.page_log2 = page_log2; a.vec = vec;
+  a.q = q; a.q_stride_t = q_stride_t; a.q_stride_h = q_stride_h; a.tq = tq; a.tq_stride_h = tq_stride_h;
+  a.tq_fp32 = tq_fp32; a.q_out = q_out; a.gqa = gqa; a.pdl_trigger = pdl_trigger;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(num_tokens, hkv, q != nullptr ? 3 : 2);  // write.py write_grid
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = (cudaStream_t)stream;
+  return (int)(x_dtype == 0 ? cudaLaunchKernelEx(&cfg, int2_write_kernel<__nv_bfloat16>, a)
+                            : cudaLaunchKernelEx(&cfg, int2_write_kernel<__half>, a));
+}
+
+}  // extern "C"
