@@ -100,6 +100,11 @@ def write_sweep(models, batches, warps, tiles=(0,), no_q=False, kernels=("triton
     from sglang_oscar.kernels.write import default_block_t
 
     out = []
+    # the floor of one kernel in this harness: a one-element fill_ per copy (launch and graph-node overhead only)
+    cells = [torch.zeros(1, device="cuda") for _ in range(8)]
+    us = 1e3 * bench([lambda c=c: c.fill_(1.0) for c in cells])
+    out.append(dict(model="-", batch=0, kernel="one_element_fill", num_warps=0, block_t=0, q_in_launch=False, us=us))
+    print(f"write sweep floor: a one-element fill_ {us:6.2f} us", flush=True)
     for model in models:
         hq, hkv, d = MODELS[model]
         for b in batches:

@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider test/test_write.py test/test_decode.py \
     -k "${TEST_K:-cuda_kernel or cuda_rotates or cuda_source or cuda_launch or refusals or gpu or after_the_kv_write}" \
-    2>&1 | tail -15 | tee "$OUT/pytest_gpu_cuda_write.txt"
+    --tb=short > "$OUT/pytest_gpu_cuda_write.txt" 2>&1; tail -8 "$OUT/pytest_gpu_cuda_write.txt"
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
   python3 benchmark/bench_write_decode.py --out "$OUT" --models "${MODELS:-qwen3-8b,glm-4.7-tp8,qwen3-32b}" \

@@ -488,10 +488,9 @@ def test_write_cuda_rotates_q(n, gqa, tq_dtype):
     if tq_dtype == torch.bfloat16:
         want = transform_query(q, tq, hkv)
         torch.testing.assert_close(q_out.float(), want.float(), rtol=1e-2, atol=1e-2)
-    else:
-        want = torch.einsum("thd,hde->the", q.float().view(n, hkv, gqa, d).reshape(n, hkv * gqa, d),
-                            rot.repeat_interleave(gqa, dim=0))
-        assert_within_bf16_ulp(q_out, want.to(torch.bfloat16), "q_out", ulps=2)
+    else:  # fp32 products, summed in another order, then one rounding to bf16 (<= 2^-9 relative)
+        want = torch.einsum("thd,hde->the", q.double(), rot.double().repeat_interleave(gqa, dim=0))
+        torch.testing.assert_close(q_out.double(), want, rtol=2.0**-8, atol=1e-4)
     for name, t in plain.buffers().items():
         assert torch.equal(t, getattr(fused, name)), name
 
@@ -518,8 +517,8 @@ def test_write_cuda_kernel_in_a_cuda_graph():
     direct = cache.clone()
     oscar_write_kv(k2, v2, slots, sd, rd, direct, **kw)
     torch.cuda.synchronize()
-    for name, t in direct.buffers().items():
-        assert torch.equal(t, getattr(cache, name)), name
+    for name, t in direct.buffers().items():  # poison (NaN) where neither wrote
+        assert same_or_both_nan(t, getattr(cache, name)).all(), name
 
 
 def test_write_cuda_kernel_refusals():
@@ -574,7 +573,8 @@ def test_write_cuda_launch_signature_matches_the_source():
 
 def test_write_cuda_source_compiles_without_spills(tmp_path):
     """The CUDA write builds for sm_90 with nvcc (where installed: CI has none and skips), both input types, with no
-    stack or spills and at most 128 registers (a CTA of 128 threads; the batch-32 write runs ~4 CTAs per SM)."""
+    stack or spills and at most 192 registers (the q programs hold a 32 x 4 slice of T_q: 168 with nvcc 13.0; three
+    CTAs of 128 threads per SM)."""
     import re
     import subprocess
 
@@ -588,6 +588,6 @@ def test_write_cuda_source_compiles_without_spills(tmp_path):
                           write_cuda.SOURCE], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", res.stderr)]
-    assert len(regs) == 2 and max(regs) <= 128, res.stderr
+    assert len(regs) == 2 and max(regs) <= 192, res.stderr
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in res.stderr
     assert len(re.findall(r"0 bytes spill stores, 0 bytes spill loads", res.stderr)) == 2, res.stderr

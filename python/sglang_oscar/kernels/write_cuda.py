@@ -32,6 +32,7 @@ from .history_cuda import CudaHistoryUnavailable
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "int2_write.cu")
 HEAD_DIM = 128
 GROUPS = (32, 64, 128)
+MAX_GQA = 16  # query heads per KV head that the q programs take (int2_write.cu kMaxQHeads)
 X_DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # the kernel's x_dtype codes (k, v, q and q_out share it)
 
 _i, _p, _l, _f = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_float
@@ -112,6 +113,9 @@ def launch(k, v, slots, sink_dst, ring_dst, pool, *, kmat, s_kmh, kmean, s_kmean
         if not _aligned(tq):
             raise ValueError("the CUDA write reads q_transform in vector loads: pass one that starts 16-byte aligned")
         gqa = q.shape[1] // h
+        if gqa > MAX_GQA:
+            raise ValueError(f"the CUDA write rotates up to {MAX_GQA} query heads per KV head, this call has {gqa}: "
+                             f"use kernel='triton' or rotate q with transform_query")
     vec = int(_rows_vec(k) and _rows_vec(v) and (q is None or _rows_vec(q)))
     slots, sink_dst, ring_dst = slots.contiguous(), sink_dst.contiguous(), ring_dst.contiguous()
     (kth0, kth1, kth2), (vth0, vth1, vth2) = k_th, v_th
