@@ -84,7 +84,7 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=N
             write()
             oscar_decode(q, cache, r2t, idx, seq, ring_start, sink=SINK, window=WINDOW, sm_scale=1 / math.sqrt(d),
                          out=out, history_kernel="cuda", follows_write=after_write,
-                         q_from_write=after_write and fuse_q, num_splits=num_splits)
+                         q_from_write=after_write and fuse_q, num_splits=num_splits, write_kernel=write_kernel)
 
         chains.append(chain)
         writes.append(write)

@@ -927,7 +927,7 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel):
         oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, validate=False,
                        pdl_trigger=pdl, kernel=write_kernel, **kw)
         return oscar_decode(**case, out=out, history_kernel="cuda", follows_write=pdl,
-                            q_from_write=pdl and q_in_write)
+                            q_from_write=pdl and q_in_write, write_kernel=write_kernel)
 
     ring_row = ridx[0] * window + pos[0] % window
     old_row = cache.ring_k[ring_row].clone()

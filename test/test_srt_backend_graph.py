@@ -505,7 +505,7 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, c
     for row in rows:
         w.prefill(row, 10, _inputs(10, row))
     w.backend.history_after_write = True
-    events, seen_q, kernels = [], [], []
+    events, seen_q, kernels, decode_kernels = [], [], [], []
     real_transform = decode.transform_query
 
     def transform(q, t, kv_heads):
@@ -519,8 +519,10 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, c
         if q is not None:
             q_out.copy_(real_transform(q, q_transform, HKV))
 
-    def fake_decode(q, *args, q_transform=None, follows_write=False, q_from_write=False, **kw):
+    def fake_decode(q, *args, q_transform=None, follows_write=False, q_from_write=False, write_kernel="triton",
+                    **kw):
         events.append(("decode", q_transform is None, follows_write, q_from_write))
+        decode_kernels.append(write_kernel)  # the chained split count takes that write's grid
         seen_q.append(real_transform(q, q_transform, HKV))
         return torch.zeros_like(q)
 
@@ -537,7 +539,7 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, c
     else:
         want_events = [("write", False, False), ("decode", False, False, False)]
     assert events == want_events * len(LAYERS)
-    assert kernels == [want_kernel] * len(LAYERS)
+    assert kernels == [want_kernel] * len(LAYERS) and decode_kernels == kernels
     for layer, (q, _, _), got in zip(LAYERS, inputs, seen_q):  # the decode's queries, rotated once
         r = w.backend.pool.rotations[layer.layer_id]
         assert torch.equal(got, real_transform(q.reshape(-1, HQ, D), r.q_transform_as(q.dtype), HKV))
@@ -545,6 +547,7 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, c
     q, k, v = inputs[0]
     w.backend.forward_decode(q, k, v, LAYERS[0], None, save_kv_cache=False)
     assert events == [("decode", False, False, False)]  # no write: q_transform goes to oscar_decode
+    assert decode_kernels[-1] == "triton"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (and nvcc for the CUDA history)")

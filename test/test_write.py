@@ -591,3 +591,15 @@ def test_write_cuda_source_compiles_without_spills(tmp_path):
     assert len(regs) == 2 and max(regs) <= 192, res.stderr
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in res.stderr
     assert len(re.findall(r"0 bytes spill stores, 0 bytes spill loads", res.stderr)) == 2, res.stderr
+
+
+def test_write_cuda_grid_counts_q_programs_of_four_heads():
+    """write_cuda.grid, which a chained decode counts as the SM slots the write holds (oscar_decode write_kernel):
+    K and V programs per (token, KV head), and with q one more per 4 query heads (GLM-4.7's 12: 3)."""
+    from sglang_oscar.kernels import write_cuda
+
+    assert write_cuda.grid(1, 1, 12) == (1, 1, 5)
+    assert write_cuda.grid(3, 8, None) == (3, 8, 2)
+    assert write_cuda.grid(1, 8, 4) == (1, 8, 3) and write_cuda.grid(2, 8, 5) == (2, 8, 4)
+    src = open(write_cuda.SOURCE).read()
+    assert f"constexpr int kQHeads = {write_cuda.Q_HEADS_PER_CTA};" in src

@@ -1070,6 +1070,7 @@ def oscar_decode(
     history_kernel: str = "triton",
     follows_write: bool = False,
     q_from_write: bool = False,
+    write_kernel: str = "triton",
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
@@ -1107,6 +1108,8 @@ def oscar_decode(
     "cuda" on sm_90 or newer only; the caller guarantees the order (the server's backend does, srt/backend.py).
     q_from_write (with follows_write): q is that write's q_out (oscar_write_kv(q=..., q_out=...) rotated it), so the
     history CTAs issue their first copies and then wait for the write before they read q (kPdlAfterWriteQ).
+    write_kernel (with follows_write): that write's kernel ("triton" or "cuda", oscar_write_kv kernel), whose grid
+    (write.write_grid, write_cuda.grid) the chained split count takes as the SM slots the write holds.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -1207,9 +1210,14 @@ def oscar_decode(
             # chained: the write's programs of this step's tokens hold SM slots when the history kernel launches
             chained = None
             if follows_write:
-                from .write import default_block_t, write_grid
+                if write_kernel == "cuda":
+                    from .write_cuda import grid as cuda_write_grid
 
-                chained = math.prod(write_grid(B, Hkv, default_block_t(B, D), q_from_write))
+                    chained = math.prod(cuda_write_grid(B, Hkv, group if q_from_write else None))
+                else:
+                    from .write import default_block_t, write_grid
+
+                    chained = math.prod(write_grid(B, Hkv, default_block_t(B, D), q_from_write))
             num_splits, _ = history_cuda.plan(B, Hkv, group, req_to_token.shape[1], _num_sms(q.device), sink,
                                               window, chained)
         else:

@@ -1,10 +1,10 @@
 """The decode-sized KV write in CUDA (kernels/cuda/int2_write.cu): checks, build, launch.
 
-oscar_write_kv(..., kernel="cuda") runs this kernel instead of the Triton one: the same grid (write.write_grid: a
-CTA per token, KV head and side, and with q a third per token and KV head rotating its query heads), the same
-results (the oracle quant/cache_ops.py:write_reference; test/test_write.py compares both kernels with it on the GPU),
-the same PDL trigger for the decode's history kernel (pdl_trigger). Why: a decode write is one program's dependent
-chain, and the Triton one-token program's was ~4.6 us on H200 for any number of KV heads (benchmark/NOTES.md).
+oscar_write_kv(..., kernel="cuda") runs this kernel instead of the Triton one: a CTA per token, KV head and side,
+and with q one per token, KV head and 4 of its query heads (grid below); the same results (the oracle
+quant/cache_ops.py:write_reference; test/test_write.py compares both kernels with it on the GPU), the same PDL
+trigger for the decode's history kernel (pdl_trigger). Why: a decode write is one program's dependent chain, and the
+Triton one-token program's was ~4.6 us on H200 for any number of KV heads (benchmark/NOTES.md).
 
 It covers what the CUDA decode stage serves (history_cuda.py): head_dim 128, groups of 32, 64 or 128 per side,
 bf16 or fp16 k / v (and q, of the same dtype), BF16 sink and ring rows, the fp32 transforms of oscar_write_kv, a
@@ -32,7 +32,7 @@ from .history_cuda import CudaHistoryUnavailable
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "int2_write.cu")
 HEAD_DIM = 128
 GROUPS = (32, 64, 128)
-MAX_GQA = 16  # query heads per KV head that the q programs take (int2_write.cu kMaxQHeads)
+Q_HEADS_PER_CTA = 4  # query heads per q program (int2_write.cu kQHeads)
 X_DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # the kernel's x_dtype codes (k, v, q and q_out share it)
 
 _i, _p, _l, _f = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_float
@@ -44,6 +44,12 @@ LAUNCH_ARGTYPES = ([_i, _i, _i, _i, _p, _p, _p, _i]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
+
+
+def grid(num_tokens: int, kv_heads: int, gqa: Optional[int] = None) -> tuple:
+    """The CUDA write's launch grid: tokens x KV heads x (K, V and, with q of GQA gqa, ceil(gqa / Q_HEADS_PER_CTA) q
+    programs). A chained decode counts these programs (oscar_decode write_programs)."""
+    return (num_tokens, kv_heads, 2 + (-(-gqa // Q_HEADS_PER_CTA) if gqa else 0))
 
 
 def check_supported(head_dim: int, k_group: int, v_group: int, x_dtype: torch.dtype, window_dtype: torch.dtype,
@@ -113,9 +119,6 @@ def launch(k, v, slots, sink_dst, ring_dst, pool, *, kmat, s_kmh, kmean, s_kmean
         if not _aligned(tq):
             raise ValueError("the CUDA write reads q_transform in vector loads: pass one that starts 16-byte aligned")
         gqa = q.shape[1] // h
-        if gqa > MAX_GQA:
-            raise ValueError(f"the CUDA write rotates up to {MAX_GQA} query heads per KV head, this call has {gqa}: "
-                             f"use kernel='triton' or rotate q with transform_query")
     vec = int(_rows_vec(k) and _rows_vec(v) and (q is None or _rows_vec(q)))
     slots, sink_dst, ring_dst = slots.contiguous(), sink_dst.contiguous(), ring_dst.contiguous()
     (kth0, kth1, kth2), (vth0, vth1, vth2) = k_th, v_th

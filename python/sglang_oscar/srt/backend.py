@@ -415,11 +415,11 @@ class OscarAttnBackend(AttentionBackend):
         fuse_q = write and FUSE_Q_IN_WRITE and q_transform is not None and n <= MID_BATCH_TOKENS
         if chain and not fuse_q:  # q's GEMM before the write: nothing may run between the write and the history
             q, q_transform = transform_query(q, q_transform, h).contiguous(), None
+        kernel = self.decode_write_kernel if n <= CUDA_WRITE_MAX_TOKENS else "triton"
         if write:
             q_kw = {}
             if fuse_q:
                 q_kw = dict(q=q, q_transform=q_transform, q_out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
-            kernel = self.decode_write_kernel if n <= CUDA_WRITE_MAX_TOKENS else "triton"
             self.pool.write_layer(layer.layer_id, k.reshape(-1, h, d), v.reshape(-1, h, d), m.slots, m.sink_dst,
                                   m.ring_dst, pdl_trigger=chain, kernel=kernel, **q_kw)
             if fuse_q:
@@ -428,7 +428,7 @@ class OscarAttnBackend(AttentionBackend):
         o = oscar_decode(q, lc, self.req_to_token_pool.req_to_token, m.req_pool_indices,
                          m.seq_lens, self.pool.ring_start, sink=lc.sink, window=lc.window, sm_scale=layer.scaling,
                          q_transform=q_transform, split_waves=self.split_waves, follows_write=chain,
-                         q_from_write=chain and fuse_q,
+                         q_from_write=chain and fuse_q, write_kernel=kernel if write else "triton",
                          k_level_a=None if r.k_level_a == 1.0 else r.k_level_a,
                          v_level_a=None if r.v_level_a == 1.0 else r.v_level_a,
                          history_kernel=self.history_kernel)

@@ -1,6 +1,6 @@
 // The decode-sized KV write of OSCAR in CUDA: per (token, KV head, side) one CTA of 128 threads transforms the row,
 // copies it into the BF16 sink / ring rows where asked, clips it, quantizes it to INT2 per group and packs it into
-// the pool; with q, a third CTA per (token, KV head) rotates that token's query heads (q . T_q).
+// the pool; with q, more CTAs per (token, KV head) rotate that token's query heads (q . T_q), 4 heads each.
 // kernels/write_cuda.py builds, checks and launches it; kernels/write.py (oscar_write_kv kernel="cuda") calls it.
 // The oracle is quant/cache_ops.py:write_reference, the math that of kernels/write.py's module docstring.
 //
@@ -31,8 +31,7 @@ namespace {
 
 constexpr int kD = 128;       // head_dim (write_cuda.HEAD_DIM)
 constexpr int kThreads = 128; // 4 warps; thread j owns column j of x'
-constexpr int kQHeads = 8;    // query heads per pass of a q program (more: several passes)
-constexpr int kMaxQHeads = 16;  // query heads per KV head a q program takes (write_cuda.MAX_GQA)
+constexpr int kQHeads = 4;    // query heads per q program (write_cuda.Q_HEADS_PER_CTA)
 
 struct Side {             // K (blockIdx.z 0) or V (1)
   const void* x;          // [T, Hkv, D] rows, element strides below (last dim contiguous)
@@ -68,8 +67,8 @@ struct Args {
 };
 
 struct QSmem {
-  float q[kMaxQHeads][kD];     // the token's query rows of this KV head, fp32
-  float part[kQHeads][4][kD];  // per pass: partial rows of q . T_q, one per warp
+  float q[kQHeads][kD];        // the program's query rows, fp32
+  float part[kQHeads][4][kD];  // partial rows of q . T_q, one per warp
 };
 
 template <typename T> __device__ __forceinline__ float to_f(T v);
@@ -209,17 +208,19 @@ __device__ void write_side(const Args& a, const Side& s, Smem& sm, int t, int h)
   }
 }
 
-// q' = q . T_q[h] for the query heads of KV head h of token t. The q rows go to shared memory first (one coalesced
-// load per thread and head, all issued together) and each thread holds its 32 x 4 slice of T_q in registers, so the
-// passes of kQHeads heads below only read shared memory: the first version loaded q per head inside the FMA loop,
-// and each head then cost a dependent L2 round trip (~0.5 us per head on H200: GQA 12 +8 us).
+// q' = q . T_q[h] for query heads [r0, r0 + kQHeads) of KV head h of token t (a q program per kQHeads heads: the
+// first version took all of a KV head's heads in one CTA, in passes of 8, and its FMA loop was the write's long pole
+// at GQA >= 8, e.g. GLM-4.7's 12: 5.2 us against 3.9 for the K / V programs on H200). The q rows go to shared
+// memory first (one coalesced load per thread and head, issued together) and each thread loads its 32 x 4 slice of
+// T_q into registers before the loop, so the loop reads only registers and shared memory.
 template <typename TI>
-__device__ void rotate_q(const Args& a, QSmem& sm, int t, int h) {
+__device__ void rotate_q(const Args& a, QSmem& sm, int t, int h, int r0) {
   const int tid = threadIdx.x, w = tid >> 5, l = tid & 31;
-  const TI* q0 = static_cast<const TI*>(a.q) + t * a.q_stride_t + (long long)(h * a.gqa) * a.q_stride_h;
+  const int nr = min(kQHeads, a.gqa - r0);
+  const TI* q0 = static_cast<const TI*>(a.q) + t * a.q_stride_t + (long long)(h * a.gqa + r0) * a.q_stride_h;
 #pragma unroll
-  for (int r = 0; r < kMaxQHeads; ++r)
-    if (r < a.gqa) sm.q[r][tid] = to_f<TI>(q0[r * a.q_stride_h + tid]);
+  for (int r = 0; r < kQHeads; ++r)
+    if (r < nr) sm.q[r][tid] = to_f<TI>(q0[r * a.q_stride_h + tid]);
   float4 tr[32];  // T_q rows 32w .. 32w + 31, columns 4l .. 4l + 3
   const long long tq_off = h * a.tq_stride_h + (32 * w) * kD + 4 * l;
 #pragma unroll
@@ -234,33 +235,29 @@ __device__ void rotate_q(const Args& a, QSmem& sm, int t, int h) {
     }
   }
   __syncthreads();  // q staged
-  for (int r0 = 0; r0 < a.gqa; r0 += kQHeads) {
-    const int nr = min(kQHeads, a.gqa - r0);
 #pragma unroll
-    for (int r = 0; r < kQHeads; ++r) {
-      if (r < nr) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        const float4* qv = reinterpret_cast<const float4*>(sm.q[r0 + r] + 32 * w);  // a broadcast per load
+  for (int r = 0; r < kQHeads; ++r) {
+    if (r < nr) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      const float4* qv = reinterpret_cast<const float4*>(sm.q[r] + 32 * w);  // a broadcast per load
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float4 q4 = qv[i];
-          const float qk[4] = {q4.x, q4.y, q4.z, q4.w};
+      for (int i = 0; i < 8; ++i) {
+        const float4 q4 = qv[i];
+        const float qk[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float4& m = tr[4 * i + j];
-            acc.x = fmaf(qk[j], m.x, acc.x); acc.y = fmaf(qk[j], m.y, acc.y);
-            acc.z = fmaf(qk[j], m.z, acc.z); acc.w = fmaf(qk[j], m.w, acc.w);
-          }
+        for (int j = 0; j < 4; ++j) {
+          const float4& m = tr[4 * i + j];
+          acc.x = fmaf(qk[j], m.x, acc.x); acc.y = fmaf(qk[j], m.y, acc.y);
+          acc.z = fmaf(qk[j], m.z, acc.z); acc.w = fmaf(qk[j], m.w, acc.w);
         }
-        reinterpret_cast<float4*>(sm.part[r][w])[l] = acc;
       }
+      reinterpret_cast<float4*>(sm.part[r][w])[l] = acc;
     }
-    __syncthreads();
-    TI* out = static_cast<TI*>(a.q_out) + ((long long)t * a.hkv * a.gqa + h * a.gqa + r0) * kD + tid;
-    for (int r = 0; r < nr; ++r)
-      out[r * kD] = from_f<TI>(((sm.part[r][0][tid] + sm.part[r][1][tid]) + sm.part[r][2][tid]) + sm.part[r][3][tid]);
-    __syncthreads();  // the next pass overwrites part
   }
+  __syncthreads();
+  TI* out = static_cast<TI*>(a.q_out) + ((long long)t * a.hkv * a.gqa + h * a.gqa + r0) * kD + tid;
+  for (int r = 0; r < nr; ++r)
+    out[r * kD] = from_f<TI>(((sm.part[r][0][tid] + sm.part[r][1][tid]) + sm.part[r][2][tid]) + sm.part[r][3][tid]);
 }
 
 template <typename TI>
@@ -269,9 +266,9 @@ __global__ void __launch_bounds__(kThreads) int2_write_kernel(Args a) {
   if (a.pdl_trigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the decode may launch
 #endif
   const int t = blockIdx.x, h = blockIdx.y, z = blockIdx.z;
-  if (z == 2) {
+  if (z >= 2) {  // q programs: heads [(z - 2) * kQHeads, + kQHeads) of KV head h
     __shared__ QSmem qs;
-    rotate_q<TI>(a, qs, t, h);
+    rotate_q<TI>(a, qs, t, h, (z - 2) * kQHeads);
   } else {
     __shared__ Smem sm;
     write_side<TI>(a, a.side[z], sm, t, h);
@@ -306,7 +303,7 @@ int oscar_write_launch(int num_tokens, int hkv, int x_dtype, int page_log2, cons
   a.q = q; a.q_stride_t = q_stride_t; a.q_stride_h = q_stride_h; a.tq = tq; a.tq_stride_h = tq_stride_h;
   a.tq_fp32 = tq_fp32; a.q_out = q_out; a.gqa = gqa; a.pdl_trigger = pdl_trigger;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(num_tokens, hkv, q != nullptr ? 3 : 2);  // write.py write_grid
+  cfg.gridDim = dim3(num_tokens, hkv, 2 + (q != nullptr ? (gqa + kQHeads - 1) / kQHeads : 0));  // write_cuda.grid
   cfg.blockDim = dim3(kThreads);
   cfg.stream = (cudaStream_t)stream;
   return (int)(x_dtype == 0 ? cudaLaunchKernelEx(&cfg, int2_write_kernel<__nv_bfloat16>, a)
