@@ -4,7 +4,7 @@
 # without q, alternating per batch) and the write + chained CUDA history layer with either write, same process.
 #   OSCAR_COMMIT=<hash> bash benchmark/run_gpu_cuda_write.sh
 # env: TESTS (1), SWEEP (1), LAYER (1), MODELS (qwen3-8b,glm-4.7-tp8,qwen3-32b), BATCHES (1,8,32),
-# CONTEXTS (32768,65536,131072), LAYER_MODELS (qwen3-8b,glm-4.7-tp8), LAYER_BATCHES (1,8,32).
+# CONTEXTS (32768,65536,131072), LAYER_MODELS (qwen3-8b,glm-4.7-tp8), LAYER_BATCHES (1,8,32), LAYER_IMPLS.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -n "${OSCAR_COMMIT:-}" ] || echo "warning: OSCAR_COMMIT unset: results name the device copy's git HEAD" >&2
@@ -23,5 +23,5 @@ fi
 if [ "${LAYER:-1}" = 1 ]; then
   python3 benchmark/bench_write_decode.py --out "$OUT" --models "${LAYER_MODELS:-qwen3-8b,glm-4.7-tp8}" \
     --contexts "${CONTEXTS:-32768,65536,131072}" --batches "${LAYER_BATCHES:-1,8,32}" \
-    --impls oscar_cuda_fused_q_after_write,oscar_cuda_write_fused_q_after_write 2>&1 | tee "$OUT/layer.log"
+    --impls "${LAYER_IMPLS:-oscar_cuda_fused_q_after_write,oscar_cuda_write_fused_q_after_write}" 2>&1 | tee -a "$OUT/layer.log"
 fi
