@@ -474,18 +474,19 @@ def test_history_kernel_option_reaches_startup_and_decode(setup, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU World (the Triton interpreter); the GPU test below "
                                                     "runs the real chain")
-@pytest.mark.parametrize("fuse_q,max_batch,rows,cuda_write", [
-    (True, 8, [1, 2], False), (True, 8, [1], False), (False, 8, [1, 2], False), (True, 0, [1, 2], False),
-    (True, 8, [1, 2], True), (True, 8, [1], True), (True, 8, [1, 2, 3], True)])
-def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, cuda_write):
+@pytest.mark.parametrize("fuse_q,max_batch,rows,cuda_write,max_gqa", [
+    (True, 8, [1, 2], False, 8), (True, 8, [1], False, 8), (False, 8, [1, 2], False, 8), (True, 0, [1, 2], False, 8),
+    (True, 8, [1, 2], True, 8), (True, 8, [1], True, 8), (True, 8, [1, 2, 3], True, 8), (True, 8, [1], True, 1)])
+def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, cuda_write, max_gqa):
     """A decode layer's launches. FUSE_Q_IN_WRITE: the write rotates q (q_out) and the decode gets q_out with
     q_transform None; else q's GEMM runs before the write when the decode is chained, or inside oscar_decode. With
     the CUDA history stage on sm_90+ (history_after_write) and batch <= AFTER_WRITE_MAX_BATCH the write triggers
     and oscar_decode follows it (q_from_write where the write rotated q): no kernel between the two
     (kernels/cuda/int2_history.cu kPdlAfterWrite*). Batch 1 to 3. Without a write (save_kv_cache False) nothing
     is fused or chained. cuda_write: the startup check finds the CUDA write covers the model (stubbed), so writes of
-    up to CUDA_WRITE_MAX_TOKENS (2 here) tokens take kernel="cuda" and larger ones the Triton kernel; else this
-    head_dim (64) keeps the Triton write. Spies stand in for the kernels (CPU)."""
+    up to CUDA_WRITE_MAX_TOKENS (2 here) tokens take kernel="cuda" and larger ones the Triton kernel, unless the
+    model's GQA (2) is above CUDA_WRITE_MAX_GQA (max_gqa 1); else this head_dim (64) keeps the Triton write. Spies
+    stand in for the kernels (CPU)."""
     from sglang_oscar.kernels import decode, write_cuda
     from sglang_oscar.srt import backend as backend_mod
     from sglang_oscar.srt import startup_checks
@@ -495,11 +496,13 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, c
     monkeypatch.setattr(backend_mod, "FUSE_Q_IN_WRITE", fuse_q)
     monkeypatch.setattr(backend_mod, "AFTER_WRITE_MAX_BATCH", max_batch)
     monkeypatch.setattr(backend_mod, "CUDA_WRITE_MAX_TOKENS", 2)
+    monkeypatch.setattr(backend_mod, "CUDA_WRITE_MAX_GQA", max_gqa)
     if cuda_write:
         monkeypatch.setattr(write_cuda, "check_supported", lambda *a, **kw: None)
         monkeypatch.setattr(write_cuda, "library", lambda: None)
     w = World(setup)
     assert w.backend.history_after_write is False  # a CPU device: no PDL
+    cuda_write = cuda_write and HQ // HKV <= max_gqa
     assert w.backend.decode_write_kernel == ("cuda" if cuda_write else "triton")
     want_kernel = "cuda" if cuda_write and len(rows) <= 2 else "triton"
     for row in rows:

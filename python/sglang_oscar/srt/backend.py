@@ -52,7 +52,7 @@ from .extend_attention import ExtendAttention
 from .options import OscarOptionError
 from .pool import OscarKVPool
 from .write_plan import plan_writes
-from ..kernels.write import MID_BATCH_TOKENS, SMALL_BATCH_TOKENS
+from ..kernels.write import MID_BATCH_TOKENS
 
 NAME = "oscar_int2"
 # Decode, per layer (benchmark/bench_write_decode.py, NOTES "The decode after the KV write"):
@@ -66,12 +66,16 @@ NAME = "oscar_int2"
 #   36.3 us, 128k 54.1 vs 50.0; results/decode_step_layer_ee6a1e7_*).
 FUSE_Q_IN_WRITE = True
 AFTER_WRITE_MAX_BATCH = 8
-# - CUDA_DECODE_WRITE: with the CUDA history stage, decode writes of up to CUDA_WRITE_MAX_TOKENS tokens run the CUDA
-#   write (kernels/write_cuda.py) instead of the Triton one where it covers the shape (checked and built at startup;
-#   the log says which write runs). Larger batches keep the Triton kernel's 16-row dot tiles, which read each head's
-#   transform once per 16 tokens.
+# - CUDA_DECODE_WRITE: with the CUDA history stage, decode writes of up to CUDA_WRITE_MAX_TOKENS tokens of models with
+#   at most CUDA_WRITE_MAX_GQA query heads per KV head run the CUDA write (kernels/write_cuda.py) instead of the Triton
+#   one where it covers the shape (checked and built at startup; the log says which write runs). Measured on H200
+#   (benchmark/NOTES.md "The decode write in CUDA"): the write alone with q 0.76-0.84x the Triton write's time at batch
+#   1-8 for GQA 4 / 8 / 12, but at batch 16-32 slower for GQA 8 (its 2 q programs per KV head per token); chained to
+#   the history with q, Qwen3-8B's batch-1 layer 0.94-0.97x the time at 32k-128k, GLM-4.7 TP8's (GQA 12) 1.02-1.18x
+#   from 48k (not understood; without q in the write the two writes chain equally there).
 CUDA_DECODE_WRITE = True
-CUDA_WRITE_MAX_TOKENS = SMALL_BATCH_TOKENS
+CUDA_WRITE_MAX_TOKENS = 8
+CUDA_WRITE_MAX_GQA = 8
 
 logger = logging.getLogger(__name__)
 
@@ -213,16 +217,20 @@ class OscarAttnBackend(AttentionBackend):
         logger.info("sglang_oscar: decode INT2 history stage: %s (pool page size %d)", self.history_kernel,
                     pool.page_size)
         if CUDA_DECODE_WRITE:
-            self._check_decode_write(model_runner)
+            self._check_decode_write(model_runner, q_heads // pool.head_num)
 
-    def _check_decode_write(self, model_runner) -> None:
+    def _check_decode_write(self, model_runner, gqa: int) -> None:
         """With the CUDA history stage: the CUDA decode write where it covers this model (head_dim, groups, the
-        model's dtype for k / v, BF16 windows; kernels/write_cuda.check_supported), built here before any graph
-        capture; else the Triton write, and the log says why."""
+        model's dtype for k / v, BF16 windows; kernels/write_cuda.check_supported) and GQA <= CUDA_WRITE_MAX_GQA,
+        built here before any graph capture; else the Triton write, and the log says why."""
         from ..kernels import write_cuda
 
         pool = self.pool
         dtype = getattr(model_runner, "dtype", None)
+        if gqa > CUDA_WRITE_MAX_GQA:
+            logger.info("sglang_oscar: decode KV write: triton (GQA %d: the CUDA write's q programs chained slower "
+                        "above GQA %d, srt/backend.py CUDA_WRITE_MAX_GQA)", gqa, CUDA_WRITE_MAX_GQA)
+            return
         try:
             write_cuda.check_supported(pool.head_dim, pool.setup.plan.k_group, pool.setup.plan.v_group, dtype,
                                        pool.window_dtype, self.device)
