@@ -178,7 +178,8 @@ def main():
     ap.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS))
     ap.add_argument("--configs", default="alone:65536:1:auto,alone:65536:1:16,chain:65536:1:auto,"
                                          "alone:131072:1:auto,alone:32768:1:auto,alone:65536:8:auto",
-                    help="comma list of mode:context:batch:splits (mode alone or chain; splits auto or a count)")
+                    help="comma list of mode:context:batch:splits (mode alone, chain (to the Triton write) or chainw "
+                         "(to the CUDA write); splits auto or a count)")
     ap.add_argument("--sources", default="",
                     help="comma list of name=path[+S<stages>][+W<rows>][+F0|+F1][+D<macro>=<value>]...: other kernel "
                          "sources (e.g. the previous commit's int2_history.cu, with the same launch signature; an "
@@ -223,10 +224,11 @@ def main():
             cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=OSCAR_PAGE)
             fns = oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, history_kernel="cuda", num_splits=n)
             keep = (q, cache, r2t, seq, ring_start)
-        elif mode == "chain":
-            fns, _, keep = oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write=True, fuse_q=True, num_splits=n)
+        elif mode in ("chain", "chainw"):  # chainw: chained to the CUDA write (kernels/write_cuda.py)
+            fns, _, keep = oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write=True, fuse_q=True, num_splits=n,
+                                           write_kernel="cuda" if mode == "chainw" else "triton")
         else:
-            raise SystemExit(f"mode must be alone or chain, got {mode!r}")
+            raise SystemExit(f"mode must be alone, chain or chainw, got {mode!r}")
         times = {name: [] for name in libs}
         for r in range(args.rounds):  # interleaved, alternating order
             for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
