@@ -33,6 +33,10 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "int2_
 HEAD_DIM = 128
 GROUPS = (32, 64, 128)
 Q_HEADS_PER_CTA = 4  # query heads per q program (int2_write.cu kQHeads)
+# The write kernel's largest shared-memory carveout, set once when the library loads (int2_write.cu
+# oscar_write_prepare says why: chained history CTAs start beside the write's CTAs). A module attribute, so that a
+# benchmark can time the library without it (a process that loads it with False).
+PREFER_SHARED = True
 X_DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # the kernel's x_dtype codes (k, v, q and q_out share it)
 
 _i, _p, _l, _f = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_float
@@ -79,6 +83,11 @@ def library() -> ctypes.CDLL:
             lib = ctypes.CDLL(history_cuda.build(source=SOURCE))
             lib.oscar_write_launch.argtypes = LAUNCH_ARGTYPES
             lib.oscar_write_launch.restype = ctypes.c_int
+            lib.oscar_write_prepare.restype = ctypes.c_int
+            if PREFER_SHARED:
+                rc = lib.oscar_write_prepare()  # the shared-memory carveout (int2_write.cu oscar_write_prepare)
+                if rc:
+                    raise CudaHistoryUnavailable(f"cudaFuncSetAttribute for the CUDA write failed (cuda error {rc})")
             _lib = lib
     return _lib
 
