@@ -69,13 +69,13 @@ AFTER_WRITE_MAX_BATCH = 8
 # - CUDA_DECODE_WRITE: with the CUDA history stage, decode writes of up to CUDA_WRITE_MAX_TOKENS tokens of models with
 #   at most CUDA_WRITE_MAX_GQA query heads per KV head run the CUDA write (kernels/write_cuda.py) instead of the Triton
 #   one where it covers the shape (checked and built at startup; the log says which write runs). Measured on H200
-#   (benchmark/NOTES.md "The decode write in CUDA"): the write alone with q 0.76-0.84x the Triton write's time at batch
-#   1-8 for GQA 4 / 8 / 12, but at batch 16-32 slower for GQA 8 (its 2 q programs per KV head per token); chained to
-#   the history with q, Qwen3-8B's batch-1 layer 0.94-0.97x the time at 32k-128k, GLM-4.7 TP8's (GQA 12) 1.02-1.18x
-#   from 48k (not understood; without q in the write the two writes chain equally there).
+#   (benchmark/NOTES.md "The decode write in CUDA"): the write alone with q 0.80-0.85x the Triton write's time at
+#   batch 1-8 for GQA 4 / 8 / 12; chained to the history with q, the layer 0.94-1.00x the time at batch 1 (Qwen3-8B /
+#   32B, GLM-4.7 TP8, 32k-128k) and 0.97-1.01x at batch 8. At batch 16-32 the write with q was slower for GQA 8 (its
+#   2 q programs per KV head per token), and the chain stops at AFTER_WRITE_MAX_BATCH = 8 anyway.
 CUDA_DECODE_WRITE = True
 CUDA_WRITE_MAX_TOKENS = 8
-CUDA_WRITE_MAX_GQA = 8
+CUDA_WRITE_MAX_GQA = 16
 
 logger = logging.getLogger(__name__)
 
@@ -228,8 +228,8 @@ class OscarAttnBackend(AttentionBackend):
         pool = self.pool
         dtype = getattr(model_runner, "dtype", None)
         if gqa > CUDA_WRITE_MAX_GQA:
-            logger.info("sglang_oscar: decode KV write: triton (GQA %d: the CUDA write's q programs chained slower "
-                        "above GQA %d, srt/backend.py CUDA_WRITE_MAX_GQA)", gqa, CUDA_WRITE_MAX_GQA)
+            logger.info("sglang_oscar: decode KV write: triton (GQA %d: the CUDA write was measured up to GQA %d, "
+                        "srt/backend.py CUDA_WRITE_MAX_GQA)", gqa, CUDA_WRITE_MAX_GQA)
             return
         try:
             write_cuda.check_supported(pool.head_dim, pool.setup.plan.k_group, pool.setup.plan.v_group, dtype,
