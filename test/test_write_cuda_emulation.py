@@ -1,0 +1,147 @@
+"""CPU mirror of the CUDA write's per-thread steps (kernels/cuda/int2_write.cu), against the oracle.
+
+The GPU tests (test_write.py, kernel="cuda") run the kernel itself; CI has no GPU, so this file replays, in PyTorch,
+the decisions the kernel's code makes in the order it makes them: the four warps' partial sums of x . T over their
+32-row slices (fp32 fused multiply-adds, summed ((p0 + p1) + p2) + p3), the clip threshold as the smallest |x'_j|
+with at most n values strictly above it (each warp's minimum of its candidates, then the minimum over warps), the
+group bounds as minima / maxima of order-preserving integer keys (redux.sync takes integers), the IEEE divisions,
+and the pack of a record as eight 32-bit words from the codes' bytes. A change to one of these steps in the .cu file
+should change this mirror too; the mirror's results must match write_reference with test_write.py's tolerances.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from kernel_utils import assert_codes_match, assert_within_bf16_ulp, gen, random_orthogonal
+
+from sglang_oscar.quant.cache_ops import quantize_side, transform_side
+from sglang_oscar.quant.clip import clip_count, clip_rows
+from sglang_oscar.quant.pack import pack_int2, unpack_int2
+
+D, WARPS = 128, 4
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> the fp32 value of bf16(x), round to nearest even (__float2bfloat16_rn; torch's CPU cast rounds so)."""
+    return x.to(torch.bfloat16).float()
+
+
+def order_key(f: np.ndarray) -> np.ndarray:
+    """int2_write.cu order_key: fp32 bits -> uint32 with the floats' order (negative: all bits flipped; else the
+    sign bit set)."""
+    b = f.astype(np.float32).view(np.uint32)
+    return np.where(b & 0x80000000, ~b, b | 0x80000000).astype(np.uint32)
+
+
+def from_key(k: np.ndarray) -> np.ndarray:
+    k = k.astype(np.uint32)
+    return np.where(k & 0x80000000, k & 0x7FFFFFFF, ~k).astype(np.uint32).view(np.float32)
+
+
+def fma_rows(xk: torch.Tensor, tk: torch.Tensor) -> torch.Tensor:
+    """acc = fmaf(x_k, T[k], acc) over the rows k of one warp's slice, in order: each step rounds once (the product
+    of two fp32 values is exact in float64, and so is its sum with the fp32 accumulator up to a final rounding)."""
+    acc = torch.zeros(tk.shape[-1], dtype=torch.float32)
+    for k in range(xk.shape[0]):
+        acc = (xk[k].double() * tk[k].double() + acc.double()).float()
+    return acc
+
+
+def emulate_side(x, mat, mean, clip_n, group, th):
+    """One (token, head, side) program of int2_write.cu on fp32 row x [D]: (x' before the clip, scale, min, codes,
+    record bytes)."""
+    if mat is not None:
+        xk = x.float() - (mean.float() if mean is not None else 0.0)
+        part = [fma_rows(xk[32 * w:32 * w + 32], mat[32 * w:32 * w + 32]) for w in range(WARPS)]
+        xt = ((part[0] + part[1]) + part[2]) + part[3]
+    else:
+        xt = x.float().clone()
+    window = xt.clone()  # what the sink / ring rows get (rounded to bf16 there)
+    if clip_n > 0:
+        a = xt.abs()
+        above = (a[None, :] > a[:, None]).sum(1)  # thread j: #{i : a_i > a_j}
+        cand = torch.where(above <= clip_n, a, torch.full_like(a, float("inf")))
+        tau = min(cand[32 * w:32 * w + 32].min() for w in range(WARPS))  # redux per warp, then over the warps
+        xt = torch.minimum(torch.maximum(xt, -tau), tau)
+    keys = order_key(xt.numpy())
+    ng = D // group
+    lo = torch.from_numpy(np.array([from_key(keys[g * group:(g + 1) * group].min(keepdims=True))[0]
+                                     for g in range(ng)], dtype=np.float32))
+    hi = torch.from_numpy(np.array([from_key(keys[g * group:(g + 1) * group].max(keepdims=True))[0]
+                                     for g in range(ng)], dtype=np.float32))
+    scale = bf16((hi - lo) / torch.tensor(3.0))  # fp32 IEEE division, then bf16
+    mn = bf16(lo)
+    s, m = scale.repeat_interleave(group), mn.repeat_interleave(group)
+    u = torch.where(s > 0, (xt - m) / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xt))
+    codes = sum((u >= t).to(torch.int64) for t in th)
+    # the pack: code j in byte j of a 128-byte buffer; word i of the record = w[i] | w[i+8] << 2 | w[i+16] << 4 |
+    # w[i+24] << 6 over its little-endian 32-bit words w
+    words = codes.to(torch.uint8).numpy().view(np.uint32)
+    rec = words[:8] | (words[8:16] << 2) | (words[16:24] << 4) | (words[24:32] << 6)
+    return window, scale, mn, codes, torch.from_numpy(rec.view(np.uint8).copy())
+
+
+def test_order_keys_sort_like_the_floats_and_invert():
+    g = np.random.default_rng(0)
+    f = np.concatenate([g.standard_normal(4000).astype(np.float32) * 10.0 ** g.integers(-40, 30, 4000),
+                        np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45, 3.4e38, -3.4e38], dtype=np.float32)])
+    f = f.astype(np.float32)
+    k = order_key(f)
+    assert (from_key(k).view(np.uint32) == f.view(np.uint32)).all()  # exact inverse, sign of zero included
+    order = np.argsort(k, kind="stable")
+    assert (np.diff(f[order].astype(np.float64)) >= 0).all()  # keys sort the values
+    assert order_key(np.array([-0.0], np.float32))[0] < order_key(np.array([0.0], np.float32))[0]
+
+
+def test_the_word_pack_is_the_quarter_plane_layout():
+    g = gen(1)
+    codes = torch.randint(0, 4, (50, D), generator=g)
+    for row in codes:
+        words = row.to(torch.uint8).numpy().view(np.uint32)
+        rec = words[:8] | (words[8:16] << 2) | (words[16:24] << 4) | (words[24:32] << 6)
+        assert torch.equal(torch.from_numpy(rec.view(np.uint8).copy()), pack_int2(row))
+
+
+def test_the_mirror_matches_the_oracle():
+    """Rows with outlier channels, shared transform with a mean (K) and without (V: absorbed, x' = x), groups 32 /
+    64 / 128, clip ratios 0.9 / 0.95 / 1.0 and codebook levels: the mirror's window row to 1e-5 of the row's max, its
+    params within one bf16 ulp (and the same in nearly every group), its codes equal except threshold boundary cases
+    and its record bytes those of pack_int2."""
+    from sglang_oscar.kernels.write import level_thresholds
+
+    g = gen(7)
+    for group, rho, a, with_mat in ((64, 0.95, 1.0, True), (128, 0.9, 0.7, True), (32, 1.0, 1.2, True),
+                                    (64, 0.9, 1.0, False)):
+        x = torch.randn(24, D, generator=g) * 2.0
+        x[:, 5] *= 8.0
+        if not with_mat:
+            x[3] = 1.5  # a constant row: scale 0
+            x[4, :16] = 3.0  # ties above the clip count (12 at 0.9)
+            x = x.round()  # integer values: ties everywhere
+        mat = random_orthogonal(D, g=g, device="cpu") if with_mat else None
+        mean = torch.randn(D, generator=g) if with_mat else None
+        th = level_thresholds(a)
+        n = clip_count(rho, D)
+        ref_xt = transform_side(x, mat, mean)
+        ref = quantize_side(ref_xt, group, rho, a)
+        got = [emulate_side(x[i], mat, mean, n, group, th) for i in range(x.shape[0])]
+        xt = torch.stack([r[0] for r in got])
+        scale, mn = torch.stack([r[1] for r in got]), torch.stack([r[2] for r in got])
+        codes, recs = torch.stack([r[3] for r in got]), torch.stack([r[4] for r in got])
+        assert ((xt - ref_xt).abs() <= 1e-5 * ref_xt.abs().amax(-1, keepdim=True)).all()
+        params = torch.stack([scale, mn], -1).to(torch.bfloat16)
+        want = torch.stack([ref.scale, ref.minv], -1).to(torch.bfloat16)
+        assert_within_bf16_ulp(params, want, f"G{group} params")
+        same = (params == want).all(-1)
+        assert int((~same).sum()) <= 1, f"G{group}: {int((~same).sum())} groups differ"
+        s = want[..., 0].double().repeat_interleave(group, -1)
+        m = want[..., 1].double().repeat_interleave(group, -1)
+        clipped = clip_rows(transform_side(x.double(), mat.double() if mat is not None else None,
+                                           mean.double() if mean is not None else None), rho)
+        t64 = torch.where(s > 0, (clipped - m) / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
+        excused = (~same).repeat_interleave(group, -1)
+        assert_codes_match(torch.where(excused, ref.codes.long(), codes), ref.codes.long(), t64, th, f"G{group} codes")
+        assert torch.equal(unpack_int2(recs), codes.to(torch.uint8))
+        if not with_mat:
+            assert (scale[3] == 0).all() and (codes[3] == 0).all()
