@@ -443,8 +443,8 @@ def oscar_write_kv(
     one kernel less per layer and decode step, and with pdl_trigger nothing between the write and the decode. q and
     T_q both bf16 (or fp16): products in that dtype with fp32 sums, as transform_query's GEMM; else fp32.
     kernel: "triton" (every shape the pool takes) or "cuda" (kernels/write_cuda.py: the decode-sized write in CUDA,
-    head_dim 128, bf16 / fp16 k and v, BF16 windows; the same results and grid; precision "ieee", no block_t /
-    num_warps). An unsupported call raises; nothing falls back.
+    head_dim 128, bf16 / fp16 k and v, BF16 windows; the same results, its own grid write_cuda.grid; precision "ieee",
+    no block_t / num_warps). An unsupported call raises; nothing falls back.
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
