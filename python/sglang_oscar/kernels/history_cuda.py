@@ -334,7 +334,7 @@ def plan(batch: int, kv_heads: int, gqa: int, max_context: int, num_sms: int, si
 def split_count(batch: int, kv_heads: int, gqa: int, max_context: int, num_sms: int, window_partials: int,
                 chained_write_programs: Optional[int] = None) -> int:
     """The history split count oscar_decode uses where num_splits is None: chained_num_splits for one request chained
-    to its KV write (chained_write_programs: that write's program count, kernels/write.py write_grid) at a
+    to its KV write (chained_write_programs: that write's program count, write.write_grid or write_cuda.grid) at a
     req_to_token width (max_context) in [CHAINED_MIN_CONTEXT, CHAINED_MAX_CONTEXT], else default_num_splits; at batch
     1 at most one round less one slot per column, so that each column's first window CTA (its sink CTA, whose index
     chain is the longest) starts in the first round instead of after the first history CTAs end. Measured on H100,

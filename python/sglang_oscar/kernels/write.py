@@ -499,7 +499,7 @@ def oscar_write_kv(
                           kmean=kmean if k_mean is not None else None, s_kmeanh=s_kmeanh,
                           vmat=vmat if v_transform is not None else None, s_vmh=s_vmh, k_clip_n=k_n, v_clip_n=v_n,
                           k_th=kth, v_th=vth, pdl_trigger=pdl_trigger, q=q, q_transform=tq[0] if tq else None,
-                          q_out=q_out)
+                          s_tqh=tq[1] if tq else 0, q_out=q_out)
         return
     bt = block_t or default_block_t(n, d, interpreter=pool.k_codes.device.type == "cpu")
     if bt not in (1, 2, 4, 8) and bt < 16 or bt & (bt - 1):

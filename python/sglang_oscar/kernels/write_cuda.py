@@ -52,7 +52,7 @@ _lib: Optional[ctypes.CDLL] = None
 
 def grid(num_tokens: int, kv_heads: int, gqa: Optional[int] = None) -> tuple:
     """The CUDA write's launch grid: tokens x KV heads x (K, V and, with q of GQA gqa, ceil(gqa / Q_HEADS_PER_CTA) q
-    programs). A chained decode counts these programs (oscar_decode write_programs)."""
+    programs). A chained decode counts these programs (oscar_decode write_kernel="cuda")."""
     return (num_tokens, kv_heads, 2 + (-(-gqa // Q_HEADS_PER_CTA) if gqa else 0))
 
 
@@ -102,11 +102,11 @@ def _rows_vec(x: torch.Tensor) -> bool:
 
 
 def launch(k, v, slots, sink_dst, ring_dst, pool, *, kmat, s_kmh, kmean, s_kmeanh, vmat, s_vmh, k_clip_n, v_clip_n,
-           k_th, v_th, pdl_trigger: bool, q=None, q_transform=None, q_out=None) -> None:
+           k_th, v_th, pdl_trigger: bool, q=None, q_transform=None, s_tqh: int = 0, q_out=None) -> None:
     """Launch the write of oscar_write_kv(kernel="cuda"), which has checked the shapes, dtypes and devices of the
-    pool, k / v, the indices, the transforms (fp32, contiguous; vmat None: V in its basis) and q / q_out. This checks
-    what the kernel adds: check_supported, q's dtype, 16-byte alignment of the fp32 transforms and the mean (their
-    vector loads), the q transform's shape."""
+    pool, k / v, the indices, the transforms (fp32, contiguous; vmat None: V in its basis) and q / q_out / q_transform
+    (write._check_q: [D, D] or [Hkv, D, D] with head stride s_tqh, fp32 or q's dtype). This checks what the kernel
+    adds: check_supported, q's dtype, 16-byte alignment of the transforms and the mean (their vector loads)."""
     check_supported(pool.head_dim, pool.k_group, pool.v_group, k.dtype, pool.sink_k.dtype, k.device)
     if v.dtype != k.dtype:
         raise ValueError(f"the CUDA write takes k and v of one dtype, got {k.dtype} and {v.dtype}")
@@ -115,16 +115,12 @@ def launch(k, v, slots, sink_dst, ring_dst, pool, *, kmat, s_kmh, kmean, s_kmean
         raise ValueError("the CUDA write reads the transforms and the mean in 16-byte loads: pass tensors that start "
                          "16-byte aligned (e.g. .clone())")
     h, n = pool.kv_heads, k.shape[0]
-    tq, s_tqh, gqa, tq_fp32 = None, 0, 0, 0
+    tq, gqa, tq_fp32 = None, 0, 0
     if q is not None:
         if q.dtype != k.dtype:
             raise ValueError(f"the CUDA write rotates q of k's dtype {k.dtype}, got {q.dtype}: use kernel='triton'")
-        t = q_transform[0] if q_transform.dim() == 3 and q_transform.shape[0] == 1 else q_transform
-        tq = t.contiguous()
-        s_tqh = HEAD_DIM * HEAD_DIM if tq.dim() == 3 else 0
+        tq = q_transform.contiguous()
         tq_fp32 = int(tq.dtype == torch.float32)
-        if not tq_fp32 and tq.dtype != q.dtype:
-            raise TypeError(f"q_transform must be float32 or q's dtype {q.dtype}, got {tq.dtype}")
         if not _aligned(tq):
             raise ValueError("the CUDA write reads q_transform in vector loads: pass one that starts 16-byte aligned")
         gqa = q.shape[1] // h
