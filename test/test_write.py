@@ -524,7 +524,6 @@ def test_write_cuda_kernel_in_a_cuda_graph():
 def test_write_cuda_kernel_refusals():
     """kernel='cuda' says what it does not cover (these run on the CPU: the checks come before any CUDA call)."""
     LayerCache, _, oscar_write_kv = _imports()
-    kw = dict(k_transform=None)
     c64 = LayerCache.empty(8, 2, 64, k_group=64, v_group=64, num_sink_rows=2, max_reqs=1, window=4, sink=2,
                            device=DEVICE, window_dtype=torch.bfloat16)
     k = torch.zeros(2, 2, 64, device=DEVICE, dtype=torch.bfloat16)
