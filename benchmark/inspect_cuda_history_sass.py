@@ -41,14 +41,20 @@ from sglang_oscar.kernels.history_cuda import SOURCE  # noqa: E402  (the source 
 # Keys (NSTAGE, HC, G64). The groups-of-64 instances (G64, compile-time groups: the default format) cut the hot loop by
 # 2 (HC 4) / 8 (HC 8) and a block's other code by 15: the params copies and group selects were issued both ways under
 # the runtime flags, which the other instances (G*: a group of 128 on either side) still read.
-BUDGET = {(2, 4, False): (248, 8088), (2, 8, False): (270, 8184), (3, 4, False): (248, 8200),
-          (3, 8, False): (270, 8288), (4, 4, False): (248, 8288), (4, 8, False): (270, 8384),
-          (2, 4, True): (246, 8048), (2, 8, True): (262, 8152), (3, 4, True): (246, 8144),
-          (3, 8, True): (262, 8248), (4, 4, True): (246, 8232), (4, 8, True): (262, 8336)}
+# Keys (NSTAGE, HC, G64, D). D 64 (SmolLM2, 2026-11-29): ~80 registers (3 CTAs of 8 warps per SM), a tile of 4 IMMA + 4
+# HMMA in 198-223 instructions (D 128: 246-270; the score, softmax and V-param code per token is the same), 103-117 more
+# per block (one 16-byte copy per token and side, instead of two lanes' halves).
+BUDGET = {(2, 4, False, 128): (248, 8088), (2, 8, False, 128): (270, 8184), (3, 4, False, 128): (248, 8200),
+          (3, 8, False, 128): (270, 8288), (4, 4, False, 128): (248, 8288), (4, 8, False, 128): (270, 8384),
+          (2, 4, True, 128): (246, 8048), (2, 8, True, 128): (262, 8152), (3, 4, True, 128): (246, 8144),
+          (3, 8, True, 128): (262, 8248), (4, 4, True, 128): (246, 8232), (4, 8, True, 128): (262, 8336),
+          (2, 4, False, 64): (200, 2792), (2, 8, False, 64): (223, 2840), (2, 4, True, 64): (198, 2768),
+          (2, 8, True, 64): (213, 2824)}
 # instructions of a 32-token block outside the hot loop (block_loop extra)
-BLOCK_BUDGET = {(2, 4, False): 90, (2, 8, False): 93, (3, 4, False): 100, (3, 8, False): 99, (4, 4, False): 96,
-                (4, 8, False): 95, (2, 4, True): 75, (2, 8, True): 78, (3, 4, True): 85, (3, 8, True): 88,
-                (4, 4, True): 81, (4, 8, True): 84}
+BLOCK_BUDGET = {(2, 4, False, 128): 90, (2, 8, False, 128): 93, (3, 4, False, 128): 100, (3, 8, False, 128): 99,
+                (4, 4, False, 128): 96, (4, 8, False, 128): 95, (2, 4, True, 128): 75, (2, 8, True, 128): 78,
+                (3, 4, True, 128): 85, (3, 8, True, 128): 88, (4, 4, True, 128): 81, (4, 8, True, 128): 84,
+                (2, 4, False, 64): 117, (2, 8, False, 64): 109, (2, 4, True, 64): 106, (2, 8, True, 64): 103}
 BUDGET_NVCC = "13.0"
 TOTAL_SLACK = 1.05  # whole-kernel growth allowed without an A/B
 MAX_REGISTERS = 128  # 2 CTAs of 256 threads per SM (64K registers)
@@ -83,9 +89,15 @@ def nvcc_version(nvcc: str) -> str:
 
 
 def _instance(name: str):
-    """(nstage, hc, g64) of a kernel instance's mangled name (g64: the groups-of-64 instance, int2_history.cu G64)."""
-    m = re.search(r"int2_history_kernelILi(\d+)ELi(\d+)ELb([01])E", name)
-    return (int(m.group(1)), int(m.group(2)), bool(int(m.group(3)))) if m else None
+    """(nstage, hc, g64, d) of a kernel instance's mangled name (g64: the instance of two groups per row known at
+    compile time, int2_history.cu TWO_G: groups of 64 at D 128, of 32 at D 64; d: head_dim)."""
+    m = re.search(r"int2_history_kernelILi(\d+)ELi(\d+)ELb([01])ELi(\d+)E", name)
+    return (int(m.group(1)), int(m.group(2)), bool(int(m.group(3))), int(m.group(4))) if m else None
+
+
+def tile_mma(d: int) -> int:
+    """mma instructions of one 16-token tile: 8 K + 8 V at D 128, 4 + 4 at D 64."""
+    return d // 8
 
 
 def compile_resources(source: str, nvcc: str, cubin: str) -> dict:
@@ -137,16 +149,17 @@ def _backward_branches(ins: list):
             yield int(m.group(1), 16), addr
 
 
-def hot_loop(ins: list) -> dict:
-    """The shortest loop (a backward branch and its target) holding >= 16 HMMA + IMMA: {start, end, length, hmma}."""
+def hot_loop(ins: list, min_mma: int = 16) -> dict:
+    """The shortest loop (a backward branch and its target) holding >= min_mma HMMA + IMMA (a tile's, tile_mma):
+    {start, end, length, hmma}."""
     best = None
     for target, addr in _backward_branches(ins):
         body = [t for a, t in ins if target <= a <= addr]
         hmma = sum(1 for t in body if re.search(r"\b[HI]MMA\b", t))
-        if hmma >= 16 and (best is None or len(body) < best["length"]):
+        if hmma >= min_mma and (best is None or len(body) < best["length"]):
             best = dict(start=target, end=addr, length=len(body), hmma=hmma)
     if best is None:
-        raise ValueError("no loop with >= 16 HMMA + IMMA found")
+        raise ValueError(f"no loop with >= {min_mma} HMMA + IMMA found")
     return best
 
 
@@ -177,7 +190,7 @@ def inspect(source: str = SOURCE) -> dict:
         funcs = sass_functions(cubin, cuobjdump)
     out = {}
     for key in sorted(funcs):
-        hot = hot_loop(funcs[key])
+        hot = hot_loop(funcs[key], tile_mma(key[3]))
         out[key] = dict(res.get(key, {}), instructions=len(funcs[key]), hot_loop=hot,
                         block_loop=block_loop(funcs[key], hot))
     return out
@@ -189,16 +202,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="", help="also write the rows here")
     args = ap.parse_args(argv)
     rows = inspect(args.source)
-    for (nstage, hc, g64), r in rows.items():
-        loop_b, total_b = BUDGET.get((nstage, hc, g64), (None, None))
-        print(f"NSTAGE {nstage} HC {hc} {'G64' if g64 else 'G*'}: {r.get('registers')} registers, "
+    for (nstage, hc, g64, d), r in rows.items():
+        loop_b, total_b = BUDGET.get((nstage, hc, g64, d), (None, None))
+        print(f"D {d} NSTAGE {nstage} HC {hc} {'G2' if g64 else 'G*'}: {r.get('registers')} registers, "
               f"stack {r.get('stack')}, spills {r.get('spill_stores')}/{r.get('spill_loads')}, "
               f"{r['instructions']} instructions (budget {total_b}), "
               f"hot loop {r['hot_loop']['length']} ({r['hot_loop']['hmma']} HMMA / IMMA; budget {loop_b}), "
-              f"per block {r['block_loop']['extra']} more (budget {BLOCK_BUDGET.get((nstage, hc, g64))})")
+              f"per block {r['block_loop']['extra']} more (budget {BLOCK_BUDGET.get((nstage, hc, g64, d))})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({f"{k[0]}x{k[1]}{'_g64' if k[2] else ''}": v for k, v in rows.items()}, f, indent=1)
+            json.dump({f"{k[0]}x{k[1]}{'_g64' if k[2] else ''}{'_d64' if k[3] == 64 else ''}": v
+                       for k, v in rows.items()}, f, indent=1)
     return 0
 
 

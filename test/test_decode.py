@@ -806,9 +806,26 @@ def test_cuda_history_rejects_what_it_does_not_cover():
     from sglang_oscar.kernels import history_cuda
 
     assert os.path.exists(history_cuda.SOURCE)  # shipped as package data (pyproject.toml)
-    case = make_case([40, 30], hkv=2, gqa=2, d=64, device="cpu")
-    with pytest.raises(ValueError, match="history_kernel='cuda' covers head_dim 128, GQA 1-16, K/V groups 64 or 128"):
+    case = make_case([40, 30], hkv=2, gqa=2, d=256, gk=64, gv=64, device="cpu")
+    with pytest.raises(ValueError, match="history_kernel='cuda' covers head_dim 128 with K/V groups 64 or 128; "
+                                         "head_dim 64 with K/V groups 32 or 64, GQA 1-16, uniform levels; this call "
+                                         "has head_dim 256"):
         oscar_decode(**case, history_kernel="cuda")
+    for gk, gv in ((32, 64), (64, 32), (32, 32), (64, 64)):  # D 64 (SmolLM2): covered, its window read by Triton
+        case = make_case([40, 30], hkv=3, gqa=3, d=64, gk=gk, gv=gv, device="cpu", dtype=torch.float32)
+        with pytest.raises(ValueError, match="needs CUDA tensors"):  # not the BF16-window refusal of D 128
+            oscar_decode(**case, history_kernel="cuda", ring_splits=2)  # nor the window programs' knobs
+    with pytest.raises(ValueError, match="this call has head_dim 64, GQA 3, groups 16/64"):
+        history_cuda.check_supported(64, 3, 16, 64, False, "cpu")
+    stages = history_cuda.STAGES
+    try:
+        history_cuda.STAGES = 3
+        with pytest.raises(ValueError, match="builds head_dim 64 at \\(2,\\) stages"):
+            history_cuda.check_supported(64, 3, 64, 64, False, "cpu")
+        with pytest.raises(ValueError, match="needs CUDA tensors"):  # D 128 builds 3 stages: past the shape checks
+            history_cuda.check_supported(128, 4, 64, 64, False, "cpu")
+    finally:
+        history_cuda.STAGES = stages
     case = make_case([40, 30], hkv=2, gqa=4, d=128, gk=64, gv=32, device="cpu")
     with pytest.raises(ValueError, match="this call has head_dim 128, GQA 4, groups 64/32"):
         oscar_decode(**case, history_kernel="cuda")
@@ -878,10 +895,11 @@ def test_follows_write_refuses_what_would_race():
 
 
 @requires_cuda
-@pytest.mark.parametrize("gqa,q_in_write,write_kernel", [
-    (4, False, "triton"), (8, False, "triton"), (4, True, "triton"), (5, True, "triton"), (12, False, "triton"),
-    (12, True, "triton"), (4, False, "cuda"), (4, True, "cuda"), (12, True, "cuda")])
-def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel):
+@pytest.mark.parametrize("gqa,q_in_write,write_kernel,d", [
+    (4, False, "triton", 128), (8, False, "triton", 128), (4, True, "triton", 128), (5, True, "triton", 128),
+    (12, False, "triton", 128), (12, True, "triton", 128), (4, False, "cuda", 128), (4, True, "cuda", 128),
+    (12, True, "cuda", 128), (3, False, "triton", 64), (3, True, "triton", 64)])
+def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel, d):
     """The decode step's chain as the server runs it on sm_90+: oscar_write_kv(pdl_trigger=True), then
     oscar_decode(follows_write=True), whose history CTAs run while the write does; q_in_write: the write also
     rotates q (q_out) and the history CTAs wait for it before reading q (q_from_write). Same bits as the plain chain
@@ -891,17 +909,18 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel):
     CTA that read the new ring / sink row before the write had stored it, or a history CTA of the request whose
     history reaches the new token (ring_start >= L) that did not wait, would read the old row. Lengths: long, L =
     S + 1, L = S, L < S, window edges, ring_start >= L. write_kernel: the Triton write or the CUDA write
-    (kernels/write_cuda.py), which triggers its dependents the same way."""
+    (kernels/write_cuda.py), which triggers its dependents the same way. d 64 (SmolLM2): the window is read by the
+    Triton window programs launched after the history kernel, which must see the new row too."""
     from sglang_oscar.kernels.decode import transform_query
     from sglang_oscar.kernels.write import oscar_write_kv
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
-    sink, window, d, hkv = 64, 256, 128, 2
+    sink, window, hkv = 64, 256, 2
     lens = [5001, 65, 64, 3, 321, 320, 2000]  # L after the write: the new token is at L - 1
     ring_starts = [0, 0, 0, 0, 0, 0, 2000]  # the last request's history reaches L - 1
-    case = make_case(lens, hkv=hkv, gqa=gqa, d=d, sink=sink, window=window, ring_starts=ring_starts, pool_page=64,
-                     seed=90 + gqa + 10 * q_in_write)
+    case = make_case(lens, hkv=hkv, gqa=gqa, d=d, gk=64, gv=64 if d == 128 else 32, sink=sink, window=window,
+                     ring_starts=ring_starts, pool_page=64, seed=90 + gqa + 10 * q_in_write + d)
     cache, r2t, ridx = case["cache"], case["req_to_token"], case["req_pool_indices"].long()
     b = len(lens)
     pos = case["seq_lens"].long() - 1
@@ -1032,7 +1051,7 @@ def test_cuda_chained_split_count(monkeypatch):
     partials; at least 1."""
     from sglang_oscar.kernels import history_cuda
 
-    monkeypatch.setattr(history_cuda, "occupancy", lambda stages=None, warps=None, heads=4: 2)
+    monkeypatch.setattr(history_cuda, "occupancy", lambda stages=None, warps=None, heads=4, head_dim=128: 2)
     assert history_cuda.chained_num_splits(8, 4, 132, write_programs=24, window_partials=3) == 27
     assert history_cuda.chained_num_splits(8, 8, 132, write_programs=24, window_partials=3) == 27  # one 8-head tile
     assert history_cuda.chained_num_splits(8, 4, 132, write_programs=16, window_partials=3) == 28  # q by a GEMM
@@ -1076,7 +1095,7 @@ def test_cuda_split_floor_fills_the_sms(monkeypatch):
     floor); a short context keeps one block per warp at least."""
     from sglang_oscar.kernels import history_cuda
 
-    monkeypatch.setattr(history_cuda, "occupancy", lambda stages=None, warps=None, heads=4: 2)
+    monkeypatch.setattr(history_cuda, "occupancy", lambda stages=None, warps=None, heads=4, head_dim=128: 2)
     glm = [history_cuda.default_num_splits(1, 12, ctx, 132, 0) for ctx in (1 << 15, 1 << 16, 1 << 17)]
     assert glm == [66, 66, 66]
     qwen = [history_cuda.default_num_splits(8, 4, ctx, 132, 0) for ctx in (1 << 13, 1 << 15, 1 << 16)]
@@ -1095,7 +1114,7 @@ def test_cuda_window_fold_plan(monkeypatch):
     and batch 2 (16) keep the window CTAs."""
     from sglang_oscar.kernels import history_cuda
 
-    monkeypatch.setattr(history_cuda, "occupancy", lambda stages=None, warps=None, heads=4: 2)
+    monkeypatch.setattr(history_cuda, "occupancy", lambda stages=None, warps=None, heads=4, head_dim=128: 2)
     assert history_cuda.fold_tiles(64, 256) == 20 and history_cuda.fold_tiles(5, 40) == 4
     assert history_cuda.fold_tiles(0, 16) == 1 and history_cuda.fold_tiles(130, 129) == 9 + 9
     assert history_cuda.folds(20, 64, 256) and not history_cuda.folds(19, 64, 256)
@@ -1110,6 +1129,15 @@ def test_cuda_window_fold_plan(monkeypatch):
     assert history_cuda.plan(1, 8, 4, 1 << 17, 132, 64, 256) == (32, False)  # the sink CTA's slot kept
     assert history_cuda.plan(1, 8, 4, 1 << 16, 132, 64, 256, chained_write_programs=24) == (27, False)
     assert not history_cuda.folds(33, 64, 256)
+    # D 64 (SmolLM2: 3 KV heads, GQA 3): no window in the kernel, whatever FOLD_WINDOW says; the split count keeps
+    # room in the merge for the Triton window programs (ceil(64 / 16) + ceil(256 / 64) = 8) and counts D 64's own
+    # occupancy (3 CTAs per SM at ~80 registers): 131072 / (256 rows x 8 warps) = 64 splits at batch 1
+    monkeypatch.setattr(history_cuda, "FOLD_WINDOW", True)
+    monkeypatch.setattr(history_cuda, "occupancy",
+                        lambda stages=None, warps=None, heads=4, head_dim=128: 3 if head_dim == 64 else 2)
+    assert history_cuda.plan(1, 3, 3, 1 << 17, 132, 64, 256, head_dim=64) == (64, False)
+    assert history_cuda.plan(64, 3, 3, 1 << 17, 132, 64, 256, head_dim=64) == (2, False)  # 192 columns: 396 slots
+    assert not history_cuda.fuses_window(64) and history_cuda.fuses_window(128)
 
 
 def test_cuda_window_ctas_cover_the_window():
@@ -1386,6 +1414,45 @@ def test_cuda_history_configurations_in_any_order(monkeypatch):
     run_and_check(case, history_kernel="cuda")  # 2 x 2: prepared after 2 x 8
     monkeypatch.setattr(history_cuda, "WARPS", 8)
     run_and_check(case, history_kernel="cuda")
+
+
+@requires_cuda
+@pytest.mark.parametrize("gqa,gk,gv", [(3, 64, 64), (3, 32, 32), (3, 32, 64), (3, 64, 32), (1, 32, 32), (4, 64, 64),
+                                       (5, 32, 64), (8, 64, 32), (12, 64, 64), (16, 32, 32)])
+def test_cuda_history_head_dim_64(gqa, gk, gv):
+    """D 64 (SmolLM2: 9 query / 3 KV heads, GQA 3): planes of 16 dims, the K dot with two planes per m16n8k32, four V
+    m-tiles; rows of one group (64) or two (32) on each side; GQA 1-4 in 4-head columns, 5-8 in one 8-head column,
+    12 / 16 in head groups of 8; the window read by the Triton window programs after the kernel. Against the oracle
+    (NaN-poisoned output) with odd lengths across pages, ring_start inside and past the window, L < S + W, a request
+    without history, missing sink rows, explicit split counts (empty warps and CTAs), PDL off the same bits, q in
+    fp16 / fp32, and a graph replay."""
+    lens, rings = [5001, 1200, 330, 70, 2500], [0, 1000, 0, 0, 2500]
+    case = make_case(lens, hkv=3, gqa=gqa, d=64, gk=gk, gv=gv, sink=64, window=256, ring_starts=rings, pool_page=64,
+                     seed=150 + gqa + gk + gv)
+    run_and_check(case, history_kernel="cuda")
+    for ns in (1, 7, 37):
+        run_and_check(case, history_kernel="cuda", num_splits=ns)
+    want = oscar_decode(**case, history_kernel="cuda")
+    assert torch.equal(oscar_decode(**case, history_kernel="cuda", pdl=False), want)
+    assert_graph_replays_equal(case, want, replays=1, history_kernel="cuda")
+    if gqa == 3:
+        for dtype in (torch.float16, torch.float32):
+            run_and_check({**case, "q": case["q"].to(dtype)}, history_kernel="cuda")
+    r0 = case["req_pool_indices"][0]
+    case["cache"].sink_table[case["req_to_token"][r0, :5].long()] = -1
+    run_and_check(case, missing_sink_int2=True, history_kernel="cuda")
+
+
+@requires_cuda
+@pytest.mark.parametrize("lens,pool_page", [([9001], 64), ([64 + 331 * i for i in range(64)], 64), ([3001, 77], 1)])
+def test_cuda_history_head_dim_64_batch_1_and_64(lens, pool_page):
+    """SmolLM2's shape at batch 1 (the split rule's many splits: D 64's own occupancy) and batch 64, and on a pool
+    of single-slot pages; the Triton path agrees with it to rounding."""
+    case = make_case(lens, hkv=3, gqa=3, d=64, gk=64, gv=64, sink=64, window=256, pool_page=pool_page,
+                     seed=170 + len(lens) + pool_page)
+    run_and_check(case, history_kernel="cuda")
+    torch.testing.assert_close(oscar_decode(**case, history_kernel="cuda").float(),
+                               oscar_decode(**case, history_kernel="triton").float(), rtol=2e-2, atol=2e-2)
 
 
 @requires_cuda

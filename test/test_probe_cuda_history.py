@@ -464,16 +464,19 @@ def test_pool_record32_is_the_records_rule():
                     assert 2 * ref + 1 <= m32
 
 
-def test_cuda_history_refuses_pools_past_32bit_records():
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_cuda_history_refuses_pools_past_32bit_records(head_dim):
     """history_cuda.launch: a pool of 2^31 or more records (the loop's 32-bit record index) is refused with the way
-    out, before anything is launched (a meta tensor stands in for the codes)."""
+    out, before anything is launched (meta tensors stand in for q and the codes; a record is head_dim / 4 code
+    bytes, so q's head_dim decides the count)."""
     from types import SimpleNamespace
 
     from sglang_oscar.kernels import history_cuda
 
-    cache = SimpleNamespace(k_codes=torch.empty(1 << 31, 1, 32, dtype=torch.uint8, device="meta"))
+    q = torch.empty(1, 1, head_dim, dtype=torch.bfloat16, device="meta")
+    cache = SimpleNamespace(k_codes=torch.empty(1 << 31, 1, head_dim // 4, dtype=torch.uint8, device="meta"))
     with pytest.raises(ValueError, match="32 bits.*history_kernel='triton'"):
-        history_cuda.launch(None, cache, None, None, None, None, sink=64, window=256, sm_scale=1.0, ns=1,
+        history_cuda.launch(q, cache, None, None, None, None, sink=64, window=256, sm_scale=1.0, ns=1,
                             ns_total=1, o_part=None, lse_part=None)
 
 
@@ -507,12 +510,22 @@ def _fma32(a, b, c):
     return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
 
 
+def _int8_hi_lo(x, kp):
+    """The kernel's fp32 rounding of v = x kp into int8 hi, lo with v ~ 128 hi + lo (the hm / lm lines: the low byte
+    of magic + n is n mod 256, read as int8)."""
+    magic = _f32(12582912.0)
+    hm = _fma32(x, kp * _f32(1 / 128), magic)
+    lm = _f32(_fma32(x, kp, _fma32(hm, _f32(-128.0), _f32(128.0) * magic)) + magic)
+    hb = int(np.array([hm], dtype=np.float32).view(np.uint32)[0]) & 0xFF
+    lb = int(np.array([lm], dtype=np.float32).view(np.uint32)[0]) & 0xFF
+    return hb - 256 if hb > 127 else hb, lb - 256 if lb > 127 else lb
+
+
 def kernel_int8_q(q, head_of_column, c0):
     """The production kernel's q for the integer K dot (int2_history_kernel's prologue, OSCAR_IMMA_K), in fp32 as the
     kernel rounds it: lane (g, t), register 2p + w holds c0 q 4^-p S_gp of column g's head at dims p*32 + t*8 + 4w +
     0..3 as int8 hi (qhi) and lo (qlo), v = 128 hi + lo, with S_gp = 16256 / (the warp's max |c0 q 4^-p| over plane
     group gp). Returns (qhi, qlo) as int arrays [32 lanes, 8 registers, 4 bytes] and (iS0, iS1)."""
-    magic = _f32(12582912.0)
     f = [_f32(1.0), _f32(0.25), _f32(0.0625), _f32(0.015625)]
     xs = np.zeros((32, 4, 8), dtype=np.float32)
     for lane in range(32):
@@ -528,13 +541,7 @@ def kernel_int8_q(q, head_of_column, c0):
             kp = f[p] * S[p // 2]
             for w in range(2):
                 for i in range(4):
-                    x = xs[lane, p, 4 * w + i]
-                    hm = _fma32(x, kp * _f32(1 / 128), magic)
-                    lm = _f32(_fma32(x, kp, _fma32(hm, _f32(-128.0), _f32(128.0) * magic)) + magic)
-                    hb = int(np.array([hm], dtype=np.float32).view(np.uint32)[0]) & 0xFF
-                    lb = int(np.array([lm], dtype=np.float32).view(np.uint32)[0]) & 0xFF
-                    qhi[lane, 2 * p + w, i] = hb - 256 if hb > 127 else hb
-                    qlo[lane, 2 * p + w, i] = lb - 256 if lb > 127 else lb
+                    qhi[lane, 2 * p + w, i], qlo[lane, 2 * p + w, i] = _int8_hi_lo(xs[lane, p, 4 * w + i], kp)
     kt = _f32(16777216.0)
     return qhi, qlo, (mx0 / (_f32(16256.0) * kt), mx1 / (_f32(16256.0) * kt))
 
@@ -577,7 +584,7 @@ def test_integer_k_dot_with_the_kernels_int8_q(hc):
                  "const float S0 = mx0 > 1e-30f ? 16256.f / mx0 : 0.f, S1 = mx1 > 1e-30f ? 16256.f / mx1 : 0.f;",
                  "const float hm = fmaf(x, kp * (1.f / 128.f), kRoundMagic);",
                  "const float lm = fmaf(x, kp, fmaf(hm, -128.f, 128.f * kRoundMagic)) + kRoundMagic;",
-                 "qhi[2 * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);",
+                 "qhi[(D / 64) * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);",  # 2p + w at D 128
                  "return prmt(prmt(x0, x1, 0x0040), prmt(x2, x3, 0x0040), 0x5410);",
                  "iS0 = mx0 / (16256.f * kTwo24);",
                  "const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, "
@@ -612,3 +619,303 @@ def test_integer_k_dot_with_the_kernels_int8_q(hc):
     # and tighter than that check's tolerance: the error of 14-bit q against the float64 dot, relative to the dot's
     # scale (max |q| . sum |codes|) per group
     check_history_k_dot(acc, kc, q * c0, head, scale_tol=2e-4)
+
+
+# ---- head_dim 64 (int2_history_kernel<NSTAGE, HC, TWO_G, 64>, SmolLM2) -----------------------------------------------
+# Planes of 16 dims: a token's codes are 16 bytes, byte j holding dims j + 16p in bits 2p, 2p + 1 (quant/pack.py's
+# quarter planes at D 64; codes() above reads them as dims p*16 + j); K and V groups of 32 dims (planes 0, 1 and 2, 3).
+# The K dot pairs planes 2pp, 2pp + 1 in one m16n8k32 per plane group; the V dot has 4 m-tiles, m-tile p = plane p.
+# Only the integer K dot is built at D 64 (OSCAR_IMMA_K; DISPATCH_D64).
+
+
+def d64_branches(src):
+    """The text of every braced `if constexpr (D == 64) { ... }` block of the source (comments dropped, braces
+    matched), so that a verbatim check of a D-64 line cannot be met by the same line of the D-128 branch."""
+    code = "\n".join(line.split("//")[0] for line in src.splitlines())
+    out, key = [], "if constexpr (D == 64) {"
+    i = code.find(key)
+    while i >= 0:
+        j, depth = i + len(key), 1
+        while depth:
+            depth += {"{": 1, "}": -1}.get(code[j], 0)
+            j += 1
+        out.append(code[i:j])
+        i = code.find(key, j)
+    return "\n".join(out)
+
+
+def word16(row, off):
+    """The 16-bit load at byte off of a code row, zero-extended to 32 bits (the V loads' uint16_t -> uint32_t)."""
+    return int(row[off]) | int(row[off + 1]) << 8
+
+
+def u8s(w):
+    return [(w >> (8 * i)) & 0xFF for i in range(4)]
+
+
+def kernel_int8_q_d64(q, head_of_column, c0):
+    """The D-64 q for the integer K dot, as int2_history_kernel<.., 64> builds it, in fp32 as the kernel rounds it:
+    lane (g, t) holds xs[p][i] = c0 q of column g's head at dims p*16 + t*4 + i (load_q4 per plane p, q_pair words
+    x, y), and register p (= 2pp + w: plane pair pp, k-half w of its m16n8k32) holds plane p's four values
+    c0 q 4^-p S_gp as int8 hi (qhi) and lo (qlo), with kernel_int8_q's scales and rounding (S_gp = 16256 / the warp's
+    max over plane group gp). Returns qhi, qlo [32 lanes, 4 registers, 4 bytes], (iS0, iS1) and the lanes' group
+    sums (gs0, gs1) [32] before the quad's shuffles."""
+    f = [_f32(1.0), _f32(0.25), _f32(0.0625), _f32(0.015625)]
+    xs = np.zeros((32, 4, 4), dtype=np.float32)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for p in range(4):
+            xs[lane, p] = (q[head_of_column(g), p * 16 + t * 4:p * 16 + t * 4 + 4] * c0).astype(np.float32)
+    mq = np.abs(xs).max(axis=(0, 2))  # the warp's max per plane
+    mx0, mx1 = max(mq[0], _f32(0.25) * mq[1]), max(_f32(0.0625) * mq[2], _f32(0.015625) * mq[3])
+    S = [_f32(16256.0) / m if m > _f32(1e-30) else _f32(0.0) for m in (mx0, mx1)]
+    qhi, qlo = np.zeros((32, 4, 4), dtype=np.int64), np.zeros((32, 4, 4), dtype=np.int64)
+    for lane in range(32):
+        for p in range(4):
+            kp = f[p] * S[p // 2]
+            for i in range(4):
+                qhi[lane, p, i], qlo[lane, p, i] = _int8_hi_lo(xs[lane, p, i], kp)
+    kt = _f32(16777216.0)
+    gs = xs.astype(np.float64)[:, :2].sum((1, 2)), xs.astype(np.float64)[:, 2:].sum((1, 2))
+    return qhi, qlo, (mx0 / (_f32(16256.0) * kt), mx1 / (_f32(16256.0) * kt)), gs
+
+
+def history_k_dot_d64(kc, qhi, qlo, m1_shift=2):
+    """The D-64 integer K dot of one tile: codes kc [16 tokens, 16 bytes]; lane (g, t) reads the word of bytes
+    4t .. 4t + 3 of tokens sigma(g), sigma(g) + 8 (kx0, kx1); per plane pair pp, M0 = 0x03030303 << 4pp takes plane 2pp
+    and M1 = M0 << m1_shift (the kernel's 2: plane 2pp + 1) as u8 A (a0 = kx0 & M0, a1 = kx1 & M0, a2 = kx0 & M1,
+    a3 = kx1 & M1: c 4^p per byte), against B = qhi / qlo[2pp], [2pp + 1]. Returns the s32 accumulators (ih, il) of
+    plane groups 0 and 1."""
+    ih = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
+    il = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
+    for pp in range(2):
+        M0 = 0x03030303 << (4 * pp)
+        M1 = (M0 << m1_shift) & 0xFFFFFFFF  # uint32
+        a_regs = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            kx0, kx1 = word(kc[sigma(g)], 4 * t), word(kc[sigma(g) + 8], 4 * t)
+            a_regs.append([u8s(kx0 & M0), u8s(kx1 & M0), u8s(kx0 & M1), u8s(kx1 & M1)])
+        imma(ih[pp], a_regs, [[qhi[lane, 2 * pp], qhi[lane, 2 * pp + 1]] for lane in range(32)])
+        imma(il[pp], a_regs, [[qlo[lane, 2 * pp], qlo[lane, 2 * pp + 1]] for lane in range(32)])
+    return ih, il
+
+
+def check_history_k_dot_d64(acc, kc, qf, head_of_column, scale_tol=None):
+    """check_history_k_dot at D 64: lane (g, t)'s accumulator entry e is token sigma(g) + 8 (e >> 1) and column
+    2t + (e & 1); group 0 = dims 0..31 (planes 0, 1), group 1 = dims 32..63 (planes 2, 3), in the same units as
+    check_history_k_dot (2^-24, 2^-20: the caller's group 1 carries 16 iS1, as the D-128 integer test's), so that the
+    two checks read alike. scale_tol: |error| <= scale_tol . (the group's max |qf| over all heads . the row's code
+    sum)."""
+    K = codes(kc)  # [16, 64]: dims p*16 + j
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for e in range(4):
+            row, head = sigma(g) + 8 * (e >> 1), head_of_column(2 * t + (e & 1))
+            for grp, unit in ((0, 2.0 ** 24), (1, 2.0 ** 20)):
+                dims = slice(32 * grp, 32 * grp + 32)
+                want = (qf[head, dims] * K[row, dims]).sum()
+                assert acc[grp][lane, e] * unit == pytest.approx(want, rel=2e-3, abs=2e-3)
+                if scale_tol is not None:
+                    scale = np.abs(qf[:, dims]).max() * K[row, dims].sum()
+                    assert abs(acc[grp][lane, e] * unit - want) <= scale_tol * scale
+
+
+@pytest.mark.parametrize("hc", [4, 8])
+def test_d64_int8_q_layout(hc):
+    """Pins the D-64 q build (kernel_int8_q_d64, the D == 64 branches of the prologue): lane (g, t)'s register p,
+    byte i is c0 q of column g's head (g & 3 at HC 4, g at HC 8) at dim p*16 + t*4 + i, as 128 hi + lo = rint(c0 q
+    4^-p S_gp) (hi in [-127, 127], lo in [-64, 64]), with S_gp from the warp's max over plane group gp (planes 0, 1:
+    dims 0..31; 2, 3: dims 32..63, the K groups of 32); the quad's group sums gs0 / gs1 (the min terms' Q0, Q1) are
+    the head's sums over dims 0..31 / 32..63; an all-zero q gives S 0, all-zero int8 and no NaN."""
+    rng = np.random.default_rng(60 + hc)
+    q = rng.standard_normal((hc, 64)) * 0.5
+    q[1] *= 0.01
+    head = (lambda c: c) if hc == 8 else (lambda c: c & 3)
+    c0 = 1 / math.sqrt(64) * probe.LOG2E
+    qhi, qlo, (is0, is1), (gs0, gs1) = kernel_int8_q_d64(q, head, c0)
+    assert np.abs(qhi).max() <= 127 and np.abs(qlo).max() <= 64
+    qf = q * c0
+    S = [1 / (float(is0) * 2.0 ** 24), 1 / (float(is1) * 2.0 ** 24)]
+    assert max(np.abs(qf[:, :16]).max(), np.abs(qf[:, 16:32]).max() / 4) * S[0] == pytest.approx(16256, rel=1e-6)
+    assert max(np.abs(qf[:, 32:48]).max() / 16, np.abs(qf[:, 48:]).max() / 64) * S[1] == pytest.approx(16256, rel=1e-6)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for p in range(4):
+            for i in range(4):
+                v = qf[head(g), p * 16 + t * 4 + i] * 4.0 ** -p * S[p // 2]
+                assert abs(128 * qhi[lane, p, i] + qlo[lane, p, i] - v) <= 0.5 + 1e-3 * abs(v) / 16256 + 1e-3
+    for g in range(8):  # the quad's shuffle-xor sums
+        quad = range(4 * g, 4 * g + 4)
+        assert sum(gs0[ln] for ln in quad) == pytest.approx(qf[head(g), :32].sum(), rel=1e-5, abs=1e-6)
+        assert sum(gs1[ln] for ln in quad) == pytest.approx(qf[head(g), 32:].sum(), rel=1e-5, abs=1e-6)
+    zhi, zlo, (z0, z1), _ = kernel_int8_q_d64(np.zeros_like(q), head, c0)  # S 0, no inf . 0
+    assert not zhi.any() and not zlo.any() and z0 == 0 and z1 == 0
+
+
+@pytest.mark.parametrize("hc", [4, 8])
+def test_d64_integer_k_dot_with_the_kernels_int8_q(hc):
+    """Pins the D-64 integer K dot (the D == 64 branch of the tile's K dot): the lane's bytes 4t .. 4t + 3 of tokens
+    sigma(g), sigma(g) + 8 masked with M0 / M1 for planes 2pp / 2pp + 1 as A's k 4t.. / 16 + 4t.. of one m16n8k32 per
+    plane group, against qhi / qlo[2pp], [2pp + 1] (kernel_int8_q_d64), hi . 128 + lo times iS_gp: the direct dot of
+    c0 q with the codes per group of 32 dims, within the 14-bit quantization of q, for a head of much smaller norm
+    sharing the warp's scale too. An all-zero q gives an all-zero dot. Negative control: with M1 = M0 << 4 (plane
+    2pp + 2 in place of 2pp + 1) the same check fails, so it does see the plane masks."""
+    rng = np.random.default_rng(70 + hc)
+    kc = rng.integers(0, 256, (16, 16))
+    q = rng.standard_normal((hc, 64)) * 0.5
+    q[0] *= 0.01  # a head of much smaller norm shares the warp's scale
+    head = (lambda c: c) if hc == 8 else (lambda c: c & 3)
+    c0 = 1 / math.sqrt(64) * probe.LOG2E
+    qhi, qlo, (is0, is1), _ = kernel_int8_q_d64(q, head, c0)
+
+    def acc_of(ih, il):  # group 1 in the fp16 path's units of 2^-20 (check_history_k_dot_d64), as the D-128 test
+        assert max(np.abs(ih[i] * 128 + il[i]).max() for i in range(2)) < 2 ** 31
+        return [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
+
+    check_history_k_dot_d64(acc_of(*history_k_dot_d64(kc, qhi, qlo)), kc, q * c0, head, scale_tol=2e-4)
+    with pytest.raises(AssertionError):  # the mutated mask: the check catches it
+        check_history_k_dot_d64(acc_of(*history_k_dot_d64(kc, qhi, qlo, m1_shift=4)), kc, q * c0, head)
+    zhi, zlo, _, _ = kernel_int8_q_d64(np.zeros_like(q), head, c0)
+    zh, zl = history_k_dot_d64(kc, zhi, zlo)
+    assert not any(a.any() for a in zh + zl)
+
+
+def history_v_dot_d64(vc, operands_of_mtile, mask_shift=lambda p: 2 * p):
+    """The D-64 V dot of one tile: V codes vc [16 tokens, 16 bytes]; lane (g, t) reads the 16-bit value at bytes 2g,
+    2g + 1 (dims 16p + 2g, + 1) of tokens t, t + 4, t + 8, t + 12 (wA .. wD); e0 / e1 = prmt(wA, wB, 0x4400 / 0x5511)
+    put byte 0 / 1 of tokens t, t + 4 into two halfwords (f0 / f1 the same of wC, wD), and m-tile p (= plane p) masks
+    them with 0x00030003 << mask_shift(p) (the kernel's 2p: fp16 subnormals c 4^p 2^-24) as A = (e0, e1, f0, f1)
+    against the B pair operands_of_mtile(p)."""
+    o = [np.zeros((32, 4)) for _ in range(4)]
+    for mt in range(4):
+        M = 0x00030003 << mask_shift(mt)
+        b0, b1 = operands_of_mtile(mt)
+        a_regs = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            wa, wb, wc, wd = (word16(vc[r], 2 * g) for r in (t, t + 4, t + 8, t + 12))
+            e0, e1 = prmt(wa, wb, 0x4400), prmt(wa, wb, 0x5511)
+            f0, f1 = prmt(wc, wd, 0x4400), prmt(wc, wd, 0x5511)
+            a_regs.append([e0 & M, e1 & M, f0 & M, f1 & M])
+        mma(o[mt], a_regs, [[b0[lane], b1[lane]] for lane in range(32)])
+    return o
+
+
+def check_history_v_dot_d64(o, P, vs, vc, head_of_column, mtiles_of_lane, d0_of=lambda p, g: 16 * p + 2 * g):
+    """The D-64 epilogue (park64): lane (g, t) keeps m-tiles mtiles_of_lane(t); m-tile p's rows g, g + 8 are dims
+    d0, d0 + 1 (d0 = d0_of(p, g), the kernel's 16p + 2g) of heads head0, head0 + 1 (columns 2t, 2t + 1), and
+    o . 2^(24 - 2p) is sum over tokens of P[tok, head] . vs[tok, d // 32] . V[tok, d]. Returns the (head, dim) list
+    of every output written."""
+    V = codes(vc)  # [16, 64]: dims p*16 + j
+    written = []
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        head0 = head_of_column(2 * t)
+        for p in mtiles_of_lane(t):
+            d0 = d0_of(p, g)
+            for e, (head, d) in enumerate(((head0, d0), (head0 + 1, d0), (head0, d0 + 1), (head0 + 1, d0 + 1))):
+                assert 0 <= d < 64
+                want = sum(P[tok, head] * vs[tok, d // 32] * V[tok, d] for tok in range(16))
+                assert o[p][lane, e] * 2.0 ** (24 - 2 * p) == pytest.approx(want, rel=3e-3, abs=1e-3)
+                written.append((head, d))
+    return written
+
+
+@pytest.mark.parametrize("hc", [4, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_d64_v_dot_from_the_k_accumulator_layout(seed, hc):
+    """Pins the D-64 V dot and its epilogue (the D == 64 branches of the V dot and of park): the 16-bit V loads at
+    bytes 2g of tokens t, t + 4, t + 8, t + 12, the 0x4400 / 0x5511 PRMTs, m-tile p = plane p, and park64's dims
+    16p + 2g, + 1. HC 4: one p.vscale operand pair (columns 0..3 group 0's scale, 4..7 group 1's) for all four
+    m-tiles, lanes t < 2 keep m-tiles 0, 1 (dims 0..31, V group 0), t >= 2 m-tiles 2, 3; HC 8: m-tiles 0, 1 take
+    group 0's operands, 2, 3 group 1's, and every lane keeps all four. Every (head, dim) output of the tile is
+    written exactly once. Negative control: d0 = 16p + 4g in the epilogue fails the check."""
+    rng = np.random.default_rng(seed + 80 + hc)
+    vc = rng.integers(0, 256, (16, 16))
+    P = rng.random((16, hc))  # p of token (tile row) and head
+    vs = rng.random((16, 2)) * 0.3 + 0.05  # V scale of token and group (dims 0..31, 32..63)
+    if hc == 4:
+        head = lambda c: c & 3  # noqa: E731
+        b = p_operands(P, vs, head, lambda t: t >> 1)
+        operands = lambda mt: b  # noqa: E731  (one pair serves both V groups)
+        kept = lambda t: range(2 * (t >> 1), 2 * (t >> 1) + 2)  # noqa: E731  (park64(2 * gsel + i, ..))
+    else:
+        head = lambda c: c  # noqa: E731
+        ops = [p_operands(P, vs, head, lambda t, grp=grp: grp) for grp in range(2)]
+        operands = lambda mt: ops[0] if mt < 2 else ops[1]  # noqa: E731  (mt < 2 ? b0 : c0)
+        kept = lambda t: range(4)  # noqa: E731
+    o = history_v_dot_d64(vc, operands)
+    written = check_history_v_dot_d64(o, P, vs, vc, head, kept)
+    assert len(written) == len(set(written)) == hc * 64  # every output of the tile written exactly once
+    with pytest.raises(AssertionError):  # a mutated epilogue map: the check catches it
+        check_history_v_dot_d64(o, P, vs, vc, head, kept, d0_of=lambda p, g: 16 * p + 4 * g)
+    with pytest.raises(AssertionError):  # a mutated plane mask (m-tile p reading plane p + 1's bits)
+        check_history_v_dot_d64(history_v_dot_d64(vc, operands, mask_shift=lambda p: 2 * p + 2), P, vs, vc, head,
+                                kept)
+
+
+def test_d64_layouts_match_the_kernel_source():
+    """The D-64 lines the emulations above rest on, verbatim: inside the `if constexpr (D == 64)` blocks (so that the
+    D-128 branch's same-looking lines cannot satisfy them) the stage's 16-byte code rows, the K words kx0 / kx1, the
+    masks M0 / M1, the A registers and both m16n8k32 calls, the V loads' offsets, the PRMTs, the V mask and m16n8k16
+    call, the q build's q_pair words and group sums and the epilogue's m-tile selection; outside them, load_q4 per
+    plane, the shared int8 q loop (one register per plane at D 64) and park64's dims."""
+    src = open(PRODUCTION_SOURCE).read()
+    d64 = d64_branches(src)
+    for line in ("cp_async16(st + tok * 16, a.kc + (size_t)r * 16u, n);",
+                 "cp_async16(st + SL::kVcOff + tok * 16, a.vc + (size_t)r * 16u, n);",
+                 "const float2 xq = q_pair(a, qraw[p], w, qvalid, qrow + p * 16 + t * 4 + 2 * w);",
+                 "if (p < 2) gs0 += xq.x + xq.y; else gs1 += xq.x + xq.y;",
+                 "xs[p][2 * w] = xq.x;",
+                 "xs[p][2 * w + 1] = xq.y;",
+                 "for (int i = 0; i < 4; ++i) mq[p] = fmaxf(mq[p], fabsf(xs[p][i]));",
+                 "const uint8_t* kcs = st + j * 16 * 16;",
+                 "const uint32_t kx0 = *reinterpret_cast<const uint32_t*>(kcs + sg * 16 + t * 4);",
+                 "const uint32_t kx1 = *reinterpret_cast<const uint32_t*>(kcs + (sg + 8) * 16 + t * 4);",
+                 "for (int pp = 0; pp < 2; ++pp) {",
+                 "const uint32_t M0 = 0x03030303u << (4 * pp), M1 = M0 << 2;",
+                 "const uint32_t a0 = kx0 & M0, a1 = kx1 & M0, a2 = kx0 & M1, a3 = kx1 & M1;",
+                 "imma16832(pp ? ih1 : ih0, a0, a1, a2, a3, qhi[2 * pp], qhi[2 * pp + 1]);",
+                 "imma16832(pp ? il1 : il0, a0, a1, a2, a3, qlo[2 * pp], qlo[2 * pp + 1]);",
+                 "acc0[e] = (float)(ih0[e] * 128 + il0[e]);",
+                 "acc1[e] = (float)(ih1[e] * 128 + il1[e]);",
+                 "const uint8_t* vcs = st + SL::kVcOff + j * 16 * 16 + 2 * g;",
+                 "const uint32_t wA = *reinterpret_cast<const uint16_t*>(vcs + t * 16);",
+                 "const uint32_t wB = *reinterpret_cast<const uint16_t*>(vcs + (t + 4) * 16);",
+                 "const uint32_t wC = *reinterpret_cast<const uint16_t*>(vcs + (t + 8) * 16);",
+                 "const uint32_t wD = *reinterpret_cast<const uint16_t*>(vcs + (t + 12) * 16);",
+                 "const uint32_t e0 = prmt(wA, wB, 0x4400), e1 = prmt(wA, wB, 0x5511);",
+                 "const uint32_t f0 = prmt(wC, wD, 0x4400), f1 = prmt(wC, wD, 0x5511);",
+                 "for (int mt = 0; mt < 4; ++mt) {",
+                 "const uint32_t M = 0x00030003u << (2 * mt);",
+                 "mma16816(o[mt], e0 & M, e1 & M, f0 & M, f1 & M, mt < 2 ? b0 : c0, mt < 2 ? b1 : c1);",
+                 "for (int e = 0; e < 4; ++e) c[e] = gsel ? o[2 + i][e] : o[i][e];",
+                 "park64(2 * gsel + i, c, lv0, lv1);",
+                 "for (int mt = 0; mt < 4; ++mt) park64(mt, o[mt], mt < 2 ? lv0 : lw0, mt < 2 ? lv1 : lw1);"):
+        assert line in d64, line
+    park64 = src[src.index("auto park64 = "):]
+    park64 = park64[:park64.index("\n  };")]
+    for line in ("const float fac = __int_as_float((127 + 24 - 2 * p) << 23);",
+                 "const int d0 = p * 16 + 2 * g;",
+                 "ow[head0 * D + d0] = fmaf(c[0], fac, v0);",
+                 "ow[(head0 + 1) * D + d0] = fmaf(c[1], fac, v1);",
+                 "ow[head0 * D + d0 + 1] = fmaf(c[2], fac, v0);",
+                 "ow[(head0 + 1) * D + d0 + 1] = fmaf(c[3], fac, v1);"):
+        assert line in park64, line
+    for line in ("if constexpr (D == 64) qraw[p] = load_q4(a, qvalid, qrow + p * 16 + t * 4);",
+                 "const uint2 v = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(a.q) + i));",
+                 "return make_uint4(v.x, v.y, 0u, 0u);",  # words x, y: elements i, i + 1 and i + 2, i + 3
+                 "const uint32_t wd = k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;",
+                 "uint32_t qhi[D / 16], qlo[D / 16];",
+                 "for (int w = 0; w < D / 64; ++w) {",
+                 "const float x = xs[p][4 * w + i];",
+                 "qhi[(D / 64) * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);",
+                 "qlo[(D / 64) * p + w] = pack_s8(lb[0], lb[1], lb[2], lb[3]);",
+                 "const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;",
+                 "const int qhead = HC == 8 ? g : (g & 3);",
+                 "const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, "
+                 "mn1a = bf_hi(py0);"):
+        assert line in src, line
+    # the D-128 branch keeps its own lines (the blocks above are not the whole kernel)
+    assert "const uint32_t M = 0x03030303u << (2 * p);" not in d64

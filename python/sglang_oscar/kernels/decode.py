@@ -1095,11 +1095,11 @@ def oscar_decode(
     is a multiple of 32 and peel_tail / lazy_rescale are off; then maxnreg defaults to FOLD_MAXNREG on the GPU).
     merge_splits: programs per query head in the merge, each merging D / merge_splits output dims (a power of
     two, D / merge_splits >= MERGE_MIN_DIMS; None: default_merge_splits).
-    history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128, GQA 1-16, groups 64/128,
-    uniform levels, BF16 window rows; one split per CTA of 8 warps, num_splits None: its own rule; the sink and
-    ring rows in the same kernel's window CTAs, history_cuda.window_ctas, so ring_splits / sink_splits do not apply;
-    with history_cuda.FUSED_MERGE the merge too, and merge_splits does not apply). An unsupported shape raises
-    instead of falling back.
+    history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128 with groups 64/128 or
+    D 64 with groups 32/64, GQA 1-16, uniform levels, BF16 window rows; one split per CTA of 8 warps, num_splits None:
+    its own rule; at D 128 the sink and ring rows in the same kernel's window CTAs, history_cuda.window_ctas, so
+    ring_splits / sink_splits do not apply, and with history_cuda.FUSED_MERGE the merge too, so merge_splits does not
+    apply; at D 64 this module's window programs follow it). An unsupported shape raises instead of falling back.
     follows_write: the kernel launched just before this call is this decode step's KV write
     (kernels/write.py oscar_write_kv(..., pdl_trigger=True)), and q, already transformed (q_transform None) and
     contiguous, was written before it. The CUDA history kernel is then launched as the write's programmatic
@@ -1189,10 +1189,10 @@ def oscar_decode(
     if hist_cuda:
         from . import history_cuda
 
-        if history_cuda.FUSED_WINDOW and (ring_splits is not None or sink_splits is not None):
+        if history_cuda.fuses_window(D) and (ring_splits is not None or sink_splits is not None):
             raise ValueError("ring_splits / sink_splits set the Triton window programs; history_kernel='cuda' reads "
                              "the window in its own CTAs (history_cuda.window_ctas)")
-        if history_cuda.FUSED_WINDOW and history_cuda.FUSED_MERGE and merge_splits is not None:
+        if history_cuda.fuses_window(D) and history_cuda.FUSED_MERGE and merge_splits is not None:
             raise ValueError("merge_splits sets the Triton merge; history_kernel='cuda' merges in its own kernel "
                              "(history_cuda.FUSED_MERGE)")
         history_cuda.check_supported(D, group, gk, gv, k_level_a is not None or v_level_a is not None, q.device,
@@ -1219,14 +1219,15 @@ def oscar_decode(
 
                     chained = math.prod(write_grid(B, Hkv, default_block_t(B, D), q_from_write))
             num_splits, _ = history_cuda.plan(B, Hkv, group, req_to_token.shape[1], _num_sms(q.device), sink,
-                                              window, chained)
+                                              window, chained, head_dim=D)
         else:
             num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
                                             ctas_per_sm=ctas, **split_rule)
     ns = num_splits
     slots = ctas * _num_sms(q.device)  # stage-1 programs resident at once (one round)
-    # the CUDA history kernel reads the window in its own CTAs (history_cuda.FUSED_WINDOW, window_ctas)
-    fused_window = hist_cuda and history_cuda.FUSED_WINDOW
+    # the CUDA history kernel reads the window in its own CTAs (history_cuda.fuses_window: FUSED_WINDOW at D 128,
+    # window_ctas); at D 64 the Triton window programs follow it
+    fused_window = hist_cuda and history_cuda.fuses_window(D)
     fused_merge = fused_window and history_cuda.FUSED_MERGE
     # the window folded into the history CTAs (history_cuda.folds): no window partials
     fold_window = fused_window and history_cuda.folds(ns, sink, window)

@@ -7,7 +7,8 @@ the Triton merge (PDL; FUSED_MERGE: the last CTA of each (request, KV head) merg
 a served decode step it is itself the PDL dependent of the step's KV write (oscar_decode follows_write;
 PDL_AFTER_WRITE / PDL_AFTER_WRITE_Q below): its history CTAs stream while the write runs. It
 covers the shape family it was written and measured for: D 128, K and V groups of 64 or 128, uniform INT2 levels,
-GQA 1-16 (Qwen3-4B / 8B / 14B / 32B, Llama-3-8B, MiniMax-M2; GLM-4.x's 12 in head groups), BF16 sink / ring rows.
+GQA 1-16 (Qwen3-4B / 8B / 14B / 32B, Llama-3-8B, MiniMax-M2; GLM-4.x's 12 in head groups), BF16 sink / ring rows;
+and D 64 (SmolLM2) with groups of 32 or 64, whose window the Triton window programs read after it (fuses_window).
 Anything else raises with the reason instead of falling back. It pays on a pool in pages (kernels/records.py): on
 H100, page 64, 78-93% of copy bandwidth at 64k / 128k batch >= 8 for Qwen3-8B / 14B / 32B shapes, against 56-68%
 for the Triton path (benchmark/NOTES.md).
@@ -36,7 +37,14 @@ from typing import Optional
 import torch
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "int2_history.cu")
-HEAD_DIM, GROUPS = 128, (64, 128)  # K and V groups, each either
+# head_dim -> the K and V group sizes it covers (each side either): a row of two groups or of one (int2_history.cu TWO_G)
+GROUPS = {128: (64, 128), 64: (32, 64)}
+HEAD_DIMS = tuple(GROUPS)
+# The BF16 sink / ring rows are read in this kernel (window CTAs, the folded window) at these head dims; at the others
+# (D 64) oscar_decode launches the Triton window programs as its programmatic dependents, and the merge after them.
+WINDOW_HEAD_DIMS = (128,)
+# D 64 is built at 2 stages only (int2_history.cu DISPATCH)
+D64_STAGES = (2,)
 # Query heads per KV head. A CTA column holds 4 query heads (GQA <= 4) or, with WIDE_TILE, 8 (GQA 5-8: one head
 # per column of the warp's tile, the same MMA count per token; kernels/cuda/int2_history.cu "HC"). A KV head with
 # more query heads than a column holds is read by several CTA columns (head groups): GQA 5-8 that way (WIDE_TILE
@@ -86,7 +94,7 @@ Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel
 
 # oscar_history_launch's C parameters in order (test_decode checks them against the source's signature)
 _i, _p = ctypes.c_int, ctypes.c_void_p
-LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
+LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
                    _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _i, _p]
 
 _lock = threading.Lock()
@@ -110,16 +118,26 @@ class CudaHistoryUnavailable(RuntimeError):
     pass
 
 
+def fuses_window(head_dim: int) -> bool:
+    """Whether this kernel reads the BF16 sink / ring rows itself at head_dim (FUSED_WINDOW, WINDOW_HEAD_DIMS); else
+    oscar_decode runs the Triton window programs after it."""
+    return FUSED_WINDOW and head_dim in WINDOW_HEAD_DIMS
+
+
 def check_supported(head_dim: int, group: int, k_group: int, v_group: int, codebook: bool, device,
                     window_dtype: torch.dtype = torch.bfloat16) -> None:
     """Raise ValueError / CudaHistoryUnavailable saying why history_kernel="cuda" cannot run this call."""
-    if (head_dim != HEAD_DIM or k_group not in GROUPS or v_group not in GROUPS or not 1 <= group <= MAX_GQA
-            or codebook):
+    groups = GROUPS.get(head_dim, ())
+    if k_group not in groups or v_group not in groups or not 1 <= group <= MAX_GQA or codebook:
+        covers = "; ".join(f"head_dim {d} with K/V groups {' or '.join(map(str, g))}" for d, g in GROUPS.items())
         raise ValueError(
-            f"history_kernel='cuda' covers head_dim {HEAD_DIM}, GQA 1-{MAX_GQA}, K/V groups 64 or 128 with uniform "
-            f"levels; this call has head_dim {head_dim}, GQA {group}, groups {k_group}/{v_group}"
-            f"{', a codebook' if codebook else ''}: use history_kernel='triton'")
-    if FUSED_WINDOW and window_dtype != torch.bfloat16:
+            f"history_kernel='cuda' covers {covers}, GQA 1-{MAX_GQA}, uniform levels; this call has head_dim "
+            f"{head_dim}, GQA {group}, groups {k_group}/{v_group}{', a codebook' if codebook else ''}: use "
+            f"history_kernel='triton'")
+    if head_dim == 64 and STAGES not in D64_STAGES:
+        raise ValueError(f"history_kernel='cuda' builds head_dim 64 at {D64_STAGES} stages, history_cuda.STAGES is "
+                         f"{STAGES}")
+    if fuses_window(head_dim) and window_dtype != torch.bfloat16:
         raise ValueError(f"history_kernel='cuda' reads the sink and ring rows as BF16 in its window CTAs; this cache "
                          f"keeps them as {window_dtype}: keep the window in bfloat16 or use history_kernel='triton'")
     if torch.device(device).type != "cuda":
@@ -189,7 +207,7 @@ def load(path: str) -> ctypes.CDLL:
     lib.oscar_history_launch.argtypes = LAUNCH_ARGTYPES
     lib.oscar_history_launch.restype = ctypes.c_int
     for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
-        f.argtypes, f.restype = [ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_int
+        f.argtypes, f.restype = [ctypes.c_int] * 4, ctypes.c_int
     return lib
 
 
@@ -212,27 +230,31 @@ def library() -> ctypes.CDLL:
             return _lib
         _lib = load(build(env_defines()))
     for heads in (4, 8):  # first load: the default configurations' shared-memory limits, before any graph capture
-        occupancy(heads=heads)
+        for head_dim in HEAD_DIMS:
+            if head_dim != 64 or STAGES in D64_STAGES:
+                occupancy(heads=heads, head_dim=head_dim)
     if FUSED_MERGE:
         counters(torch.cuda.current_device())
     return _lib
 
 
-def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: int = 4) -> int:
-    """Resident CTAs per SM of the kernel at (stages, warps) (default STAGES, WARPS) and `heads` query heads per
-    CTA column (cta_heads) on the current device; the first call per configuration and device also raises its
-    dynamic shared-memory limit."""
+def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: int = 4, head_dim: int = 128) -> int:
+    """Resident CTAs per SM of the kernel at (stages, warps) (default STAGES, WARPS), `heads` query heads per CTA
+    column (cta_heads) and head_dim on the current device; the first call per configuration and device also raises
+    its dynamic shared-memory limit. (D 64 compiles to ~80 registers: 3 CTAs of 8 warps per SM, D 128 to 128: 2.)"""
     lib = _lib if _lib is not None else library()
     stages, warps = stages or STAGES, warps or WARPS
-    if stages not in (2, 3, 4) or warps not in (1, 2, 4, 8) or heads not in (4, 8):
-        raise ValueError(f"history_kernel='cuda' builds stages 2-4, 1/2/4/8 warps per CTA and 4 or 8 heads per CTA "
-                         f"column, got {stages}/{warps}/{heads}")
-    key = (torch.cuda.current_device(), stages, warps, heads)
+    if (stages not in (2, 3, 4) or warps not in (1, 2, 4, 8) or heads not in (4, 8) or head_dim not in HEAD_DIMS
+            or (head_dim == 64 and stages not in D64_STAGES)):
+        raise ValueError(f"history_kernel='cuda' builds stages 2-4 (head_dim 64: {D64_STAGES}), 1/2/4/8 warps per "
+                         f"CTA, 4 or 8 heads per CTA column and head_dim {HEAD_DIMS}, got {stages}/{warps}/{heads}/"
+                         f"{head_dim}")
+    key = (torch.cuda.current_device(), stages, warps, heads, head_dim)
     if key not in _occupancy:
-        rc = lib.oscar_history_prepare(stages, warps, heads)
+        rc = lib.oscar_history_prepare(stages, warps, heads, head_dim)
         if rc:
             raise CudaHistoryUnavailable(f"cudaFuncSetAttribute for the history kernel failed (cuda error {rc})")
-        _occupancy[key] = lib.oscar_history_occupancy(stages, warps, heads)
+        _occupancy[key] = lib.oscar_history_occupancy(stages, warps, heads, head_dim)
     return _occupancy[key]
 
 
@@ -265,13 +287,14 @@ def folds(num_splits: int, sink: int, window: int) -> bool:
     return FOLD_WINDOW and FUSED_WINDOW and num_splits >= fold_tiles(sink, window) > 0
 
 
-def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, window_partials: int = 8) -> int:
+def default_num_splits(kv_heads: int, gqa: int, max_context: int, num_sms: int, window_partials: int = 8,
+                       head_dim: int = 128) -> int:
     """History splits (CTAs) per CTA column (kv_heads = requests x KV heads): one round of resident CTAs,
     >= MIN_ROWS_PER_SPLIT rows per warp unless more splits fill the SMs once (MIN_ROWS_TO_FILL, at most one CTA per
     SM), at most MAX_PARTIALS - window_partials (the merge holds a head's partials, windows included, in one tile).
     The window CTAs are not counted in the round: they end within a few microseconds. Shapes only (max_context =
     req_to_token's width), so CUDA-graph capturable."""
-    ctas = occupancy(heads=cta_heads(gqa))
+    ctas = occupancy(heads=cta_heads(gqa), head_dim=head_dim)
     cols = max(cta_columns(kv_heads, gqa), 1)
     want = max(1, (num_sms * ctas) // cols)
     ctx = max(max_context, 1)
@@ -298,7 +321,7 @@ CHAINED_MIN_ROWS = 96
 
 
 def chained_num_splits(kv_heads: int, gqa: int, num_sms: int, write_programs: int, window_partials: int = 8,
-                       max_context: Optional[int] = None) -> int:
+                       max_context: Optional[int] = None, head_dim: int = 128) -> int:
     """History splits per CTA column for one request chained to its KV write (oscar_decode follows_write, batch 1):
     the slots of one round that the write's programs and this grid's window CTAs leave. Why: launched as the write's
     programmatic dependent, the history CTAs start beside the write's programs, and an SM holding one of those has no
@@ -308,7 +331,7 @@ def chained_num_splits(kv_heads: int, gqa: int, num_sms: int, write_programs: in
     the one-round count stayed the fastest, and outside [CHAINED_MIN_CONTEXT, CHAINED_MAX_CONTEXT] too. With
     max_context (req_to_token's width), a count above one CTA per SM that leaves < CHAINED_MIN_ROWS rows per warp
     becomes one CTA per SM (GLM-4.x's few head-group columns; see the constant)."""
-    ctas = occupancy(heads=cta_heads(gqa))
+    ctas = occupancy(heads=cta_heads(gqa), head_dim=head_dim)
     cols = max(cta_columns(kv_heads, gqa), 1)
     free = num_sms * ctas - write_programs - cols * window_partials
     n = free // cols
@@ -319,20 +342,27 @@ def chained_num_splits(kv_heads: int, gqa: int, num_sms: int, write_programs: in
 
 
 def plan(batch: int, kv_heads: int, gqa: int, max_context: int, num_sms: int, sink: int, window: int,
-         chained_write_programs: Optional[int] = None) -> tuple:
+         chained_write_programs: Optional[int] = None, head_dim: int = 128) -> tuple:
     """(history splits, fold) of a call where num_splits is None: with FOLD_WINDOW the count of a grid without
     window CTAs (split_count with no window partials), and the window folded where that count has a split per
-    window tile (folds); else split_count with the window CTAs' partials."""
-    if FOLD_WINDOW and FUSED_WINDOW:
-        n = split_count(batch, kv_heads, gqa, max_context, num_sms, 0, chained_write_programs)
+    window tile (folds); else split_count with the window CTAs' partials, or, where this kernel does not read the
+    window (fuses_window: D 64), with the partials of the Triton window programs that follow it."""
+    if not fuses_window(head_dim):
+        from .decode import RING_ROWS_PER_SPLIT, SINK_ROWS_PER_SPLIT
+
+        partials = max(1, -(-sink // SINK_ROWS_PER_SPLIT)) + -(-window // RING_ROWS_PER_SPLIT)
+        return split_count(batch, kv_heads, gqa, max_context, num_sms, partials, chained_write_programs,
+                           head_dim), False
+    if FOLD_WINDOW:
+        n = split_count(batch, kv_heads, gqa, max_context, num_sms, 0, chained_write_programs, head_dim)
         if folds(n, sink, window):
             return n, True
     return split_count(batch, kv_heads, gqa, max_context, num_sms, sum(window_ctas(sink, window)),
-                       chained_write_programs), False
+                       chained_write_programs, head_dim), False
 
 
 def split_count(batch: int, kv_heads: int, gqa: int, max_context: int, num_sms: int, window_partials: int,
-                chained_write_programs: Optional[int] = None) -> int:
+                chained_write_programs: Optional[int] = None, head_dim: int = 128) -> int:
     """The history split count oscar_decode uses where num_splits is None: chained_num_splits for one request chained
     to its KV write (chained_write_programs: that write's program count, write.write_grid or write_cuda.grid) at a
     req_to_token width (max_context) in [CHAINED_MIN_CONTEXT, CHAINED_MAX_CONTEXT], else default_num_splits; at batch
@@ -343,11 +373,12 @@ def split_count(batch: int, kv_heads: int, gqa: int, max_context: int, num_sms: 
     window_partials 0: a grid without window CTAs (the window folded, plan), so no slot is kept for them."""
     if (chained_write_programs is not None and batch == 1
             and CHAINED_MIN_CONTEXT <= max_context <= CHAINED_MAX_CONTEXT):
-        return chained_num_splits(kv_heads, gqa, num_sms, chained_write_programs, window_partials, max_context)
-    n = default_num_splits(batch * kv_heads, gqa, max_context, num_sms, window_partials)
+        return chained_num_splits(kv_heads, gqa, num_sms, chained_write_programs, window_partials, max_context,
+                                  head_dim)
+    n = default_num_splits(batch * kv_heads, gqa, max_context, num_sms, window_partials, head_dim)
     if batch == 1 and window_partials:
         cols = max(cta_columns(kv_heads, gqa), 1)
-        n = max(1, min(n, (num_sms * occupancy(heads=cta_heads(gqa)) - cols) // cols))
+        n = max(1, min(n, (num_sms * occupancy(heads=cta_heads(gqa), head_dim=head_dim) - cols) // cols))
     return n
 
 
@@ -363,7 +394,7 @@ PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q = 0, 1, 2, 3
 def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, sink, window, sm_scale, ns, ns_total,
            o_part, lse_part, pdl: int = PDL_OFF, window_splits: tuple = (0, 0), sink_k=None, sink_v=None,
            out=None, fold: bool = False) -> None:
-    """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, 128], and
+    """Write the history partials [0, ns) of o_part / lse_part (oscar_decode's layout) for q [B, Hq, D], and
     with window_splits = (SS, RS) != (0, 0) (window_ctas) the sink partials [ns, ns + SS) and the ring partials
     [ns + SS, ns + SS + RS) as well (sink_k / sink_v: the cache's sink rows, or a one-row stand-in where it has
     none). fold (folds; window_splits (0, 0)): the history CTAs read the window themselves (no window partials).
@@ -379,14 +410,21 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     if pdl not in (PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q):
         raise ValueError(f"pdl must be PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_WRITE or PDL_AFTER_WRITE_Q (0-3), "
                          f"got {pdl!r}")
-    if cache.k_codes.numel() // 32 >= 1 << 31:  # the loop's copies index records in 32 bits (pool_record32)
+    head_dim = q.shape[-1]
+    records = cache.k_codes.numel() // (head_dim // 4)
+    if records >= 1 << 31:  # the loop's copies index records in 32 bits (pool_record32)
         raise ValueError(f"history_kernel='cuda' indexes the pool's (slot, KV head) records in 32 bits; this pool has "
-                         f"{cache.k_codes.numel() // 32} (>= 2^31): use history_kernel='triton' or a smaller pool")
+                         f"{records} (>= 2^31): use history_kernel='triton' or a smaller pool")
+    if head_dim not in WINDOW_HEAD_DIMS and (window_splits != (0, 0) or fold or out is not None):
+        raise ValueError(f"history_kernel='cuda' reads the window (and merges) in its own grid at head_dim "
+                         f"{WINDOW_HEAD_DIMS} only; at {head_dim} launch it with window_splits (0, 0), no fold and no "
+                         f"out, and the Triton window programs after it (oscar_decode does)")
     lib = library()
     b, hq = q.shape[0], q.shape[1]
     hkv = cache.kv_heads
     heads = cta_heads(hq // hkv)
-    occupancy(heads=heads)  # a dict hit; prepares the configuration where experiments changed STAGES / WARPS
+    # a dict hit; prepares the configuration where experiments changed STAGES / WARPS
+    occupancy(heads=heads, head_dim=head_dim)
     ss, rs = window_splits
     if WINDOW_ROWS_PER_WARP < 16 or WINDOW_ROWS_PER_WARP % 16:
         raise ValueError(f"history_cuda.WINDOW_ROWS_PER_WARP must be a positive multiple of 16, got "
@@ -426,9 +464,10 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         raise ValueError("history_kernel='cuda' reads q in 16-byte loads: q must start 16-byte aligned (a tensor at "
                          "its own storage's start, e.g. q.clone(), is)")
     page = cache.page
-    # q [B, Hq, 128] contiguous; each warp builds its operands from it (no extra launches)
+    # q [B, Hq, D] contiguous; each warp builds its operands from it (no extra launches)
     rc = lib.oscar_history_launch(
-        STAGES, WARPS, heads, b * hkv, hq // hkv, int(cache.k_group == 128), int(cache.v_group == 128), ns, q.data_ptr(),
+        STAGES, WARPS, heads, head_dim, b * hkv, hq // hkv, int(cache.k_group == head_dim),
+        int(cache.v_group == head_dim), ns, q.data_ptr(),
         Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
         cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),

@@ -7,8 +7,9 @@
 // 64) it reads at 86-101% of a streaming read of its bytes at batch >= 8 (benchmark/NOTES.md "A hand-written
 // history loop"; the probe benchmark/cuda/int2_history_probe.cu is the experiment it grew from).
 //
-// Shapes: D 128, K and V groups of 64 or 128 each (a 128 group has one (scale, min) pair per row: it is copied
-// into the first half of the 8-byte stage slot and serves both 64-dim halves), uniform levels, GQA 1-8 per CTA
+// Shapes: D 128 with K and V groups of 64 or 128 each, or D 64 (template D; SmolLM2) with groups of 32 or 64: a row
+// has two groups (one (scale, min) pair per half row) or one (a group of the whole row: its pair is copied into the
+// first half of the 8-byte stage slot and serves both halves), uniform levels, GQA 1-8 per CTA
 // column (history_cuda.py; GQA 9-16, GLM-4.x's 12, as head groups of 8). A warp's tile has 8 columns; HC (template)
 // is the number of query heads per CTA column:
 //   HC 4 (GQA <= 4): columns 0..3 are heads 0..3 with V group 0's scales, columns 4..7 repeat them with group 1's,
@@ -77,15 +78,27 @@ constexpr int kTok = OSCAR_TOK;
 // at most 2^-15 of the group's largest |c0 q 4^-p| (fp16 q: 2^-12 of each element), test_probe_cuda_history.py.
 // 0 (an experiment knob): the fp16 K dot below.
 static_assert(kTok == 64 || kTok == 32, "OSCAR_TOK must be 64 or 32");
-constexpr int kStageBytes = kTok * 80;   // K codes 32 + V codes 32 + K params 8 + V params 8 per token
-constexpr int kVcOff = kTok * 32, kKpOff = kTok * 64, kVpOff = kTok * 72;
-// a warp's shared memory: its NSTAGE stages, and at least the one K and one V tile of 16 BF16 rows (8 KB) that a
-// window CTA's warp reads (window_cta)
-constexpr int warp_smem(int nstage) { return nstage * kStageBytes > 8192 ? nstage * kStageBytes : 8192; }
+// A stage of kTok tokens at head_dim D: K codes D/4 + V codes D/4 + K params 8 + V params 8 bytes per token
+// (80 at D 128, 48 at D 64), in four arrays.
+template <int D> struct Stage {
+  static constexpr int kCode = D / 4;  // code bytes per token and side
+  static constexpr int kBytes = kTok * (2 * kCode + 16);
+  static constexpr int kVcOff = kTok * kCode, kKpOff = kTok * 2 * kCode, kVpOff = kKpOff + kTok * 8;
+};
+constexpr int kStageBytes = Stage<128>::kBytes;
+constexpr int kVcOff = Stage<128>::kVcOff, kKpOff = Stage<128>::kKpOff, kVpOff = Stage<128>::kVpOff;
+// The BF16 window rows in this kernel (window CTAs, the folded window) are read at D 128 only; at D 64 decode.py runs
+// the Triton window programs after it (history_cuda.fuses_window).
+// a warp's shared memory: its NSTAGE stages, and at D 128 at least the one K and one V tile of 16 BF16 rows (8 KB)
+// that a window CTA's warp reads (window_cta)
+constexpr int warp_smem(int nstage, int d = 128) {
+  return d == 64 ? nstage * Stage<64>::kBytes : nstage * kStageBytes > 8192 ? nstage * kStageBytes : 8192;
+}
 // a CTA's shared memory: its warps', and with the window folded (Args.fold_tiles) 8 KB past the warps' stages for
 // warp 0's window tile (inside the warps' 8 KB each at 2 stages of 32 tokens: no more than without)
-constexpr int cta_smem(int nstage, int warps, bool fold) {
-  return fold && warps * nstage * kStageBytes + 8192 > warps * warp_smem(nstage)
+constexpr int cta_smem(int nstage, int warps, bool fold, int d = 128) {
+  return d == 64 ? warps * warp_smem(nstage, 64)
+         : fold && warps * nstage * kStageBytes + 8192 > warps * warp_smem(nstage)
              ? warps * nstage * kStageBytes + 8192 : warps * warp_smem(nstage);
 }
 constexpr float kTwo24 = 16777216.0f;
@@ -243,7 +256,7 @@ struct Args {
   int req_idx_64;
   int pdl;              // kPdlOff, kPdlWaitFirst, kPdlAfterWrite or kPdlAfterWriteQ (above)
   int gqa, hgroups;     // query heads per KV head; head groups of HC per KV head (grid x = (b * hkv + h) * hgroups + hg)
-  int kg128, vg128;     // K / V groups of 128 (params 4 bytes per row) instead of 64 (8 bytes)
+  int kg_row, vg_row;   // K / V groups of the whole row, D (params 4 bytes per row) instead of D / 2 (8 bytes)
   // the window CTAs (0 and 0: none, the Triton window programs read the window)
   const __nv_bfloat16* sk;  // sink rows [rows, Hkv, 128]
   const __nv_bfloat16* sv;
@@ -294,6 +307,13 @@ __device__ __forceinline__ uint4 load_q8(const Args& a, bool valid, size_t i) {
   return __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(a.q) + i));
 }
 
+// q's elements i .. i + 3 as one 8-byte load into words x, y (16-bit q; i a multiple of 4; D 64), as load_q8
+__device__ __forceinline__ uint4 load_q4(const Args& a, bool valid, size_t i) {
+  if (!valid || a.q_dtype == 2) return make_uint4(0u, 0u, 0u, 0u);
+  const uint2 v = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(a.q) + i));
+  return make_uint4(v.x, v.y, 0u, 0u);
+}
+
 // c0 q[i], c0 q[i + 1]: from 32-bit word k of v, the load_q8 of elements i - 2k .. (16-bit q), or read here (fp32 q)
 __device__ __forceinline__ float2 q_pair(const Args& a, const uint4& v, int k, bool valid, size_t i) {
   const uint32_t wd = k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
@@ -309,16 +329,16 @@ __device__ __forceinline__ float2 q_pair(const Args& a, const uint4& v, int k, b
   return make_float2(x0 * a.c0, x1 * a.c0);
 }
 
-// The CTA's merge. Each warp has parked its unnormalised O (HC heads x 128 dims) and its (m, l) per head in shared
+// The CTA's merge. Each warp has parked its unnormalised O (HC heads x D dims) and its (m, l) per head in shared
 // memory (so, sml); thread e of the CTA combines output e (+ k.threads) over the warps: M = max m_w,
 // O = sum 2^(m_w - M) O_w, L = sum 2^(m_w - M) l_w. An empty warp has l = 0 and m = -1e30, so it weighs 0 (or all
 // weigh 1 and L = 0: an empty split, o 0 and lse -inf).
-// xo: one more entry ([HC][128] O, then [HC] (m, l)) beside the warps' (a folded window tile's), or null.
-template <int HC>
+// xo: one more entry ([HC][128] O, then [HC] (m, l)) beside the warps' (a folded window tile's, D 128), or null.
+template <int HC, int D = 128>
 __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so, const float* sml, int nwarps, int nh,
                                                   int hq_base, int split, const float* xo = nullptr) {
-  for (int e = threadIdx.x; e < HC * 128; e += blockDim.x) {
-    const int hl = e >> 7, d = e & 127;
+  for (int e = threadIdx.x; e < HC * D; e += blockDim.x) {
+    const int hl = e / D, d = e % D;
     if (hl >= nh) continue;
     float M = -1e30f;
     for (int w = 0; w < nwarps; ++w) M = fmaxf(M, sml[(w * HC + hl) * 2]);
@@ -327,7 +347,7 @@ __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so
     for (int w = 0; w < nwarps; ++w) {
       const float wt = ex2(sml[(w * HC + hl) * 2] - M);
       L = fmaf(wt, sml[(w * HC + hl) * 2 + 1], L);
-      O = fmaf(wt, so[(w * HC + hl) * 128 + d], O);
+      O = fmaf(wt, so[(w * HC + hl) * D + d], O);
     }
     if (xo) {
       const float wt = ex2(xo[HC * 128 + hl * 2] - M);
@@ -335,7 +355,7 @@ __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so
       O = fmaf(wt, xo[hl * 128 + d], O);
     }
     const size_t row = (size_t)hq_base + hl;
-    a.o_part[(row * a.ns_total + split) * 128 + d] = L > 0.f ? O / L : 0.f;
+    a.o_part[(row * a.ns_total + split) * D + d] = L > 0.f ? O / L : 0.f;
     if (d == 0) a.lse_part[row * a.ns_total + split] = L > 0.f ? M + __log2f(L) : -INFINITY;
   }
 }
@@ -344,7 +364,7 @@ __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so
 // done after its partial is visible device-wide (the fence-then-count pattern of CUDA's threadFenceReduction); the
 // last one reduces the column's ns_total partials per query head, o = sum 2^(lse_s - M) o_s / sum 2^(lse_s - M), in
 // split order (the same bits whichever CTA is last), writes out and resets the counter for the next call.
-template <int HC>
+template <int HC, int D = 128>
 __device__ __forceinline__ void merge_column(const Args& a, uint8_t* smem, int col, int hq_base, int nh) {
   __shared__ int last;
   __threadfence();
@@ -380,18 +400,18 @@ __device__ __forceinline__ void merge_column(const Args& a, uint8_t* smem, int c
     for (int s = lane; s < n; s += 32) sw[hw * n + s] = M != -INFINITY ? ex2(sw[hw * n + s] - M) * inv : 0.f;
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < HC * 128; e += blockDim.x) {
-    const int hl = e >> 7, d = e & 127;
+  for (int e = threadIdx.x; e < HC * D; e += blockDim.x) {
+    const int hl = e / D, d = e % D;
     if (hl >= nh) continue;
     const size_t row = (size_t)hq_base + hl;
-    const float* op = a.o_part + row * n * 128 + d;
+    const float* op = a.o_part + row * n * D + d;
     const float* w = sw + hl * n;
     float x = 0.f;
 #pragma unroll 8
-    for (int s = 0; s < n; ++s) x = fmaf(w[s], __ldcg(op + (size_t)s * 128), x);  // an empty split's o is 0
-    if (a.out_dtype == 0) reinterpret_cast<__nv_bfloat16*>(a.out)[row * 128 + d] = __float2bfloat16_rn(x);
-    else if (a.out_dtype == 1) reinterpret_cast<__half*>(a.out)[row * 128 + d] = __float2half_rn(x);
-    else reinterpret_cast<float*>(a.out)[row * 128 + d] = x;
+    for (int s = 0; s < n; ++s) x = fmaf(w[s], __ldcg(op + (size_t)s * D), x);  // an empty split's o is 0
+    if (a.out_dtype == 0) reinterpret_cast<__nv_bfloat16*>(a.out)[row * D + d] = __float2bfloat16_rn(x);
+    else if (a.out_dtype == 1) reinterpret_cast<__half*>(a.out)[row * D + d] = __float2half_rn(x);
+    else reinterpret_cast<float*>(a.out)[row * D + d] = x;
   }
 }
 
@@ -408,10 +428,10 @@ __device__ __forceinline__ void store_int2_chunk(const Args& a, uint32_t dst, lo
 #pragma unroll
   for (int kv = 0; kv < 2; ++kv) {
     const uint8_t* codes = (kv ? a.vc : a.kc) + rec * 32 + j0;
-    const bool g128 = kv ? a.vg128 : a.kg128;
+    const bool g_row = kv ? a.vg_row : a.kg_row;
     // the (scale, min) word of this chunk's group: one per row at G = 128, two at G = 64 (dims 0..63, 64..127)
     const uint32_t* prm = reinterpret_cast<const uint32_t*>(kv ? (const void*)a.vp : (const void*)a.kp);
-    const uint32_t w = g128 ? prm[rec] : prm[rec * 2 + (ch >> 3)];
+    const uint32_t w = g_row ? prm[rec] : prm[rec * 2 + (ch >> 3)];
     const float sc = bf_lo(w), mn = bf_hi(w);
     uint32_t out[4];
 #pragma unroll
@@ -659,15 +679,23 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
 
-// G64: K and V groups of 64 known at compile time (the default format, launch picks this instance), so that the block's
-// params copies and the tile's group selects are not issued both ways under a runtime flag (Args.kg128 / vg128 read
-// only where G64 is false)
-template <int NSTAGE, int HC, bool G64>
+// TWO_G: K and V rows of two groups each (G = D / 2: 64 at D 128, the default format, 32 at D 64) known at compile
+// time (launch picks this instance), so that the block's params copies and the tile's group selects are not issued
+// both ways under a runtime flag (Args.kg_row / vg_row read only where TWO_G is false).
+// D: head_dim 128, or 64 (planes of 16 dims: a token's codes are 16 bytes, one per lane of a 4-lane quad in the K dot;
+// the K dot pairs planes 2pp and 2pp + 1 in one m16n8k32 (k 0..15 the first plane's bytes, 16..31 the second's);
+// the V dot has 4 m-tiles, m-tile p = plane p; no window CTAs and no folded window: history_cuda refuses them).
+template <int NSTAGE, int HC, bool TWO_G, int D>
 __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
+  static_assert(D == 128 || D == 64, "head_dim 128 or 64");
+  using SL = Stage<D>;
+  constexpr int kSB = SL::kBytes, NMT = D / 16;  // stage bytes, V m-tiles
+  // the CTA merge parks (O, m, l) in the warps' stages
+  static_assert(NSTAGE * kSB >= HC * (D + 2) * 4, "a warp's stages hold its parked partial");
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3, gsel = t >> 1;
-  const bool kg128 = !G64 && a.kg128, vg128 = !G64 && a.vg128;
+  const bool kg_row = !TWO_G && a.kg_row, vg_row = !TWO_G && a.vg_row;
   TRACE_MARK(kMarkEntry, 0);
   const int bh = blockIdx.x / a.hgroups, hg = blockIdx.x - bh * a.hgroups, b = bh / a.hkv, h = bh - b * a.hkv;
   const int hq_base = b * a.hkv * a.gqa + h * a.gqa + hg * HC;  // query head of local head 0 of this group
@@ -677,16 +705,16 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   const int split = a.win_last ? ((int)blockIdx.y < ns_hist ? (int)blockIdx.y : -1) : (int)blockIdx.y - nwin;
   const int wj = a.win_last ? (int)blockIdx.y - ns_hist : (int)blockIdx.y;
   const int widx = split * nwarps + warp;
-  const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem) + warp * NSTAGE * kStageBytes;
-  const uint8_t* wbase = smem + warp * NSTAGE * kStageBytes;
+  const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem) + warp * NSTAGE * kSB;
+  const uint8_t* wbase = smem + warp * NSTAGE * kSB;
   // launched early: the previous kernel wrote q (kPdlWaitFirst) or the window's new row (kPdlAfterWrite)
   const bool after_write = a.pdl == kPdlAfterWrite || a.pdl == kPdlAfterWriteQ;
   if (a.pdl == kPdlWaitFirst || (after_write && split < 0)) grid_dependency_wait();
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the window programs / merge may launch now
 #endif
-  if (split < 0) {  // uniform per CTA
-    window_cta<HC>(a, smem, wj, b, h, hq_base, nh);
+  if (split < 0) {  // uniform per CTA (D 64: never; history_cuda launches no window CTAs there)
+    if constexpr (D == 128) window_cta<HC>(a, smem, wj, b, h, hq_base, nh);
     TRACE_MARK(kMarkEnd, 0);
     TRACE_META(-1, 0, 1);
     return;
@@ -698,11 +726,14 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // later, queued behind them, and the second stage's copies wait for the q build.
   const int qhead = HC == 8 ? g : (g & 3);  // column g's head
   const bool qvalid = qhead < nh;  // a spare column: zero query (its scores are 0; nothing is stored)
-  const size_t qrow = (size_t)(hq_base + (qvalid ? qhead : 0)) * 128;
-  uint4 qraw[4];
+  const size_t qrow = (size_t)(hq_base + (qvalid ? qhead : 0)) * D;
+  uint4 qraw[4];  // D 64: dims p*16 + t*4 .. + 3 in words x, y
   auto load_qraw = [&]() {
 #pragma unroll
-    for (int p = 0; p < 4; ++p) qraw[p] = load_q8(a, qvalid, qrow + p * 32 + t * 8);
+    for (int p = 0; p < 4; ++p) {
+      if constexpr (D == 64) qraw[p] = load_q4(a, qvalid, qrow + p * 16 + t * 4);
+      else qraw[p] = load_q8(a, qvalid, qrow + p * 32 + t * 8);
+    }
   };
   if (a.pdl != kPdlAfterWriteQ) load_qraw();
 
@@ -719,8 +750,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // range is unchanged.
   // a CTA of the folded window (fold_tiles, below): its warp 0 reads window tile `split` and parks it in wbuf, the 8 KB
   // past the warps' stages (cta_smem); uniform per CTA
-  const bool fold_cta = a.fold_tiles > 0 && split < a.fold_tiles;
-  uint8_t* const wbuf = smem + nwarps * NSTAGE * kStageBytes;
+  const bool fold_cta = D == 128 && a.fold_tiles > 0 && split < a.fold_tiles;
+  uint8_t* const wbuf = smem + nwarps * NSTAGE * kSB;
   const int k = fold_cta ? min(min(7, nwarps - 1), chunk >> 4) : 0;
   const int lo0 = hist_lo + widx * chunk + (warp == 0 ? 0 : 16 * (min(warp - 1, k) - k));
   const int lo = min(lo0, hist_hi);
@@ -739,38 +770,50 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   };
   auto issue = [&](int blk) {
     if (blk < nblocks) {
-      const uint32_t st = sbase + (blk % NSTAGE) * kStageBytes;
+      const uint32_t st = sbase + (blk % NSTAGE) * kSB;
       const int rem = hi - (lo + blk * kTok);  // tokens of this block inside the range (may exceed kTok)
       // each lane's token's record, once (its params' copies use it; the codes' copies take it by shuffle)
       const uint32_t r0 = pool_record32(a, s0, h, pmask);
       const uint32_t r1 = kTok == 64 ? pool_record32(a, s1, h, pmask) : 0u;
-      // codes: lanes 2i, 2i+1 copy the two 16-byte halves of token i (+16k), so that one instruction
-      // covers 16 whole rows (contiguous where the layout and the slots are)
+      if constexpr (D == 64) {
+        // codes: a token's 16-byte row per lane (lane i: token i + 32k)
 #pragma unroll
-      for (int k = 0; k < kTok / 16; ++k) {
-        const int tok = (lane >> 1) + 16 * k, half = lane & 1;
-        const uint32_t hrec = 2u * __shfl_sync(0xffffffffu, k < 2 ? r0 : r1, tok & 31) + (uint32_t)half;
-        const int n = tok < rem ? 16 : 0;
-        cp_async16(st + tok * 32 + 16 * half, a.kc + (size_t)hrec * 16u, n);
-        cp_async16(st + kVcOff + tok * 32 + 16 * half, a.vc + (size_t)hrec * 16u, n);
+        for (int k = 0; k < kTok / 32; ++k) {
+          const int tok = lane + 32 * k;
+          const int n = tok < rem ? 16 : 0;
+          const uint32_t r = k ? r1 : r0;
+          cp_async16(st + tok * 16, a.kc + (size_t)r * 16u, n);
+          cp_async16(st + SL::kVcOff + tok * 16, a.vc + (size_t)r * 16u, n);
+        }
+      } else {
+        // codes: lanes 2i, 2i+1 copy the two 16-byte halves of token i (+16k), so that one instruction
+        // covers 16 whole rows (contiguous where the layout and the slots are)
+#pragma unroll
+        for (int k = 0; k < kTok / 16; ++k) {
+          const int tok = (lane >> 1) + 16 * k, half = lane & 1;
+          const uint32_t hrec = 2u * __shfl_sync(0xffffffffu, k < 2 ? r0 : r1, tok & 31) + (uint32_t)half;
+          const int n = tok < rem ? 16 : 0;
+          cp_async16(st + tok * 32 + 16 * half, a.kc + (size_t)hrec * 16u, n);
+          cp_async16(st + kVcOff + tok * 32 + 16 * half, a.vc + (size_t)hrec * 16u, n);
+        }
       }
 #pragma unroll
       for (int k = 0; k < kTok / 32; ++k) {
         const int tok = lane + 32 * k;
         const bool in = tok < rem;
         const uint32_t r = k ? r1 : r0;
-        if (kg128) cp_async4(st + kKpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.kp) + r, in ? 4 : 0);
-        else cp_async8(st + kKpOff + tok * 8, a.kp + r, in ? 8 : 0);
-        if (vg128) cp_async4(st + kVpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.vp) + r, in ? 4 : 0);
-        else cp_async8(st + kVpOff + tok * 8, a.vp + r, in ? 8 : 0);
+        if (kg_row) cp_async4(st + SL::kKpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.kp) + r, in ? 4 : 0);
+        else cp_async8(st + SL::kKpOff + tok * 8, a.kp + r, in ? 8 : 0);
+        if (vg_row) cp_async4(st + SL::kVpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.vp) + r, in ? 4 : 0);
+        else cp_async8(st + SL::kVpOff + tok * 8, a.vp + r, in ? 8 : 0);
       }
     }
     cp_commit();  // an empty group past the end keeps the wait count uniform
   };
 
-  float o[8][4];
+  float o[NMT][4];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  for (int i = 0; i < NMT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   // lv: sum p.vmin of this lane's two columns, over V group gsel (HC 4) or group 0 (HC 8; lw: group 1)
   float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f, lv0 = 0.f, lv1 = 0.f, lw0 = 0.f, lw1 = 0.f;
   float thr0 = (m0 + kLazy) / kTwo24, thr1 = thr0;
@@ -854,12 +897,24 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // columns 2t, 2t+1 are heads head0, head0 + 1 (HC 4: columns 4..7 repeat heads 0..3)
   const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;
 #if OSCAR_IMMA_K
-  float xs[4][8];  // c0 q at dims p*32 + t*8 + i, for the int8 q below (read once, here)
+  float xs[4][D / 16];  // c0 q at dims p*32 + t*8 + i (D 64: p*16 + t*4 + i), for the int8 q below (read once, here)
 #else
   uint32_t qb[16];
 #endif
   float gs0 = 0.f, gs1 = 0.f;
-  {
+  if constexpr (D == 64) {  // four dims of each plane per lane (a quad holds the head's 64)
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        // word w of plane p's 8 bytes holds dims p*16 + t*4 + 2w, + 1
+        const float2 xq = q_pair(a, qraw[p], w, qvalid, qrow + p * 16 + t * 4 + 2 * w);
+        if (p < 2) gs0 += xq.x + xq.y; else gs1 += xq.x + xq.y;
+        xs[p][2 * w] = xq.x;
+        xs[p][2 * w + 1] = xq.y;
+      }
+    }
+  } else {
 #pragma unroll
     for (int r = 0; r < 16; ++r) {
       const int ks = r >> 1, w = r & 1, p = ks >> 1, hh = ks & 1;
@@ -878,7 +933,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     }
   }
 #pragma unroll
-  for (int x = 1; x < 4; x <<= 1) {  // the quad's four lanes hold all 128 dims of head g & 3
+  for (int x = 1; x < 4; x <<= 1) {  // the quad's four lanes hold all D dims of head g & 3
     gs0 += __shfl_xor_sync(0xffffffffu, gs0, x);
     gs1 += __shfl_xor_sync(0xffffffffu, gs1, x);
   }
@@ -891,7 +946,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // lane's bytes 8t + 4w .. + 3 of plane p, whose masked codes are c 4^p) as int8, scaled per plane group gp by
   // S_gp = 16256 / max |c0 q 4^-p| over the warp: v = x S = 128 hi + lo (hi in [-127, 127], lo in [-64, 64]).
   // iS_gp = 2^-24 / S_gp puts the dot in the fp16 path's units (2^-24 log2), so the score math is unchanged.
-  uint32_t qhi[8], qlo[8];
+  // D 64: register p (= 2pp + w: plane pair pp, k-half w of its m16n8k32) holds plane p's dims p*16 + t*4 + 0..3
+  uint32_t qhi[D / 16], qlo[D / 16];
   float iS0, iS1;
   {
     // the group maxima of |c0 q 4^-p| over the warp, then per element four FMA-pipe ops: hm = v / 128 + magic (hi in
@@ -901,8 +957,13 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       mq[p] = 0.f;
+      if constexpr (D == 64) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) mq[p] = fmaxf(mq[p], fabsf(xs[p][i]));
+        for (int i = 0; i < 4; ++i) mq[p] = fmaxf(mq[p], fabsf(xs[p][i]));
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) mq[p] = fmaxf(mq[p], fabsf(xs[p][i]));
+      }
     }
     float mx0 = fmaxf(mq[0], 0.25f * mq[1]), mx1 = fmaxf(0.0625f * mq[2], 0.015625f * mq[3]);
 #pragma unroll
@@ -919,7 +980,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     for (int p = 0; p < 4; ++p) {
       const float kp = (p == 0 ? 1.f : p == 1 ? 0.25f : p == 2 ? 0.0625f : 0.015625f) * (p < 2 ? S0 : S1);
 #pragma unroll
-      for (int w = 0; w < 2; ++w) {
+      for (int w = 0; w < D / 64; ++w) {
         uint32_t hb[4], lb[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -931,8 +992,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
           lb[i] = __float_as_uint(lm);
         }
         // the low byte of magic + n is n mod 256 (the magic's low byte is 0): n as int8
-        qhi[2 * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);
-        qlo[2 * p + w] = pack_s8(lb[0], lb[1], lb[2], lb[3]);
+        qhi[(D / 64) * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);
+        qlo[(D / 64) * p + w] = pack_s8(lb[0], lb[1], lb[2], lb[3]);
       }
     }
   }
@@ -947,11 +1008,32 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
 #ifdef OSCAR_HISTORY_TRACE
     if (blk == 0) TRACE_MARK(kMarkFirst, 0);
 #endif
-    const uint8_t* st = wbase + (blk % NSTAGE) * kStageBytes;
+    const uint8_t* st = wbase + (blk % NSTAGE) * kSB;
     const int pos0 = lo + blk * kTok;
     const bool full = pos0 + kTok <= hi;
 #pragma unroll 1
     for (int j = 0; j < kTok / 16; ++j) {
+      float acc0[4], acc1[4];
+      if constexpr (D == 64) {
+        // the lane's code bytes 4t .. 4t + 3 of tokens sg, sg + 8 (dims 4t + i + 16p), masked for planes 2pp and
+        // 2pp + 1: A's k 4t.. and 16 + 4t.. of one m16n8k32 (c 4^p in each byte, u8), against qhi / qlo[2pp], [2pp + 1]
+        const uint8_t* kcs = st + j * 16 * 16;
+        const uint32_t kx0 = *reinterpret_cast<const uint32_t*>(kcs + sg * 16 + t * 4);
+        const uint32_t kx1 = *reinterpret_cast<const uint32_t*>(kcs + (sg + 8) * 16 + t * 4);
+        int ih0[4] = {0, 0, 0, 0}, il0[4] = {0, 0, 0, 0}, ih1[4] = {0, 0, 0, 0}, il1[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int pp = 0; pp < 2; ++pp) {
+          const uint32_t M0 = 0x03030303u << (4 * pp), M1 = M0 << 2;
+          const uint32_t a0 = kx0 & M0, a1 = kx1 & M0, a2 = kx0 & M1, a3 = kx1 & M1;
+          imma16832(pp ? ih1 : ih0, a0, a1, a2, a3, qhi[2 * pp], qhi[2 * pp + 1]);
+          imma16832(pp ? il1 : il0, a0, a1, a2, a3, qlo[2 * pp], qlo[2 * pp + 1]);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc0[e] = (float)(ih0[e] * 128 + il0[e]);
+          acc1[e] = (float)(ih1[e] * 128 + il1[e]);
+        }
+      } else {
       const uint8_t* kcs = st + j * 16 * 32;
       const uint2 kw0 = *reinterpret_cast<const uint2*>(kcs + sg * 32 + t * 8);
       const uint2 kw1 = *reinterpret_cast<const uint2*>(kcs + (sg + 8) * 32 + t * 8);
@@ -966,7 +1048,6 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         imma16832(p < 2 ? ih0 : ih1, a0, a1, a2, a3, qhi[2 * p], qhi[2 * p + 1]);
         imma16832(p < 2 ? il0 : il1, a0, a1, a2, a3, qlo[2 * p], qlo[2 * p + 1]);
       }
-      float acc0[4], acc1[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         acc0[e] = (float)(ih0[e] * 128 + il0[e]);
@@ -978,7 +1059,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       const uint32_t lo0y = prmt(kw0.y, 0, 0x1100), hi0y = prmt(kw0.y, 0, 0x3322);
       const uint32_t lo1x = prmt(kw1.x, 0, 0x1100), hi1x = prmt(kw1.x, 0, 0x3322);
       const uint32_t lo1y = prmt(kw1.y, 0, 0x1100), hi1y = prmt(kw1.y, 0, 0x3322);
-      float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc0[e] = acc1[e] = 0.f;
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
         const uint32_t M = 0x00030003u << (2 * p);
@@ -992,9 +1074,10 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         }
       }
 #endif
-      const uint2* kps = reinterpret_cast<const uint2*>(st + kKpOff) + j * 16;
+      }
+      const uint2* kps = reinterpret_cast<const uint2*>(st + SL::kKpOff) + j * 16;
       const uint2 pr0 = kps[sg], pr1 = kps[sg + 8];
-      const uint32_t py0 = kg128 ? pr0.x : pr0.y, py1 = kg128 ? pr1.x : pr1.y;  // dims 64..127's pair
+      const uint32_t py0 = kg_row ? pr0.x : pr0.y, py1 = kg_row ? pr1.x : pr1.y;  // dims 64..127's pair
 #if OSCAR_IMMA_K
       const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, mn1a = bf_hi(py0);
       const float sc0b = bf_lo(pr1.x) * iS0, mn0b = bf_hi(pr1.x), sc1b = bf_lo(py1) * iS1, mn1b = bf_hi(py1);
@@ -1027,16 +1110,17 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         l0 *= al0; l1 *= al1; lv0 *= al0; lv1 *= al1;
         if (HC == 8) { lw0 *= al0; lw1 *= al1; }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) { o[i][0] *= al0; o[i][1] *= al1; o[i][2] *= al0; o[i][3] *= al1; }
+        for (int i = 0; i < NMT; ++i) { o[i][0] *= al0; o[i][1] *= al1; o[i][2] *= al0; o[i][3] *= al1; }
       }
       const float p0 = ex2(fmaf(s[0], kTwo24, -m0)), p1 = ex2(fmaf(s[1], kTwo24, -m1));
       const float p2 = ex2(fmaf(s[2], kTwo24, -m0)), p3 = ex2(fmaf(s[3], kTwo24, -m1));
       l0 += p0 + p2; l1 += p1 + p3;
-      const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + kVpOff) + j * 32;
-      uint32_t b0, b1, c0, c1;  // the V dot's B operands: m-tiles 0..3 (V group 0) take b, 4..7 (group 1) c
+      const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + SL::kVpOff) + j * 32;
+      // the V dot's B operands: m-tiles 0..3 (V group 0) take b, 4..7 (group 1) c (D 64: 0..1 and 2..3)
+      uint32_t b0, b1, c0, c1;
       if (HC == 4) {
         // columns 0..3 carry p.scale of V group 0, columns 4..7 of group 1: one operand pair serves both groups
-        const int vsel = vg128 ? 0 : gsel;  // this lane's V group pair
+        const int vsel = vg_row ? 0 : gsel;  // this lane's V group pair
         const uint32_t vr0 = vps[sg * 2 + vsel], vr1 = vps[(sg + 8) * 2 + vsel];
         const float vsa = bf_lo(vr0), vma = bf_hi(vr0), vsb = bf_lo(vr1), vmb = bf_hi(vr1);
         lv0 = fmaf(p0, vma, fmaf(p2, vmb, lv0));
@@ -1047,7 +1131,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         // eight heads in eight columns: p.scale of group 0 for m-tiles 0..3, of group 1 for 4..7 (the same word
         // at G = 128)
         const uint32_t va0 = vps[sg * 2], vb0 = vps[(sg + 8) * 2];
-        const uint32_t va1 = vg128 ? va0 : vps[sg * 2 + 1], vb1 = vg128 ? vb0 : vps[(sg + 8) * 2 + 1];
+        const uint32_t va1 = vg_row ? va0 : vps[sg * 2 + 1], vb1 = vg_row ? vb0 : vps[(sg + 8) * 2 + 1];
         lv0 = fmaf(p0, bf_hi(va0), fmaf(p2, bf_hi(vb0), lv0));
         lv1 = fmaf(p1, bf_hi(va0), fmaf(p3, bf_hi(vb0), lv1));
         lw0 = fmaf(p0, bf_hi(va1), fmaf(p2, bf_hi(vb1), lw0));
@@ -1057,6 +1141,22 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         c0 = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va1), p1 * bf_lo(va1))));
         c1 = movm_trans(h2u(__floats2half2_rn(p2 * bf_lo(vb1), p3 * bf_lo(vb1))));
       }
+      if constexpr (D == 64) {
+        // the lane's two code bytes 2g, 2g + 1 (dims 16p + 2g, + 1) of tokens t, t + 4, t + 8, t + 12: byte 0 is
+        // m-row g of m-tile p, byte 1 m-row g + 8, as V_SELECTORS' bytes 0 and 1 at D 128
+        const uint8_t* vcs = st + SL::kVcOff + j * 16 * 16 + 2 * g;
+        const uint32_t wA = *reinterpret_cast<const uint16_t*>(vcs + t * 16);
+        const uint32_t wB = *reinterpret_cast<const uint16_t*>(vcs + (t + 4) * 16);
+        const uint32_t wC = *reinterpret_cast<const uint16_t*>(vcs + (t + 8) * 16);
+        const uint32_t wD = *reinterpret_cast<const uint16_t*>(vcs + (t + 12) * 16);
+        const uint32_t e0 = prmt(wA, wB, 0x4400), e1 = prmt(wA, wB, 0x5511);
+        const uint32_t f0 = prmt(wC, wD, 0x4400), f1 = prmt(wC, wD, 0x5511);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+          const uint32_t M = 0x00030003u << (2 * mt);
+          mma16816(o[mt], e0 & M, e1 & M, f0 & M, f1 & M, mt < 2 ? b0 : c0, mt < 2 ? b1 : c1);
+        }
+      } else {
       const uint8_t* vcs = st + kVcOff + j * 16 * 32 + 4 * g;
       const uint32_t wA = *reinterpret_cast<const uint32_t*>(vcs + t * 32);
       const uint32_t wB = *reinterpret_cast<const uint32_t*>(vcs + (t + 4) * 32);
@@ -1072,6 +1172,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         const uint32_t M = 0x00030003u << (2 * p);
         mma16816(o[mt], (hb ? e2 : e0) & M, (hb ? e3 : e1) & M, (hb ? f2 : f0) & M, (hb ? f3 : f1) & M,
                  mt < 4 ? b0 : c0, mt < 4 ? b1 : c1);
+      }
       }
     }
     __syncwarp();  // this stage is refilled by the next iteration's issue
@@ -1090,12 +1191,12 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       lw1 += __shfl_xor_sync(0xffffffffu, lw1, x);
     }
   }
-  // The CTA's merge (store_cta_partial). Each warp parks its unnormalised O = c.2^(24-2p) + lv (HC heads x 128
+  // The CTA's merge (store_cta_partial). Each warp parks its unnormalised O = c.2^(24-2p) + lv (HC heads x D
   // dims), m and l in shared memory (the pipeline stages are free now).
   __syncthreads();  // every warp is past its last stage read
-  float* so = reinterpret_cast<float*>(smem);  // [nwarps][HC heads][128]
-  float* sml = so + nwarps * HC * 128;         // [nwarps][HC heads] (m, l)
-  float* ow = so + warp * HC * 128;
+  float* so = reinterpret_cast<float*>(smem);  // [nwarps][HC heads][D]
+  float* sml = so + nwarps * HC * D;           // [nwarps][HC heads] (m, l)
+  float* ow = so + warp * HC * D;
   // m-tile mt's rows g, g + 8 are dims d0, d0 + 1 (the V codes' plane p = mt / 2)
   auto park = [&](int mt, const float (&c)[4], float v0, float v1) {
     const int p = mt >> 1, hb = mt & 1;
@@ -1106,7 +1207,29 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     ow[head0 * 128 + d0 + 1] = fmaf(c[2], fac, v0);
     ow[(head0 + 1) * 128 + d0 + 1] = fmaf(c[3], fac, v1);
   };
-  if (HC == 4) {
+  // D 64: m-tile p's rows g, g + 8 are dims 16p + 2g, + 1
+  auto park64 = [&](int p, const float (&c)[4], float v0, float v1) {
+    const float fac = __int_as_float((127 + 24 - 2 * p) << 23);
+    const int d0 = p * 16 + 2 * g;
+    ow[head0 * D + d0] = fmaf(c[0], fac, v0);
+    ow[(head0 + 1) * D + d0] = fmaf(c[1], fac, v1);
+    ow[head0 * D + d0 + 1] = fmaf(c[2], fac, v0);
+    ow[(head0 + 1) * D + d0 + 1] = fmaf(c[3], fac, v1);
+  };
+  if constexpr (D == 64) {
+    if (HC == 4) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {  // lanes t < 2: m-tiles 0, 1 (V group 0), t >= 2: 2, 3 (group 1)
+        float c[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[e] = gsel ? o[2 + i][e] : o[i][e];
+        park64(2 * gsel + i, c, lv0, lv1);
+      }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) park64(mt, o[mt], mt < 2 ? lv0 : lw0, mt < 2 ? lv1 : lw1);
+    }
+  } else if (HC == 4) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       // lanes t < 2 hold the dims of V group 0 (m-tiles 0..3), t >= 2 those of group 1 (4..7); a select,
@@ -1127,69 +1250,82 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   __syncthreads();
   if (after_write) grid_dependency_wait();  // this grid ends after the write (long done by now)
   // a folded CTA's warp 0 parked its window tile's entry in wbuf
-  store_cta_partial<HC>(a, so, sml, nwarps, nh, hq_base, split,
-                        fold_cta ? reinterpret_cast<const float*>(wbuf) : nullptr);
+  store_cta_partial<HC, D>(a, so, sml, nwarps, nh, hq_base, split,
+                           fold_cta ? reinterpret_cast<const float*>(wbuf) : nullptr);
   TRACE_MARK(kMarkEnd, 0);
   TRACE_META(split, nblocks, 0);
-  if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
+  if (a.fused_merge) merge_column<HC, D>(a, smem, blockIdx.x, hq_base, nh);
 }
 
-template <int NSTAGE, int HC>
+template <int NSTAGE, int HC, int D>
 int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(bh, grid_y);
   cfg.blockDim = dim3(warps * 32);
-  cfg.dynamicSmemBytes = cta_smem(NSTAGE, warps, a.fold_tiles > 0);
+  cfg.dynamicSmemBytes = cta_smem(NSTAGE, warps, a.fold_tiles > 0, D);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the window programs run
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, a.kg128 || a.vg128 ? int2_history_kernel<NSTAGE, HC, false>
-                                                           : int2_history_kernel<NSTAGE, HC, true>, a);
+  return (int)cudaLaunchKernelEx(&cfg, a.kg_row || a.vg_row ? int2_history_kernel<NSTAGE, HC, false, D>
+                                                           : int2_history_kernel<NSTAGE, HC, true, D>, a);
 }
 
-template <int NSTAGE, int HC>
+template <int NSTAGE, int HC, int D>
 int prepare(int) {  // the dynamic shared-memory limit, once, before any graph capture
   // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
   // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
-  const int rc = (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, true>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, cta_smem(NSTAGE, 8, true));
-  return rc ? rc : (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, false>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, cta_smem(NSTAGE, 8, true));
+  const int rc = (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, true, D>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, cta_smem(NSTAGE, 8, true, D));
+  return rc ? rc : (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, false, D>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, cta_smem(NSTAGE, 8, true, D));
 }
 
-template <int NSTAGE, int HC>
+template <int NSTAGE, int HC, int D>
 int occupancy(int warps) {  // the fewer of the two group instances' (both 128 registers: test_cuda_history_sass.py)
   int n = 0, n128 = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC, true>, warps * 32,
-                                                warps * warp_smem(NSTAGE));
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n128, int2_history_kernel<NSTAGE, HC, false>, warps * 32,
-                                                warps * warp_smem(NSTAGE));
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC, true, D>, warps * 32,
+                                                warps * warp_smem(NSTAGE, D));
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n128, int2_history_kernel<NSTAGE, HC, false, D>, warps * 32,
+                                                warps * warp_smem(NSTAGE, D));
   return n < n128 ? n : n128;
 }
 
 }  // namespace
 
-// HC: query heads per CTA column, 4 (columns 4..7 of a warp's tile repeat heads 0..3) or 8 (one head per column)
-#define DISPATCH(NS, HC, FN, ...)                                       \
-  switch (NS * 16 + HC) {                                                \
-    case 2 * 16 + 4: return FN<2, 4>(__VA_ARGS__);                       \
-    case 3 * 16 + 4: return FN<3, 4>(__VA_ARGS__);                       \
-    case 4 * 16 + 4: return FN<4, 4>(__VA_ARGS__);                       \
-    case 2 * 16 + 8: return FN<2, 8>(__VA_ARGS__);                       \
-    case 3 * 16 + 8: return FN<3, 8>(__VA_ARGS__);                       \
-    case 4 * 16 + 8: return FN<4, 8>(__VA_ARGS__);                       \
+// HC: query heads per CTA column, 4 (columns 4..7 of a warp's tile repeat heads 0..3) or 8 (one head per column);
+// D 128 at 2-4 stages, D 64 at 2 (history_cuda.STAGES) and with the integer K dot only (OSCAR_IMMA_K)
+#if OSCAR_IMMA_K
+#define DISPATCH_D64(FN, ...)                                            \
+    case 512 + 2 * 16 + 4: return FN<2, 4, 64>(__VA_ARGS__);             \
+    case 512 + 2 * 16 + 8: return FN<2, 8, 64>(__VA_ARGS__);
+#else
+#define DISPATCH_D64(FN, ...)
+#endif
+#define DISPATCH(NS, HC, HD, FN, ...)                                   \
+  switch ((HD == 64 ? 512 : HD == 128 ? 0 : 1024) + NS * 16 + HC) {      \
+    case 2 * 16 + 4: return FN<2, 4, 128>(__VA_ARGS__);                  \
+    case 3 * 16 + 4: return FN<3, 4, 128>(__VA_ARGS__);                  \
+    case 4 * 16 + 4: return FN<4, 4, 128>(__VA_ARGS__);                  \
+    case 2 * 16 + 8: return FN<2, 8, 128>(__VA_ARGS__);                  \
+    case 3 * 16 + 8: return FN<3, 8, 128>(__VA_ARGS__);                  \
+    case 4 * 16 + 8: return FN<4, 8, 128>(__VA_ARGS__);                  \
+    DISPATCH_D64(FN, __VA_ARGS__)                                        \
     default: return -1;                                                  \
   }
 
 extern "C" {
 
-int oscar_history_prepare(int nstage, int warps, int hc) { DISPATCH(nstage, hc, prepare, warps) }
-int oscar_history_occupancy(int nstage, int warps, int hc) { DISPATCH(nstage, hc, occupancy, warps) }
+int oscar_history_prepare(int nstage, int warps, int hc, int head_dim) {
+  DISPATCH(nstage, hc, head_dim, prepare, warps)
+}
+int oscar_history_occupancy(int nstage, int warps, int hc, int head_dim) {
+  DISPATCH(nstage, hc, head_dim, occupancy, warps)
+}
 
-int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg128, int vg128, int grid_y, const void* q,
+int oscar_history_launch(int nstage, int warps, int hc, int head_dim, int bh, int gqa, int kg_row, int vg_row, int grid_y, const void* q,
                          int q_dtype, float c0, const void* kc,
                          const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride,
                          const void* req_idx, int req_idx_64, const int* seq_lens, const int* ring_start, int hkv,
@@ -1202,10 +1338,11 @@ int oscar_history_launch(int nstage, int warps, int hc, int bh, int gqa, int kg1
   const int hgroups = (gqa + hc - 1) / hc;
   Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
          (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
-         grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, hgroups, kg128, vg128,
+         grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, hgroups, kg_row, vg_row,
          (const __nv_bfloat16*)sk, (const __nv_bfloat16*)sv, (const __nv_bfloat16*)rk, (const __nv_bfloat16*)rv,
          sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge, fold_tiles};
-  DISPATCH(nstage, hc, launch, a, bh * hgroups, warps, grid_y + nwin_sink + nwin_ring, pdl, (cudaStream_t)stream)
+  DISPATCH(nstage, hc, head_dim, launch, a, bh * hgroups, warps, grid_y + nwin_sink + nwin_ring, pdl,
+           (cudaStream_t)stream)
 }
 
 #ifdef OSCAR_HISTORY_TRACE
