@@ -121,7 +121,7 @@ def test_history_kernel_cuda_refused_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("change,named", [
-    (dict(head_dim=64), "head_dim 64"),                       # SmolLM2-like
+    (dict(head_dim=256), "head_dim 256"),                     # (SmolLM2's head_dim 64: covered since 4dda357)
     (dict(q_heads=136), "GQA 17"),                            # 136 query heads per 8 KV heads (GLM's 12: covered)
     (dict(k_group=32, v_group=32), "groups K=32 V=32"),
     (dict(v_group=32), "groups K=64 V=32"),
