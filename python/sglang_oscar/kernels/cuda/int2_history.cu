@@ -682,26 +682,16 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
 // TWO_G: K and V rows of two groups each (G = D / 2: 64 at D 128, the default format, 32 at D 64) known at compile
 // time (launch picks this instance), so that the block's params copies and the tile's group selects are not issued
 // both ways under a runtime flag (Args.kg_row / vg_row read only where TWO_G is false).
-// D: head_dim 128, or 64 (planes of 16 dims, a token's codes 16 bytes; no window CTAs and no folded window there:
-// history_cuda refuses them), in one of two layouts:
-//   kFold (D 64, HC 4: SmolLM2's GQA 3): two tokens per 32-byte "pseudo-row" of the stage, token r's record in bytes
-//        0..15 and token r + 16's in 16..31, so that the D-128 tile runs unchanged on 32 tokens: its byte j < 16 of
-//        plane p is dim 16p + j of token r, byte 16 + j the same dim of token r + 16. Columns 0..3 are heads 0..3 on
-//        the first tokens, columns 4..7 heads 0..3 on the second (q block-diagonal: a lane's q fragment is zero off
-//        its column's half), so the scores, softmax and V weights of 32 tokens cost what 16 did; the K params and V
-//        scales of a lane are its half's tokens'. The V dot's outputs off the diagonal (column half != byte half)
-//        are dropped, and each warp parks two merge entries (one per half, each with its own running max).
-//   kD64 (D 64, HC 8: GQA 5-8): one token per 16-byte row; the K dot pairs planes 2pp and 2pp + 1 in one m16n8k32
-//        (k 0..15 the first plane's bytes, 16..31 the second's), and the V dot has 4 m-tiles, m-tile p = plane p.
+// D: head_dim 128, or 64 (planes of 16 dims: a token's codes are 16 bytes, one per lane of a 4-lane quad in the K dot;
+// the K dot pairs planes 2pp and 2pp + 1 in one m16n8k32 (k 0..15 the first plane's bytes, 16..31 the second's);
+// the V dot has 4 m-tiles, m-tile p = plane p; no window CTAs and no folded window: history_cuda refuses them).
 template <int NSTAGE, int HC, bool TWO_G, int D>
 __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   static_assert(D == 128 || D == 64, "head_dim 128 or 64");
-  constexpr bool kFold = D == 64 && HC == 4, kD64 = D == 64 && HC == 8;
   using SL = Stage<D>;
-  // stage bytes, V m-tiles (folded: the D-128 tile's 8, over pseudo-dims), merge entries per warp, tokens per tile
-  constexpr int kSB = SL::kBytes, NMT = kD64 ? 4 : 8, kEnt = kFold ? 2 : 1, kTileTok = kFold ? 32 : 16;
+  constexpr int kSB = SL::kBytes, NMT = D / 16;  // stage bytes, V m-tiles
   // the CTA merge parks (O, m, l) in the warps' stages
-  static_assert(NSTAGE * kSB >= kEnt * HC * (D + 2) * 4, "a warp's stages hold its parked partial");
+  static_assert(NSTAGE * kSB >= HC * (D + 2) * 4, "a warp's stages hold its parked partial");
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3, gsel = t >> 1;
@@ -736,15 +726,12 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // later, queued behind them, and the second stage's copies wait for the q build.
   const int qhead = HC == 8 ? g : (g & 3);  // column g's head
   const bool qvalid = qhead < nh;  // a spare column: zero query (its scores are 0; nothing is stored)
-  // folded: this lane's bytes 8t.. are its column's token half (t >> 1 == g >> 2), else its q fragment is zero
-  const bool qdiag = qvalid && (!kFold || (t >> 1) == (g >> 2));
   const size_t qrow = (size_t)(hq_base + (qvalid ? qhead : 0)) * D;
-  uint4 qraw[4];  // kD64: dims p*16 + t*4 .. + 3 in words x, y; kFold: dims p*16 + (t & 1)*8 .. + 7
+  uint4 qraw[4];  // D 64: dims p*16 + t*4 .. + 3 in words x, y
   auto load_qraw = [&]() {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      if constexpr (kD64) qraw[p] = load_q4(a, qvalid, qrow + p * 16 + t * 4);
-      else if constexpr (kFold) qraw[p] = load_q8(a, qdiag, qrow + p * 16 + (t & 1) * 8);
+      if constexpr (D == 64) qraw[p] = load_q4(a, qvalid, qrow + p * 16 + t * 4);
       else qraw[p] = load_q8(a, qvalid, qrow + p * 32 + t * 8);
     }
   };
@@ -789,16 +776,14 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       const uint32_t r0 = pool_record32(a, s0, h, pmask);
       const uint32_t r1 = kTok == 64 ? pool_record32(a, s1, h, pmask) : 0u;
       if constexpr (D == 64) {
-        // codes: a token's 16-byte row per lane (lane i: token i + 32k); folded, token i of a 32-token tile is half
-        // i >> 4 of pseudo-row i & 15
+        // codes: a token's 16-byte row per lane (lane i: token i + 32k)
 #pragma unroll
         for (int k = 0; k < kTok / 32; ++k) {
           const int tok = lane + 32 * k;
           const int n = tok < rem ? 16 : 0;
           const uint32_t r = k ? r1 : r0;
-          const int dst = kFold ? ((tok >> 5) * 16 + (tok & 15)) * 32 + ((tok >> 4) & 1) * 16 : tok * 16;
-          cp_async16(st + dst, a.kc + (size_t)r * 16u, n);
-          cp_async16(st + SL::kVcOff + dst, a.vc + (size_t)r * 16u, n);
+          cp_async16(st + tok * 16, a.kc + (size_t)r * 16u, n);
+          cp_async16(st + SL::kVcOff + tok * 16, a.vc + (size_t)r * 16u, n);
         }
       } else {
         // codes: lanes 2i, 2i+1 copy the two 16-byte halves of token i (+16k), so that one instruction
@@ -912,14 +897,12 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // columns 2t, 2t+1 are heads head0, head0 + 1 (HC 4: columns 4..7 repeat heads 0..3)
   const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;
 #if OSCAR_IMMA_K
-  // c0 q at dims p*32 + t*8 + i (kD64: p*16 + t*4 + i; kFold: p*16 + (t & 1)*8 + i, or 0 off the lane's half), for
-  // the int8 q below (read once, here)
-  float xs[4][kD64 ? 4 : 8];
+  float xs[4][D / 16];  // c0 q at dims p*32 + t*8 + i (D 64: p*16 + t*4 + i), for the int8 q below (read once, here)
 #else
   uint32_t qb[16];
 #endif
   float gs0 = 0.f, gs1 = 0.f;
-  if constexpr (kD64) {  // four dims of each plane per lane (a quad holds the head's 64)
+  if constexpr (D == 64) {  // four dims of each plane per lane (a quad holds the head's 64)
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
 #pragma unroll
@@ -936,10 +919,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     for (int r = 0; r < 16; ++r) {
       const int ks = r >> 1, w = r & 1, p = ks >> 1, hh = ks & 1;
       const int d = p * 32 + t * 8 + 4 * hh + 2 * w;
-      // word 2hh + w of plane p's 16 bytes holds dims d, d + 1 (kFold: pseudo-dim d, i.e. dims dk, dk + 1 of this
-      // lane's token half)
-      const int dk = kFold ? p * 16 + (t & 1) * 8 + 4 * hh + 2 * w : d;
-      const float2 xq = q_pair(a, qraw[p], 2 * hh + w, qdiag, qrow + dk);
+      // word 2hh + w of plane p's 16 bytes holds dims d, d + 1
+      const float2 xq = q_pair(a, qraw[p], 2 * hh + w, qvalid, qrow + d);
       const float x0 = xq.x, x1 = xq.y;
       if (p < 2) gs0 += x0 + x1; else gs1 += x0 + x1;
 #if OSCAR_IMMA_K
@@ -966,8 +947,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   // S_gp = 16256 / max |c0 q 4^-p| over the warp: v = x S = 128 hi + lo (hi in [-127, 127], lo in [-64, 64]).
   // iS_gp = 2^-24 / S_gp puts the dot in the fp16 path's units (2^-24 log2), so the score math is unchanged.
   // D 64: register p (= 2pp + w: plane pair pp, k-half w of its m16n8k32) holds plane p's dims p*16 + t*4 + 0..3
-  constexpr int QW = kD64 ? 1 : 2;  // registers per plane
-  uint32_t qhi[4 * QW], qlo[4 * QW];
+  uint32_t qhi[D / 16], qlo[D / 16];
   float iS0, iS1;
   {
     // the group maxima of |c0 q 4^-p| over the warp, then per element four FMA-pipe ops: hm = v / 128 + magic (hi in
@@ -977,7 +957,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       mq[p] = 0.f;
-      if constexpr (kD64) {
+      if constexpr (D == 64) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) mq[p] = fmaxf(mq[p], fabsf(xs[p][i]));
       } else {
@@ -1000,7 +980,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     for (int p = 0; p < 4; ++p) {
       const float kp = (p == 0 ? 1.f : p == 1 ? 0.25f : p == 2 ? 0.0625f : 0.015625f) * (p < 2 ? S0 : S1);
 #pragma unroll
-      for (int w = 0; w < QW; ++w) {
+      for (int w = 0; w < D / 64; ++w) {
         uint32_t hb[4], lb[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -1012,8 +992,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
           lb[i] = __float_as_uint(lm);
         }
         // the low byte of magic + n is n mod 256 (the magic's low byte is 0): n as int8
-        qhi[QW * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);
-        qlo[QW * p + w] = pack_s8(lb[0], lb[1], lb[2], lb[3]);
+        qhi[(D / 64) * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);
+        qlo[(D / 64) * p + w] = pack_s8(lb[0], lb[1], lb[2], lb[3]);
       }
     }
   }
@@ -1032,9 +1012,9 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     const int pos0 = lo + blk * kTok;
     const bool full = pos0 + kTok <= hi;
 #pragma unroll 1
-    for (int j = 0; j < kTok / kTileTok; ++j) {
+    for (int j = 0; j < kTok / 16; ++j) {
       float acc0[4], acc1[4];
-      if constexpr (kD64) {
+      if constexpr (D == 64) {
         // the lane's code bytes 4t .. 4t + 3 of tokens sg, sg + 8 (dims 4t + i + 16p), masked for planes 2pp and
         // 2pp + 1: A's k 4t.. and 16 + 4t.. of one m16n8k32 (c 4^p in each byte, u8), against qhi / qlo[2pp], [2pp + 1]
         const uint8_t* kcs = st + j * 16 * 16;
@@ -1095,9 +1075,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       }
 #endif
       }
-      // folded: this lane's columns 2t, 2t + 1 score the tokens of half t >> 1 (16 on), whose params it takes
-      const int hoff = kFold ? 16 * (t >> 1) : 0;
-      const uint2* kps = reinterpret_cast<const uint2*>(st + SL::kKpOff) + j * kTileTok + hoff;
+      const uint2* kps = reinterpret_cast<const uint2*>(st + SL::kKpOff) + j * 16;
       const uint2 pr0 = kps[sg], pr1 = kps[sg + 8];
       const uint32_t py0 = kg_row ? pr0.x : pr0.y, py1 = kg_row ? pr1.x : pr1.y;  // dims 64..127's pair
 #if OSCAR_IMMA_K
@@ -1113,7 +1091,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       s[2] = fmaf(mn1b, q10, fmaf(mn0b, q00, fmaf(acc1[2], sc1b, acc0[2] * sc0b)));
       s[3] = fmaf(mn1b, q11, fmaf(mn0b, q01, fmaf(acc1[3], sc1b, acc0[3] * sc0b)));
       if (!full) {
-        const int pa = pos0 + j * kTileTok + hoff + sg;
+        const int pa = pos0 + j * 16 + sg;
         if (pa >= hi) s[0] = s[1] = -INFINITY;
         if (pa + 8 >= hi) s[2] = s[3] = -INFINITY;
       }
@@ -1130,17 +1108,17 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         m0 = n0; m1 = n1;
         thr0 = (m0 + kLazy) / kTwo24; thr1 = (m1 + kLazy) / kTwo24;
         l0 *= al0; l1 *= al1; lv0 *= al0; lv1 *= al1;
-        if (HC == 8 || kFold) { lw0 *= al0; lw1 *= al1; }
+        if (HC == 8) { lw0 *= al0; lw1 *= al1; }
 #pragma unroll
         for (int i = 0; i < NMT; ++i) { o[i][0] *= al0; o[i][1] *= al1; o[i][2] *= al0; o[i][3] *= al1; }
       }
       const float p0 = ex2(fmaf(s[0], kTwo24, -m0)), p1 = ex2(fmaf(s[1], kTwo24, -m1));
       const float p2 = ex2(fmaf(s[2], kTwo24, -m0)), p3 = ex2(fmaf(s[3], kTwo24, -m1));
       l0 += p0 + p2; l1 += p1 + p3;
-      const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + SL::kVpOff) + (j * kTileTok + hoff) * 2;
+      const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + SL::kVpOff) + j * 32;
       // the V dot's B operands: m-tiles 0..3 (V group 0) take b, 4..7 (group 1) c (D 64: 0..1 and 2..3)
       uint32_t b0, b1, c0, c1;
-      if (HC == 4 && !kFold) {
+      if (HC == 4) {
         // columns 0..3 carry p.scale of V group 0, columns 4..7 of group 1: one operand pair serves both groups
         const int vsel = vg_row ? 0 : gsel;  // this lane's V group pair
         const uint32_t vr0 = vps[sg * 2 + vsel], vr1 = vps[(sg + 8) * 2 + vsel];
@@ -1151,7 +1129,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         b1 = c1 = movm_trans(h2u(__floats2half2_rn(p2 * vsb, p3 * vsb)));
       } else {
         // eight heads in eight columns: p.scale of group 0 for m-tiles 0..3, of group 1 for 4..7 (the same word
-        // at G = 128; kFold: 4 heads of two token halves, m-tiles 0..3 being planes 0, 1, i.e. dims 0..31)
+        // at G = 128)
         const uint32_t va0 = vps[sg * 2], vb0 = vps[(sg + 8) * 2];
         const uint32_t va1 = vg_row ? va0 : vps[sg * 2 + 1], vb1 = vg_row ? vb0 : vps[(sg + 8) * 2 + 1];
         lv0 = fmaf(p0, bf_hi(va0), fmaf(p2, bf_hi(vb0), lv0));
@@ -1163,7 +1141,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         c0 = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va1), p1 * bf_lo(va1))));
         c1 = movm_trans(h2u(__floats2half2_rn(p2 * bf_lo(vb1), p3 * bf_lo(vb1))));
       }
-      if constexpr (kD64) {
+      if constexpr (D == 64) {
         // the lane's two code bytes 2g, 2g + 1 (dims 16p + 2g, + 1) of tokens t, t + 4, t + 8, t + 12: byte 0 is
         // m-row g of m-tile p, byte 1 m-row g + 8, as V_SELECTORS' bytes 0 and 1 at D 128
         const uint8_t* vcs = st + SL::kVcOff + j * 16 * 16 + 2 * g;
@@ -1179,7 +1157,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
           mma16816(o[mt], e0 & M, e1 & M, f0 & M, f1 & M, mt < 2 ? b0 : c0, mt < 2 ? b1 : c1);
         }
       } else {
-      const uint8_t* vcs = st + SL::kVcOff + j * 16 * 32 + 4 * g;
+      const uint8_t* vcs = st + kVcOff + j * 16 * 32 + 4 * g;
       const uint32_t wA = *reinterpret_cast<const uint32_t*>(vcs + t * 32);
       const uint32_t wB = *reinterpret_cast<const uint32_t*>(vcs + (t + 4) * 32);
       const uint32_t wC = *reinterpret_cast<const uint32_t*>(vcs + (t + 8) * 32);
@@ -1208,18 +1186,17 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     l1 += __shfl_xor_sync(0xffffffffu, l1, x);
     lv0 += __shfl_xor_sync(0xffffffffu, lv0, x);
     lv1 += __shfl_xor_sync(0xffffffffu, lv1, x);
-    if (HC == 8 || kFold) {
+    if (HC == 8) {
       lw0 += __shfl_xor_sync(0xffffffffu, lw0, x);
       lw1 += __shfl_xor_sync(0xffffffffu, lw1, x);
     }
   }
   // The CTA's merge (store_cta_partial). Each warp parks its unnormalised O = c.2^(24-2p) + lv (HC heads x D
-  // dims), m and l in shared memory (the pipeline stages are free now); folded, one entry per token half.
+  // dims), m and l in shared memory (the pipeline stages are free now).
   __syncthreads();  // every warp is past its last stage read
-  float* so = reinterpret_cast<float*>(smem);  // [nwarps x kEnt][HC heads][D]
-  float* sml = so + nwarps * kEnt * HC * D;    // [nwarps x kEnt][HC heads] (m, l)
-  const int ent = warp * kEnt + (kFold ? t >> 1 : 0);  // this lane's columns' entry
-  float* ow = so + ent * HC * D;
+  float* so = reinterpret_cast<float*>(smem);  // [nwarps][HC heads][D]
+  float* sml = so + nwarps * HC * D;           // [nwarps][HC heads] (m, l)
+  float* ow = so + warp * HC * D;
   // m-tile mt's rows g, g + 8 are dims d0, d0 + 1 (the V codes' plane p = mt / 2)
   auto park = [&](int mt, const float (&c)[4], float v0, float v1) {
     const int p = mt >> 1, hb = mt & 1;
@@ -1239,25 +1216,18 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     ow[head0 * D + d0 + 1] = fmaf(c[2], fac, v0);
     ow[(head0 + 1) * D + d0 + 1] = fmaf(c[3], fac, v1);
   };
-  if constexpr (kD64) {
+  if constexpr (D == 64) {
+    if (HC == 4) {
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt) park64(mt, o[mt], mt < 2 ? lv0 : lw0, mt < 2 ? lv1 : lw1);
-  } else if constexpr (kFold) {
-    // m-tile mt's rows g, g + 8 are the pseudo-row's bytes 4g + 2hb, + 1 of plane p: for g < 4 dims 16p + 4g + 2hb,
-    // + 1 of the first token half, for g >= 4 of the second; the lane's columns are half t >> 1's: kept where the
-    // halves agree (half the lanes, every m-tile; planes 0, 1 are V group 0, 2, 3 group 1)
-    if ((g >> 2) == (t >> 1)) {
+      for (int i = 0; i < 2; ++i) {  // lanes t < 2: m-tiles 0, 1 (V group 0), t >= 2: 2, 3 (group 1)
+        float c[4];
 #pragma unroll
-      for (int mt = 0; mt < 8; ++mt) {
-        const int p = mt >> 1, hb = mt & 1;
-        const float fac = __int_as_float((127 + 24 - 2 * p) << 23);
-        const int d0 = p * 16 + 4 * (g & 3) + 2 * hb;
-        const float v0 = mt < 4 ? lv0 : lw0, v1 = mt < 4 ? lv1 : lw1;
-        ow[head0 * D + d0] = fmaf(o[mt][0], fac, v0);
-        ow[(head0 + 1) * D + d0] = fmaf(o[mt][1], fac, v1);
-        ow[head0 * D + d0 + 1] = fmaf(o[mt][2], fac, v0);
-        ow[(head0 + 1) * D + d0 + 1] = fmaf(o[mt][3], fac, v1);
+        for (int e = 0; e < 4; ++e) c[e] = gsel ? o[2 + i][e] : o[i][e];
+        park64(2 * gsel + i, c, lv0, lv1);
       }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) park64(mt, o[mt], mt < 2 ? lv0 : lw0, mt < 2 ? lv1 : lw1);
     }
   } else if (HC == 4) {
 #pragma unroll
@@ -1273,14 +1243,14 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
 #pragma unroll
     for (int mt = 0; mt < 8; ++mt) park(mt, o[mt], mt < 4 ? lv0 : lw0, mt < 4 ? lv1 : lw1);
   }
-  if (g == 0 && (HC == 8 || kFold || t < 2)) {
-    float* ml = sml + (ent * HC + head0) * 2;
+  if (g == 0 && (HC == 8 || t < 2)) {
+    float* ml = sml + (warp * HC + head0) * 2;
     ml[0] = m0; ml[1] = l0; ml[2] = m1; ml[3] = l1;
   }
   __syncthreads();
   if (after_write) grid_dependency_wait();  // this grid ends after the write (long done by now)
   // a folded CTA's warp 0 parked its window tile's entry in wbuf
-  store_cta_partial<HC, D>(a, so, sml, nwarps * kEnt, nh, hq_base, split,
+  store_cta_partial<HC, D>(a, so, sml, nwarps, nh, hq_base, split,
                            fold_cta ? reinterpret_cast<const float*>(wbuf) : nullptr);
   TRACE_MARK(kMarkEnd, 0);
   TRACE_META(split, nblocks, 0);
