@@ -819,11 +819,13 @@ def test_cuda_history_rejects_what_it_does_not_cover():
         history_cuda.check_supported(64, 3, 16, 64, False, "cpu")
     stages = history_cuda.STAGES
     try:
-        history_cuda.STAGES = 3
-        with pytest.raises(ValueError, match="builds head_dim 64 at \\(2,\\) stages"):
+        history_cuda.STAGES = 5
+        with pytest.raises(ValueError, match="builds head_dim 64 at \\(2, 3, 4\\) stages"):
             history_cuda.check_supported(64, 3, 64, 64, False, "cpu")
-        with pytest.raises(ValueError, match="needs CUDA tensors"):  # D 128 builds 3 stages: past the shape checks
-            history_cuda.check_supported(128, 4, 64, 64, False, "cpu")
+        history_cuda.STAGES = 3
+        for d in (64, 128):  # both build 3 stages: past the shape checks
+            with pytest.raises(ValueError, match="needs CUDA tensors"):
+                history_cuda.check_supported(d, 4, 64, 64, False, "cpu")
     finally:
         history_cuda.STAGES = stages
     case = make_case([40, 30], hkv=2, gqa=4, d=128, gk=64, gv=32, device="cpu")
@@ -1453,6 +1455,20 @@ def test_cuda_history_head_dim_64_batch_1_and_64(lens, pool_page):
     run_and_check(case, history_kernel="cuda")
     torch.testing.assert_close(oscar_decode(**case, history_kernel="cuda").float(),
                                oscar_decode(**case, history_kernel="triton").float(), rtol=2e-2, atol=2e-2)
+
+
+@requires_cuda
+@pytest.mark.parametrize("stages,gqa", [(3, 3), (4, 3), (4, 8)])
+def test_cuda_history_head_dim_64_stages(stages, gqa, monkeypatch):
+    """D 64 at 3 and 4 pipeline stages (built for benchmark/probe_d64_stages.py; 2 is the default): the oracle's
+    output, and explicit split counts."""
+    from sglang_oscar.kernels import history_cuda
+
+    monkeypatch.setattr(history_cuda, "STAGES", stages)
+    case = make_case([5001, 1200, 70], hkv=3, gqa=gqa, d=64, gk=32, gv=64, sink=64, window=256,
+                     ring_starts=[0, 1000, 0], pool_page=64, seed=190 + stages + gqa)
+    run_and_check(case, history_kernel="cuda")
+    run_and_check(case, history_kernel="cuda", num_splits=13)
 
 
 @requires_cuda

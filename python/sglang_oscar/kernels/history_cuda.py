@@ -43,8 +43,8 @@ HEAD_DIMS = tuple(GROUPS)
 # The BF16 sink / ring rows are read in this kernel (window CTAs, the folded window) at these head dims; at the others
 # (D 64) oscar_decode launches the Triton window programs as its programmatic dependents, and the merge after them.
 WINDOW_HEAD_DIMS = (128,)
-# D 64 is built at 2 stages only (int2_history.cu DISPATCH)
-D64_STAGES = (2,)
+# the stage counts D 64 is built at (int2_history.cu DISPATCH; 2 by default, 3 / 4 for benchmark/probe_d64_stages.py)
+D64_STAGES = (2, 3, 4)
 # Query heads per KV head. A CTA column holds 4 query heads (GQA <= 4) or, with WIDE_TILE, 8 (GQA 5-8: one head
 # per column of the warp's tile, the same MMA count per token; kernels/cuda/int2_history.cu "HC"). A KV head with
 # more query heads than a column holds is read by several CTA columns (head groups): GQA 5-8 that way (WIDE_TILE

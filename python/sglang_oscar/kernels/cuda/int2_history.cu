@@ -1296,11 +1296,15 @@ int occupancy(int warps) {  // the fewer of the two group instances' (both 128 r
 }  // namespace
 
 // HC: query heads per CTA column, 4 (columns 4..7 of a warp's tile repeat heads 0..3) or 8 (one head per column);
-// D 128 at 2-4 stages, D 64 at 2 (history_cuda.STAGES) and with the integer K dot only (OSCAR_IMMA_K)
+// 2-4 stages (history_cuda.STAGES); D 64 with the integer K dot only (OSCAR_IMMA_K)
 #if OSCAR_IMMA_K
 #define DISPATCH_D64(FN, ...)                                            \
     case 512 + 2 * 16 + 4: return FN<2, 4, 64>(__VA_ARGS__);             \
-    case 512 + 2 * 16 + 8: return FN<2, 8, 64>(__VA_ARGS__);
+    case 512 + 3 * 16 + 4: return FN<3, 4, 64>(__VA_ARGS__);             \
+    case 512 + 4 * 16 + 4: return FN<4, 4, 64>(__VA_ARGS__);             \
+    case 512 + 2 * 16 + 8: return FN<2, 8, 64>(__VA_ARGS__);             \
+    case 512 + 3 * 16 + 8: return FN<3, 8, 64>(__VA_ARGS__);             \
+    case 512 + 4 * 16 + 8: return FN<4, 8, 64>(__VA_ARGS__);
 #else
 #define DISPATCH_D64(FN, ...)
 #endif
