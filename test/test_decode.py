@@ -1032,6 +1032,35 @@ def test_cuda_history_ctypes_signature_matches_the_source():
         kinds.append(ctypes.c_void_p if "*" in prm else ctypes.c_float if prm.startswith("float") else ctypes.c_int)
         assert "*" in prm or prm.startswith(("int ", "float ")), prm
     assert kinds == history_cuda.LAUNCH_ARGTYPES
+    for fn in ("prepare", "occupancy"):  # (nstage, warps, hc, head_dim)
+        assert re.search(rf"int oscar_history_{fn}\(int nstage, int warps, int hc, int head_dim\)", src), fn
+    assert f"int oscar_history_abi() {{ return {history_cuda.ABI}; }}" in src
+
+
+def test_cuda_history_load_refuses_an_older_interface(monkeypatch):
+    """history_cuda.load: a library built from a source before the head_dim parameter (no oscar_history_abi) or of
+    another interface is refused with the reason, not launched with shifted arguments (a same-run A/B against an
+    older source, probe_history_trace.py --sources)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from sglang_oscar.kernels import history_cuda
+
+    def fake(abi):
+        entry = SimpleNamespace(argtypes=None, restype=None)
+        lib = SimpleNamespace(oscar_history_launch=entry, oscar_history_prepare=SimpleNamespace(),
+                              oscar_history_occupancy=SimpleNamespace())
+        if abi is not None:
+            lib.oscar_history_abi = lambda: abi
+        return lib
+
+    for abi, ok in ((None, False), (1, False), (history_cuda.ABI, True)):
+        monkeypatch.setattr(ctypes, "CDLL", lambda path, abi=abi: fake(abi))
+        if ok:
+            assert history_cuda.load("x.so").oscar_history_launch.argtypes == history_cuda.LAUNCH_ARGTYPES
+        else:
+            with pytest.raises(history_cuda.CudaHistoryUnavailable, match="C interface 1, this module launches 2"):
+                history_cuda.load("x.so")
 
 
 def test_cuda_history_columns_per_gqa(monkeypatch):

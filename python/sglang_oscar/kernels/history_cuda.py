@@ -201,9 +201,20 @@ def env_defines() -> tuple:
     return defines
 
 
+# oscar_history_abi() of the sources this module launches (int2_history.cu): 2 since the entry points take head_dim
+ABI = 2
+
+
 def load(path: str) -> ctypes.CDLL:
-    """The library at `path` (build()) with its entry points typed."""
+    """The library at `path` (build()) with its entry points typed; refused unless its C interface is this module's
+    (ABI): an older source's launch takes other arguments, so a same-run A/B against one (probe_history_trace.py
+    --sources) would pass them shifted."""
     lib = ctypes.CDLL(path)
+    abi = lib.oscar_history_abi() if hasattr(lib, "oscar_history_abi") else 1
+    if abi != ABI:
+        raise CudaHistoryUnavailable(f"{path} has the history kernel's C interface {abi}, this module launches {ABI} "
+                                     f"(head_dim in the entry points since 4dda357): build a source of the same "
+                                     f"interface, or give the older source its own launcher")
     lib.oscar_history_launch.argtypes = LAUNCH_ARGTYPES
     lib.oscar_history_launch.restype = ctypes.c_int
     for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):

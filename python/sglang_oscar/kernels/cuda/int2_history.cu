@@ -1322,6 +1322,10 @@ int occupancy(int warps) {  // the fewer of the two group instances' (both 128 r
 
 extern "C" {
 
+// the C interface's version (history_cuda.ABI): 2 since the head_dim parameter of the entry points below; a library
+// without this symbol was built from an older source, whose entry points take other arguments
+int oscar_history_abi() { return 2; }
+
 int oscar_history_prepare(int nstage, int warps, int hc, int head_dim) {
   DISPATCH(nstage, hc, head_dim, prepare, warps)
 }
