@@ -453,7 +453,7 @@ def test_paged_pool_serves_what_the_flat_pool_serves(setup):
 def test_history_kernel_option_reaches_startup_and_decode(setup, monkeypatch):
     """SGLANG_OSCAR_HISTORY_KERNEL=cuda: refused at backend construction on CPU (before any graph capture or
     request); with the startup check stubbed, the backend hands history_kernel='cuda' to oscar_decode, whose
-    own check then refuses this shape (head_dim 64) on CPU."""
+    own check then refuses the CPU tensors (this shape, head_dim 64 with groups of 64, is covered since 4dda357)."""
     from sglang_oscar.srt import startup_checks
 
     monkeypatch.setenv(options.ENV_HISTORY, "cuda")
@@ -466,7 +466,7 @@ def test_history_kernel_option_reaches_startup_and_decode(setup, monkeypatch):
                                   device="cpu", page_size=P, window_dtype=w.backend.pool.window_dtype))]
     assert w.backend.history_kernel == "cuda"
     w.prefill(1, 10, _inputs(10, 1), slots=torch.arange(P, P + 10))
-    with pytest.raises(ValueError, match="history_kernel='cuda' covers"):  # head_dim 64 is not covered
+    with pytest.raises(ValueError, match="history_kernel='cuda' needs CUDA tensors"):  # past the shape check
         w.decode_eager([1], _inputs(1, 2), slots=torch.tensor([P + 10]))
     monkeypatch.setenv(options.ENV_HISTORY, "triton")
     assert World(setup).backend.history_kernel == "triton" and len(seen) == 1  # triton: no startup check
