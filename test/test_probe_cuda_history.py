@@ -261,7 +261,9 @@ def test_v_dot_eight_heads_per_column(seed):
     assert len(seen) == 8 * 128  # every output of the tile written once
     src = open(PRODUCTION_SOURCE).read()
     assert "mt < 4 ? b0 : c0, mt < 4 ? b1 : c1" in src
-    assert "for (int mt = 0; mt < 8; ++mt) park(mt, o[mt], mt < 4 ? lv0 : lw0, mt < 4 ? lv1 : lw1);" in src
+    # the epilogue (park) at HC 8: m-tiles below G0 = NMT / 2 = 4 (D 128) add group 0's min sums, the others group 1's
+    assert "constexpr int kSB = SL::kBytes, NMT = D / 16;" in src and "constexpr int G0 = NMT / 2;" in src
+    assert "for (int mt = 0; mt < NMT; ++mt) park(mt, o[mt], mt < G0 ? lv0 : lw0, mt < G0 ? lv1 : lw1);" in src
 
 
 def test_head_major_copies_give_the_same_triton_output(monkeypatch):
@@ -526,22 +528,31 @@ def kernel_int8_q(q, head_of_column, c0):
     kernel rounds it: lane (g, t), register 2p + w holds c0 q 4^-p S_gp of column g's head at dims p*32 + t*8 + 4w +
     0..3 as int8 hi (qhi) and lo (qlo), v = 128 hi + lo, with S_gp = 16256 / (the warp's max |c0 q 4^-p| over plane
     group gp). Returns (qhi, qlo) as int arrays [32 lanes, 8 registers, 4 bytes] and (iS0, iS1)."""
-    f = [_f32(1.0), _f32(0.25), _f32(0.0625), _f32(0.015625)]
     xs = np.zeros((32, 4, 8), dtype=np.float32)
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         for p in range(4):
             xs[lane, p] = (q[head_of_column(g), p * 32 + t * 8:p * 32 + t * 8 + 8] * c0).astype(np.float32)
+    return int8_q_of_xs(xs)
+
+
+def int8_q_of_xs(xs):
+    """The kernel's int8 q from the lanes' fp32 values xs [32 lanes, 4 planes, n] (n = 8 at D 128, 4 at D 64): the
+    warp's max per plane, S_gp = 16256 / max over plane group gp (0 below 1e-30), and per element _int8_hi_lo of
+    xs . 4^-p S_gp; register QW p + w (QW = n / 4, the kernel's QW) holds plane p's values 4w .. 4w + 3. Returns qhi,
+    qlo [32, 4 QW, 4] and (iS0, iS1)."""
+    f = [_f32(1.0), _f32(0.25), _f32(0.0625), _f32(0.015625)]
+    qw = xs.shape[2] // 4
     mq = np.abs(xs).max(axis=(0, 2))  # the warp's max per plane
     mx0, mx1 = max(mq[0], _f32(0.25) * mq[1]), max(_f32(0.0625) * mq[2], _f32(0.015625) * mq[3])
     S = [_f32(16256.0) / m if m > _f32(1e-30) else _f32(0.0) for m in (mx0, mx1)]
-    qhi, qlo = np.zeros((32, 8, 4), dtype=np.int64), np.zeros((32, 8, 4), dtype=np.int64)
+    qhi, qlo = np.zeros((32, 4 * qw, 4), dtype=np.int64), np.zeros((32, 4 * qw, 4), dtype=np.int64)
     for lane in range(32):
         for p in range(4):
             kp = f[p] * S[p // 2]
-            for w in range(2):
+            for w in range(qw):
                 for i in range(4):
-                    qhi[lane, 2 * p + w, i], qlo[lane, 2 * p + w, i] = _int8_hi_lo(xs[lane, p, 4 * w + i], kp)
+                    qhi[lane, qw * p + w, i], qlo[lane, qw * p + w, i] = _int8_hi_lo(xs[lane, p, 4 * w + i], kp)
     kt = _f32(16777216.0)
     return qhi, qlo, (mx0 / (_f32(16256.0) * kt), mx1 / (_f32(16256.0) * kt))
 
@@ -660,24 +671,13 @@ def kernel_int8_q_d64(q, head_of_column, c0):
     c0 q 4^-p S_gp as int8 hi (qhi) and lo (qlo), with kernel_int8_q's scales and rounding (S_gp = 16256 / the warp's
     max over plane group gp). Returns qhi, qlo [32 lanes, 4 registers, 4 bytes], (iS0, iS1) and the lanes' group
     sums (gs0, gs1) [32] before the quad's shuffles."""
-    f = [_f32(1.0), _f32(0.25), _f32(0.0625), _f32(0.015625)]
     xs = np.zeros((32, 4, 4), dtype=np.float32)
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         for p in range(4):
             xs[lane, p] = (q[head_of_column(g), p * 16 + t * 4:p * 16 + t * 4 + 4] * c0).astype(np.float32)
-    mq = np.abs(xs).max(axis=(0, 2))  # the warp's max per plane
-    mx0, mx1 = max(mq[0], _f32(0.25) * mq[1]), max(_f32(0.0625) * mq[2], _f32(0.015625) * mq[3])
-    S = [_f32(16256.0) / m if m > _f32(1e-30) else _f32(0.0) for m in (mx0, mx1)]
-    qhi, qlo = np.zeros((32, 4, 4), dtype=np.int64), np.zeros((32, 4, 4), dtype=np.int64)
-    for lane in range(32):
-        for p in range(4):
-            kp = f[p] * S[p // 2]
-            for i in range(4):
-                qhi[lane, p, i], qlo[lane, p, i] = _int8_hi_lo(xs[lane, p, i], kp)
-    kt = _f32(16777216.0)
     gs = xs.astype(np.float64)[:, :2].sum((1, 2)), xs.astype(np.float64)[:, 2:].sum((1, 2))
-    return qhi, qlo, (mx0 / (_f32(16256.0) * kt), mx1 / (_f32(16256.0) * kt)), gs
+    return (*int8_q_of_xs(xs), gs)
 
 
 def history_k_dot_d64(kc, qhi, qlo, m1_shift=2):
@@ -803,7 +803,7 @@ def history_v_dot_d64(vc, operands_of_mtile, mask_shift=lambda p: 2 * p):
 
 
 def check_history_v_dot_d64(o, P, vs, vc, head_of_column, mtiles_of_lane, d0_of=lambda p, g: 16 * p + 2 * g):
-    """The D-64 epilogue (park64): lane (g, t) keeps m-tiles mtiles_of_lane(t); m-tile p's rows g, g + 8 are dims
+    """The D-64 epilogue (park at D 64): lane (g, t) keeps m-tiles mtiles_of_lane(t); m-tile p's rows g, g + 8 are dims
     d0, d0 + 1 (d0 = d0_of(p, g), the kernel's 16p + 2g) of heads head0, head0 + 1 (columns 2t, 2t + 1), and
     o . 2^(24 - 2p) is sum over tokens of P[tok, head] . vs[tok, d // 32] . V[tok, d]. Returns the (head, dim) list
     of every output written."""
@@ -826,7 +826,7 @@ def check_history_v_dot_d64(o, P, vs, vc, head_of_column, mtiles_of_lane, d0_of=
 @pytest.mark.parametrize("seed", [0, 1])
 def test_d64_v_dot_from_the_k_accumulator_layout(seed, hc):
     """Pins the D-64 V dot and its epilogue (the D == 64 branches of the V dot and of park): the 16-bit V loads at
-    bytes 2g of tokens t, t + 4, t + 8, t + 12, the 0x4400 / 0x5511 PRMTs, m-tile p = plane p, and park64's dims
+    bytes 2g of tokens t, t + 4, t + 8, t + 12, the 0x4400 / 0x5511 PRMTs, m-tile p = plane p, and park's D-64 dims
     16p + 2g, + 1. HC 4: one p.vscale operand pair (columns 0..3 group 0's scale, 4..7 group 1's) for all four
     m-tiles, lanes t < 2 keep m-tiles 0, 1 (dims 0..31, V group 0), t >= 2 m-tiles 2, 3; HC 8: m-tiles 0, 1 take
     group 0's operands, 2, 3 group 1's, and every lane keeps all four. Every (head, dim) output of the tile is
@@ -839,7 +839,7 @@ def test_d64_v_dot_from_the_k_accumulator_layout(seed, hc):
         head = lambda c: c & 3  # noqa: E731
         b = p_operands(P, vs, head, lambda t: t >> 1)
         operands = lambda mt: b  # noqa: E731  (one pair serves both V groups)
-        kept = lambda t: range(2 * (t >> 1), 2 * (t >> 1) + 2)  # noqa: E731  (park64(2 * gsel + i, ..))
+        kept = lambda t: range(2 * (t >> 1), 2 * (t >> 1) + 2)  # noqa: E731  (park(G0 * gsel + i, ..), G0 2)
     else:
         head = lambda c: c  # noqa: E731
         ops = [p_operands(P, vs, head, lambda t, grp=grp: grp) for grp in range(2)]
@@ -859,8 +859,8 @@ def test_d64_layouts_match_the_kernel_source():
     """The D-64 lines the emulations above rest on, verbatim: inside the `if constexpr (D == 64)` blocks (so that the
     D-128 branch's same-looking lines cannot satisfy them) the stage's 16-byte code rows, the K words kx0 / kx1, the
     masks M0 / M1, the A registers and both m16n8k32 calls, the V loads' offsets, the PRMTs, the V mask and m16n8k16
-    call, the q build's q_pair words and group sums and the epilogue's m-tile selection; outside them, load_q4 per
-    plane, the shared int8 q loop (one register per plane at D 64) and park64's dims."""
+    call, the q build's q_pair words and group sums; outside them, load_q4 per plane, the shared int8 q loop (one
+    register per plane at D 64) and the epilogue shared with D 128 (park: D 64's dims, its m-tile selection)."""
     src = open(PRODUCTION_SOURCE).read()
     d64 = d64_branches(src)
     for line in ("cp_async16(st + tok * 16, a.kc + (size_t)r * 16u, n);",
@@ -889,20 +889,25 @@ def test_d64_layouts_match_the_kernel_source():
                  "const uint32_t f0 = prmt(wC, wD, 0x4400), f1 = prmt(wC, wD, 0x5511);",
                  "for (int mt = 0; mt < 4; ++mt) {",
                  "const uint32_t M = 0x00030003u << (2 * mt);",
-                 "mma16816(o[mt], e0 & M, e1 & M, f0 & M, f1 & M, mt < 2 ? b0 : c0, mt < 2 ? b1 : c1);",
-                 "for (int e = 0; e < 4; ++e) c[e] = gsel ? o[2 + i][e] : o[i][e];",
-                 "park64(2 * gsel + i, c, lv0, lv1);",
-                 "for (int mt = 0; mt < 4; ++mt) park64(mt, o[mt], mt < 2 ? lv0 : lw0, mt < 2 ? lv1 : lw1);"):
+                 "mma16816(o[mt], e0 & M, e1 & M, f0 & M, f1 & M, mt < 2 ? b0 : c0, mt < 2 ? b1 : c1);"):
         assert line in d64, line
-    park64 = src[src.index("auto park64 = "):]
-    park64 = park64[:park64.index("\n  };")]
-    for line in ("const float fac = __int_as_float((127 + 24 - 2 * p) << 23);",
-                 "const int d0 = p * 16 + 2 * g;",
+    # the epilogue, shared with D 128: NMT = 4 m-tiles at D 64, G0 = 2 of V group 0; HC 4 lanes keep G0 of them
+    for line in ("constexpr int kSB = SL::kBytes, NMT = D / 16;",
+                 "constexpr int G0 = NMT / 2;",
+                 "for (int e = 0; e < 4; ++e) c[e] = gsel ? o[G0 + i][e] : o[i][e];",
+                 "park(G0 * gsel + i, c, lv0, lv1);",
+                 "for (int mt = 0; mt < NMT; ++mt) park(mt, o[mt], mt < G0 ? lv0 : lw0, mt < G0 ? lv1 : lw1);"):
+        assert line in src, line
+    park = src[src.index("auto park = "):]
+    park = park[:park.index("\n  };")]
+    for line in ("const int p = D == 64 ? mt : mt >> 1, hb = mt & 1;",
+                 "const float fac = __int_as_float((127 + 24 - 2 * p) << 23);",
+                 "const int d0 = D == 64 ? p * 16 + 2 * g : p * 32 + 4 * g + 2 * hb;",
                  "ow[head0 * D + d0] = fmaf(c[0], fac, v0);",
                  "ow[(head0 + 1) * D + d0] = fmaf(c[1], fac, v1);",
                  "ow[head0 * D + d0 + 1] = fmaf(c[2], fac, v0);",
                  "ow[(head0 + 1) * D + d0 + 1] = fmaf(c[3], fac, v1);"):
-        assert line in park64, line
+        assert line in park, line
     for line in ("if constexpr (D == 64) qraw[p] = load_q4(a, qvalid, qrow + p * 16 + t * 4);",
                  "const uint2 v = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(a.q) + i));",
                  "return make_uint4(v.x, v.y, 0u, 0u);",  # words x, y: elements i, i + 1 and i + 2, i + 3

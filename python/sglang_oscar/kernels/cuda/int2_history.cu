@@ -86,7 +86,6 @@ template <int D> struct Stage {
   static constexpr int kVcOff = kTok * kCode, kKpOff = kTok * 2 * kCode, kVpOff = kKpOff + kTok * 8;
 };
 constexpr int kStageBytes = Stage<128>::kBytes;
-constexpr int kVcOff = Stage<128>::kVcOff, kKpOff = Stage<128>::kKpOff, kVpOff = Stage<128>::kVpOff;
 // The BF16 window rows in this kernel (window CTAs, the folded window) are read at D 128 only; at D 64 decode.py runs
 // the Triton window programs after it (history_cuda.fuses_window).
 // a warp's shared memory: its NSTAGE stages, and at D 128 at least the one K and one V tile of 16 BF16 rows (8 KB)
@@ -794,7 +793,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
           const uint32_t hrec = 2u * __shfl_sync(0xffffffffu, k < 2 ? r0 : r1, tok & 31) + (uint32_t)half;
           const int n = tok < rem ? 16 : 0;
           cp_async16(st + tok * 32 + 16 * half, a.kc + (size_t)hrec * 16u, n);
-          cp_async16(st + kVcOff + tok * 32 + 16 * half, a.vc + (size_t)hrec * 16u, n);
+          cp_async16(st + SL::kVcOff + tok * 32 + 16 * half, a.vc + (size_t)hrec * 16u, n);
         }
       }
 #pragma unroll
@@ -1157,7 +1156,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
           mma16816(o[mt], e0 & M, e1 & M, f0 & M, f1 & M, mt < 2 ? b0 : c0, mt < 2 ? b1 : c1);
         }
       } else {
-      const uint8_t* vcs = st + kVcOff + j * 16 * 32 + 4 * g;
+      const uint8_t* vcs = st + SL::kVcOff + j * 16 * 32 + 4 * g;
       const uint32_t wA = *reinterpret_cast<const uint32_t*>(vcs + t * 32);
       const uint32_t wB = *reinterpret_cast<const uint32_t*>(vcs + (t + 4) * 32);
       const uint32_t wC = *reinterpret_cast<const uint32_t*>(vcs + (t + 8) * 32);
@@ -1197,51 +1196,31 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   float* so = reinterpret_cast<float*>(smem);  // [nwarps][HC heads][D]
   float* sml = so + nwarps * HC * D;           // [nwarps][HC heads] (m, l)
   float* ow = so + warp * HC * D;
-  // m-tile mt's rows g, g + 8 are dims d0, d0 + 1 (the V codes' plane p = mt / 2)
+  // m-tile mt's rows g, g + 8 are dims d0, d0 + 1 of the V codes' plane p: at D 128 p = mt / 2, d0 = 32p + 4g + 2hb
+  // (hb = mt & 1); at D 64 p = mt, d0 = 16p + 2g
   auto park = [&](int mt, const float (&c)[4], float v0, float v1) {
-    const int p = mt >> 1, hb = mt & 1;
+    const int p = D == 64 ? mt : mt >> 1, hb = mt & 1;
     const float fac = __int_as_float((127 + 24 - 2 * p) << 23);  // 2^(24 - 2p), undoes the subnormal codes
-    const int d0 = p * 32 + 4 * g + 2 * hb;
-    ow[head0 * 128 + d0] = fmaf(c[0], fac, v0);
-    ow[(head0 + 1) * 128 + d0] = fmaf(c[1], fac, v1);
-    ow[head0 * 128 + d0 + 1] = fmaf(c[2], fac, v0);
-    ow[(head0 + 1) * 128 + d0 + 1] = fmaf(c[3], fac, v1);
-  };
-  // D 64: m-tile p's rows g, g + 8 are dims 16p + 2g, + 1
-  auto park64 = [&](int p, const float (&c)[4], float v0, float v1) {
-    const float fac = __int_as_float((127 + 24 - 2 * p) << 23);
-    const int d0 = p * 16 + 2 * g;
+    const int d0 = D == 64 ? p * 16 + 2 * g : p * 32 + 4 * g + 2 * hb;
     ow[head0 * D + d0] = fmaf(c[0], fac, v0);
     ow[(head0 + 1) * D + d0] = fmaf(c[1], fac, v1);
     ow[head0 * D + d0 + 1] = fmaf(c[2], fac, v0);
     ow[(head0 + 1) * D + d0 + 1] = fmaf(c[3], fac, v1);
   };
-  if constexpr (D == 64) {
-    if (HC == 4) {
+  constexpr int G0 = NMT / 2;  // m-tiles of V group 0 (planes 0, 1: dims 0 .. D/2 - 1); the others are group 1's
+  if (HC == 4) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {  // lanes t < 2: m-tiles 0, 1 (V group 0), t >= 2: 2, 3 (group 1)
-        float c[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) c[e] = gsel ? o[2 + i][e] : o[i][e];
-        park64(2 * gsel + i, c, lv0, lv1);
-      }
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt) park64(mt, o[mt], mt < 2 ? lv0 : lw0, mt < 2 ? lv1 : lw1);
-    }
-  } else if (HC == 4) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      // lanes t < 2 hold the dims of V group 0 (m-tiles 0..3), t >= 2 those of group 1 (4..7); a select,
-      // not o[4 * gsel + i], which would put o in local memory
+    for (int i = 0; i < G0; ++i) {
+      // lanes t < 2 hold the dims of V group 0 (m-tiles 0 .. G0 - 1), t >= 2 those of group 1; a select,
+      // not o[G0 * gsel + i], which would put o in local memory
       float c[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) c[e] = gsel ? o[4 + i][e] : o[i][e];
-      park(4 * gsel + i, c, lv0, lv1);
+      for (int e = 0; e < 4; ++e) c[e] = gsel ? o[G0 + i][e] : o[i][e];
+      park(G0 * gsel + i, c, lv0, lv1);
     }
   } else {
 #pragma unroll
-    for (int mt = 0; mt < 8; ++mt) park(mt, o[mt], mt < 4 ? lv0 : lw0, mt < 4 ? lv1 : lw1);
+    for (int mt = 0; mt < NMT; ++mt) park(mt, o[mt], mt < G0 ? lv0 : lw0, mt < G0 ? lv1 : lw1);
   }
   if (g == 0 && (HC == 8 || t < 2)) {
     float* ml = sml + (warp * HC + head0) * 2;
