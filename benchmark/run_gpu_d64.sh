@@ -9,13 +9,7 @@
 # env: TEST_K (pytest -k), MODELS (smollm2), CONTEXTS (8192,32768,65536,131072), BATCHES (1,8,32,64), GROUP (64),
 # IMPLS (default below; FlashInfer / SGLang rows only where importable).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-[ -n "${OSCAR_COMMIT:-}" ] || echo "warning: OSCAR_COMMIT unset: results name the device copy's git HEAD" >&2
-SITE=$HOME/sgl-site; mkdir -p "$SITE"
-for part in a b; do
-  if ls .devb/$part/*.tgz >/dev/null 2>&1; then tar xzf .devb/$part/*.tgz -C "$SITE" && echo "staged part $part"; fi
-done
-export PYTHONPATH=$SITE:$PWD/python PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin
+. benchmark/stage_runtime_parts.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu_state.txt"
 if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider test/test_decode.py \
