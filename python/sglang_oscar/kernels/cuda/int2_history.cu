@@ -78,6 +78,12 @@ constexpr int kTok = OSCAR_TOK;
 // at most 2^-15 of the group's largest |c0 q 4^-p| (fp16 q: 2^-12 of each element), test_probe_cuda_history.py.
 // 0 (an experiment knob): the fp16 K dot below.
 static_assert(kTok == 64 || kTok == 32, "OSCAR_TOK must be 64 or 32");
+#ifndef OSCAR_PROBE_COPIES
+#define OSCAR_PROBE_COPIES 0
+#endif
+// OSCAR_PROBE_COPIES 1 (benchmark/probe_history_copies.py builds a separate library with it; never shipped, its output
+// is garbage): the loop issues and waits for its copies, slots included, but skips the tiles' math, so that its time
+// is what the copies' pattern alone takes on the same grid.
 // A stage of kTok tokens at head_dim D: K codes D/4 + V codes D/4 + K params 8 + V params 8 bytes per token
 // (80 at D 128, 48 at D 64), in four arrays.
 template <int D> struct Stage {
@@ -1011,7 +1017,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     const int pos0 = lo + blk * kTok;
     const bool full = pos0 + kTok <= hi;
 #pragma unroll 1
-    for (int j = 0; j < kTok / 16; ++j) {
+    for (int j = 0; j < (OSCAR_PROBE_COPIES ? 0 : kTok / 16); ++j) {
       float acc0[4], acc1[4];
       if constexpr (D == 64) {
         // the lane's code bytes 4t .. 4t + 3 of tokens sg, sg + 8 (dims 4t + i + 16p), masked for planes 2pp and
