@@ -23,6 +23,7 @@ with --raw also the offsets of each warp, with its SM, split and column (for plo
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import ctypes
 import math
 import os
@@ -197,14 +198,20 @@ def main():
     dev = torch.cuda.get_device_name()
     sources = [("new", "")] + [tuple(x.split("=", 1)) for x in args.sources.split(",") if x]
     defaults = {k: getattr(history_cuda, k) for k in ("STAGES", "WINDOW_ROWS_PER_WARP", "FOLD_WINDOW")}
-    libs, settings, specs = {}, {}, {}
+    libs, settings, specs, paths = {}, {}, {}, {}
     for name, spec in sources:
         path, defines, settings[name] = parse_source(spec, history_cuda.SOURCE, defaults)
         specs[name] = dict(path=path, defines=list(defines), stages=settings[name]["STAGES"],
                            window_rows_per_warp=settings[name]["WINDOW_ROWS_PER_WARP"],
                            fold_window=settings[name]["FOLD_WINDOW"])
-        plain = history_cuda.load(history_cuda.build(defines, path))
-        traced = history_cuda.load(history_cuda.build(defines + ("OSCAR_HISTORY_TRACE",), path))
+        paths[name] = (path, defines)
+    # every source's plain and traced library at once: one nvcc is single-threaded (~40 s for the file's instances)
+    jobs = [(d, path) for path, defines in paths.values() for d in (defines, defines + ("OSCAR_HISTORY_TRACE",))]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as ex:
+        built = dict(zip(jobs, ex.map(lambda job: history_cuda.build(*job), jobs)))
+    for name, (path, defines) in paths.items():
+        plain = history_cuda.load(built[(defines, path)])
+        traced = history_cuda.load(built[(defines + ("OSCAR_HISTORY_TRACE",), path)])
         traced.oscar_history_trace_read.argtypes = [ctypes.c_void_p, ctypes.c_int]
         traced.oscar_history_trace_words.restype = ctypes.c_int
         libs[name] = (plain, traced)

@@ -78,6 +78,16 @@ constexpr int kTok = OSCAR_TOK;
 // at most 2^-15 of the group's largest |c0 q 4^-p| (fp16 q: 2^-12 of each element), test_probe_cuda_history.py.
 // 0 (an experiment knob): the fp16 K dot below.
 static_assert(kTok == 64 || kTok == 32, "OSCAR_TOK must be 64 or 32");
+#ifndef OSCAR_TOK64
+#define OSCAR_TOK64 OSCAR_TOK
+#endif
+// tokens per pipeline stage of a warp at D 64 (an experiment knob, as OSCAR_TOK at D 128)
+static_assert(OSCAR_TOK64 == 64 || OSCAR_TOK64 == 32, "OSCAR_TOK64 must be 64 or 32");
+#ifndef OSCAR_D64_UNROLL
+#define OSCAR_D64_UNROLL 0
+#endif
+// OSCAR_D64_UNROLL 1 (an experiment knob): the D-64 block's tiles unrolled, so that the compiler may overlap one
+// tile's K dot with the previous one's softmax and V dot
 #ifndef OSCAR_PROBE_COPIES
 #define OSCAR_PROBE_COPIES 0
 #endif
@@ -87,6 +97,7 @@ static_assert(kTok == 64 || kTok == 32, "OSCAR_TOK must be 64 or 32");
 // A stage of kTok tokens at head_dim D: K codes D/4 + V codes D/4 + K params 8 + V params 8 bytes per token
 // (80 at D 128, 48 at D 64), in four arrays.
 template <int D> struct Stage {
+  static constexpr int kTok = D == 64 ? OSCAR_TOK64 : OSCAR_TOK;  // tokens per stage (shadows ::kTok in the kernel)
   static constexpr int kCode = D / 4;  // code bytes per token and side
   static constexpr int kBytes = kTok * (2 * kCode + 16);
   static constexpr int kVcOff = kTok * kCode, kKpOff = kTok * 2 * kCode, kVpOff = kKpOff + kTok * 8;
@@ -695,6 +706,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   static_assert(D == 128 || D == 64, "head_dim 128 or 64");
   using SL = Stage<D>;
   constexpr int kSB = SL::kBytes, NMT = D / 16;  // stage bytes, V m-tiles
+  constexpr int kTok = SL::kTok;                   // tokens per stage at this D
+  constexpr int kTileUnroll = D == 64 && OSCAR_D64_UNROLL ? kTok / 16 : 1;
   // the CTA merge parks (O, m, l) in the warps' stages
   static_assert(NSTAGE * kSB >= HC * (D + 2) * 4, "a warp's stages hold its parked partial");
   extern __shared__ __align__(16) uint8_t smem[];
@@ -1016,7 +1029,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     const uint8_t* st = wbase + (blk % NSTAGE) * kSB;
     const int pos0 = lo + blk * kTok;
     const bool full = pos0 + kTok <= hi;
-#pragma unroll 1
+#pragma unroll (kTileUnroll)
     for (int j = 0; j < (OSCAR_PROBE_COPIES ? 0 : kTok / 16); ++j) {
       float acc0[4], acc1[4];
       if constexpr (D == 64) {
