@@ -59,9 +59,22 @@ BLOCK_BUDGET = {(2, 4, False, 128): 90, (2, 8, False, 128): 93, (3, 4, False, 12
                 (2, 4, False, 64): 117, (2, 8, False, 64): 109, (2, 4, True, 64): 106, (2, 8, True, 64): 103,
                 (3, 4, False, 64): 112, (3, 8, False, 64): 106, (3, 4, True, 64): 109, (3, 8, True, 64): 106,
                 (4, 4, False, 64): 108, (4, 8, False, 64): 100, (4, 4, True, 64): 105, (4, 8, True, 64): 102}
+# The 64-token D-64 instances (int2_history.cu WIDE, 4-head columns; 2026-11-29): keys (NSTAGE, HC, G64, D) as above;
+# their hot loop is the whole 64-token block (four tiles unrolled: 16 IMMA + 16 HMMA, the rare rescale four times, the
+# copies once): (its length, whole kernel). Per 32 tokens 446-452 against 2 x 198 + 106 = 502 / 2 x 200 + 117 = 517 in
+# the 32-token instances' listings (the rescale included); 73-80 registers.
+WIDE_BUDGET = {(2, 4, False, 64): (904, 3424), (2, 4, True, 64): (892, 3384), (3, 4, False, 64): (915, 3528),
+               (3, 4, True, 64): (917, 3480), (4, 4, False, 64): (908, 3624), (4, 4, True, 64): (907, 3536)}
+WIDE_TILES = 4  # tiles of 16 tokens per 64-token block
 BUDGET_NVCC = "13.0"
 TOTAL_SLACK = 1.05  # whole-kernel growth allowed without an A/B
 MAX_REGISTERS = 128  # 2 CTAs of 256 threads per SM (64K registers)
+MAX_REGISTERS_D64 = 80  # D 64: 3 CTAs of 256 threads per SM (history_cuda's split count assumes it for either width)
+
+
+def budget(key) -> tuple:
+    """(hot-loop, whole-kernel) instruction budget of an instance key (nstage, hc, g64, d, wide)."""
+    return (WIDE_BUDGET if key[4] else BUDGET)[key[:4]]
 
 
 def tools():
@@ -93,10 +106,11 @@ def nvcc_version(nvcc: str) -> str:
 
 
 def _instance(name: str):
-    """(nstage, hc, g64, d) of a kernel instance's mangled name (g64: the instance of two groups per row known at
-    compile time, int2_history.cu TWO_G: groups of 64 at D 128, of 32 at D 64; d: head_dim)."""
-    m = re.search(r"int2_history_kernelILi(\d+)ELi(\d+)ELb([01])ELi(\d+)E", name)
-    return (int(m.group(1)), int(m.group(2)), bool(int(m.group(3))), int(m.group(4))) if m else None
+    """(nstage, hc, g64, d, wide) of a kernel instance's mangled name (g64: the instance of two groups per row known at
+    compile time, int2_history.cu TWO_G: groups of 64 at D 128, of 32 at D 64; d: head_dim; wide: 64-token stages)."""
+    m = re.search(r"int2_history_kernelILi(\d+)ELi(\d+)ELb([01])ELi(\d+)ELb([01])E", name)
+    return (int(m.group(1)), int(m.group(2)), bool(int(m.group(3))), int(m.group(4)), bool(int(m.group(5)))) \
+        if m else None
 
 
 def tile_mma(d: int) -> int:
@@ -194,9 +208,13 @@ def inspect(source: str = SOURCE) -> dict:
         funcs = sass_functions(cubin, cuobjdump)
     out = {}
     for key in sorted(funcs):
-        hot = hot_loop(funcs[key], tile_mma(key[3]))
-        out[key] = dict(res.get(key, {}), instructions=len(funcs[key]), hot_loop=hot,
-                        block_loop=block_loop(funcs[key], hot))
+        if key[4]:  # a 64-token block's four tiles unrolled: the hot loop is the block (no loop inside it)
+            hot = hot_loop(funcs[key], WIDE_TILES * tile_mma(key[3]))
+            out[key] = dict(res.get(key, {}), instructions=len(funcs[key]), hot_loop=hot, block_loop=None)
+        else:
+            hot = hot_loop(funcs[key], tile_mma(key[3]))
+            out[key] = dict(res.get(key, {}), instructions=len(funcs[key]), hot_loop=hot,
+                            block_loop=block_loop(funcs[key], hot))
     return out
 
 
@@ -206,17 +224,18 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="", help="also write the rows here")
     args = ap.parse_args(argv)
     rows = inspect(args.source)
-    for (nstage, hc, g64, d), r in rows.items():
-        loop_b, total_b = BUDGET.get((nstage, hc, g64, d), (None, None))
-        print(f"D {d} NSTAGE {nstage} HC {hc} {'G2' if g64 else 'G*'}: {r.get('registers')} registers, "
-              f"stack {r.get('stack')}, spills {r.get('spill_stores')}/{r.get('spill_loads')}, "
-              f"{r['instructions']} instructions (budget {total_b}), "
-              f"hot loop {r['hot_loop']['length']} ({r['hot_loop']['hmma']} HMMA / IMMA; budget {loop_b}), "
-              f"per block {r['block_loop']['extra']} more (budget {BLOCK_BUDGET.get((nstage, hc, g64, d))})")
+    for (nstage, hc, g64, d, wide), r in rows.items():
+        loop_b, total_b = (WIDE_BUDGET if wide else BUDGET).get((nstage, hc, g64, d), (None, None))
+        block = (f"the hot loop is the 64-token block ({WIDE_TILES} tiles)" if wide else
+                 f"per block {r['block_loop']['extra']} more (budget {BLOCK_BUDGET.get((nstage, hc, g64, d))})")
+        print(f"D {d}{' wide' if wide else ''} NSTAGE {nstage} HC {hc} {'G2' if g64 else 'G*'}: "
+              f"{r.get('registers')} registers, stack {r.get('stack')}, spills {r.get('spill_stores')}/"
+              f"{r.get('spill_loads')}, {r['instructions']} instructions (budget {total_b}), "
+              f"hot loop {r['hot_loop']['length']} ({r['hot_loop']['hmma']} HMMA / IMMA; budget {loop_b}), {block}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({f"{k[0]}x{k[1]}{'_g64' if k[2] else ''}{'_d64' if k[3] == 64 else ''}": v
-                       for k, v in rows.items()}, f, indent=1)
+            json.dump({f"{k[0]}x{k[1]}{'_g64' if k[2] else ''}{'_d64' if k[3] == 64 else ''}{'_wide' if k[4] else ''}":
+                       v for k, v in rows.items()}, f, indent=1)
     return 0
 
 

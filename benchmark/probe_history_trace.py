@@ -144,10 +144,11 @@ def per_warp_offsets(words: np.ndarray) -> dict:
 
 
 def parse_source(spec: str, default_path: str, defaults: dict):
-    """(path, macros, history_cuda settings) of a --sources value 'path[+S<stages>][+W<rows>][+F<0|1>][+D<macro>=
-    <value>]...' (empty path: this tree's kernel source). Settings: the module attributes of kernels/history_cuda.py
-    that the source's calls run with, `defaults` (STAGES, WINDOW_ROWS_PER_WARP, FOLD_WINDOW) updated by S (stages),
-    W (the window CTAs' rows per warp) and F (the window folded into the history CTAs, or not)."""
+    """(path, macros, history_cuda settings) of a --sources value 'path[+S<stages>][+W<rows>][+F<0|1>][+B<0|1>]
+    [+A<0|1>][+D<macro>=<value>]...' (empty path: this tree's kernel source). Settings: the module attributes of
+    kernels/history_cuda.py that the source's calls run with, `defaults` (STAGES, WINDOW_ROWS_PER_WARP, FOLD_WINDOW,
+    D64_WIDE_BLOCKS, D64_WIDE_AFTER_WRITE) updated by S (stages), W (the window CTAs' rows per warp), F (the window
+    folded into the history CTAs, or not), B (64-token stages at D 64) and A (those after the KV write too)."""
     parts = spec.split("+")
     path = parts[0] or default_path
     defines, settings = [], dict(defaults)
@@ -158,11 +159,15 @@ def parse_source(spec: str, default_path: str, defaults: dict):
             settings["WINDOW_ROWS_PER_WARP"] = int(p[1:])
         elif p in ("F0", "F1"):
             settings["FOLD_WINDOW"] = p == "F1"
+        elif p in ("B0", "B1"):
+            settings["D64_WIDE_BLOCKS"] = p == "B1"
+        elif p in ("A0", "A1"):
+            settings["D64_WIDE_AFTER_WRITE"] = p == "A1"
         elif p[:1] == "D" and len(p) > 1:
             defines.append(p[1:])
         else:
-            raise SystemExit(f"--sources: cannot read {p!r} in {spec!r} (S<stages>, W<rows>, F0 / F1 or "
-                             f"D<macro>=<value>)")
+            raise SystemExit(f"--sources: cannot read {p!r} in {spec!r} (S<stages>, W<rows>, F0 / F1, B0 / B1, "
+                             f"A0 / A1 or D<macro>=<value>)")
     return path, tuple(defines), settings
 
 
@@ -182,11 +187,13 @@ def main():
                     help="comma list of mode:context:batch:splits (mode alone, chain (to the Triton write) or chainw "
                          "(to the CUDA write); splits auto or a count)")
     ap.add_argument("--sources", default="",
-                    help="comma list of name=path[+S<stages>][+W<rows>][+F0|+F1][+D<macro>=<value>]...: other kernel "
-                         "sources (e.g. the previous commit's int2_history.cu, with the same launch signature; an "
-                         "empty path: this tree's) with their stage count (history_cuda.STAGES), window CTA rows per "
-                         "warp (WINDOW_ROWS_PER_WARP), folded window off / on (FOLD_WINDOW) and macros (e.g. "
-                         "+DOSCAR_TOK=32), timed and traced beside this tree's default ('new') in the same process")
+                    help="comma list of name=path[+S<stages>][+W<rows>][+F0|+F1][+B0|+B1][+A0|+A1]"
+                         "[+D<macro>=<value>]...: other kernel sources (e.g. the previous commit's int2_history.cu, "
+                         "with the same launch signature; an empty path: this tree's) with their stage count "
+                         "(history_cuda.STAGES), window CTA rows per warp (WINDOW_ROWS_PER_WARP), folded window off / "
+                         "on (FOLD_WINDOW), 64-token D-64 stages off / on (D64_WIDE_BLOCKS), also after the KV write "
+                         "(D64_WIDE_AFTER_WRITE) and macros (e.g. +DOSCAR_TOK=32), timed and traced beside this "
+                         "tree's default ('new') in the same process")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per configuration")
     ap.add_argument("--raw", action="store_true",
                     help="also write every warp's offsets, SM, split and column (~1-2 MB per configuration and "
@@ -197,7 +204,8 @@ def main():
     hq, hkv, d = MODELS[args.model]
     dev = torch.cuda.get_device_name()
     sources = [("new", "")] + [tuple(x.split("=", 1)) for x in args.sources.split(",") if x]
-    defaults = {k: getattr(history_cuda, k) for k in ("STAGES", "WINDOW_ROWS_PER_WARP", "FOLD_WINDOW")}
+    defaults = {k: getattr(history_cuda, k) for k in ("STAGES", "WINDOW_ROWS_PER_WARP", "FOLD_WINDOW",
+                                                      "D64_WIDE_BLOCKS", "D64_WIDE_AFTER_WRITE")}
     libs, settings, specs, paths = {}, {}, {}, {}
     for name, spec in sources:
         path, defines, settings[name] = parse_source(spec, history_cuda.SOURCE, defaults)
@@ -206,7 +214,9 @@ def main():
                            fold_window=settings[name]["FOLD_WINDOW"])
         paths[name] = (path, defines)
     # every source's plain and traced library at once: one nvcc is single-threaded (~40 s for the file's instances)
-    jobs = [(d, path) for path, defines in paths.values() for d in (defines, defines + ("OSCAR_HISTORY_TRACE",))]
+    # (one job per distinct build: two threads building the same file would write the same temporary file)
+    jobs = list(dict.fromkeys((d, path) for path, defines in paths.values()
+                              for d in (defines, defines + ("OSCAR_HISTORY_TRACE",))))
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as ex:
         built = dict(zip(jobs, ex.map(lambda job: history_cuda.build(*job), jobs)))
     for name, (path, defines) in paths.items():

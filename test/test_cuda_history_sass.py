@@ -23,14 +23,19 @@ def rows():
 
 
 def test_every_instance_within_its_budget(rows):
-    assert set(rows) == set(sass.BUDGET)  # the DISPATCH table's instances, each with a budget
+    # the DISPATCH table's instances, each with a budget: 32-token stages everywhere, 64-token ones (wide) at D 64
+    assert set(rows) == {k + (False,) for k in sass.BUDGET} | {k + (True,) for k in sass.WIDE_BUDGET}
     for key, r in rows.items():
-        loop_budget, total_budget = sass.BUDGET[key]
-        assert r["registers"] <= sass.MAX_REGISTERS and r["stack"] == 0, (key, r)
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (key, r)
-        assert r["hot_loop"]["hmma"] == sass.tile_mma(key[3]), (key, r["hot_loop"])
+        loop_budget, total_budget = sass.budget(key)
+        wide, d = key[4], key[3]
+        assert r["registers"] <= (sass.MAX_REGISTERS_D64 if d == 64 else sass.MAX_REGISTERS), (key, r)
+        assert r["stack"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0, (key, r)
+        assert r["hot_loop"]["hmma"] == (sass.WIDE_TILES if wide else 1) * sass.tile_mma(d), (key, r["hot_loop"])
         assert r["hot_loop"]["length"] <= loop_budget, (key, r["hot_loop"], "the hot loop grew: A/B it on a GPU")
-        assert r["block_loop"]["extra"] <= sass.BLOCK_BUDGET[key], (key, r["block_loop"], "a block's code grew")
+        if wide:  # the tiles unrolled: no loop inside the block's
+            assert r["block_loop"] is None, key
+        else:
+            assert r["block_loop"]["extra"] <= sass.BLOCK_BUDGET[key[:4]], (key, r["block_loop"], "a block grew")
         assert r["instructions"] <= total_budget * sass.TOTAL_SLACK, (key, r["instructions"],
                                                                        "the kernel grew: A/B it on a GPU")
 
@@ -60,5 +65,5 @@ def test_the_budget_catches_the_reverted_rotation(tmp_path):
     grown = tmp_path / "grown.cu"
     grown.write_text(src.replace(anchor, extra + anchor))
     rows = sass.inspect(str(grown))
-    over = [k for k, r in rows.items() if r["instructions"] > sass.BUDGET[k][1] * sass.TOTAL_SLACK]
+    over = [k for k, r in rows.items() if r["instructions"] > sass.budget(k)[1] * sass.TOTAL_SLACK]
     assert over == sorted(rows), {k: r["instructions"] for k, r in rows.items()}

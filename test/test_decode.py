@@ -1032,8 +1032,9 @@ def test_cuda_history_ctypes_signature_matches_the_source():
         kinds.append(ctypes.c_void_p if "*" in prm else ctypes.c_float if prm.startswith("float") else ctypes.c_int)
         assert "*" in prm or prm.startswith(("int ", "float ")), prm
     assert kinds == history_cuda.LAUNCH_ARGTYPES
-    for fn in ("prepare", "occupancy"):  # (nstage, warps, hc, head_dim)
-        assert re.search(rf"int oscar_history_{fn}\(int nstage, int warps, int hc, int head_dim\)", src), fn
+    for fn in ("prepare", "occupancy"):  # (nstage, warps, hc, head_dim, wide)
+        assert re.search(rf"int oscar_history_{fn}\(int nstage, int warps, int hc, int head_dim, int wide\)", src), fn
+    assert params.startswith("int nstage, int warps, int hc, int head_dim, int wide, int bh,"), params[:80]
     assert f"int oscar_history_abi() {{ return {history_cuda.ABI}; }}" in src
 
 
@@ -1054,13 +1055,37 @@ def test_cuda_history_load_refuses_an_older_interface(monkeypatch):
             lib.oscar_history_abi = lambda: abi
         return lib
 
-    for abi, ok in ((None, False), (1, False), (history_cuda.ABI, True)):
+    assert history_cuda.ABI == 3  # `wide` joined the entry points (64-token stages at D 64)
+    for abi, ok in ((None, False), (1, False), (2, False), (history_cuda.ABI, True)):
         monkeypatch.setattr(ctypes, "CDLL", lambda path, abi=abi: fake(abi))
         if ok:
-            assert history_cuda.load("x.so").oscar_history_launch.argtypes == history_cuda.LAUNCH_ARGTYPES
+            lib = history_cuda.load("x.so")
+            assert lib.oscar_history_launch.argtypes == history_cuda.LAUNCH_ARGTYPES
+            assert lib.oscar_history_occupancy.argtypes == [ctypes.c_int] * 5
         else:
-            with pytest.raises(history_cuda.CudaHistoryUnavailable, match="C interface 1, this module launches 2"):
+            with pytest.raises(history_cuda.CudaHistoryUnavailable,
+                               match=f"C interface {abi or 1}, this module launches 3"):
                 history_cuda.load("x.so")
+
+
+def test_cuda_history_block_tokens(monkeypatch):
+    """64-token stages (int2_history.cu WIDE) at D 64 with 4-head columns for a launch that does not follow the KV
+    write; 32 after the write, at 8-head columns, at D 128, and with D64_WIDE_BLOCKS off. occupancy() refuses the
+    64-token build where it is not built (before touching the library: a stand-in one here, no GPU)."""
+    from sglang_oscar.kernels import history_cuda as hc
+
+    for pdl in (hc.PDL_OFF, hc.PDL_WAIT_FIRST):
+        assert hc.block_tokens(64, 4, pdl) == 64
+        assert hc.block_tokens(64, 8, pdl) == 32
+        assert hc.block_tokens(128, 4, pdl) == 32
+    for pdl in (hc.PDL_AFTER_WRITE, hc.PDL_AFTER_WRITE_Q):
+        assert hc.block_tokens(64, 4, pdl) == 32
+    monkeypatch.setattr(hc, "D64_WIDE_BLOCKS", False)
+    assert hc.block_tokens(64, 4, hc.PDL_OFF) == 32
+    monkeypatch.setattr(hc, "_lib", object())  # never called: the refusals come first
+    for heads, head_dim in ((4, 128), (8, 64)):
+        with pytest.raises(ValueError, match="64-token stages at head_dim 64 with 4 heads per column only"):
+            hc.occupancy(heads=heads, head_dim=head_dim, wide=True)
 
 
 def test_cuda_history_columns_per_gqa(monkeypatch):
@@ -1450,13 +1475,23 @@ def test_cuda_history_configurations_in_any_order(monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("gqa,gk,gv", [(3, 64, 64), (3, 32, 32), (3, 32, 64), (3, 64, 32), (1, 32, 32), (4, 64, 64),
                                        (5, 32, 64), (8, 64, 32), (12, 64, 64), (16, 32, 32)])
-def test_cuda_history_head_dim_64(gqa, gk, gv):
+@pytest.mark.parametrize("wide", [True, False])
+def test_cuda_history_head_dim_64(gqa, gk, gv, wide, monkeypatch):
     """D 64 (SmolLM2: 9 query / 3 KV heads, GQA 3): planes of 16 dims, the K dot with two planes per m16n8k32, four V
     m-tiles; rows of one group (64) or two (32) on each side; GQA 1-4 in 4-head columns, 5-8 in one 8-head column,
     12 / 16 in head groups of 8; the window read by the Triton window programs after the kernel. Against the oracle
     (NaN-poisoned output) with odd lengths across pages, ring_start inside and past the window, L < S + W, a request
     without history, missing sink rows, explicit split counts (empty warps and CTAs), PDL off the same bits, q in
-    fp16 / fp32, and a graph replay."""
+    fp16 / fp32, and a graph replay. wide: 64-token stages with the tiles unrolled (history_cuda.D64_WIDE_BLOCKS, the
+    default for 4-head columns outside the write chain) or 32-token stages (as chained to the write, and at 8 heads
+    per column either way)."""
+    from sglang_oscar.kernels import history_cuda
+
+    if not wide and gqa > 4:
+        pytest.skip("8-head columns run 32-token stages either way (covered by wide=True)")
+    monkeypatch.setattr(history_cuda, "D64_WIDE_BLOCKS", wide)
+    # emptied: from here it holds the configurations launched (each launch prepares its own) and plan's 32-token one
+    monkeypatch.setattr(history_cuda, "_occupancy", {})
     lens, rings = [5001, 1200, 330, 70, 2500], [0, 1000, 0, 0, 2500]
     case = make_case(lens, hkv=3, gqa=gqa, d=64, gk=gk, gv=gv, sink=64, window=256, ring_starts=rings, pool_page=64,
                      seed=150 + gqa + gk + gv)
@@ -1472,6 +1507,22 @@ def test_cuda_history_head_dim_64(gqa, gk, gv):
     r0 = case["req_pool_indices"][0]
     case["cache"].sink_table[case["req_to_token"][r0, :5].long()] = -1
     run_and_check(case, missing_sink_int2=True, history_kernel="cuda")
+    # the instance that ran: the launch prepares (occupancy) the configuration it launches
+    launched = {k[5] for k in history_cuda._occupancy if k[4] == 64 and k[3] == history_cuda.cta_heads(gqa)}
+    assert (True in launched) == (wide and gqa <= 4), launched
+
+
+@requires_cuda
+def test_cuda_history_head_dim_64_wide_stages_keep_the_occupancy():
+    """The split count (plan) comes from the 32-token D-64 instance's CTAs per SM; the 64-token instances (4-head
+    columns) must hold as many at every built stage count (launch refuses otherwise), and block_tokens picks them
+    only outside the write chain."""
+    from sglang_oscar.kernels import history_cuda
+
+    for stages in history_cuda.D64_STAGES:
+        narrow = history_cuda.occupancy(stages=stages, heads=4, head_dim=64)
+        assert narrow >= 3, narrow  # ~80 registers: 3 CTAs of 8 warps
+        assert history_cuda.occupancy(stages=stages, heads=4, head_dim=64, wide=True) == narrow, stages
 
 
 @requires_cuda

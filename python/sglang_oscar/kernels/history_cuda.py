@@ -45,6 +45,17 @@ HEAD_DIMS = tuple(GROUPS)
 WINDOW_HEAD_DIMS = (128,)
 # the stage counts D 64 is built at (int2_history.cu DISPATCH; 2 by default, 3 / 4 for benchmark/probe_d64_stages.py)
 D64_STAGES = (2, 3, 4)
+# D 64: 64-token stages with the block's four tiles unrolled (int2_history.cu WIDE) for a launch that does not follow
+# the KV write; 32-token stages after it. Why: the D-64 loop is issue-bound (ncu: 62-69% of issue slots, "not
+# selected" the first stall reason; its copies alone take 0.56-0.61x its time, results/probe_history_copies_*), and a
+# 32-token block paid ~117 instructions of slots, records and copies per 2 tiles. Same-process H200 A/B, SmolLM2
+# (results/probe_history_trace_d64_variants_*): 0.84-0.86x the time at batch 8 and 32k batch 64, 0.92x at 128k batch
+# 64, 0.89x at 128k batch 1, 0.99x at 64k batch 1; but chained to the KV write 1.12x at 64k batch 1 (the write's q
+# arrived ~1.2 us later behind the wider first copies, and the last warps ended ~2 us later). A module attribute, so
+# that benchmarks time both in one process (probe_history_trace.py --sources name=+B0); D64_WIDE_AFTER_WRITE (+A1)
+# takes the 64-token stages after the write too.
+D64_WIDE_BLOCKS = True
+D64_WIDE_AFTER_WRITE = False
 # Query heads per KV head. A CTA column holds 4 query heads (GQA <= 4) or, with WIDE_TILE, 8 (GQA 5-8: one head
 # per column of the warp's tile, the same MMA count per token; kernels/cuda/int2_history.cu "HC"). A KV head with
 # more query heads than a column holds is read by several CTA columns (head groups): GQA 5-8 that way (WIDE_TILE
@@ -94,8 +105,8 @@ Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel
 
 # oscar_history_launch's C parameters in order (test_decode checks them against the source's signature)
 _i, _p = ctypes.c_int, ctypes.c_void_p
-LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i, _p, _p,
-                   _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _i, _p]
+LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i,
+                   _p, _p, _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _i, _p]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -201,8 +212,9 @@ def env_defines() -> tuple:
     return defines
 
 
-# oscar_history_abi() of the sources this module launches (int2_history.cu): 2 since the entry points take head_dim
-ABI = 2
+# oscar_history_abi() of the sources this module launches (int2_history.cu): 3 since the entry points take `wide`
+# (64-token stages at D 64), 2 since head_dim
+ABI = 3
 
 
 def load(path: str) -> ctypes.CDLL:
@@ -213,12 +225,13 @@ def load(path: str) -> ctypes.CDLL:
     abi = lib.oscar_history_abi() if hasattr(lib, "oscar_history_abi") else 1
     if abi != ABI:
         raise CudaHistoryUnavailable(f"{path} has the history kernel's C interface {abi}, this module launches {ABI} "
-                                     f"(head_dim in the entry points since 4dda357): build a source of the same "
+                                     f"(head_dim in the entry points since 4dda357, wide since ABI 3): build a source "
+                                     f"of the same "
                                      f"interface, or give the older source its own launcher")
     lib.oscar_history_launch.argtypes = LAUNCH_ARGTYPES
     lib.oscar_history_launch.restype = ctypes.c_int
     for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
-        f.argtypes, f.restype = [ctypes.c_int] * 4, ctypes.c_int
+        f.argtypes, f.restype = [ctypes.c_int] * 5, ctypes.c_int
     return lib
 
 
@@ -243,30 +256,44 @@ def library() -> ctypes.CDLL:
     for heads in (4, 8):  # first load: the default configurations' shared-memory limits, before any graph capture
         for head_dim in HEAD_DIMS:
             if head_dim != 64 or STAGES in D64_STAGES:
-                occupancy(heads=heads, head_dim=head_dim)
+                for wide in (False, True) if head_dim == 64 and heads == 4 else (False,):
+                    occupancy(heads=heads, head_dim=head_dim, wide=wide)
     if FUSED_MERGE:
         counters(torch.cuda.current_device())
     return _lib
 
 
-def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: int = 4, head_dim: int = 128) -> int:
+def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: int = 4, head_dim: int = 128,
+              wide: bool = False) -> int:
     """Resident CTAs per SM of the kernel at (stages, warps) (default STAGES, WARPS), `heads` query heads per CTA
-    column (cta_heads) and head_dim on the current device; the first call per configuration and device also raises
-    its dynamic shared-memory limit. (D 64 compiles to ~80 registers: 3 CTAs of 8 warps per SM, D 128 to 128: 2.)"""
+    column (cta_heads), head_dim and, at D 64, 32- or 64-token stages (wide, block_tokens) on the current device; the
+    first call per configuration and device also raises its dynamic shared-memory limit. (D 64 compiles to ~80
+    registers at either stage width: 3 CTAs of 8 warps per SM, D 128 to 128: 2.)"""
     lib = _lib if _lib is not None else library()
     stages, warps = stages or STAGES, warps or WARPS
     if (stages not in (2, 3, 4) or warps not in (1, 2, 4, 8) or heads not in (4, 8) or head_dim not in HEAD_DIMS
-            or (head_dim == 64 and stages not in D64_STAGES)):
+            or (head_dim == 64 and stages not in D64_STAGES) or (wide and (head_dim != 64 or heads != 4))):
         raise ValueError(f"history_kernel='cuda' builds stages 2-4 (head_dim 64: {D64_STAGES}), 1/2/4/8 warps per "
-                         f"CTA, 4 or 8 heads per CTA column and head_dim {HEAD_DIMS}, got {stages}/{warps}/{heads}/"
-                         f"{head_dim}")
-    key = (torch.cuda.current_device(), stages, warps, heads, head_dim)
+                         f"CTA, 4 or 8 heads per CTA column, head_dim {HEAD_DIMS} and 64-token stages at head_dim 64 "
+                         f"with 4 heads per column only, got {stages}/{warps}/{heads}/{head_dim}"
+                         f"{' wide' if wide else ''}")
+    key = (torch.cuda.current_device(), stages, warps, heads, head_dim, bool(wide))
     if key not in _occupancy:
-        rc = lib.oscar_history_prepare(stages, warps, heads, head_dim)
+        rc = lib.oscar_history_prepare(stages, warps, heads, head_dim, int(wide))
         if rc:
             raise CudaHistoryUnavailable(f"cudaFuncSetAttribute for the history kernel failed (cuda error {rc})")
-        _occupancy[key] = lib.oscar_history_occupancy(stages, warps, heads, head_dim)
+        _occupancy[key] = lib.oscar_history_occupancy(stages, warps, heads, head_dim, int(wide))
     return _occupancy[key]
+
+
+def block_tokens(head_dim: int, heads: int, pdl: int) -> int:
+    """Tokens per pipeline stage of a warp for a launch at head_dim, `heads` query heads per CTA column (cta_heads) and
+    this pdl mode: 64 at D 64 with 4 heads per column (GQA <= 4: SmolLM2's 3) unless the launch follows this step's KV
+    write (D64_WIDE_BLOCKS, above), else 32. (8 heads per column: the 64-token build took 82-84 registers, i.e. 2 CTAs
+    per SM instead of 3, and is not built.)"""
+    wide = head_dim == 64 and heads == 4 and D64_WIDE_BLOCKS
+    after_write = pdl in (PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q)
+    return 64 if wide and (D64_WIDE_AFTER_WRITE or not after_write) else 32
 
 
 def cta_heads(gqa: int) -> int:
@@ -434,8 +461,14 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     b, hq = q.shape[0], q.shape[1]
     hkv = cache.kv_heads
     heads = cta_heads(hq // hkv)
-    # a dict hit; prepares the configuration where experiments changed STAGES / WARPS
-    occupancy(heads=heads, head_dim=head_dim)
+    wide = block_tokens(head_dim, heads, pdl) == 64
+    # a dict hit; prepares the configuration where experiments changed STAGES / WARPS. The split count (plan) came
+    # from the 32-token instance's occupancy: a grid sized for more CTAs per SM than the wide one holds would run a
+    # second round
+    n = occupancy(heads=heads, head_dim=head_dim, wide=wide)
+    if wide and n < occupancy(heads=heads, head_dim=head_dim):
+        raise CudaHistoryUnavailable(f"the 64-token D-64 history kernel holds {n} CTAs per SM, fewer than the split "
+                                     f"count assumes: set history_cuda.D64_WIDE_BLOCKS = False")
     ss, rs = window_splits
     if WINDOW_ROWS_PER_WARP < 16 or WINDOW_ROWS_PER_WARP % 16:
         raise ValueError(f"history_cuda.WINDOW_ROWS_PER_WARP must be a positive multiple of 16, got "
@@ -477,7 +510,7 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     page = cache.page
     # q [B, Hq, D] contiguous; each warp builds its operands from it (no extra launches)
     rc = lib.oscar_history_launch(
-        STAGES, WARPS, heads, head_dim, b * hkv, hq // hkv, int(cache.k_group == head_dim),
+        STAGES, WARPS, heads, head_dim, int(wide), b * hkv, hq // hkv, int(cache.k_group == head_dim),
         int(cache.v_group == head_dim), ns, q.data_ptr(),
         Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
         cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(),

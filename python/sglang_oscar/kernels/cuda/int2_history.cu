@@ -78,16 +78,12 @@ constexpr int kTok = OSCAR_TOK;
 // at most 2^-15 of the group's largest |c0 q 4^-p| (fp16 q: 2^-12 of each element), test_probe_cuda_history.py.
 // 0 (an experiment knob): the fp16 K dot below.
 static_assert(kTok == 64 || kTok == 32, "OSCAR_TOK must be 64 or 32");
-#ifndef OSCAR_TOK64
-#define OSCAR_TOK64 OSCAR_TOK
-#endif
-// tokens per pipeline stage of a warp at D 64 (an experiment knob, as OSCAR_TOK at D 128)
-static_assert(OSCAR_TOK64 == 64 || OSCAR_TOK64 == 32, "OSCAR_TOK64 must be 64 or 32");
-#ifndef OSCAR_D64_UNROLL
-#define OSCAR_D64_UNROLL 0
-#endif
-// OSCAR_D64_UNROLL 1 (an experiment knob): the D-64 block's tiles unrolled, so that the compiler may overlap one
-// tile's K dot with the previous one's softmax and V dot
+// WIDE (template; D 64 only, history_cuda.block_tokens): 64-token stages with the block's four tiles unrolled, so
+// that the compiler overlaps one tile's K dot with the previous one's softmax and V dot, and the per-block code
+// (slots, records, copies: ~117 instructions) is paid once per 64 tokens. Same-process H200 A/B against 32-token
+// stages (results/probe_history_trace_d64_variants_*, SmolLM2): 0.84-0.86x at batch 8 / 32k batch 64, 0.92x at 128k
+// batch 64, 0.89x at 128k batch 1, 0.99x at 64k batch 1; chained to the KV write 1.12x at 64k batch 1, so the
+// chained launch keeps 32-token stages. 64 tokens without the unroll: 0.92-0.96x; the unroll alone: 0.94-0.99x.
 #ifndef OSCAR_PROBE_COPIES
 #define OSCAR_PROBE_COPIES 0
 #endif
@@ -96,24 +92,25 @@ static_assert(OSCAR_TOK64 == 64 || OSCAR_TOK64 == 32, "OSCAR_TOK64 must be 64 or
 // is what the copies' pattern alone takes on the same grid.
 // A stage of kTok tokens at head_dim D: K codes D/4 + V codes D/4 + K params 8 + V params 8 bytes per token
 // (80 at D 128, 48 at D 64), in four arrays.
-template <int D> struct Stage {
-  static constexpr int kTok = D == 64 ? OSCAR_TOK64 : OSCAR_TOK;  // tokens per stage (shadows ::kTok in the kernel)
+template <int D, int TOK = kTok> struct Stage {
   static constexpr int kCode = D / 4;  // code bytes per token and side
-  static constexpr int kBytes = kTok * (2 * kCode + 16);
-  static constexpr int kVcOff = kTok * kCode, kKpOff = kTok * 2 * kCode, kVpOff = kKpOff + kTok * 8;
+  static constexpr int kBytes = TOK * (2 * kCode + 16);
+  static constexpr int kVcOff = TOK * kCode, kKpOff = TOK * 2 * kCode, kVpOff = kKpOff + TOK * 8;
 };
 constexpr int kStageBytes = Stage<128>::kBytes;
+constexpr int kWideTok = 64;  // tokens per stage of the WIDE (D 64) instances
 // The BF16 window rows in this kernel (window CTAs, the folded window) are read at D 128 only; at D 64 decode.py runs
 // the Triton window programs after it (history_cuda.fuses_window).
 // a warp's shared memory: its NSTAGE stages, and at D 128 at least the one K and one V tile of 16 BF16 rows (8 KB)
 // that a window CTA's warp reads (window_cta)
-constexpr int warp_smem(int nstage, int d = 128) {
-  return d == 64 ? nstage * Stage<64>::kBytes : nstage * kStageBytes > 8192 ? nstage * kStageBytes : 8192;
+constexpr int warp_smem(int nstage, int d = 128, bool wide = false) {
+  return d == 64 ? nstage * (wide ? Stage<64, kWideTok>::kBytes : Stage<64>::kBytes)
+                 : nstage * kStageBytes > 8192 ? nstage * kStageBytes : 8192;
 }
 // a CTA's shared memory: its warps', and with the window folded (Args.fold_tiles) 8 KB past the warps' stages for
 // warp 0's window tile (inside the warps' 8 KB each at 2 stages of 32 tokens: no more than without)
-constexpr int cta_smem(int nstage, int warps, bool fold, int d = 128) {
-  return d == 64 ? warps * warp_smem(nstage, 64)
+constexpr int cta_smem(int nstage, int warps, bool fold, int d = 128, bool wide = false) {
+  return d == 64 ? warps * warp_smem(nstage, 64, wide)
          : fold && warps * nstage * kStageBytes + 8192 > warps * warp_smem(nstage)
              ? warps * nstage * kStageBytes + 8192 : warps * warp_smem(nstage);
 }
@@ -701,13 +698,14 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
 // D: head_dim 128, or 64 (planes of 16 dims: a token's codes are 16 bytes, one per lane of a 4-lane quad in the K dot;
 // the K dot pairs planes 2pp and 2pp + 1 in one m16n8k32 (k 0..15 the first plane's bytes, 16..31 the second's);
 // the V dot has 4 m-tiles, m-tile p = plane p; no window CTAs and no folded window: history_cuda refuses them).
-template <int NSTAGE, int HC, bool TWO_G, int D>
+template <int NSTAGE, int HC, bool TWO_G, int D, bool WIDE>
 __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   static_assert(D == 128 || D == 64, "head_dim 128 or 64");
-  using SL = Stage<D>;
+  static_assert(!WIDE || D == 64, "64-token stages (WIDE) at D 64 only");
+  constexpr int kTok = WIDE ? kWideTok : ::kTok;  // tokens per stage of this instance
+  using SL = Stage<D, kTok>;
   constexpr int kSB = SL::kBytes, NMT = D / 16;  // stage bytes, V m-tiles
-  constexpr int kTok = SL::kTok;                   // tokens per stage at this D
-  constexpr int kTileUnroll = D == 64 && OSCAR_D64_UNROLL ? kTok / 16 : 1;
+  constexpr int kTileUnroll = WIDE ? kTok / 16 : 1;
   // the CTA merge parks (O, m, l) in the warps' stages
   static_assert(NSTAGE * kSB >= HC * (D + 2) * 4, "a warp's stages hold its parked partial");
   extern __shared__ __align__(16) uint8_t smem[];
@@ -1255,83 +1253,89 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   if (a.fused_merge) merge_column<HC, D>(a, smem, blockIdx.x, hq_base, nh);
 }
 
-template <int NSTAGE, int HC, int D>
+template <int NSTAGE, int HC, int D, bool WIDE>
 int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(bh, grid_y);
   cfg.blockDim = dim3(warps * 32);
-  cfg.dynamicSmemBytes = cta_smem(NSTAGE, warps, a.fold_tiles > 0, D);
+  cfg.dynamicSmemBytes = cta_smem(NSTAGE, warps, a.fold_tiles > 0, D, WIDE);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the window programs run
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, a.kg_row || a.vg_row ? int2_history_kernel<NSTAGE, HC, false, D>
-                                                           : int2_history_kernel<NSTAGE, HC, true, D>, a);
+  return (int)cudaLaunchKernelEx(&cfg, a.kg_row || a.vg_row ? int2_history_kernel<NSTAGE, HC, false, D, WIDE>
+                                                           : int2_history_kernel<NSTAGE, HC, true, D, WIDE>, a);
 }
 
-template <int NSTAGE, int HC, int D>
+template <int NSTAGE, int HC, int D, bool WIDE>
 int prepare(int) {  // the dynamic shared-memory limit, once, before any graph capture
   // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
   // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
-  const int rc = (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, true, D>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, cta_smem(NSTAGE, 8, true, D));
-  return rc ? rc : (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, false, D>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, cta_smem(NSTAGE, 8, true, D));
+  const int smem = cta_smem(NSTAGE, 8, true, D, WIDE);
+  const int rc = (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, true, D, WIDE>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  return rc ? rc : (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, false, D, WIDE>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
 }
 
-template <int NSTAGE, int HC, int D>
+template <int NSTAGE, int HC, int D, bool WIDE>
 int occupancy(int warps) {  // the fewer of the two group instances' (both 128 registers: test_cuda_history_sass.py)
   int n = 0, n128 = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC, true, D>, warps * 32,
-                                                warps * warp_smem(NSTAGE, D));
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n128, int2_history_kernel<NSTAGE, HC, false, D>, warps * 32,
-                                                warps * warp_smem(NSTAGE, D));
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC, true, D, WIDE>, warps * 32,
+                                                warps * warp_smem(NSTAGE, D, WIDE));
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n128, int2_history_kernel<NSTAGE, HC, false, D, WIDE>, warps * 32,
+                                                warps * warp_smem(NSTAGE, D, WIDE));
   return n < n128 ? n : n128;
 }
 
 }  // namespace
 
 // HC: query heads per CTA column, 4 (columns 4..7 of a warp's tile repeat heads 0..3) or 8 (one head per column);
-// 2-4 stages (history_cuda.STAGES); D 64 with the integer K dot only (OSCAR_IMMA_K)
+// 2-4 stages (history_cuda.STAGES); D 64 with the integer K dot only (OSCAR_IMMA_K), WIDE at HC 4 only (at HC 8 it
+// compiled to 82-84 registers: 2 CTAs per SM instead of 3)
 #if OSCAR_IMMA_K
 #define DISPATCH_D64(FN, ...)                                            \
-    case 512 + 2 * 16 + 4: return FN<2, 4, 64>(__VA_ARGS__);             \
-    case 512 + 3 * 16 + 4: return FN<3, 4, 64>(__VA_ARGS__);             \
-    case 512 + 4 * 16 + 4: return FN<4, 4, 64>(__VA_ARGS__);             \
-    case 512 + 2 * 16 + 8: return FN<2, 8, 64>(__VA_ARGS__);             \
-    case 512 + 3 * 16 + 8: return FN<3, 8, 64>(__VA_ARGS__);             \
-    case 512 + 4 * 16 + 8: return FN<4, 8, 64>(__VA_ARGS__);
+    case 512 + 2 * 16 + 4: return FN<2, 4, 64, false>(__VA_ARGS__);      \
+    case 512 + 3 * 16 + 4: return FN<3, 4, 64, false>(__VA_ARGS__);      \
+    case 512 + 4 * 16 + 4: return FN<4, 4, 64, false>(__VA_ARGS__);      \
+    case 512 + 2 * 16 + 8: return FN<2, 8, 64, false>(__VA_ARGS__);      \
+    case 512 + 3 * 16 + 8: return FN<3, 8, 64, false>(__VA_ARGS__);      \
+    case 512 + 4 * 16 + 8: return FN<4, 8, 64, false>(__VA_ARGS__);      \
+    case 256 + 512 + 2 * 16 + 4: return FN<2, 4, 64, true>(__VA_ARGS__); \
+    case 256 + 512 + 3 * 16 + 4: return FN<3, 4, 64, true>(__VA_ARGS__); \
+    case 256 + 512 + 4 * 16 + 4: return FN<4, 4, 64, true>(__VA_ARGS__);
 #else
 #define DISPATCH_D64(FN, ...)
 #endif
-#define DISPATCH(NS, HC, HD, FN, ...)                                   \
-  switch ((HD == 64 ? 512 : HD == 128 ? 0 : 1024) + NS * 16 + HC) {      \
-    case 2 * 16 + 4: return FN<2, 4, 128>(__VA_ARGS__);                  \
-    case 3 * 16 + 4: return FN<3, 4, 128>(__VA_ARGS__);                  \
-    case 4 * 16 + 4: return FN<4, 4, 128>(__VA_ARGS__);                  \
-    case 2 * 16 + 8: return FN<2, 8, 128>(__VA_ARGS__);                  \
-    case 3 * 16 + 8: return FN<3, 8, 128>(__VA_ARGS__);                  \
-    case 4 * 16 + 8: return FN<4, 8, 128>(__VA_ARGS__);                  \
+#define DISPATCH(NS, HC, HD, WIDE, FN, ...)                                       \
+  switch ((HD == 64 ? 512 : HD == 128 ? 0 : 1024) + (WIDE ? 256 : 0) + NS * 16 + HC) { \
+    case 2 * 16 + 4: return FN<2, 4, 128, false>(__VA_ARGS__);           \
+    case 3 * 16 + 4: return FN<3, 4, 128, false>(__VA_ARGS__);           \
+    case 4 * 16 + 4: return FN<4, 4, 128, false>(__VA_ARGS__);           \
+    case 2 * 16 + 8: return FN<2, 8, 128, false>(__VA_ARGS__);           \
+    case 3 * 16 + 8: return FN<3, 8, 128, false>(__VA_ARGS__);           \
+    case 4 * 16 + 8: return FN<4, 8, 128, false>(__VA_ARGS__);           \
     DISPATCH_D64(FN, __VA_ARGS__)                                        \
     default: return -1;                                                  \
   }
 
 extern "C" {
 
-// the C interface's version (history_cuda.ABI): 2 since the head_dim parameter of the entry points below; a library
-// without this symbol was built from an older source, whose entry points take other arguments
-int oscar_history_abi() { return 2; }
+// the C interface's version (history_cuda.ABI): 3 since the `wide` parameter of the entry points below (2: head_dim);
+// a library without this symbol was built from an older source, whose entry points take other arguments
+int oscar_history_abi() { return 3; }
 
-int oscar_history_prepare(int nstage, int warps, int hc, int head_dim) {
-  DISPATCH(nstage, hc, head_dim, prepare, warps)
+// wide: 64-token stages (the WIDE instances, D 64 only; -1 elsewhere)
+int oscar_history_prepare(int nstage, int warps, int hc, int head_dim, int wide) {
+  DISPATCH(nstage, hc, head_dim, wide, prepare, warps)
 }
-int oscar_history_occupancy(int nstage, int warps, int hc, int head_dim) {
-  DISPATCH(nstage, hc, head_dim, occupancy, warps)
+int oscar_history_occupancy(int nstage, int warps, int hc, int head_dim, int wide) {
+  DISPATCH(nstage, hc, head_dim, wide, occupancy, warps)
 }
 
-int oscar_history_launch(int nstage, int warps, int hc, int head_dim, int bh, int gqa, int kg_row, int vg_row, int grid_y, const void* q,
+int oscar_history_launch(int nstage, int warps, int hc, int head_dim, int wide, int bh, int gqa, int kg_row, int vg_row, int grid_y, const void* q,
                          int q_dtype, float c0, const void* kc,
                          const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride,
                          const void* req_idx, int req_idx_64, const int* seq_lens, const int* ring_start, int hkv,
@@ -1347,7 +1351,7 @@ int oscar_history_launch(int nstage, int warps, int hc, int head_dim, int bh, in
          grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, hgroups, kg_row, vg_row,
          (const __nv_bfloat16*)sk, (const __nv_bfloat16*)sv, (const __nv_bfloat16*)rk, (const __nv_bfloat16*)rv,
          sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge, fold_tiles};
-  DISPATCH(nstage, hc, head_dim, launch, a, bh * hgroups, warps, grid_y + nwin_sink + nwin_ring, pdl,
+  DISPATCH(nstage, hc, head_dim, wide, launch, a, bh * hgroups, warps, grid_y + nwin_sink + nwin_ring, pdl,
            (cudaStream_t)stream)
 }
 
