@@ -1080,12 +1080,16 @@ def test_cuda_history_block_tokens(monkeypatch):
         assert hc.block_tokens(128, 4, pdl) == 32
     for pdl in (hc.PDL_AFTER_WRITE, hc.PDL_AFTER_WRITE_Q):
         assert hc.block_tokens(64, 4, pdl) == 32
+    monkeypatch.setattr(hc, "STAGES", 4)  # not built at 4 stages (2 CTAs per SM)
+    assert hc.block_tokens(64, 4, hc.PDL_OFF) == 32
+    monkeypatch.setattr(hc, "STAGES", 3)
+    assert hc.block_tokens(64, 4, hc.PDL_OFF) == 64
     monkeypatch.setattr(hc, "D64_WIDE_BLOCKS", False)
     assert hc.block_tokens(64, 4, hc.PDL_OFF) == 32
     monkeypatch.setattr(hc, "_lib", object())  # never called: the refusals come first
-    for heads, head_dim in ((4, 128), (8, 64)):
-        with pytest.raises(ValueError, match="64-token stages at head_dim 64 with 4 heads per column only"):
-            hc.occupancy(heads=heads, head_dim=head_dim, wide=True)
+    for heads, head_dim, stages in ((4, 128, 2), (8, 64, 2), (4, 64, 4)):
+        with pytest.raises(ValueError, match="64-token stages at head_dim 64 with 4 heads per column and"):
+            hc.occupancy(stages=stages, heads=heads, head_dim=head_dim, wide=True)
 
 
 def test_cuda_history_columns_per_gqa(monkeypatch):
@@ -1519,10 +1523,15 @@ def test_cuda_history_head_dim_64_wide_stages_keep_the_occupancy():
     only outside the write chain."""
     from sglang_oscar.kernels import history_cuda
 
+    assert history_cuda.D64_WIDE_STAGES == (2, 3)
     for stages in history_cuda.D64_STAGES:
         narrow = history_cuda.occupancy(stages=stages, heads=4, head_dim=64)
         assert narrow >= 3, narrow  # ~80 registers: 3 CTAs of 8 warps
-        assert history_cuda.occupancy(stages=stages, heads=4, head_dim=64, wide=True) == narrow, stages
+        if stages in history_cuda.D64_WIDE_STAGES:
+            assert history_cuda.occupancy(stages=stages, heads=4, head_dim=64, wide=True) == narrow, stages
+        else:  # not built (96 KB of stages per CTA: 2 per SM), refused before the library is asked
+            with pytest.raises(ValueError, match="64-token stages"):
+                history_cuda.occupancy(stages=stages, heads=4, head_dim=64, wide=True)
 
 
 @requires_cuda

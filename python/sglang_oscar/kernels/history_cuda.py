@@ -56,6 +56,8 @@ D64_STAGES = (2, 3, 4)
 # takes the 64-token stages after the write too.
 D64_WIDE_BLOCKS = True
 D64_WIDE_AFTER_WRITE = False
+# the stage counts the 64-token D-64 build has (at 4 its 96 KB of stages per CTA fit twice per SM, not 3 times)
+D64_WIDE_STAGES = (2, 3)
 # Query heads per KV head. A CTA column holds 4 query heads (GQA <= 4) or, with WIDE_TILE, 8 (GQA 5-8: one head
 # per column of the warp's tile, the same MMA count per token; kernels/cuda/int2_history.cu "HC"). A KV head with
 # more query heads than a column holds is read by several CTA columns (head groups): GQA 5-8 that way (WIDE_TILE
@@ -256,7 +258,7 @@ def library() -> ctypes.CDLL:
     for heads in (4, 8):  # first load: the default configurations' shared-memory limits, before any graph capture
         for head_dim in HEAD_DIMS:
             if head_dim != 64 or STAGES in D64_STAGES:
-                for wide in (False, True) if head_dim == 64 and heads == 4 else (False,):
+                for wide in (False, True) if head_dim == 64 and heads == 4 and STAGES in D64_WIDE_STAGES else (False,):
                     occupancy(heads=heads, head_dim=head_dim, wide=wide)
     if FUSED_MERGE:
         counters(torch.cuda.current_device())
@@ -272,11 +274,12 @@ def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: 
     lib = _lib if _lib is not None else library()
     stages, warps = stages or STAGES, warps or WARPS
     if (stages not in (2, 3, 4) or warps not in (1, 2, 4, 8) or heads not in (4, 8) or head_dim not in HEAD_DIMS
-            or (head_dim == 64 and stages not in D64_STAGES) or (wide and (head_dim != 64 or heads != 4))):
+            or (head_dim == 64 and stages not in D64_STAGES)
+            or (wide and (head_dim != 64 or heads != 4 or stages not in D64_WIDE_STAGES))):
         raise ValueError(f"history_kernel='cuda' builds stages 2-4 (head_dim 64: {D64_STAGES}), 1/2/4/8 warps per "
                          f"CTA, 4 or 8 heads per CTA column, head_dim {HEAD_DIMS} and 64-token stages at head_dim 64 "
-                         f"with 4 heads per column only, got {stages}/{warps}/{heads}/{head_dim}"
-                         f"{' wide' if wide else ''}")
+                         f"with 4 heads per column and {D64_WIDE_STAGES} stages only, got {stages}/{warps}/{heads}/"
+                         f"{head_dim}{' wide' if wide else ''}")
     key = (torch.cuda.current_device(), stages, warps, heads, head_dim, bool(wide))
     if key not in _occupancy:
         rc = lib.oscar_history_prepare(stages, warps, heads, head_dim, int(wide))
@@ -288,10 +291,10 @@ def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: 
 
 def block_tokens(head_dim: int, heads: int, pdl: int) -> int:
     """Tokens per pipeline stage of a warp for a launch at head_dim, `heads` query heads per CTA column (cta_heads) and
-    this pdl mode: 64 at D 64 with 4 heads per column (GQA <= 4: SmolLM2's 3) unless the launch follows this step's KV
-    write (D64_WIDE_BLOCKS, above), else 32. (8 heads per column: the 64-token build took 82-84 registers, i.e. 2 CTAs
-    per SM instead of 3, and is not built.)"""
-    wide = head_dim == 64 and heads == 4 and D64_WIDE_BLOCKS
+    this pdl mode: 64 at D 64 with 4 heads per column (GQA <= 4: SmolLM2's 3) at STAGES in D64_WIDE_STAGES unless the
+    launch follows this step's KV write (D64_WIDE_BLOCKS, above), else 32. (8 heads per column: the 64-token build took
+    82-84 registers; 4 stages: 96 KB of stages per CTA; either way 2 CTAs per SM instead of 3, and not built.)"""
+    wide = head_dim == 64 and heads == 4 and STAGES in D64_WIDE_STAGES and D64_WIDE_BLOCKS
     after_write = pdl in (PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q)
     return 64 if wide and (D64_WIDE_AFTER_WRITE or not after_write) else 32
 

@@ -1293,8 +1293,9 @@ int occupancy(int warps) {  // the fewer of the two group instances' (both 128 r
 }  // namespace
 
 // HC: query heads per CTA column, 4 (columns 4..7 of a warp's tile repeat heads 0..3) or 8 (one head per column);
-// 2-4 stages (history_cuda.STAGES); D 64 with the integer K dot only (OSCAR_IMMA_K), WIDE at HC 4 only (at HC 8 it
-// compiled to 82-84 registers: 2 CTAs per SM instead of 3)
+// 2-4 stages (history_cuda.STAGES); D 64 with the integer K dot only (OSCAR_IMMA_K), WIDE at HC 4 and 2-3 stages only
+// (at HC 8 it compiled to 82-84 registers, at 4 stages its 96 KB of stages per CTA fit twice per SM: 2 CTAs per SM
+// instead of 3)
 #if OSCAR_IMMA_K
 #define DISPATCH_D64(FN, ...)                                            \
     case 512 + 2 * 16 + 4: return FN<2, 4, 64, false>(__VA_ARGS__);      \
@@ -1304,8 +1305,7 @@ int occupancy(int warps) {  // the fewer of the two group instances' (both 128 r
     case 512 + 3 * 16 + 8: return FN<3, 8, 64, false>(__VA_ARGS__);      \
     case 512 + 4 * 16 + 8: return FN<4, 8, 64, false>(__VA_ARGS__);      \
     case 256 + 512 + 2 * 16 + 4: return FN<2, 4, 64, true>(__VA_ARGS__); \
-    case 256 + 512 + 3 * 16 + 4: return FN<3, 4, 64, true>(__VA_ARGS__); \
-    case 256 + 512 + 4 * 16 + 4: return FN<4, 4, 64, true>(__VA_ARGS__);
+    case 256 + 512 + 3 * 16 + 4: return FN<3, 4, 64, true>(__VA_ARGS__);
 #else
 #define DISPATCH_D64(FN, ...)
 #endif
