@@ -13,7 +13,7 @@ set -uo pipefail
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu_state.txt"
 if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider test/test_decode.py \
-    -k "${TEST_K:-head_dim_64 or after_the_kv_write or cuda_history_matches_the_oracle or gqa_head_groups or groups_of_128}" \
+    -k "${TEST_K:-head_dim_64 or wide_stages or after_the_kv_write or cuda_history_matches_the_oracle or gqa_head_groups or groups_of_128}" \
     2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
 fi
 [ "${BENCH:-1}" = 1 ] || exit 0
