@@ -78,19 +78,13 @@ constexpr int kTok = OSCAR_TOK;
 // at most 2^-15 of the group's largest |c0 q 4^-p| (fp16 q: 2^-12 of each element), test_probe_cuda_history.py.
 // 0 (an experiment knob): the fp16 K dot below.
 static_assert(kTok == 64 || kTok == 32, "OSCAR_TOK must be 64 or 32");
-// WIDE (template; D 64 only, history_cuda.block_tokens): 64-token stages with the block's four tiles unrolled, so
-// that the compiler overlaps one tile's K dot with the previous one's softmax and V dot, and the per-block code
-// (slots, records, copies: ~117 instructions) is paid once per 64 tokens. Same-process H200 A/B against 32-token
-// stages (results/probe_history_trace_d64_variants_*, SmolLM2): 0.84-0.86x at batch 8 / 32k batch 64, 0.92x at 128k
-// batch 64, 0.89x at 128k batch 1, 0.99x at 64k batch 1; chained to the KV write 1.12x at 64k batch 1, so the
-// chained launch keeps 32-token stages. 64 tokens without the unroll: 0.92-0.96x; the unroll alone: 0.94-0.99x.
 #ifndef OSCAR_PROBE_COPIES
 #define OSCAR_PROBE_COPIES 0
 #endif
 // OSCAR_PROBE_COPIES 1 (benchmark/probe_history_copies.py builds a separate library with it; never shipped, its output
 // is garbage): the loop issues and waits for its copies, slots included, but skips the tiles' math, so that its time
 // is what the copies' pattern alone takes on the same grid.
-// A stage of kTok tokens at head_dim D: K codes D/4 + V codes D/4 + K params 8 + V params 8 bytes per token
+// A stage of TOK tokens at head_dim D: K codes D/4 + V codes D/4 + K params 8 + V params 8 bytes per token
 // (80 at D 128, 48 at D 64), in four arrays.
 template <int D, int TOK = kTok> struct Stage {
   static constexpr int kCode = D / 4;  // code bytes per token and side
@@ -98,6 +92,12 @@ template <int D, int TOK = kTok> struct Stage {
   static constexpr int kVcOff = TOK * kCode, kKpOff = TOK * 2 * kCode, kVpOff = kKpOff + TOK * 8;
 };
 constexpr int kStageBytes = Stage<128>::kBytes;
+// WIDE (template; D 64 only, history_cuda.block_tokens): 64-token stages with the block's four tiles unrolled, so
+// that the compiler overlaps one tile's K dot with the previous one's softmax and V dot, and the per-block code
+// (slots, records, copies: ~117 instructions) is paid once per 64 tokens. Same-process H200 A/B against 32-token
+// stages (results/probe_history_trace_d64_variants_*, SmolLM2): 0.84-0.86x at batch 8 / 32k batch 64, 0.92x at 128k
+// batch 64, 0.89x at 128k batch 1, 0.99x at 64k batch 1; chained to the KV write 1.12x at 64k batch 1, so the
+// chained launch keeps 32-token stages. 64 tokens without the unroll: 0.92-0.96x; the unroll alone: 0.94-0.99x.
 constexpr int kWideTok = 64;  // tokens per stage of the WIDE (D 64) instances
 // The BF16 window rows in this kernel (window CTAs, the folded window) are read at D 128 only; at D 64 decode.py runs
 // the Triton window programs after it (history_cuda.fuses_window).
