@@ -54,9 +54,9 @@ class PinnedOccupancy:
         self.shipped = {}
         self.recording = True
 
-    def __call__(self, stages=None, warps=None, heads=4, head_dim=128):
-        v = self.orig(stages, warps, heads, head_dim)
-        key = (stages or history_cuda.STAGES, warps or history_cuda.WARPS, heads, head_dim)
+    def __call__(self, stages=None, warps=None, heads=4, head_dim=128, wide=False):
+        v = self.orig(stages, warps, heads, head_dim, wide)
+        key = (stages or history_cuda.STAGES, warps or history_cuda.WARPS, heads, head_dim, bool(wide))
         if self.recording:
             self.shipped[key] = v
             return v
