@@ -3,7 +3,8 @@
 (e789060) cut the instructions per 32 tokens to 0.68x and the time did not move (128k batch 64: 510.8 vs 512.0 us), so
 the loop waits on memory: a D-64 stage holds 48 bytes per token (D 128: 80), i.e. fewer bytes in flight per warp.
 
-    python benchmark/probe_d64_stages.py --out $OUT [--contexts 32768,131072] [--batches 1,8,64] [--stages 2,3,4] [--narrow]
+    python benchmark/probe_d64_stages.py --out $OUT [--contexts 32768,131072] [--batches 1,8,64] [--stages 2,3,4]
+        [--narrow]
 
 Since f4f029d a plain launch at D 64 runs 64-token stages where they are built (history_cuda.D64_WIDE_STAGES: 2 and 3
 stages) and 32-token ones at 4 stages; --narrow times 32-token stages at every depth (D64_WIDE_BLOCKS off), as the
@@ -52,9 +53,10 @@ def main(argv=None) -> int:
             history_cuda.STAGES = 2
             for s, ts in times.items():
                 ms = min(ts)
+                wide = history_cuda.D64_WIDE_BLOCKS and s in history_cuda.D64_WIDE_STAGES
                 row = dict(context=ctx, batch=b, stages=s, ms=ms, rounds_ms=ts, gbps=nbytes / ms / 1e6,
-                           block_tokens=64 if history_cuda.D64_WIDE_BLOCKS and s in history_cuda.D64_WIDE_STAGES else 32,
-                           ctas_per_sm=history_cuda.occupancy(stages=s, heads=4, head_dim=64))
+                           block_tokens=64 if wide else 32,
+                           ctas_per_sm=history_cuda.occupancy(stages=s, heads=4, head_dim=64, wide=wide))
                 rows.append(row)
                 print(f"ctx {ctx:6d} b {b:2d} stages {s}: {ms * 1e3:7.1f} us (rounds {[round(t * 1e3, 1) for t in ts]}) "
                       f"{row['gbps']:.0f} GB/s, {row['ctas_per_sm']} CTAs/SM", flush=True)
