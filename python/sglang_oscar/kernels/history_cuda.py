@@ -228,8 +228,7 @@ def load(path: str) -> ctypes.CDLL:
     if abi != ABI:
         raise CudaHistoryUnavailable(f"{path} has the history kernel's C interface {abi}, this module launches {ABI} "
                                      f"(head_dim in the entry points since 4dda357, wide since ABI 3): build a source "
-                                     f"of the same "
-                                     f"interface, or give the older source its own launcher")
+                                     f"of the same interface, or give the older source its own launcher")
     lib.oscar_history_launch.argtypes = LAUNCH_ARGTYPES
     lib.oscar_history_launch.restype = ctypes.c_int
     for f in (lib.oscar_history_prepare, lib.oscar_history_occupancy):
