@@ -257,7 +257,7 @@ def library() -> ctypes.CDLL:
     for heads in (4, 8):  # first load: the default configurations' shared-memory limits, before any graph capture
         for head_dim in HEAD_DIMS:
             if head_dim != 64 or STAGES in D64_STAGES:
-                for wide in (False, True) if head_dim == 64 and heads == 4 and STAGES in D64_WIDE_STAGES else (False,):
+                for wide in (False, True) if wide_built(head_dim, heads, STAGES) else (False,):
                     occupancy(heads=heads, head_dim=head_dim, wide=wide)
     if FUSED_MERGE:
         counters(torch.cuda.current_device())
@@ -274,7 +274,7 @@ def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: 
     stages, warps = stages or STAGES, warps or WARPS
     if (stages not in (2, 3, 4) or warps not in (1, 2, 4, 8) or heads not in (4, 8) or head_dim not in HEAD_DIMS
             or (head_dim == 64 and stages not in D64_STAGES)
-            or (wide and (head_dim != 64 or heads != 4 or stages not in D64_WIDE_STAGES))):
+            or (wide and not wide_built(head_dim, heads, stages))):
         raise ValueError(f"history_kernel='cuda' builds stages 2-4 (head_dim 64: {D64_STAGES}), 1/2/4/8 warps per "
                          f"CTA, 4 or 8 heads per CTA column, head_dim {HEAD_DIMS} and 64-token stages at head_dim 64 "
                          f"with 4 heads per column and {D64_WIDE_STAGES} stages only, got {stages}/{warps}/{heads}/"
@@ -288,12 +288,18 @@ def occupancy(stages: Optional[int] = None, warps: Optional[int] = None, heads: 
     return _occupancy[key]
 
 
+def wide_built(head_dim: int, heads: int, stages: int) -> bool:
+    """Whether int2_history.cu builds the 64-token (WIDE) instance at head_dim, `heads` query heads per CTA column and
+    this stage count: D 64, 4 heads, D64_WIDE_STAGES (elsewhere it would hold 2 CTAs per SM instead of 3)."""
+    return head_dim == 64 and heads == 4 and stages in D64_WIDE_STAGES
+
+
 def block_tokens(head_dim: int, heads: int, pdl: int) -> int:
     """Tokens per pipeline stage of a warp for a launch at head_dim, `heads` query heads per CTA column (cta_heads) and
     this pdl mode: 64 at D 64 with 4 heads per column (GQA <= 4: SmolLM2's 3) at STAGES in D64_WIDE_STAGES unless the
     launch follows this step's KV write (D64_WIDE_BLOCKS, above), else 32. (8 heads per column: the 64-token build took
     82-84 registers; 4 stages: 96 KB of stages per CTA; either way 2 CTAs per SM instead of 3, and not built.)"""
-    wide = head_dim == 64 and heads == 4 and STAGES in D64_WIDE_STAGES and D64_WIDE_BLOCKS
+    wide = D64_WIDE_BLOCKS and wide_built(head_dim, heads, STAGES)
     after_write = pdl in (PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q)
     return 64 if wide and (D64_WIDE_AFTER_WRITE or not after_write) else 32
 
