@@ -209,9 +209,9 @@ def main():
     libs, settings, specs, paths = {}, {}, {}, {}
     for name, spec in sources:
         path, defines, settings[name] = parse_source(spec, history_cuda.SOURCE, defaults)
-        specs[name] = dict(path=path, defines=list(defines), stages=settings[name]["STAGES"],
-                           window_rows_per_warp=settings[name]["WINDOW_ROWS_PER_WARP"],
-                           fold_window=settings[name]["FOLD_WINDOW"])
+        # every history_cuda setting the source ran with, lower-cased (stages, window_rows_per_warp, fold_window,
+        # d64_wide_blocks, d64_wide_after_write)
+        specs[name] = dict(path=path, defines=list(defines), **{k.lower(): v for k, v in settings[name].items()})
         paths[name] = (path, defines)
     # every source's plain and traced library at once: one nvcc is single-threaded (~40 s for the file's instances)
     # (one job per distinct build: two threads building the same file would write the same temporary file)
