@@ -12,7 +12,8 @@ arrays); if they take about as long as the read, the loop's math is.
     python benchmark/probe_history_copies.py --out $OUT [--points smollm2:65536:8,...] [--copy-stages 2,4]
 
 Rows {model, context, batch, impl, ms, rounds_ms, gbps, pct_copy_bw}: impl shipped, copies_sN (copies only, N
-stages; the shipped kernel runs 2), read_same_bytes.
+stages; the shipped kernel runs 2), read_same_bytes. Since f4f029d the D-64 launches run 64-token stages at 2-3 stages
+(history_cuda.block_tokens) in both builds, and 32-token ones at 4: copies_s4 at D 64 then copies in 32-token blocks.
 """
 
 from __future__ import annotations
@@ -60,9 +61,8 @@ class PinnedOccupancy:
         if self.recording:
             self.shipped[key] = v
             return v
-        if key not in self.shipped:
+        if key not in self.shipped:  # main() copies the shipped 2-stage counts to the copies-only build's depth
             raise RuntimeError(f"no shipped occupancy recorded for {key}: time the shipped kernel first")
-        # the copies-only build at more stages than shipped: the shipped kernel's count at the shipped depth
         return self.shipped[key]
 
 
