@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider test/test_decode.py \
     -k "${TEST_K:-head_dim_64 or wide_stages or after_the_kv_write or cuda_history_matches_the_oracle or gqa_head_groups or groups_of_128}" \
-    2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+    2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
 fi
 [ "${BENCH:-1}" = 1 ] || exit 0
 impls=${IMPLS:-oscar_page64,oscar_cuda_page64,read_same_bytes}

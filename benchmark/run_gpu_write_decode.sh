@@ -17,7 +17,7 @@ set -uo pipefail
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu_state.txt"
 if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider test/test_decode.py test/test_srt_backend_graph.py test/test_write.py \
-    -k "${TEST_K:-cuda or after_write or gpu}" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+    -k "${TEST_K:-cuda or after_write or gpu}" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
 fi
 if [ "${PROBE:-0}" = 1 ]; then
   python3 benchmark/probe_decode_fixed_cost.py --history-kernel cuda --page 64 --contexts "${PROBE_CONTEXTS:-32768}" \
