@@ -900,8 +900,9 @@ def test_follows_write_refuses_what_would_race():
 @pytest.mark.parametrize("gqa,q_in_write,write_kernel,d", [
     (4, False, "triton", 128), (8, False, "triton", 128), (4, True, "triton", 128), (5, True, "triton", 128),
     (12, False, "triton", 128), (12, True, "triton", 128), (4, False, "cuda", 128), (4, True, "cuda", 128),
-    (12, True, "cuda", 128), (3, False, "triton", 64), (3, True, "triton", 64)])
-def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel, d):
+    (12, True, "cuda", 128), (3, False, "triton", 64), (3, True, "triton", 64), (3, False, "triton", "64w"),
+    (3, True, "triton", "64w")])
+def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel, d, monkeypatch):
     """The decode step's chain as the server runs it on sm_90+: oscar_write_kv(pdl_trigger=True), then
     oscar_decode(follows_write=True), whose history CTAs run while the write does; q_in_write: the write also
     rotates q (q_out) and the history CTAs wait for it before reading q (q_from_write). Same bits as the plain chain
@@ -912,12 +913,19 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel, d):
     history reaches the new token (ring_start >= L) that did not wait, would read the old row. Lengths: long, L =
     S + 1, L = S, L < S, window edges, ring_start >= L. write_kernel: the Triton write or the CUDA write
     (kernels/write_cuda.py), which triggers its dependents the same way. d 64 (SmolLM2): the window is read by the
-    Triton window programs launched after the history kernel, which must see the new row too."""
+    Triton window programs launched after the history kernel, which must see the new row too; "64w": with 64-token
+    stages after the write as well (history_cuda.D64_WIDE_AFTER_WRITE), the chained launch checked to run them."""
+    from sglang_oscar.kernels import history_cuda
     from sglang_oscar.kernels.decode import transform_query
     from sglang_oscar.kernels.write import oscar_write_kv
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
+    wide_after = d == "64w"
+    d = 64 if wide_after else d
+    monkeypatch.setattr(history_cuda, "D64_WIDE_AFTER_WRITE", wide_after)
+    if d == 64:
+        assert history_cuda.block_tokens(64, 4, history_cuda.PDL_AFTER_WRITE) == (64 if wide_after else 32)
     sink, window, hkv = 64, 256, 2
     lens = [5001, 65, 64, 3, 321, 320, 2000]  # L after the write: the new token is at L - 1
     ring_starts = [0, 0, 0, 0, 0, 0, 2000]  # the last request's history reaches L - 1

@@ -99,6 +99,11 @@ constexpr int kStageBytes = Stage<128>::kBytes;
 // batch 64, 0.89x at 128k batch 1, 0.99x at 64k batch 1; chained to the KV write 1.12x at 64k batch 1, so the
 // chained launch keeps 32-token stages. 64 tokens without the unroll: 0.92-0.96x; the unroll alone: 0.94-0.99x.
 constexpr int kWideTok = 64;  // tokens per stage of the WIDE (D 64) instances
+#ifndef OSCAR_TILE_UNROLL
+#define OSCAR_TILE_UNROLL 1
+#endif
+// OSCAR_TILE_UNROLL (an experiment knob; shipped 1): a 32-token instance's tiles unrolled by this factor (at most
+// kTok / 16), e.g. probe_history_trace.py --sources u2=+DOSCAR_TILE_UNROLL=2
 // The BF16 window rows in this kernel (window CTAs, the folded window) are read at D 128 only; at D 64 decode.py runs
 // the Triton window programs after it (history_cuda.fuses_window).
 // a warp's shared memory: its NSTAGE stages, and at D 128 at least the one K and one V tile of 16 BF16 rows (8 KB)
@@ -705,7 +710,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   constexpr int kTok = WIDE ? kWideTok : ::kTok;  // tokens per stage of this instance
   using SL = Stage<D, kTok>;
   constexpr int kSB = SL::kBytes, NMT = D / 16;  // stage bytes, V m-tiles
-  constexpr int kTileUnroll = WIDE ? kTok / 16 : 1;
+  constexpr int kTileUnroll = WIDE ? kTok / 16 : OSCAR_TILE_UNROLL;
   // the CTA merge parks (O, m, l) in the warps' stages
   static_assert(NSTAGE * kSB >= HC * (D + 2) * 4, "a warp's stages hold its parked partial");
   extern __shared__ __align__(16) uint8_t smem[];
