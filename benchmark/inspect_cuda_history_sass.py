@@ -44,19 +44,21 @@ from sglang_oscar.kernels.history_cuda import SOURCE  # noqa: E402  (the source 
 # Keys (NSTAGE, HC, G64, D). D 64 (SmolLM2, 2026-11-29): ~80 registers (3 CTAs of 8 warps per SM), a tile of 4 IMMA + 4
 # HMMA in 198-223 instructions (D 128: 246-270; the score, softmax and V-param code per token is the same), 103-117 more
 # per block (one 16-byte copy per token and side, instead of two lanes' halves).
-BUDGET = {(2, 4, False, 128): (248, 8088), (2, 8, False, 128): (270, 8184), (3, 4, False, 128): (248, 8200),
-          (3, 8, False, 128): (270, 8288), (4, 4, False, 128): (248, 8288), (4, 8, False, 128): (270, 8384),
-          (2, 4, True, 128): (246, 8048), (2, 8, True, 128): (262, 8152), (3, 4, True, 128): (246, 8144),
-          (3, 8, True, 128): (262, 8248), (4, 4, True, 128): (246, 8232), (4, 8, True, 128): (262, 8336),
+# D 128's blocks unrolled (2026-11-30, tile_unroll: both tiles of a 32-token block in one pass; same-call H200 A/B
+# 0.95-0.99x, results/probe_history_trace_d128_unroll_865eb8e_*): the hot loop is the block, 548-618 instructions per
+# 32 tokens against 2 x 246-270 + 75-100 = 567-640 before (G64 HC 4: 548 vs 567, HC 8: 581 vs 602), the kernel ~2.5%
+# longer (8248 vs 8048 at NSTAGE 2 HC 4 G64), 128 registers, no spills. D 128 has no BLOCK_BUDGET rows since.
+BUDGET = {(2, 4, False, 128): (566, 8280), (2, 8, False, 128): (612, 8416), (3, 4, False, 128): (572, 8400),
+          (3, 8, False, 128): (618, 8528), (4, 4, False, 128): (568, 8496), (4, 8, False, 128): (614, 8624),
+          (2, 4, True, 128): (548, 8248), (2, 8, True, 128): (581, 8352), (3, 4, True, 128): (553, 8344),
+          (3, 8, True, 128): (588, 8472), (4, 4, True, 128): (549, 8424), (4, 8, True, 128): (584, 8544),
           (2, 4, False, 64): (200, 2792), (2, 8, False, 64): (223, 2840), (2, 4, True, 64): (198, 2768),
           (2, 8, True, 64): (213, 2824), (3, 4, False, 64): (199, 2840), (3, 8, False, 64): (226, 2896),
           (3, 4, True, 64): (198, 2824), (3, 8, True, 64): (213, 2880), (4, 4, False, 64): (199, 2888),
           (4, 8, False, 64): (222, 2936), (4, 4, True, 64): (198, 2864), (4, 8, True, 64): (213, 2912)}
-# instructions of a 32-token block outside the hot loop (block_loop extra)
-BLOCK_BUDGET = {(2, 4, False, 128): 90, (2, 8, False, 128): 93, (3, 4, False, 128): 100, (3, 8, False, 128): 99,
-                (4, 4, False, 128): 96, (4, 8, False, 128): 95, (2, 4, True, 128): 75, (2, 8, True, 128): 78,
-                (3, 4, True, 128): 85, (3, 8, True, 128): 88, (4, 4, True, 128): 81, (4, 8, True, 128): 84,
-                (2, 4, False, 64): 117, (2, 8, False, 64): 109, (2, 4, True, 64): 106, (2, 8, True, 64): 103,
+# instructions of a 32-token block outside the hot loop (block_loop extra; D 64's 32-token instances, whose tiles
+# are not unrolled; D 128's were 75-100 before its blocks were)
+BLOCK_BUDGET = {(2, 4, False, 64): 117, (2, 8, False, 64): 109, (2, 4, True, 64): 106, (2, 8, True, 64): 103,
                 (3, 4, False, 64): 112, (3, 8, False, 64): 106, (3, 4, True, 64): 109, (3, 8, True, 64): 106,
                 (4, 4, False, 64): 108, (4, 8, False, 64): 100, (4, 4, True, 64): 105, (4, 8, True, 64): 102}
 # The 64-token D-64 instances (int2_history.cu WIDE, 4-head columns, 2-3 stages; 2026-11-29): keys (NSTAGE, HC, G64, D) as above;
@@ -66,10 +68,17 @@ BLOCK_BUDGET = {(2, 4, False, 128): 90, (2, 8, False, 128): 93, (3, 4, False, 12
 WIDE_BUDGET = {(2, 4, False, 64): (904, 3424), (2, 4, True, 64): (892, 3384), (3, 4, False, 64): (915, 3528),
                (3, 4, True, 64): (917, 3480)}
 WIDE_TILES = 4  # tiles of 16 tokens per 64-token block
+D128_BLOCK_TILES = 2  # a D-128 32-token block's tiles, unrolled: its hot loop is the block
 BUDGET_NVCC = "13.0"
 TOTAL_SLACK = 1.05  # whole-kernel growth allowed without an A/B
 MAX_REGISTERS = 128  # 2 CTAs of 256 threads per SM (64K registers)
 MAX_REGISTERS_D64 = 80  # D 64: 3 CTAs of 256 threads per SM (history_cuda's split count assumes it for either width)
+
+
+def block_tiles(key) -> int:
+    """16-token tiles in one pass of an instance's hot loop (int2_history.cu tile_unroll): the 64-token D-64 block's 4
+    (wide), a D-128 32-token block's 2 (unrolled since 2026-11-30), else 1 (D 64's 32-token instances)."""
+    return WIDE_TILES if key[4] else D128_BLOCK_TILES if key[3] == 128 else 1
 
 
 def budget(key) -> tuple:
@@ -208,8 +217,8 @@ def inspect(source: str = SOURCE) -> dict:
         funcs = sass_functions(cubin, cuobjdump)
     out = {}
     for key in sorted(funcs):
-        if key[4]:  # a 64-token block's four tiles unrolled: the hot loop is the block (no loop inside it)
-            hot = hot_loop(funcs[key], WIDE_TILES * tile_mma(key[3]))
+        if block_tiles(key) > 1:  # a block's tiles unrolled: the hot loop is the block (no loop inside it)
+            hot = hot_loop(funcs[key], block_tiles(key) * tile_mma(key[3]))
             out[key] = dict(res.get(key, {}), instructions=len(funcs[key]), hot_loop=hot, block_loop=None)
         else:
             hot = hot_loop(funcs[key], tile_mma(key[3]))
@@ -226,7 +235,8 @@ def main(argv=None) -> int:
     rows = inspect(args.source)
     for (nstage, hc, g64, d, wide), r in rows.items():
         loop_b, total_b = (WIDE_BUDGET if wide else BUDGET).get((nstage, hc, g64, d), (None, None))
-        block = (f"the hot loop is the 64-token block ({WIDE_TILES} tiles)" if wide else
+        tiles = block_tiles((nstage, hc, g64, d, wide))
+        block = (f"the hot loop is the {16 * tiles}-token block ({tiles} tiles)" if tiles > 1 else
                  f"per block {r['block_loop']['extra']} more (budget {BLOCK_BUDGET.get((nstage, hc, g64, d))})")
         print(f"D {d}{' wide' if wide else ''} NSTAGE {nstage} HC {hc} {'G2' if g64 else 'G*'}: "
               f"{r.get('registers')} registers, stack {r.get('stack')}, spills {r.get('spill_stores')}/"

@@ -148,7 +148,8 @@ def parse_source(spec: str, default_path: str, defaults: dict):
     [+A<0|1>][+D<macro>=<value>]...' (empty path: this tree's kernel source). Settings: the module attributes of
     kernels/history_cuda.py that the source's calls run with, `defaults` (STAGES, WINDOW_ROWS_PER_WARP, FOLD_WINDOW,
     D64_WIDE_BLOCKS, D64_WIDE_AFTER_WRITE) updated by S (stages), W (the window CTAs' rows per warp), F (the window
-    folded into the history CTAs, or not), B (64-token stages at D 64) and A (those after the KV write too)."""
+    folded into the history CTAs, or not), B (64-token stages at D 64) and A (the smallest batch at which they are
+    taken after the KV write too; 0: never)."""
     parts = spec.split("+")
     path = parts[0] or default_path
     defines, settings = [], dict(defaults)
@@ -161,13 +162,13 @@ def parse_source(spec: str, default_path: str, defaults: dict):
             settings["FOLD_WINDOW"] = p == "F1"
         elif p in ("B0", "B1"):
             settings["D64_WIDE_BLOCKS"] = p == "B1"
-        elif p in ("A0", "A1"):
-            settings["D64_WIDE_AFTER_WRITE"] = p == "A1"
+        elif p[:1] == "A" and p[1:].isdigit():
+            settings["D64_WIDE_AFTER_WRITE"] = int(p[1:])
         elif p[:1] == "D" and len(p) > 1:
             defines.append(p[1:])
         else:
             raise SystemExit(f"--sources: cannot read {p!r} in {spec!r} (S<stages>, W<rows>, F0 / F1, B0 / B1, "
-                             f"A0 / A1 or D<macro>=<value>)")
+                             f"A<batch> or D<macro>=<value>)")
     return path, tuple(defines), settings
 
 
@@ -187,12 +188,13 @@ def main():
                     help="comma list of mode:context:batch:splits (mode alone, chain (to the Triton write) or chainw "
                          "(to the CUDA write); splits auto or a count)")
     ap.add_argument("--sources", default="",
-                    help="comma list of name=path[+S<stages>][+W<rows>][+F0|+F1][+B0|+B1][+A0|+A1]"
+                    help="comma list of name=path[+S<stages>][+W<rows>][+F0|+F1][+B0|+B1][+A<batch>]"
                          "[+D<macro>=<value>]...: other kernel sources (e.g. the previous commit's int2_history.cu, "
                          "with the same launch signature; an empty path: this tree's) with their stage count "
                          "(history_cuda.STAGES), window CTA rows per warp (WINDOW_ROWS_PER_WARP), folded window off / "
-                         "on (FOLD_WINDOW), 64-token D-64 stages off / on (D64_WIDE_BLOCKS), also after the KV write "
-                         "(D64_WIDE_AFTER_WRITE) and macros (e.g. +DOSCAR_TOK=32), timed and traced beside this "
+                         "on (FOLD_WINDOW), 64-token D-64 stages off / on (D64_WIDE_BLOCKS), after the KV write from "
+                         "this batch (D64_WIDE_AFTER_WRITE; 0: never) and macros (e.g. +DOSCAR_TOK=32), timed and "
+                         "traced beside this "
                          "tree's default ('new') in the same process")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per configuration")
     ap.add_argument("--raw", action="store_true",

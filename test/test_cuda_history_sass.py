@@ -30,9 +30,9 @@ def test_every_instance_within_its_budget(rows):
         wide, d = key[4], key[3]
         assert r["registers"] <= (sass.MAX_REGISTERS_D64 if d == 64 else sass.MAX_REGISTERS), (key, r)
         assert r["stack"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0, (key, r)
-        assert r["hot_loop"]["hmma"] == (sass.WIDE_TILES if wide else 1) * sass.tile_mma(d), (key, r["hot_loop"])
+        assert r["hot_loop"]["hmma"] == sass.block_tiles(key) * sass.tile_mma(d), (key, r["hot_loop"])
         assert r["hot_loop"]["length"] <= loop_budget, (key, r["hot_loop"], "the hot loop grew: A/B it on a GPU")
-        if wide:  # the tiles unrolled: no loop inside the block's
+        if sass.block_tiles(key) > 1:  # the tiles unrolled (wide, D 128): no loop inside the block's
             assert r["block_loop"] is None, key
         else:
             assert r["block_loop"]["extra"] <= sass.BLOCK_BUDGET[key[:4]], (key, r["block_loop"], "a block grew")

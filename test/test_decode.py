@@ -913,8 +913,9 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel, d, monke
     history reaches the new token (ring_start >= L) that did not wait, would read the old row. Lengths: long, L =
     S + 1, L = S, L < S, window edges, ring_start >= L. write_kernel: the Triton write or the CUDA write
     (kernels/write_cuda.py), which triggers its dependents the same way. d 64 (SmolLM2): the window is read by the
-    Triton window programs launched after the history kernel, which must see the new row too; "64w": with 64-token
-    stages after the write as well (history_cuda.D64_WIDE_AFTER_WRITE), the chained launch checked to run them."""
+    Triton window programs launched after the history kernel, which must see the new row too; d 64 runs the chained
+    launch at 32-token stages, "64w" at 64-token ones (history_cuda.D64_WIDE_AFTER_WRITE 0 / 1; the plain chain
+    has 64-token stages either way)."""
     from sglang_oscar.kernels import history_cuda
     from sglang_oscar.kernels.decode import transform_query
     from sglang_oscar.kernels.write import oscar_write_kv
@@ -923,9 +924,9 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel, d, monke
         pytest.skip("programmatic dependent launch needs sm_90")
     wide_after = d == "64w"
     d = 64 if wide_after else d
-    monkeypatch.setattr(history_cuda, "D64_WIDE_AFTER_WRITE", wide_after)
+    monkeypatch.setattr(history_cuda, "D64_WIDE_AFTER_WRITE", 1 if wide_after else 0)
     if d == 64:
-        assert history_cuda.block_tokens(64, 4, history_cuda.PDL_AFTER_WRITE) == (64 if wide_after else 32)
+        assert history_cuda.block_tokens(64, 4, history_cuda.PDL_AFTER_WRITE, 7) == (64 if wide_after else 32)
     sink, window, hkv = 64, 256, 2
     lens = [5001, 65, 64, 3, 321, 320, 2000]  # L after the write: the new token is at L - 1
     ring_starts = [0, 0, 0, 0, 0, 0, 2000]  # the last request's history reaches L - 1
@@ -1078,22 +1079,33 @@ def test_cuda_history_load_refuses_an_older_interface(monkeypatch):
 
 def test_cuda_history_block_tokens(monkeypatch):
     """64-token stages (int2_history.cu WIDE) at D 64 with 4-head columns for a launch that does not follow the KV
-    write; 32 after the write, at 8-head columns, at D 128, and with D64_WIDE_BLOCKS off. occupancy() refuses the
-    64-token build where it is not built (before touching the library: a stand-in one here, no GPU)."""
+    write, and for one that does from batch D64_WIDE_AFTER_WRITE (2; 0: never); 32 at batch 1 after the write, at
+    8-head columns, at D 128, and with D64_WIDE_BLOCKS off. occupancy() refuses the 64-token build where it is not
+    built (before touching the library: a stand-in one here, no GPU)."""
     from sglang_oscar.kernels import history_cuda as hc
 
-    for pdl in (hc.PDL_OFF, hc.PDL_WAIT_FIRST):
-        assert hc.block_tokens(64, 4, pdl) == 64
-        assert hc.block_tokens(64, 8, pdl) == 32
-        assert hc.block_tokens(128, 4, pdl) == 32
-    for pdl in (hc.PDL_AFTER_WRITE, hc.PDL_AFTER_WRITE_Q):
-        assert hc.block_tokens(64, 4, pdl) == 32
+    assert hc.D64_WIDE_AFTER_WRITE == 2
+    for batch in (1, 2, 64):
+        for pdl in (hc.PDL_OFF, hc.PDL_WAIT_FIRST):
+            assert hc.block_tokens(64, 4, pdl, batch) == 64
+            assert hc.block_tokens(64, 8, pdl, batch) == 32
+            assert hc.block_tokens(128, 4, pdl, batch) == 32
+        for pdl in (hc.PDL_AFTER_WRITE, hc.PDL_AFTER_WRITE_Q):
+            assert hc.block_tokens(64, 4, pdl, batch) == (32 if batch == 1 else 64)
+            assert hc.block_tokens(64, 8, pdl, batch) == 32
+            assert hc.block_tokens(128, 4, pdl, batch) == 32
+    monkeypatch.setattr(hc, "D64_WIDE_AFTER_WRITE", 0)  # never after the write
+    assert [hc.block_tokens(64, 4, hc.PDL_AFTER_WRITE, b) for b in (1, 2, 64)] == [32, 32, 32]
+    assert hc.block_tokens(64, 4, hc.PDL_OFF, 1) == 64
+    monkeypatch.setattr(hc, "D64_WIDE_AFTER_WRITE", 1)  # at every batch
+    assert [hc.block_tokens(64, 4, hc.PDL_AFTER_WRITE_Q, b) for b in (1, 2, 64)] == [64, 64, 64]
     monkeypatch.setattr(hc, "STAGES", 4)  # not built at 4 stages (2 CTAs per SM)
-    assert hc.block_tokens(64, 4, hc.PDL_OFF) == 32
+    assert hc.block_tokens(64, 4, hc.PDL_OFF, 8) == 32
     monkeypatch.setattr(hc, "STAGES", 3)
-    assert hc.block_tokens(64, 4, hc.PDL_OFF) == 64
+    assert hc.block_tokens(64, 4, hc.PDL_OFF, 8) == 64
     monkeypatch.setattr(hc, "D64_WIDE_BLOCKS", False)
-    assert hc.block_tokens(64, 4, hc.PDL_OFF) == 32
+    assert hc.block_tokens(64, 4, hc.PDL_OFF, 8) == 32
+    assert hc.block_tokens(64, 4, hc.PDL_AFTER_WRITE, 8) == 32
     monkeypatch.setattr(hc, "_lib", object())  # never called: the refusals come first
     for heads, head_dim, stages in ((4, 128, 2), (8, 64, 2), (4, 64, 4)):
         with pytest.raises(ValueError, match="64-token stages at head_dim 64 with 4 heads per column and"):

@@ -76,8 +76,10 @@ def test_source_specs():
     assert probe.parse_source("+W32+F0", "/k.cu", d) == ("/k.cu", (), {**d, "WINDOW_ROWS_PER_WARP": 32,
                                                                        "FOLD_WINDOW": False})
     assert probe.parse_source("+B0", "/k.cu", d) == ("/k.cu", (), {**d, "D64_WIDE_BLOCKS": False})
-    assert probe.parse_source("+A1+B1", "/k.cu", d) == ("/k.cu", (), {**d, "D64_WIDE_AFTER_WRITE": True,
+    assert probe.parse_source("+A1+B1", "/k.cu", d) == ("/k.cu", (), {**d, "D64_WIDE_AFTER_WRITE": 1,
                                                                       "D64_WIDE_BLOCKS": True})
+    assert probe.parse_source("+A0", "/k.cu", d) == ("/k.cu", (), {**d, "D64_WIDE_AFTER_WRITE": 0})
+    assert probe.parse_source("+A8", "/k.cu", d) == ("/k.cu", (), {**d, "D64_WIDE_AFTER_WRITE": 8})
     assert d["FOLD_WINDOW"] is True  # the defaults are not changed
     with pytest.raises(SystemExit, match="cannot read"):
         probe.parse_source("/k.cu+X3", "/k.cu", d)

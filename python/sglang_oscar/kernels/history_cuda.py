@@ -50,12 +50,15 @@ D64_STAGES = (2, 3, 4)
 # selected" the first stall reason; its copies alone take 0.56-0.61x its time, results/probe_history_copies_*), and a
 # 32-token block paid ~117 instructions of slots, records and copies per 2 tiles. Same-process H200 A/B, SmolLM2
 # (results/probe_history_trace_d64_variants_*): 0.84-0.86x the time at batch 8 and 32k batch 64, 0.92x at 128k batch
-# 64, 0.89x at 128k batch 1, 0.99x at 64k batch 1; but chained to the KV write 1.12x at 64k batch 1 (the write's q
-# arrived ~1.2 us later behind the wider first copies, and the last warps ended ~2 us later). A module attribute, so
-# that benchmarks time both in one process (probe_history_trace.py --sources name=+B0); D64_WIDE_AFTER_WRITE (+A1)
-# takes the 64-token stages after the write too.
+# 64, 0.89x at 128k batch 1, 0.99x at 64k batch 1. Chained to the KV write they pay from batch 2 only (same-process
+# H200 A/B, results/probe_history_trace_d64_chain_865eb8e_*): 0.94-0.95x at 64k batch 2 / 4 and 32k batch 8, 0.86-0.89x
+# at 64k / 128k batch 8, but 1.10x / 1.12x at 32k / 64k batch 1 (the write's q arrives later behind the wider first
+# copies, and the last warps end ~2 us later) and 0.95x at 128k batch 1. Module attributes, so that benchmarks time
+# both in one process (probe_history_trace.py --sources name=+B0): D64_WIDE_AFTER_WRITE is the smallest batch at
+# which a launch after the write takes them (+A<n>; 0: never, 1: always). A graph is captured per batch size, so the
+# rule holds for its replays.
 D64_WIDE_BLOCKS = True
-D64_WIDE_AFTER_WRITE = False
+D64_WIDE_AFTER_WRITE = 2
 # the stage counts the 64-token D-64 build has (at 4 its 96 KB of stages per CTA fit twice per SM, not 3 times)
 D64_WIDE_STAGES = (2, 3)
 # Query heads per KV head. A CTA column holds 4 query heads (GQA <= 4) or, with WIDE_TILE, 8 (GQA 5-8: one head
@@ -294,14 +297,15 @@ def wide_built(head_dim: int, heads: int, stages: int) -> bool:
     return head_dim == 64 and heads == 4 and stages in D64_WIDE_STAGES
 
 
-def block_tokens(head_dim: int, heads: int, pdl: int) -> int:
-    """Tokens per pipeline stage of a warp for a launch at head_dim, `heads` query heads per CTA column (cta_heads) and
-    this pdl mode: 64 at D 64 with 4 heads per column (GQA <= 4: SmolLM2's 3) at STAGES in D64_WIDE_STAGES unless the
-    launch follows this step's KV write (D64_WIDE_BLOCKS, above), else 32. (8 heads per column: the 64-token build took
-    82-84 registers; 4 stages: 96 KB of stages per CTA; either way 2 CTAs per SM instead of 3, and not built.)"""
+def block_tokens(head_dim: int, heads: int, pdl: int, batch: int) -> int:
+    """Tokens per pipeline stage of a warp for a launch of `batch` requests at head_dim, `heads` query heads per CTA
+    column (cta_heads) and this pdl mode: 64 at D 64 with 4 heads per column (GQA <= 4: SmolLM2's 3) at STAGES in
+    D64_WIDE_STAGES, unless the launch follows this step's KV write at a batch below D64_WIDE_AFTER_WRITE (above),
+    else 32. (8 heads per column: the 64-token build took 82-84 registers; 4 stages: 96 KB of stages per CTA; either
+    way 2 CTAs per SM instead of 3, and not built.)"""
     wide = D64_WIDE_BLOCKS and wide_built(head_dim, heads, STAGES)
     after_write = pdl in (PDL_AFTER_WRITE, PDL_AFTER_WRITE_Q)
-    return 64 if wide and (D64_WIDE_AFTER_WRITE or not after_write) else 32
+    return 64 if wide and (not after_write or 0 < D64_WIDE_AFTER_WRITE <= batch) else 32
 
 
 def cta_heads(gqa: int) -> int:
@@ -469,7 +473,7 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     b, hq = q.shape[0], q.shape[1]
     hkv = cache.kv_heads
     heads = cta_heads(hq // hkv)
-    wide = block_tokens(head_dim, heads, pdl) == 64
+    wide = block_tokens(head_dim, heads, pdl, b) == 64
     # a dict hit; prepares the configuration where experiments changed STAGES / WARPS. The split count (plan) came
     # from the 32-token instance's occupancy: a grid sized for more CTAs per SM than the wide one holds would run a
     # second round

@@ -100,10 +100,19 @@ constexpr int kStageBytes = Stage<128>::kBytes;
 // chained launch keeps 32-token stages. 64 tokens without the unroll: 0.92-0.96x; the unroll alone: 0.94-0.99x.
 constexpr int kWideTok = 64;  // tokens per stage of the WIDE (D 64) instances
 #ifndef OSCAR_TILE_UNROLL
-#define OSCAR_TILE_UNROLL 1
+#define OSCAR_TILE_UNROLL 0
 #endif
-// OSCAR_TILE_UNROLL (an experiment knob; shipped 1): a 32-token instance's tiles unrolled by this factor (at most
-// kTok / 16), e.g. probe_history_trace.py --sources u2=+DOSCAR_TILE_UNROLL=2
+// Tiles of a block unrolled (tile_unroll). D 128: both tiles of a 32-token block, so that the compiler overlaps one
+// tile's K dot with the other's softmax and V dot, as WIDE does at D 64 (SASS per 32 tokens 548 instead of 567 at
+// HC 4, 581 instead of 602 at HC 8; 128 registers, no spills). Same-call H200 A/B against one tile per iteration
+// (Qwen3-8B, results/probe_history_trace_d128_unroll_865eb8e_*): 0.97x at 64k / 128k batch 1 alone and chained,
+// 0.985x at 32k batch 1, 0.95x at 64k batch 8, 0.99x at 128k batch 8. 64-token stages at D 128 (OSCAR_TOK 64), with
+// or without the unroll, were slower at batch 1 there (1.02-1.12x). D 64's 32-token instances: one tile per iteration.
+// OSCAR_TILE_UNROLL n > 0 (an experiment knob): every 32-token instance unrolls n (probe_history_trace.py --sources
+// old=+DOSCAR_TILE_UNROLL=1).
+__host__ __device__ constexpr int tile_unroll(int d, bool wide) {
+  return wide ? kWideTok / 16 : OSCAR_TILE_UNROLL > 0 ? OSCAR_TILE_UNROLL : d == 128 ? kTok / 16 : 1;
+}
 // The BF16 window rows in this kernel (window CTAs, the folded window) are read at D 128 only; at D 64 decode.py runs
 // the Triton window programs after it (history_cuda.fuses_window).
 // a warp's shared memory: its NSTAGE stages, and at D 128 at least the one K and one V tile of 16 BF16 rows (8 KB)
@@ -710,7 +719,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   constexpr int kTok = WIDE ? kWideTok : ::kTok;  // tokens per stage of this instance
   using SL = Stage<D, kTok>;
   constexpr int kSB = SL::kBytes, NMT = D / 16;  // stage bytes, V m-tiles
-  constexpr int kTileUnroll = WIDE ? kTok / 16 : OSCAR_TILE_UNROLL;
+  constexpr int kTileUnroll = tile_unroll(D, WIDE);
+  static_assert(kTileUnroll >= 1 && kTileUnroll <= kTok / 16, "tiles unrolled: 1 .. the block's");
   // the CTA merge parks (O, m, l) in the warps' stages
   static_assert(NSTAGE * kSB >= HC * (D + 2) * 4, "a warp's stages hold its parked partial");
   extern __shared__ __align__(16) uint8_t smem[];
