@@ -16,9 +16,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/ab"
 [ -n "${OSCAR_COMMIT:-}" ] || echo "warning: OSCAR_COMMIT unset: the new tree's results name the device copy's git HEAD" >&2
 OLD=/tmp/oscar_ab_old; rm -rf "$OLD"; mkdir -p "$OLD"
 if [ -n "${OLD_TGZ:-}" ]; then  # the device copy's git may lack OLD_REF: a tarball made here, carried with the call
-  tar xzf "$OLD_TGZ" -C "$OLD" || exit 2  # e.g. git archive OLD_REF python benchmark ':!benchmark/results' | gzip
+  tar xzf "$OLD_TGZ" -C "$OLD" || exit 2  # e.g. git archive OLD_REF python benchmark test ":!benchmark/results" | gzip
 else
-  git archive "$OLD_REF" python benchmark | tar -x -C "$OLD" || exit 2
+  git archive "$OLD_REF" python benchmark test | tar -x -C "$OLD" || exit 2  # bench_decode imports test_decode
 fi
 export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin
 SITE=$HOME/sgl-site

@@ -7,7 +7,8 @@
 #     bash benchmark/run_gpu_history_variants.sh
 # PROBES: ';'-separated model|configs|sources|tag (probe_history_trace.py's --model, --configs, --sources, --tag);
 # ROUNDS (5): interleaved timing rounds per configuration.
-# Outputs: $OUT/probe_history_trace_<tag>_<device>.json per probe, its log, and power_log_<first tag>.csv.
+# Outputs: $OUT/probe_history_trace_<tag>_<device>.json per probe, its log, and power_log_<first tag>.csv (past 8 files
+# the probes' JSONs and logs in $OUT/probes_<first tag>.tgz).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -n "${OSCAR_COMMIT:-}" ] || echo "warning: OSCAR_COMMIT unset: results name the device copy's git HEAD" >&2
@@ -29,4 +30,10 @@ for item in "${items[@]}"; do
   [ "$st" = 0 ] || { echo "$tag: rc=$st"; rc=1; }
 done
 kill "$smi" 2>/dev/null
+# a call brings back at most 8 files from $OUT: past that, the probes' JSONs and logs in one archive (built outside
+# $OUT, see run_gpu_write_row.sh)
+if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf /tmp/oscar_probes.tgz probe_history_trace_* && rm -f probe_history_trace_*) &&
+    mv /tmp/oscar_probes.tgz "$OUT/probes_${first_tag}.tgz"
+fi
 exit $rc
