@@ -44,8 +44,8 @@ from sglang_oscar.kernels.history_cuda import SOURCE  # noqa: E402  (the source 
 # Keys (NSTAGE, HC, G64, D). D 64 (SmolLM2, 2026-11-29): ~80 registers (3 CTAs of 8 warps per SM), a tile of 4 IMMA + 4
 # HMMA in 198-223 instructions (D 128: 246-270; the score, softmax and V-param code per token is the same), 103-117 more
 # per block (one 16-byte copy per token and side, instead of two lanes' halves).
-# D 128's blocks unrolled (2026-11-30, tile_unroll: both tiles of a 32-token block in one pass; same-call H200 A/B
-# 0.95-0.99x, results/probe_history_trace_d128_unroll_865eb8e_*): the hot loop is the block, 548-618 instructions per
+# D 128's blocks unrolled (2026-11-29, tile_unroll: both tiles of a 32-token block in one pass; same-call H200 A/B
+# 0.96-0.98x at batch 1, results/probe_history_trace_d128_unroll_*): the hot loop is the block, 548-618 instructions per
 # 32 tokens against 2 x 246-270 + 75-100 = 567-640 before (G64 HC 4: 548 vs 567, HC 8: 581 vs 602), the kernel ~2.5%
 # longer (8248 vs 8048 at NSTAGE 2 HC 4 G64), 128 registers, no spills. D 128 has no BLOCK_BUDGET rows since.
 BUDGET = {(2, 4, False, 128): (566, 8280), (2, 8, False, 128): (612, 8416), (3, 4, False, 128): (572, 8400),
@@ -77,7 +77,7 @@ MAX_REGISTERS_D64 = 80  # D 64: 3 CTAs of 256 threads per SM (history_cuda's spl
 
 def block_tiles(key) -> int:
     """16-token tiles in one pass of an instance's hot loop (int2_history.cu tile_unroll): the 64-token D-64 block's 4
-    (wide), a D-128 32-token block's 2 (unrolled since 2026-11-30), else 1 (D 64's 32-token instances)."""
+    (wide), a D-128 32-token block's 2 (unrolled since 2026-11-29), else 1 (D 64's 32-token instances)."""
     return WIDE_TILES if key[4] else D128_BLOCK_TILES if key[3] == 128 else 1
 
 

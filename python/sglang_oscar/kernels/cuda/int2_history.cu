@@ -104,10 +104,12 @@ constexpr int kWideTok = 64;  // tokens per stage of the WIDE (D 64) instances
 #endif
 // Tiles of a block unrolled (tile_unroll). D 128: both tiles of a 32-token block, so that the compiler overlaps one
 // tile's K dot with the other's softmax and V dot, as WIDE does at D 64 (SASS per 32 tokens 548 instead of 567 at
-// HC 4, 581 instead of 602 at HC 8; 128 registers, no spills). Same-call H200 A/B against one tile per iteration
-// (Qwen3-8B, results/probe_history_trace_d128_unroll_865eb8e_*): 0.97x at 64k / 128k batch 1 alone and chained,
-// 0.985x at 32k batch 1, 0.95x at 64k batch 8, 0.99x at 128k batch 8. 64-token stages at D 128 (OSCAR_TOK 64), with
-// or without the unroll, were slower at batch 1 there (1.02-1.12x). D 64's 32-token instances: one tile per iteration.
+// HC 4, 581 instead of 602 at HC 8; 128 registers, no spills). Same-process H200 A/Bs against one tile per iteration
+// (results/probe_history_trace_d128_unroll_*): 0.97-0.98x at 64k / 128k batch 1 alone and chained (Qwen3-8B / 32B),
+// 0.98-0.99x at 32k batch 1 and for GLM-4.7 TP8; batch 8 / 32 within +-2% (the board at its 700 W cap); the decode
+// table's A/B 0.96-0.99x from 32k (results/ab_decode_kernel_unroll_*). 64-token stages at D 128 (OSCAR_TOK 64), with or
+// without the unroll, were slower at batch 1 (1.02-1.12x). D 64's 32-token instances: one tile per iteration (the
+// unroll there 0.99-1.01x chained at batch 1, where they run).
 // OSCAR_TILE_UNROLL n > 0 (an experiment knob): every 32-token instance unrolls n (probe_history_trace.py --sources
 // old=+DOSCAR_TILE_UNROLL=1).
 __host__ __device__ constexpr int tile_unroll(int d, bool wide) {
