@@ -33,4 +33,4 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
 done
 python3 benchmark/ab_summary.py "$OUT/ab" --out "$OUT/ab_summary.json"
 # one archive: a call brings back a limited number of files (built outside $OUT, see run_gpu_write_row.sh)
-tar czf /tmp/oscar_ab.tgz -C "$OUT" ab && mv /tmp/oscar_ab.tgz "$OUT/ab.tgz" && rm -rf "$OUT/ab"
+tar czf /tmp/oscar_ab.tgz --exclude="*.png" -C "$OUT" ab && mv /tmp/oscar_ab.tgz "$OUT/ab.tgz" && rm -rf "$OUT/ab"
