@@ -1,5 +1,5 @@
 """Merge the per-call outputs of serving_session.sh into benchmark/results/serving_<device>.json
-(rows {mode, model, context, batch, metric, value, unit, run}) and plot docs/results/serving_*.png.
+(rows {mode, model, context, batch, metric, value, unit, run}) and plot docs/results/serving_*_<device>.png.
 
     python benchmark/serving/collect.py benchmark/results/serving_h100 --out benchmark/results \
         --plots docs/results
@@ -61,7 +61,15 @@ def _call_number(run: str) -> int:
     return int(digits) if digits else -1
 
 
+def _tag(device: str) -> str:
+    """The device name as a file-name part ("NVIDIA H100 80GB HBM3" -> "NVIDIA_H100_80GB_HBM3")."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_")
+
+
 def plot(rows, out: Path, device: str) -> list:
+    """The bs=1 decode-latency plot and the job-throughput plot of one device's calls, named after the device
+    (serving_decode_latency_<device>.png, serving_throughput_<device>.png), so that one device's collect does not
+    replace another's plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,7 +101,7 @@ def plot(rows, out: Path, device: str) -> list:
                 a.grid(alpha=0.3)
                 a.legend(fontsize=7)
         fig.tight_layout()
-        p = out / "serving_decode_latency.png"
+        p = out / f"serving_decode_latency_{_tag(device)}.png"
         fig.savefig(p, dpi=110)
         paths.append(p)
     # the latest run of each (workload, mode): older runs stay in the JSON, the plot shows the current code
@@ -110,7 +118,7 @@ def plot(rows, out: Path, device: str) -> list:
         ax.set_xticks(range(len(thr)), labels, fontsize=7)
         ax.set(ylabel="output tok/s per GPU (prefill included)", title=f"job throughput, Qwen3-8B shapes, {device}")
         fig.tight_layout()
-        p = out / "serving_throughput.png"
+        p = out / f"serving_throughput_{_tag(device)}.png"
         fig.savefig(p, dpi=110)
         paths.append(p)
     return paths
@@ -126,7 +134,7 @@ def main() -> None:
     if not rows:
         raise SystemExit(f"no results under {args.root}/call*/")
     device = meta.get("device") or "unknown"
-    name = "serving_" + re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_") + ".json"
+    name = f"serving_{_tag(device)}.json"
     doc = dict(device=device, versions=meta.get("versions"), commits=meta.get("commits"),
                note="ratios only within one run (call); decode_latency from one_batch is bs=1 in-process with CUDA "
                     "graphs; from the server it is the median inter-token gap of a streamed prefix-cache hit",
