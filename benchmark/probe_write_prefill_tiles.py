@@ -25,10 +25,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=100_000)
     ap.add_argument("--precisions", default="ieee,tf32x3")
-    ap.add_argument("--tiles", default="16:4,16:8,32:4,32:8,64:4,64:8", help="block_t:num_warps pairs")
+    ap.add_argument("--tiles", default="16:4,16:8,32:4,32:8,64:4,64:8",
+                    help="block_t:num_warps pairs; 'default': oscar_write_kv's own choice (default_block_t, "
+                         "default_num_warps)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    from sglang_oscar.kernels.write import _oscar_write_kv_kernel, default_block_t, oscar_write_kv
+    from sglang_oscar.kernels.write import _oscar_write_kv_kernel, default_block_t, default_num_warps, oscar_write_kv
 
     m = MODELS["Qwen3-8B"]
     rows = []
@@ -36,9 +38,14 @@ def main() -> None:
         for v_absorbed in (False, True):
             inputs, kw, nbytes = make_inputs(m, args.tokens, False, gk=64, gv=64, v_absorbed=v_absorbed)
             for tile in args.tiles.split(","):
-                bt, nw = (int(x) for x in tile.split(":"))
+                own = tile == "default"
+                if own:
+                    bt = default_block_t(args.tokens, m["head_dim"])
+                    nw = default_num_warps(args.tokens, m["head_dim"], bt, precision)
+                else:
+                    bt, nw = (int(x) for x in tile.split(":"))
                 call = lambda: oscar_write_kv(*inputs, **kw, precision=precision, validate=False,  # noqa: E731
-                                              block_t=bt, num_warps=nw)
+                                              **({} if own else dict(block_t=bt, num_warps=nw)))
                 call()
                 torch.cuda.synchronize()
                 n_regs = n_spills = None
@@ -46,7 +53,8 @@ def main() -> None:
                     n_regs, n_spills = ck.n_regs, ck.n_spills  # the last compiled: this call's
                 ms = bench(call, False)
                 row = dict(precision=precision, v_absorbed=v_absorbed, block_t=bt, num_warps=nw,
-                           default=bt == default_block_t(args.tokens, m["head_dim"]) and nw == 4,
+                           default=own or (bt == default_block_t(args.tokens, m["head_dim"])
+                                           and nw == default_num_warps(args.tokens, m["head_dim"], bt, precision)),
                            layer_call_us=ms * 1e3, gbps=nbytes / (ms * 1e-3) / 1e9, n_regs=n_regs, n_spills=n_spills)
                 rows.append(row)
                 print(f"{precision:7s} v_abs={int(v_absorbed)} bt={bt:3d} warps={nw}  {ms * 1e3:8.1f} us  "

@@ -285,10 +285,28 @@ def test_write_errors():
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
-def test_write_gpu_prefill_bf16(precision):
-    """GPU only: a larger bf16 prefill (T=1000, Qwen3-8B head shape) against the oracle."""
-    case = make_case(1000, 128, 8, 64, 64, per_head=False, mean=True, v_absorbed=False, seed=77)
+@pytest.mark.parametrize("v_abs", [False, True])
+def test_write_gpu_prefill_bf16(precision, v_abs):
+    """GPU only: a larger bf16 prefill (T=1000, Qwen3-8B head shape: 32-row tiles, 8 warps in IEEE fp32) against the
+    oracle, with and without the V transform (V absorbed into the weights: the served default)."""
+    case = make_case(1000, 128, 8, 64, 64, per_head=False, mean=True, v_absorbed=v_abs, seed=77)
     run_and_check(*case, k_clip=0.96, v_clip=1.0, ka=1.0, va=1.0, precision=precision)
+
+
+def test_default_num_warps():
+    """8 warps for the 16-row tiles of mid-sized decode batches and for the 32-row prefill tiles at head_dim 128 in
+    IEEE fp32 (4 spilled there); 4 elsewhere, tf32x3 included (not measured with 8)."""
+    from sglang_oscar.kernels.write import (MID_BATCH_TOKENS, MID_BATCH_WARPS, PREFILL_D128_IEEE_WARPS,
+                                            default_block_t, default_num_warps)
+
+    assert default_num_warps(64, 128, 16, "ieee") == default_num_warps(MID_BATCH_TOKENS, 64, 16, "ieee") \
+        == MID_BATCH_WARPS == 8
+    bt = default_block_t(100_000, 128)
+    assert bt == 32 and default_num_warps(100_000, 128, bt, "ieee") == PREFILL_D128_IEEE_WARPS == 8
+    assert default_num_warps(100_000, 128, bt, "tf32x3") == 4
+    assert default_num_warps(100_000, 64, default_block_t(100_000, 64), "ieee") == 4
+    assert default_num_warps(100_000, 256, default_block_t(100_000, 256), "ieee") == 4
+    assert default_num_warps(1, 128, 1, "ieee") == 4
 
 
 @requires_cuda

@@ -370,6 +370,12 @@ SMALL_BATCH_TOKENS = 32
 # us vs 10.0-11.5 with 4, results/write_warps_sweep_09f0505_* and write_row_*); beyond, the prefill tiles per head_dim.
 MID_BATCH_TOKENS = 256
 MID_BATCH_WARPS = 8
+# The prefill tiles at head_dim 128 (32 rows) with the transform's dot in IEEE fp32 (the default precision): 8 warps.
+# With 4 the fp32 dot's [32, 128] accumulator and operands spill (255 registers, 188 / 298 spilled with / without a V
+# transform); H200, Qwen3-8B 100k tokens (results/probe_write_prefill_tiles_9dca25f_*): with V absorbed into the
+# weights (no V transform, the served default) 2.38 ms per layer call with 8 warps against 6.16 with 4; with a V
+# transform 3.17 against 3.31. (16-row tiles of 8 warps: 2.07 / 5.06 ms; 64 rows: 6.09-14.1.)
+PREFILL_D128_IEEE_WARPS = 8
 # Interpreter tiles (default_block_t(..., interpreter=True)): the largest of each path.
 INTERPRETER_MAX_SMALL_T = 8
 INTERPRETER_MAX_DOT_T = 128
@@ -398,6 +404,16 @@ def default_block_t(num_tokens: int, head_dim: int, interpreter: bool = False) -
         fit = triton.next_power_of_2(max(num_tokens, 1)) if HAS_TRITON else 1
         bt = min(fit, INTERPRETER_MAX_SMALL_T) if bt < 16 else max(16, min(fit, INTERPRETER_MAX_DOT_T))
     return bt
+
+
+def default_num_warps(num_tokens: int, head_dim: int, block_t: int, precision: str) -> int:
+    """Warps per program of the Triton write: MID_BATCH_WARPS for the 16-row tiles of mid-sized decode batches,
+    PREFILL_D128_IEEE_WARPS for the 32-row prefill tiles at head_dim 128 in IEEE fp32, else 4."""
+    if block_t == 16 and num_tokens <= MID_BATCH_TOKENS:
+        return MID_BATCH_WARPS
+    if head_dim == 128 and block_t == 32 and precision == "ieee":
+        return PREFILL_D128_IEEE_WARPS
+    return 4
 
 
 def oscar_write_kv(
@@ -432,7 +448,8 @@ def oscar_write_kv(
     the sink / ring buffers, −1 = do not write. k_transform: fp32 [D, D] or [Hkv, D, D]; k_mean: fp32
     [D] or [Hkv, D]; v_transform None = V already in its basis. Clip ratios ρ in (0, 1], ρ = 1 no clip.
     validate=False skips the (host-only, sync-free) shape checks of the pool for hot loops.
-    num_warps None: 8 for the 16-row tiles of decode batches (<= MID_BATCH_TOKENS), else 4 (measured, see there).
+    num_warps None: default_num_warps (8 for the 16-row tiles of decode batches <= MID_BATCH_TOKENS and for the 32-row
+    prefill tiles at head_dim 128 in IEEE fp32, else 4; measured, see there).
     pdl_trigger: let the next kernel, launched as a programmatic dependent, start as soon as every program of this
     one has started (griddepcontrol.launch_dependents; sm_90+). Used with oscar_decode(follows_write=True), whose
     CUDA history kernel then streams the old INT2 rows while this write runs; a dependent must still wait
@@ -508,7 +525,7 @@ def oscar_write_kv(
     # 2-8 rows: [BT, BK, D] products that stay in registers
     bk = min(d, 64) if bt >= 16 else min(d, 16384 // d) if bt == 1 else min(d, 32)
     if num_warps is None:
-        num_warps = MID_BATCH_WARPS if bt == 16 and n <= MID_BATCH_TOKENS else 4
+        num_warps = default_num_warps(n, d, bt, precision)
     qargs = _q_args(q, q_transform, q_out, n, h, d, dev, bt)
     grid = write_grid(n, h, bt, bool(qargs))
     _oscar_write_kv_kernel[grid](
