@@ -46,11 +46,14 @@ def main() -> None:
                     bt, nw = (int(x) for x in tile.split(":"))
                 call = lambda: oscar_write_kv(*inputs, **kw, precision=precision, validate=False,  # noqa: E731
                                               **({} if own else dict(block_t=bt, num_warps=nw)))
+                cached = [c for d in _oscar_write_kv_kernel.device_caches.values() for c in d[0].values()]
                 call()
                 torch.cuda.synchronize()
-                n_regs = n_spills = None
-                for ck in (c for d in _oscar_write_kv_kernel.device_caches.values() for c in d[0].values()):
-                    n_regs, n_spills = ck.n_regs, ck.n_spills  # the last compiled: this call's
+                # the variant this call compiled (a tile already compiled in this process, e.g. 'default' and the
+                # same block_t:num_warps, adds none: its registers are in that earlier row)
+                new = [c for d in _oscar_write_kv_kernel.device_caches.values() for c in d[0].values()
+                       if not any(c is x for x in cached)]
+                n_regs, n_spills = (new[-1].n_regs, new[-1].n_spills) if new else (None, None)
                 ms = bench(call, False)
                 row = dict(precision=precision, v_absorbed=v_absorbed, block_t=bt, num_warps=nw,
                            default=own or (bt == default_block_t(args.tokens, m["head_dim"])
