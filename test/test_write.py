@@ -295,7 +295,7 @@ def test_write_gpu_prefill_bf16(precision, v_abs):
 
 def test_default_num_warps():
     """8 warps for the 16-row tiles of mid-sized decode batches and for the 32-row prefill tiles at head_dim 128 in
-    IEEE fp32 (4 spilled there); 4 elsewhere, tf32x3 included (not measured with 8)."""
+    IEEE fp32 (4 spilled there); 4 elsewhere, tf32x3 included (faster with 4 at 8k tokens)."""
     from sglang_oscar.kernels.write import (MID_BATCH_TOKENS, MID_BATCH_WARPS, PREFILL_D128_IEEE_WARPS,
                                             default_block_t, default_num_warps)
 

@@ -374,7 +374,9 @@ MID_BATCH_WARPS = 8
 # With 4 the fp32 dot's [32, 128] accumulator and operands spill (255 registers, 188 / 298 spilled with / without a V
 # transform); H200, Qwen3-8B 100k tokens (results/probe_write_prefill_tiles_9dca25f_*): with V absorbed into the
 # weights (no V transform, the served default) 2.38 ms per layer call with 8 warps against 6.16 with 4; with a V
-# transform 3.17 against 3.31. (16-row tiles of 8 warps: 2.07 / 5.06 ms; 64 rows: 6.09-14.1.)
+# transform 3.17 against 3.31. (16-row tiles of 8 warps: 2.07 / 5.06 ms; 64 rows: 6.09-14.1.) At 8k tokens 0.46x / 0.88x
+# the 4-warp time; tf32x3 keeps 4 warps, faster there (183 / 203 us against 8 warps' 221 / 291;
+# results/probe_write_prefill_tiles_8k_3dd876d_*).
 PREFILL_D128_IEEE_WARPS = 8
 # Interpreter tiles (default_block_t(..., interpreter=True)): the largest of each path.
 INTERPRETER_MAX_SMALL_T = 8
