@@ -20,15 +20,16 @@ nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm,clocks_throttle_reasons.ac
   -lms 500 > "$OUT/power_log_table.csv" 2>&1 &
 smi=$!
 IMPLS=${IMPLS:-oscar_cuda_page64,oscar_page64,read_same_bytes,flashinfer_bf16,flashinfer_fp8,sglang_triton_bf16}
-python3 benchmark/bench_decode.py --out "$OUT" --models "${MODELS:-qwen3-8b,smollm2}" \
-  --contexts "${CONTEXTS:-8192,32768,65536,131072}" --batches "${BATCHES:-1,8,32,64}" --impls "$IMPLS" \
-  --oscar-configs auto:2:3 2>&1 | tee "$OUT/bench_decode.log"
+MODELS=${MODELS:-qwen3-8b,smollm2}
+CONTEXTS=${CONTEXTS:-8192,32768,65536,131072}
+python3 benchmark/bench_decode.py --out "$OUT" --models "$MODELS" --contexts "$CONTEXTS" \
+  --batches "${BATCHES:-1,8,32,64}" --impls "$IMPLS" --oscar-configs auto:2:3 2>&1 | tee "$OUT/bench_decode.log"
 rc=${PIPESTATUS[0]}
 if [ "${RERUN:-1}" = 1 ]; then
   echo "=== batch-1 rerun of oscar_cuda_page64 alone ($(date +%T))" | tee -a "$OUT/gpu_state.txt"
   mkdir -p /tmp/oscar_rerun
-  python3 benchmark/bench_decode.py --out /tmp/oscar_rerun --models "${MODELS:-qwen3-8b,smollm2}" \
-    --contexts "${CONTEXTS:-8192,32768,65536,131072}" --batches 1 --impls oscar_cuda_page64,read_same_bytes \
+  python3 benchmark/bench_decode.py --out /tmp/oscar_rerun --models "$MODELS" --contexts "$CONTEXTS" \
+    --batches 1 --impls oscar_cuda_page64,read_same_bytes \
     --oscar-configs auto:2:3 > "$OUT/decode_kernel_b1_rerun.log" 2>&1 || rc=1
   for f in /tmp/oscar_rerun/decode_kernel_*.json; do
     [ -e "$f" ] && mv "$f" "$OUT/$(basename "$f" | sed 's/^decode_kernel_/decode_kernel_b1_rerun_/')"
