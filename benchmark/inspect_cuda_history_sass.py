@@ -48,10 +48,14 @@ from sglang_oscar.kernels.history_cuda import SOURCE  # noqa: E402  (the source 
 # 0.96-0.98x at batch 1, results/probe_history_trace_d128_unroll_*): the hot loop is the block, 548-618 instructions per
 # 32 tokens against 2 x 246-270 + 75-100 = 567-640 before (G64 HC 4: 548 vs 567, HC 8: 581 vs 602), the kernel ~2.5%
 # longer (8248 vs 8048 at NSTAGE 2 HC 4 G64), 128 registers, no spills. D 128 has no BLOCK_BUDGET rows since.
-BUDGET = {(2, 4, False, 128): (566, 8280), (2, 8, False, 128): (612, 8416), (3, 4, False, 128): (572, 8400),
-          (3, 8, False, 128): (618, 8528), (4, 4, False, 128): (568, 8496), (4, 8, False, 128): (614, 8624),
-          (2, 4, True, 128): (548, 8248), (2, 8, True, 128): (581, 8352), (3, 4, True, 128): (553, 8344),
-          (3, 8, True, 128): (588, 8472), (4, 4, True, 128): (549, 8424), (4, 8, True, 128): (584, 8544),
+# Paired tiles at D 128 HC 4 (OSCAR_PAIR, 2026-12-01: the block's two tiles share one softmax): the hot loop 441-477
+# instead of 548-572 (the common path without the rare rescale branch 375-384 instead of 418 at G64 NSTAGE 2), the
+# kernel 3.8-4.2% longer (the second K dot's select and the halves' merge after the loop), 128 registers through the
+# launch bounds.
+BUDGET = {(2, 4, False, 128): (477, 8608), (2, 8, False, 128): (612, 8416), (3, 4, False, 128): (471, 8736),
+          (3, 8, False, 128): (618, 8528), (4, 4, False, 128): (465, 8840), (4, 8, False, 128): (614, 8624),
+          (2, 4, True, 128): (450, 8592), (2, 8, True, 128): (581, 8352), (3, 4, True, 128): (445, 8672),
+          (3, 8, True, 128): (588, 8472), (4, 4, True, 128): (439, 8752), (4, 8, True, 128): (584, 8552),
           (2, 4, False, 64): (200, 2792), (2, 8, False, 64): (223, 2840), (2, 4, True, 64): (198, 2768),
           (2, 8, True, 64): (213, 2824), (3, 4, False, 64): (199, 2840), (3, 8, False, 64): (226, 2896),
           (3, 4, True, 64): (198, 2824), (3, 8, True, 64): (213, 2880), (4, 4, False, 64): (199, 2888),

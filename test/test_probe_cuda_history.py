@@ -924,3 +924,166 @@ def test_d64_layouts_match_the_kernel_source():
         assert line in src, line
     # the D-128 branch keeps its own lines (the blocks above are not the whole kernel)
     assert "const uint32_t M = 0x03030303u << (2 * p);" not in d64
+
+
+# ---- paired tiles (int2_history.cu pair_tiles: D 128, HC 4, OSCAR_PAIR) ----------------------------------------------
+# The two 16-token tiles of a 32-token block share one softmax: lane (g, t) keeps tile t >> 1's K accumulator (columns
+# 2t, 2t + 1 are heads (2t) & 3, + 1 of that tile), the V operands of both groups are transposed once and masked by
+# column (g < 4: tile 0), O's columns 0..3 gather tile 0's tokens and 4..7 tile 1's, and lanes t, t ^ 2 merge after
+# the loop. The emulation below runs one block that way, from the kernel's int8 q to the parked outputs, and compares
+# them with a float64 attention over the block's 32 dequantized rows.
+
+
+def paired_block(kc, vc, kp, vp, q, c0):
+    """One 32-token block through the paired-tile path of the history loop (HC 4, groups of 64). kc / vc: codes
+    [32 tokens, 32 bytes] (tile 0 = tokens 0..15, in the stage's order); kp / vp: (scale, min) per token and group
+    [32, 2, 2] (as bf16-exact floats); q [4 heads, 128]; c0 = sm_scale log2 e. Returns out [4, 128] = o / l as the
+    CTA merge of this single warp would store it, lse [4] = m + log2 l (log2 units) as the lanes t < 2 of row g 0
+    hand it to the CTA merge, and the (head, dim) outputs each lane parked."""
+    head = lambda c: c & 3  # noqa: E731  (HC 4: columns 4..7 repeat heads 0..3)
+    qhi, qlo, (is0, is1) = kernel_int8_q(q, head, c0)
+    qf = q * c0
+    # the min terms' group sums per head (q00 .. q11: the quad's shuffled sums / 2^24)
+    qsum = [(qf[:, 64 * grp:64 * grp + 64].sum(-1) / 2.0 ** 24) for grp in range(2)]
+    acc = {}
+    for tile in range(2):
+        ih = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
+        il = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
+        rows = kc[16 * tile:16 * tile + 16]
+        for p in range(4):
+            a_regs = []
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                r0, r1 = rows[sigma(g)], rows[sigma(g) + 8]
+                a_regs.append([[(int(r0[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
+                               [(int(r1[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
+                               [(int(r0[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
+                               [(int(r1[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)]])
+            imma(ih[p // 2], a_regs, [[qhi[lane, 2 * p], qhi[lane, 2 * p + 1]] for lane in range(32)])
+            imma(il[p // 2], a_regs, [[qlo[lane, 2 * p], qlo[lane, 2 * p + 1]] for lane in range(32)])
+        acc[tile] = [(ih[i] * 128 + il[i]).astype(np.float64) for i in range(2)]
+    # per lane: its tile tj = t >> 1 (the select), scores in units of 2^-24 log2, p with the tile's max per column
+    s = np.zeros((32, 4))
+    tok_of = np.zeros((32, 4), dtype=np.int64)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        tj = t >> 1
+        for e in range(4):
+            tok = 16 * tj + sigma(g) + 8 * (e >> 1)
+            h = head(2 * t + (e & 1))
+            tok_of[lane, e] = tok
+            s[lane, e] = (acc[tj][0][lane, e] * kp[tok, 0, 0] * float(is0) + acc[tj][1][lane, e] * kp[tok, 1, 0]
+                          * float(is1) + kp[tok, 0, 1] * qsum[0][h] + kp[tok, 1, 1] * qsum[1][h])
+    m = np.zeros((32, 2))
+    for lane in range(32):  # the rescale's max: over the 8 lanes of the same t (rows g, g + 8: the tile's 16 tokens)
+        t = lane & 3
+        same = [ln for ln in range(32) if ln & 3 == t]
+        m[lane] = [max(s[ln, c] for ln in same for c in (c0_, c0_ + 2)) * 2.0 ** 24 for c0_ in (0, 1)]
+    P = np.exp2(s * 2.0 ** 24 - m[:, [0, 1, 0, 1]])
+    # the V operands of both groups: p . vscale of the lane's tokens, movmatrix.trans, then masked by column
+    ops = []
+    for grp in range(2):
+        h01 = [pack(P[ln, 0] * vp[tok_of[ln, 0], grp, 0], P[ln, 1] * vp[tok_of[ln, 0], grp, 0]) for ln in range(32)]
+        h23 = [pack(P[ln, 2] * vp[tok_of[ln, 2], grp, 0], P[ln, 3] * vp[tok_of[ln, 2], grp, 0]) for ln in range(32)]
+        ops.append((movmatrix_trans(h01), movmatrix_trans(h23)))
+    cmask = [0xFFFFFFFF if (ln >> 2) < 4 else 0 for ln in range(32)]
+    o = [np.zeros((32, 4)) for _ in range(8)]
+    for tile in range(2):
+        mask = [cm if tile == 0 else (~cm & 0xFFFFFFFF) for cm in cmask]
+        masked = [tuple([b[ln] & mask[ln] for ln in range(32)] for b in pair) for pair in ops]
+        ot = history_v_dot(vc[16 * tile:16 * tile + 16], lambda mt: masked[0] if mt < 4 else masked[1])
+        for mt in range(8):
+            o[mt] += ot[mt]
+    # l, lv (group 0), lw (group 1) of the lane's two columns, summed over the lanes of the same t
+    l, lv, lw = np.zeros((32, 2)), np.zeros((32, 2)), np.zeros((32, 2))
+    for lane in range(32):
+        t = lane & 3
+        for ln in (x for x in range(32) if x & 3 == t):
+            for c in range(2):
+                for e in (c, c + 2):
+                    l[lane, c] += P[ln, e]
+                    lv[lane, c] += P[ln, e] * vp[tok_of[ln, e], 0, 1]
+                    lw[lane, c] += P[ln, e] * vp[tok_of[ln, e], 1, 1]
+    # the merge of lanes t, t ^ 2 (same heads, the other tile's tokens)
+    part = lambda x: x[[ln ^ 2 for ln in range(32)]]  # noqa: E731
+    n = np.maximum(m, part(m))
+    a, z = np.exp2(m - n), np.exp2(part(m) - n)
+    l, lv, lw = (x * a + part(x) * z for x in (l, lv, lw))
+    o = [x * a[:, [0, 1, 0, 1]] + part(x) * z[:, [0, 1, 0, 1]] for x in o]
+    m = n
+    lse = np.array([m[lane, hh] + np.log2(l[lane, hh]) for lane in (0, 1) for hh in (0, 1)])  # g 0, t < 2: heads 0..3
+    # park: lane (g, t) stores the m-tiles of group t >> 1 with that group's min sums (lv or lw), heads head0, + 1
+    out = np.full((4, 128), np.nan)
+    seen = set()
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        gsel, head0 = t >> 1, (2 * t) & 3
+        for i in range(4):
+            mt = 4 * gsel + i
+            p, hb = mt >> 1, mt & 1
+            d0 = p * 32 + 4 * g + 2 * hb
+            vmin = lw[lane] if gsel else lv[lane]
+            for e, (hh, d) in enumerate(((0, d0), (1, d0), (0, d0 + 1), (1, d0 + 1))):
+                out[head0 + hh, d] = (o[mt][lane, e] * 2.0 ** (24 - 2 * p) + vmin[hh]) / l[lane, hh]
+                seen.add((head0 + hh, d))
+    return out, lse, seen
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paired_tiles_block_is_attention_over_its_32_rows(seed):
+    rng = np.random.default_rng(70 + seed)
+    kc, vc = rng.integers(0, 256, (32, 32)), rng.integers(0, 256, (32, 32))
+    # (scale, min) per token and group, bf16-exact
+    def bf16(x):
+        return torch.from_numpy(x).to(torch.bfloat16).double().numpy()
+    kp = np.stack([bf16(rng.random((32, 2)) * 0.4 + 0.05), bf16(-rng.random((32, 2)) * 0.6)], -1)
+    vp = np.stack([bf16(rng.random((32, 2)) * 0.4 + 0.05), bf16(rng.standard_normal((32, 2)) * 0.3)], -1)
+    q = rng.standard_normal((4, 128)) * (1.5 if seed == 2 else 0.5)  # seed 2: a peaked softmax
+    c0 = 1 / math.sqrt(128) * probe.LOG2E
+    out, lse, seen = paired_block(kc, vc, kp, vp, q, c0)
+    assert len(seen) == 4 * 128 and np.isfinite(out).all()  # every (head, dim) parked once
+    K, V = codes(kc).astype(np.float64), codes(vc).astype(np.float64)  # dims p*32 + j
+    grp = np.arange(128) // 64
+    Kh = kp[:, grp, 1] + kp[:, grp, 0] * K
+    Vh = vp[:, grp, 1] + vp[:, grp, 0] * V
+    sc = (q * c0) @ Kh.T  # log2 units
+    p = np.exp2(sc - sc.max(-1, keepdims=True))
+    want = (p @ Vh) / p.sum(-1, keepdims=True)
+    # fp16 p . vscale operands and the 14-bit q: well under the GPU tests' 1e-2
+    err = np.linalg.norm(out - want) / np.linalg.norm(want)
+    assert err < 2e-3, err
+    # the merged max and sum: the block's log2-sum-exp per head, which the CTA and split merges weigh it by
+    np.testing.assert_allclose(lse, np.log2(np.exp2(sc).sum(-1)), rtol=0, atol=1e-3)
+
+
+def test_paired_tiles_match_the_kernel_source():
+    """The lines paired_block rests on, verbatim in the kernel: the instances it applies to, the select of tile tj's
+    accumulator, tile tj's K / V params, the column mask of the transposed V operands and the two tiles' V dots, the
+    halves' merge and the park of lv / lw by group."""
+    src = open(PRODUCTION_SOURCE).read()
+    for line in ("#define OSCAR_PAIR 1",
+                 "return OSCAR_PAIR != 0 && OSCAR_IMMA_K != 0 && d == 128 && hc == 4 && !wide;",
+                 "for (int j = 0; j < (OSCAR_PROBE_COPIES ? 0 : kPair ? 1 : kTok / 16); ++j) {",
+                 "const int tj = kPair ? gsel : j;",
+                 "k_dot_d128(st + j * 16 * 32, sg, t, qhi, qlo, ih0, il0, ih1, il1);",
+                 "k_dot_d128(st + 16 * 32, sg, t, qhi, qlo, jh0, jl0, jh1, jl1);",
+                 "ih0[e] = tj ? jh0[e] : ih0[e]; il0[e] = tj ? jl0[e] : il0[e];",
+                 "ih1[e] = tj ? jh1[e] : ih1[e]; il1[e] = tj ? jl1[e] : il1[e];",
+                 "const uint2* kps = reinterpret_cast<const uint2*>(st + SL::kKpOff) + tj * 16;",
+                 "const int pa = pos0 + tj * 16 + sg;",
+                 "const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + SL::kVpOff) + tj * 32;",
+                 "if (HC == 4 && !kPair) {",
+                 "[[maybe_unused]] const uint32_t cmask = g < 4 ? 0xffffffffu : 0u;",
+                 "v_dot_d128(st + SL::kVcOff + 4 * g, t, o, b0 & cmask, b1 & cmask, c0 & cmask, c1 & cmask);",
+                 "v_dot_d128(st + SL::kVcOff + 16 * 32 + 4 * g, t, o, b0 & ~cmask, b1 & ~cmask, c0 & ~cmask, "
+                 "c1 & ~cmask);",
+                 "if (HC == 8 || kPair) { lw0 *= al0; lw1 *= al1; }",
+                 "const float pm0 = __shfl_xor_sync(0xffffffffu, m0, 2), pm1 = __shfl_xor_sync(0xffffffffu, m1, 2);",
+                 "const float a0 = ex2(m0 - n0), z0 = ex2(pm0 - n0), a1 = ex2(m1 - n1), z1 = ex2(pm1 - n1);",
+                 "auto mix = [](float& x, float ax, float zx) { x = fmaf(x, ax, __shfl_xor_sync(0xffffffffu, x, 2) "
+                 "* zx); };",
+                 "if constexpr (kPair) park(G0 * gsel + i, c, gsel ? lw0 : lv0, gsel ? lw1 : lv1);"):
+        assert line in src, line
+    # the HC-8 branch's V operands (both groups, every column its own) are the ones the paired tiles use
+    assert "lw0 = fmaf(p0, bf_hi(va1), fmaf(p2, bf_hi(vb1), lw0));" in src
+    assert "c0 = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va1), p1 * bf_lo(va1))));" in src

@@ -3,6 +3,7 @@ history kernel: it compiles at <= 128 registers without spills (so that the mark
 occupancy), exports its read / clear entry points, and the shipped build has no trace code (skips without nvcc)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -110,9 +111,9 @@ def test_trace_build_compiles_within_the_register_budget(tmp_path):
         regs = [int(x.split("Used ")[1].split(" registers")[0]) for x in res.stderr.splitlines() if "Used " in x]
         assert regs and max(regs) <= 128, regs
         # per instance (ptxas prints the entry's name, then its stack / spill line): none spills, except that the
-        # trace build's 64-token D-64 instances (WIDE, "...ELi64ELb1E") may spill up to 8 bytes: their marks' registers
-        # do not fit the 80 that 3 CTAs per SM leave (a measurement build; its timings are reported beside the plain
-        # build's in the same process)
+        # trace build's 64-token D-64 instances (WIDE, "...ELi64ELb1E") and its paired-tile instances (HC 4, D 128:
+        # "...ELi4ELb?ELi128ELb0E", held to 128 registers by their launch bounds) may spill up to 8 bytes: their marks' registers do not fit the 80 / 128 that 3 / 2 CTAs per SM leave (a measurement build; its
+        # timings are reported beside the plain build's in the same process)
         spills, entry = {}, None
         for line in res.stderr.splitlines():
             if "Compiling entry function" in line:
@@ -121,7 +122,8 @@ def test_trace_build_compiles_within_the_register_budget(tmp_path):
                 spills[entry] = int(line.split("bytes spill stores")[0].split(",")[-1])
         assert spills and len(spills) == len(regs), (len(spills), len(regs))
         for name, n in spills.items():
-            assert n <= (8 if traced and "ELi64ELb1E" in name else 0), (name, n)
+            tight = "ELi64ELb1E" in name or re.search(r"ILi[234]ELi4ELb[01]ELi128ELb0E", name) is not None
+            assert n <= (8 if traced and tight else 0), (name, n)
         syms = subprocess.run(["nm", "-g", str(obj)], capture_output=True, text=True).stdout
         assert ("oscar_history_trace_read" in syms) == traced
         assert ("oscar_history_trace_clear" in syms) == traced

@@ -112,6 +112,23 @@ constexpr int kWideTok = 64;  // tokens per stage of the WIDE (D 64) instances
 // unroll there 0.99-1.01x chained at batch 1, where they run).
 // OSCAR_TILE_UNROLL n > 0 (an experiment knob): every 32-token instance unrolls n (probe_history_trace.py --sources
 // old=+DOSCAR_TILE_UNROLL=1).
+#ifndef OSCAR_PAIR
+#define OSCAR_PAIR 1
+#endif
+// OSCAR_PAIR 1 (default): at D 128 and HC 4 the two tiles of a 32-token block share one softmax (paired tiles). Why: at
+// HC 4 the K dot's columns 4..7 repeat heads 0..3, so lanes t >= 2 computed the same scores, exponentials and V-side
+// products as lanes t < 2 (their only use was to carry V group 1's scale into the V dot); about 80 of the block's 418
+// common-path instructions per tile are such per-(token, head) work. Paired, a lane's accumulator columns take tile 0's
+// scores where t < 2 and tile 1's where t >= 2 (a select of the two tiles' K accumulators, in place of the second
+// tile's integer combine), so that every lane does the softmax of 4 distinct (token, head) pairs per block instead of 8
+// with half of them repeated. The V dot then needs each tile's p with only its own columns: the p . vscale operands of
+// both V groups are transposed once (movmatrix) and masked by column (lanes g < 4 for tile 0, g >= 4 for tile 1); the
+// O accumulator's columns 0..3 gather tile 0's tokens and 4..7 tile 1's, and the two halves of a warp (lanes t, t ^ 2:
+// the same heads) merge as two softmax partials after the loop. Same MMA count and the same 14-bit q as unpaired.
+// 0 (an experiment knob): both tiles with their own softmax, as before.
+__host__ __device__ constexpr bool pair_tiles(int d, int hc, bool wide) {
+  return OSCAR_PAIR != 0 && OSCAR_IMMA_K != 0 && d == 128 && hc == 4 && !wide;
+}
 __host__ __device__ constexpr int tile_unroll(int d, bool wide) {
   return wide ? kWideTok / 16 : OSCAR_TILE_UNROLL > 0 ? OSCAR_TILE_UNROLL : d == 128 ? kTok / 16 : 1;
 }
@@ -708,20 +725,65 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
 
+// The K dot of one 16-token D-128 tile (OSCAR_IMMA_K): the lane's code bytes 8t .. 8t + 7 of tokens sg, sg + 8 (the
+// tile's rows g, g + 8) at kcs, masked per plane p as c 4^p (A, u8: k 4t.. and 16 + 4t.., matching qhi / qlo) against
+// q's int8 hi and lo; plane group 0 (planes 0, 1: dims 0..63) into ih0 / il0, group 1 into ih1 / il1 (added to them).
+__device__ __forceinline__ void k_dot_d128(const uint8_t* kcs, int sg, int t, const uint32_t (&qhi)[8],
+                                           const uint32_t (&qlo)[8], int (&ih0)[4], int (&il0)[4], int (&ih1)[4],
+                                           int (&il1)[4]) {
+  const uint2 kw0 = *reinterpret_cast<const uint2*>(kcs + sg * 32 + t * 8);
+  const uint2 kw1 = *reinterpret_cast<const uint2*>(kcs + (sg + 8) * 32 + t * 8);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t M = 0x03030303u << (2 * p);
+    const uint32_t a0 = kw0.x & M, a1 = kw1.x & M, a2 = kw0.y & M, a3 = kw1.y & M;
+    imma16832(p < 2 ? ih0 : ih1, a0, a1, a2, a3, qhi[2 * p], qhi[2 * p + 1]);
+    imma16832(p < 2 ? il0 : il1, a0, a1, a2, a3, qlo[2 * p], qlo[2 * p + 1]);
+  }
+}
+
+// The V dot of one 16-token D-128 tile: O^T[128 dims, 8 cols] += V^T codes[128, 16] . B[16, 8], m-tiles 0..3 (V group
+// 0) against the B pair (b0, b1), 4..7 (group 1) against (c0, c1). vcs: the tile's V codes + 4g; the lane reads code
+// bytes 4g .. 4g + 3 of tokens t, t + 4, t + 8, t + 12 and pairs two tokens of one code byte per halfword pair
+// (V_SELECTORS in test_probe_cuda_history.py), one AND per two codes and plane (fp16 subnormals c 2^(2p - 24)).
+__device__ __forceinline__ void v_dot_d128(const uint8_t* vcs, int t, float (&o)[8][4], uint32_t b0, uint32_t b1,
+                                           uint32_t c0, uint32_t c1) {
+  const uint32_t wA = *reinterpret_cast<const uint32_t*>(vcs + t * 32);
+  const uint32_t wB = *reinterpret_cast<const uint32_t*>(vcs + (t + 4) * 32);
+  const uint32_t wC = *reinterpret_cast<const uint32_t*>(vcs + (t + 8) * 32);
+  const uint32_t wD = *reinterpret_cast<const uint32_t*>(vcs + (t + 12) * 32);
+  const uint32_t e0 = prmt(wA, wB, 0x4400), e1 = prmt(wA, wB, 0x5511);
+  const uint32_t e2 = prmt(wA, wB, 0x6622), e3 = prmt(wA, wB, 0x7733);
+  const uint32_t f0 = prmt(wC, wD, 0x4400), f1 = prmt(wC, wD, 0x5511);
+  const uint32_t f2 = prmt(wC, wD, 0x6622), f3 = prmt(wC, wD, 0x7733);
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt) {
+    const int p = mt >> 1, hb = mt & 1;
+    const uint32_t M = 0x00030003u << (2 * p);
+    mma16816(o[mt], (hb ? e2 : e0) & M, (hb ? e3 : e1) & M, (hb ? f2 : f0) & M, (hb ? f3 : f1) & M,
+             mt < 4 ? b0 : c0, mt < 4 ? b1 : c1);
+  }
+}
+
 // TWO_G: K and V rows of two groups each (G = D / 2: 64 at D 128, the default format, 32 at D 64) known at compile
 // time (launch picks this instance), so that the block's params copies and the tile's group selects are not issued
 // both ways under a runtime flag (Args.kg_row / vg_row read only where TWO_G is false).
 // D: head_dim 128, or 64 (planes of 16 dims: a token's codes are 16 bytes, one per lane of a 4-lane quad in the K dot;
 // the K dot pairs planes 2pp and 2pp + 1 in one m16n8k32 (k 0..15 the first plane's bytes, 16..31 the second's);
 // the V dot has 4 m-tiles, m-tile p = plane p; no window CTAs and no folded window: history_cuda refuses them).
+// The paired-tile instances are held to 2 CTAs of 8 warps per SM (<= 128 registers) by their launch bounds: without
+// them nvcc 13.0 gave the ones with runtime groups 149 registers (1 CTA per SM) and the 4-stage one 8 bytes of spills.
+// The others keep no minimum (0): they land at 128 on their own, and an explicit 1 gave HC 8 152-159 registers
+// (test_cuda_history_sass.py holds every instance to 128).
 template <int NSTAGE, int HC, bool TWO_G, int D, bool WIDE>
-__global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
+__global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_history_kernel(Args a) {
   static_assert(D == 128 || D == 64, "head_dim 128 or 64");
   static_assert(!WIDE || D == 64, "64-token stages (WIDE) at D 64 only");
   constexpr int kTok = WIDE ? kWideTok : ::kTok;  // tokens per stage of this instance
   using SL = Stage<D, kTok>;
   constexpr int kSB = SL::kBytes, NMT = D / 16;  // stage bytes, V m-tiles
   constexpr int kTileUnroll = tile_unroll(D, WIDE);
+  constexpr bool kPair = pair_tiles(D, HC, WIDE);  // the block's two tiles share one softmax (OSCAR_PAIR)
   static_assert(kTileUnroll >= 1 && kTileUnroll <= kTok / 16, "tiles unrolled: 1 .. the block's");
   // the CTA merge parks (O, m, l) in the warps' stages
   static_assert(NSTAGE * kSB >= HC * (D + 2) * 4, "a warp's stages hold its parked partial");
@@ -847,11 +909,13 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
   float o[NMT][4];
 #pragma unroll
   for (int i = 0; i < NMT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  // lv: sum p.vmin of this lane's two columns, over V group gsel (HC 4) or group 0 (HC 8; lw: group 1)
+  // lv: sum p.vmin of this lane's two columns, over V group gsel (HC 4) or group 0 (HC 8, paired tiles; lw: group 1)
   float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f, lv0 = 0.f, lv1 = 0.f, lw0 = 0.f, lw1 = 0.f;
   float thr0 = (m0 + kLazy) / kTwo24, thr1 = thr0;
 
   const int sg = (g >> 1) + 4 * (g & 1);  // sigma(g): the tile row of M-row g
+  // paired tiles: the V-dot operand columns of tile 0 (lanes g < 4 after the transpose; tile 1: the others)
+  [[maybe_unused]] const uint32_t cmask = g < 4 ? 0xffffffffu : 0u;
   // The window folded into this grid (fold_tiles > 0, no window CTAs): warp 0 of split i < fold_tiles reads window
   // tile i (the sink's ceil(S / 16) tiles, then the ring's ceil(W / 16)) before its history range, into the 8 KB past
   // the warps' stages, and adds it to the CTA merge as one more entry. Why: at batch 1 the window CTAs did not fit
@@ -1045,7 +1109,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     const int pos0 = lo + blk * kTok;
     const bool full = pos0 + kTok <= hi;
 #pragma unroll (kTileUnroll)
-    for (int j = 0; j < (OSCAR_PROBE_COPIES ? 0 : kTok / 16); ++j) {
+    for (int j = 0; j < (OSCAR_PROBE_COPIES ? 0 : kPair ? 1 : kTok / 16); ++j) {
+      const int tj = kPair ? gsel : j;  // the tile whose tokens sg, sg + 8 this lane's accumulator holds
       float acc0[4], acc1[4];
       if constexpr (D == 64) {
         // the lane's code bytes 4t .. 4t + 3 of tokens sg, sg + 8 (dims 4t + i + 16p), masked for planes 2pp and
@@ -1067,19 +1132,19 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
           acc1[e] = (float)(ih1[e] * 128 + il1[e]);
         }
       } else {
-      const uint8_t* kcs = st + j * 16 * 32;
-      const uint2 kw0 = *reinterpret_cast<const uint2*>(kcs + sg * 32 + t * 8);
-      const uint2 kw1 = *reinterpret_cast<const uint2*>(kcs + (sg + 8) * 32 + t * 8);
 #if OSCAR_IMMA_K
-      // plane p's codes as c 4^p in each byte (A, u8: the lane's bytes 8t .. 8t + 7 of tokens sg, sg + 8 are k
-      // 4t.. and 16 + 4t.., matching qhi / qlo); hi and lo of each plane group in their own accumulators
+      // hi and lo of each plane group in their own accumulators (k_dot_d128); paired tiles (kPair): both tiles' dots,
+      // and this lane keeps tile tj's (a select in place of the other tile's combine)
       int ih0[4] = {0, 0, 0, 0}, il0[4] = {0, 0, 0, 0}, ih1[4] = {0, 0, 0, 0}, il1[4] = {0, 0, 0, 0};
+      k_dot_d128(st + j * 16 * 32, sg, t, qhi, qlo, ih0, il0, ih1, il1);
+      if constexpr (kPair) {
+        int jh0[4] = {0, 0, 0, 0}, jl0[4] = {0, 0, 0, 0}, jh1[4] = {0, 0, 0, 0}, jl1[4] = {0, 0, 0, 0};
+        k_dot_d128(st + 16 * 32, sg, t, qhi, qlo, jh0, jl0, jh1, jl1);
 #pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const uint32_t M = 0x03030303u << (2 * p);
-        const uint32_t a0 = kw0.x & M, a1 = kw1.x & M, a2 = kw0.y & M, a3 = kw1.y & M;
-        imma16832(p < 2 ? ih0 : ih1, a0, a1, a2, a3, qhi[2 * p], qhi[2 * p + 1]);
-        imma16832(p < 2 ? il0 : il1, a0, a1, a2, a3, qlo[2 * p], qlo[2 * p + 1]);
+        for (int e = 0; e < 4; ++e) {
+          ih0[e] = tj ? jh0[e] : ih0[e]; il0[e] = tj ? jl0[e] : il0[e];
+          ih1[e] = tj ? jh1[e] : ih1[e]; il1[e] = tj ? jl1[e] : il1[e];
+        }
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -1087,6 +1152,9 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         acc1[e] = (float)(ih1[e] * 128 + il1[e]);
       }
 #else
+      const uint8_t* kcs = st + j * 16 * 32;
+      const uint2 kw0 = *reinterpret_cast<const uint2*>(kcs + sg * 32 + t * 8);
+      const uint2 kw1 = *reinterpret_cast<const uint2*>(kcs + (sg + 8) * 32 + t * 8);
       // two bytes -> the low bytes of two halfwords, shared by the four planes
       const uint32_t lo0x = prmt(kw0.x, 0, 0x1100), hi0x = prmt(kw0.x, 0, 0x3322);
       const uint32_t lo0y = prmt(kw0.y, 0, 0x1100), hi0y = prmt(kw0.y, 0, 0x3322);
@@ -1108,7 +1176,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       }
 #endif
       }
-      const uint2* kps = reinterpret_cast<const uint2*>(st + SL::kKpOff) + j * 16;
+      const uint2* kps = reinterpret_cast<const uint2*>(st + SL::kKpOff) + tj * 16;
       const uint2 pr0 = kps[sg], pr1 = kps[sg + 8];
       const uint32_t py0 = kg_row ? pr0.x : pr0.y, py1 = kg_row ? pr1.x : pr1.y;  // dims 64..127's pair
 #if OSCAR_IMMA_K
@@ -1124,7 +1192,7 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       s[2] = fmaf(mn1b, q10, fmaf(mn0b, q00, fmaf(acc1[2], sc1b, acc0[2] * sc0b)));
       s[3] = fmaf(mn1b, q11, fmaf(mn0b, q01, fmaf(acc1[3], sc1b, acc0[3] * sc0b)));
       if (!full) {
-        const int pa = pos0 + j * 16 + sg;
+        const int pa = pos0 + tj * 16 + sg;
         if (pa >= hi) s[0] = s[1] = -INFINITY;
         if (pa + 8 >= hi) s[2] = s[3] = -INFINITY;
       }
@@ -1141,17 +1209,17 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         m0 = n0; m1 = n1;
         thr0 = (m0 + kLazy) / kTwo24; thr1 = (m1 + kLazy) / kTwo24;
         l0 *= al0; l1 *= al1; lv0 *= al0; lv1 *= al1;
-        if (HC == 8) { lw0 *= al0; lw1 *= al1; }
+        if (HC == 8 || kPair) { lw0 *= al0; lw1 *= al1; }
 #pragma unroll
         for (int i = 0; i < NMT; ++i) { o[i][0] *= al0; o[i][1] *= al1; o[i][2] *= al0; o[i][3] *= al1; }
       }
       const float p0 = ex2(fmaf(s[0], kTwo24, -m0)), p1 = ex2(fmaf(s[1], kTwo24, -m1));
       const float p2 = ex2(fmaf(s[2], kTwo24, -m0)), p3 = ex2(fmaf(s[3], kTwo24, -m1));
       l0 += p0 + p2; l1 += p1 + p3;
-      const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + SL::kVpOff) + j * 32;
+      const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + SL::kVpOff) + tj * 32;
       // the V dot's B operands: m-tiles 0..3 (V group 0) take b, 4..7 (group 1) c (D 64: 0..1 and 2..3)
       uint32_t b0, b1, c0, c1;
-      if (HC == 4) {
+      if (HC == 4 && !kPair) {
         // columns 0..3 carry p.scale of V group 0, columns 4..7 of group 1: one operand pair serves both groups
         const int vsel = vg_row ? 0 : gsel;  // this lane's V group pair
         const uint32_t vr0 = vps[sg * 2 + vsel], vr1 = vps[(sg + 8) * 2 + vsel];
@@ -1161,8 +1229,8 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
         b0 = c0 = movm_trans(h2u(__floats2half2_rn(p0 * vsa, p1 * vsa)));
         b1 = c1 = movm_trans(h2u(__floats2half2_rn(p2 * vsb, p3 * vsb)));
       } else {
-        // eight heads in eight columns: p.scale of group 0 for m-tiles 0..3, of group 1 for 4..7 (the same word
-        // at G = 128)
+        // eight heads in eight columns (HC 8, or paired tiles: columns 0..3 tile 0's, 4..7 tile 1's): p.scale of
+        // group 0 for m-tiles 0..3, of group 1 for 4..7 (the same word at G = 128)
         const uint32_t va0 = vps[sg * 2], vb0 = vps[(sg + 8) * 2];
         const uint32_t va1 = vg_row ? va0 : vps[sg * 2 + 1], vb1 = vg_row ? vb0 : vps[(sg + 8) * 2 + 1];
         lv0 = fmaf(p0, bf_hi(va0), fmaf(p2, bf_hi(vb0), lv0));
@@ -1189,23 +1257,14 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
           const uint32_t M = 0x00030003u << (2 * mt);
           mma16816(o[mt], e0 & M, e1 & M, f0 & M, f1 & M, mt < 2 ? b0 : c0, mt < 2 ? b1 : c1);
         }
+      } else if constexpr (kPair) {
+        // after the transpose lane (g, t) holds column g of the operand: tile 0's p where g < 4, tile 1's where g >= 4;
+        // each tile's V dot takes its own columns (the others zero), so that O's columns 0..3 gather tile 0's tokens
+        // and 4..7 tile 1's
+        v_dot_d128(st + SL::kVcOff + 4 * g, t, o, b0 & cmask, b1 & cmask, c0 & cmask, c1 & cmask);
+        v_dot_d128(st + SL::kVcOff + 16 * 32 + 4 * g, t, o, b0 & ~cmask, b1 & ~cmask, c0 & ~cmask, c1 & ~cmask);
       } else {
-      const uint8_t* vcs = st + SL::kVcOff + j * 16 * 32 + 4 * g;
-      const uint32_t wA = *reinterpret_cast<const uint32_t*>(vcs + t * 32);
-      const uint32_t wB = *reinterpret_cast<const uint32_t*>(vcs + (t + 4) * 32);
-      const uint32_t wC = *reinterpret_cast<const uint32_t*>(vcs + (t + 8) * 32);
-      const uint32_t wD = *reinterpret_cast<const uint32_t*>(vcs + (t + 12) * 32);
-      const uint32_t e0 = prmt(wA, wB, 0x4400), e1 = prmt(wA, wB, 0x5511);
-      const uint32_t e2 = prmt(wA, wB, 0x6622), e3 = prmt(wA, wB, 0x7733);
-      const uint32_t f0 = prmt(wC, wD, 0x4400), f1 = prmt(wC, wD, 0x5511);
-      const uint32_t f2 = prmt(wC, wD, 0x6622), f3 = prmt(wC, wD, 0x7733);
-#pragma unroll
-      for (int mt = 0; mt < 8; ++mt) {
-        const int p = mt >> 1, hb = mt & 1;
-        const uint32_t M = 0x00030003u << (2 * p);
-        mma16816(o[mt], (hb ? e2 : e0) & M, (hb ? e3 : e1) & M, (hb ? f2 : f0) & M, (hb ? f3 : f1) & M,
-                 mt < 4 ? b0 : c0, mt < 4 ? b1 : c1);
-      }
+        v_dot_d128(st + SL::kVcOff + j * 16 * 32 + 4 * g, t, o, b0, b1, c0, c1);
       }
     }
     __syncwarp();  // this stage is refilled by the next iteration's issue
@@ -1219,10 +1278,24 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
     l1 += __shfl_xor_sync(0xffffffffu, l1, x);
     lv0 += __shfl_xor_sync(0xffffffffu, lv0, x);
     lv1 += __shfl_xor_sync(0xffffffffu, lv1, x);
-    if (HC == 8) {
+    if (HC == 8 || kPair) {
       lw0 += __shfl_xor_sync(0xffffffffu, lw0, x);
       lw1 += __shfl_xor_sync(0xffffffffu, lw1, x);
     }
+  }
+  if constexpr (kPair) {
+    // lanes t and t ^ 2 hold the same two heads, over tile 0's and tile 1's tokens of every block: merge the two as
+    // softmax partials (both then hold the warp's (m, l, lv, lw, O) of those heads; an empty side has l 0)
+    const float pm0 = __shfl_xor_sync(0xffffffffu, m0, 2), pm1 = __shfl_xor_sync(0xffffffffu, m1, 2);
+    const float n0 = fmaxf(m0, pm0), n1 = fmaxf(m1, pm1);
+    const float a0 = ex2(m0 - n0), z0 = ex2(pm0 - n0), a1 = ex2(m1 - n1), z1 = ex2(pm1 - n1);
+    auto mix = [](float& x, float ax, float zx) { x = fmaf(x, ax, __shfl_xor_sync(0xffffffffu, x, 2) * zx); };
+    mix(l0, a0, z0); mix(l1, a1, z1); mix(lv0, a0, z0); mix(lv1, a1, z1); mix(lw0, a0, z0); mix(lw1, a1, z1);
+#pragma unroll
+    for (int i = 0; i < NMT; ++i) {
+      mix(o[i][0], a0, z0); mix(o[i][1], a1, z1); mix(o[i][2], a0, z0); mix(o[i][3], a1, z1);
+    }
+    m0 = n0; m1 = n1;
   }
   // The CTA's merge (store_cta_partial). Each warp parks its unnormalised O = c.2^(24-2p) + lv (HC heads x D
   // dims), m and l in shared memory (the pipeline stages are free now).
@@ -1250,7 +1323,9 @@ __global__ void __launch_bounds__(256) int2_history_kernel(Args a) {
       float c[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) c[e] = gsel ? o[G0 + i][e] : o[i][e];
-      park(G0 * gsel + i, c, lv0, lv1);
+      // paired: lv / lw are groups 0 / 1 of this lane's heads; unpaired: lv is group gsel's
+      if constexpr (kPair) park(G0 * gsel + i, c, gsel ? lw0 : lv0, gsel ? lw1 : lv1);
+      else park(G0 * gsel + i, c, lv0, lv1);
     }
   } else {
 #pragma unroll
