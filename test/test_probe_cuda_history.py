@@ -1087,3 +1087,21 @@ def test_paired_tiles_match_the_kernel_source():
     # the HC-8 branch's V operands (both groups, every column its own) are the ones the paired tiles use
     assert "lw0 = fmaf(p0, bf_hi(va1), fmaf(p2, bf_hi(vb1), lw0));" in src
     assert "c0 = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va1), p1 * bf_lo(va1))));" in src
+
+
+def test_probe_q_bits_eight_bits_are_too_few():
+    """benchmark/probe_q_bits.py, the reason the paired tiles keep q's 14-bit hi / lo: over 2048 random INT2 keys the
+    kernel's 15-bit q stays far under the GPU tests' 1% of the output, an 8-bit q does not stay under 0.1%."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmark"))
+    import probe_q_bits as pq
+
+    rng = np.random.default_rng(5)
+    n = 2048
+    codes = rng.integers(0, 4, (n, pq.D)).astype(float)
+    ksc = np.abs(rng.standard_normal((n, pq.D // pq.GROUP))) * 0.7 + 0.2
+    v = rng.standard_normal((n, pq.D))
+    q = rng.standard_normal((pq.HEADS, pq.D)) * 4  # a peaked softmax
+    ref = pq.attention(q, codes, ksc, -1.5 * ksc, v)
+    err = {b: np.linalg.norm(pq.attention(q, codes, ksc, -1.5 * ksc, v, b) - ref) / np.linalg.norm(ref) for b in (8, 15)}
+    assert err[15] < 1e-3 < err[8], err
+    assert pq.main(["--tokens", "256", "--seeds", "1"]) == 0

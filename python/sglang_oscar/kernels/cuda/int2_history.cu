@@ -51,6 +51,9 @@
 //          of V group 0, cols 4..7 of group 1; at HC 8 the m-tiles of each group take that group's operand.
 //          The K accumulator becomes the B operand with movmatrix.trans (two per operand).
 //   Token order inside a tile (sigma) makes every shared-memory load conflict-free.
+//   Paired tiles (HC 4 at D 128, pair_tiles): a 32-token block's two tiles run one softmax between them, lanes t < 2
+//   on tile 0's scores and t >= 2 on tile 1's, instead of each tile's softmax on all lanes with columns 4..7 repeating
+//   0..3; O's columns 0..3 then hold tile 0's tokens and 4..7 tile 1's, merged after the loop (OSCAR_PAIR below).
 // test/test_probe_cuda_history.py emulates these register layouts, and the window CTAs' (window_cta), on the CPU.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -124,8 +127,14 @@ constexpr int kWideTok = 64;  // tokens per stage of the WIDE (D 64) instances
 // with half of them repeated. The V dot then needs each tile's p with only its own columns: the p . vscale operands of
 // both V groups are transposed once (movmatrix) and masked by column (lanes g < 4 for tile 0, g >= 4 for tile 1); the
 // O accumulator's columns 0..3 gather tile 0's tokens and 4..7 tile 1's, and the two halves of a warp (lanes t, t ^ 2:
-// the same heads) merge as two softmax partials after the loop. Same MMA count and the same 14-bit q as unpaired.
-// 0 (an experiment knob): both tiles with their own softmax, as before.
+// the same heads) merge as two softmax partials after the loop. Same MMA count and the same 14-bit q as unpaired (an
+// 8-bit q would have saved half the K MMAs and the hi / lo combines, but it moved the attention output by 0.4-5%
+// against float64, where the GPU tests allow 1%: benchmark/probe_q_bits.py). SASS (G64, 2 stages): the block's common
+// path 384 instructions instead of 418 (hot loop 450 instead of 548 with its rare rescale branch, once per block now).
+// Same-process H200 A/Bs against OSCAR_PAIR=0 (results/probe_history_trace_pair{,2}_943175b_*, best of 4-5 rounds):
+// 0.96-0.98x at batch 8 / 32 (32k-128k; 0.91x at 128k batch 8 in one call), 0.99-1.00x at batch 1: half the
+// instruction cut, since a block's two K dots now both precede its softmax, where the unpaired block overlapped one
+// tile's V dot with the other's K dot. 0 (an experiment knob): both tiles with their own softmax, as before.
 __host__ __device__ constexpr bool pair_tiles(int d, int hc, bool wide) {
   return OSCAR_PAIR != 0 && OSCAR_IMMA_K != 0 && d == 128 && hc == 4 && !wide;
 }
