@@ -120,8 +120,8 @@ constexpr int kWideTok = 64;  // tokens per stage of the WIDE (D 64) instances
 #endif
 // OSCAR_PAIR 1 (default): at D 128 and HC 4 the two tiles of a 32-token block share one softmax (paired tiles). Why: at
 // HC 4 the K dot's columns 4..7 repeat heads 0..3, so lanes t >= 2 computed the same scores, exponentials and V-side
-// products as lanes t < 2 (their only use was to carry V group 1's scale into the V dot); about 80 of the block's 418
-// common-path instructions per tile are such per-(token, head) work. Paired, a lane's accumulator columns take tile 0's
+// products as lanes t < 2 (their only use was to carry V group 1's scale into the V dot); about 80 per tile, ~160 of
+// the block's 418 common-path instructions, are such per-(token, head) work. Paired, a lane's accumulator columns take tile 0's
 // scores where t < 2 and tile 1's where t >= 2 (a select of the two tiles' K accumulators, in place of the second
 // tile's integer combine), so that every lane does the softmax of 4 distinct (token, head) pairs per block instead of 8
 // with half of them repeated. The V dot then needs each tile's p with only its own columns: the p . vscale operands of
