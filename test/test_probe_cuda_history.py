@@ -574,6 +574,26 @@ def imma(acc, a_regs, b_regs):
         acc[lane] += np.array([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]])
 
 
+def integer_k_dot(kc, qhi, qlo):
+    """The D-128 integer K dot of one tile (k_dot_d128): codes kc [16 tokens, 32 bytes]; lane (g, t)'s code bytes
+    8t .. 8t + 7 of tokens sigma(g), sigma(g) + 8, masked per plane p as c 4^p (u8 A), against qhi / qlo[2p], [2p + 1]
+    as B. Returns the s32 accumulators (ih, il) of plane groups 0 (planes 0, 1) and 1 (planes 2, 3)."""
+    ih = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
+    il = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
+    for p in range(4):
+        a_regs = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            r0, r1 = kc[sigma(g)], kc[sigma(g) + 8]
+            a_regs.append([[(int(r0[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
+                           [(int(r1[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
+                           [(int(r0[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
+                           [(int(r1[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)]])
+        imma(ih[p // 2], a_regs, [[qhi[lane, 2 * p], qhi[lane, 2 * p + 1]] for lane in range(32)])
+        imma(il[p // 2], a_regs, [[qlo[lane, 2 * p], qlo[lane, 2 * p + 1]] for lane in range(32)])
+    return ih, il
+
+
 @pytest.mark.parametrize("hc", [4, 8])
 def test_integer_k_dot_with_the_kernels_int8_q(hc):
     """The K dot as the production kernel runs it (OSCAR_IMMA_K 1, its default): the lane's code bytes 8t .. 8t + 7
@@ -611,19 +631,7 @@ def test_integer_k_dot_with_the_kernels_int8_q(hc):
     assert np.abs(qhi).max() <= 127 and np.abs(qlo).max() <= 64
     zhi, zlo, _ = kernel_int8_q(np.zeros_like(q), head, c0)  # an all-zero q: S 0, no inf . 0
     assert not zhi.any() and not zlo.any()
-    ih = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
-    il = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
-    for p in range(4):
-        a_regs = []
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            r0, r1 = kc[sigma(g)], kc[sigma(g) + 8]
-            a_regs.append([[(int(r0[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
-                           [(int(r1[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
-                           [(int(r0[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
-                           [(int(r1[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)]])
-        imma(ih[p // 2], a_regs, [[qhi[lane, 2 * p], qhi[lane, 2 * p + 1]] for lane in range(32)])
-        imma(il[p // 2], a_regs, [[qlo[lane, 2 * p], qlo[lane, 2 * p + 1]] for lane in range(32)])
+    ih, il = integer_k_dot(kc, qhi, qlo)
     assert max(np.abs(ih[i] * 128 + il[i]).max() for i in range(2)) < 2 ** 31
     # in the fp16 path's units: group 0 2^-24, group 1 2^-20 (check_history_k_dot), so group 1 carries 16 iS1
     acc = [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
@@ -946,21 +954,8 @@ def paired_block(kc, vc, kp, vp, q, c0):
     # the min terms' group sums per head (q00 .. q11: the quad's shuffled sums / 2^24)
     qsum = [(qf[:, 64 * grp:64 * grp + 64].sum(-1) / 2.0 ** 24) for grp in range(2)]
     acc = {}
-    for tile in range(2):
-        ih = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
-        il = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
-        rows = kc[16 * tile:16 * tile + 16]
-        for p in range(4):
-            a_regs = []
-            for lane in range(32):
-                g, t = lane >> 2, lane & 3
-                r0, r1 = rows[sigma(g)], rows[sigma(g) + 8]
-                a_regs.append([[(int(r0[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
-                               [(int(r1[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
-                               [(int(r0[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
-                               [(int(r1[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)]])
-            imma(ih[p // 2], a_regs, [[qhi[lane, 2 * p], qhi[lane, 2 * p + 1]] for lane in range(32)])
-            imma(il[p // 2], a_regs, [[qlo[lane, 2 * p], qlo[lane, 2 * p + 1]] for lane in range(32)])
+    for tile in range(2):  # both tiles' K dots, as the kernel runs them (k_dot_d128 twice)
+        ih, il = integer_k_dot(kc[16 * tile:16 * tile + 16], qhi, qlo)
         acc[tile] = [(ih[i] * 128 + il[i]).astype(np.float64) for i in range(2)]
     # per lane: its tile tj = t >> 1 (the select), scores in units of 2^-24 log2, p with the tile's max per column
     s = np.zeros((32, 4))
