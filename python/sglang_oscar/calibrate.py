@@ -51,17 +51,18 @@ def split_windows(ids: list[int], *, tokens: int, seq_len: int, heldout_tokens: 
 
 def calibrate_many(model, tokenizer, variants: dict[str, dict], *, tokens: int, seq_len: int, heldout_tokens: int,
                    text: Optional[str] = None, progress: bool = True, source: Optional[str] = None,
-                   model_id: str = ""):
-    """Capture once, fit every variant. variants: name -> kwargs of fit_bundle (method required)."""
+                   model_id: str = "", context: Optional[int] = None):
+    """Capture once, fit every variant. variants: name -> kwargs of fit_bundle (method required).
+    context: spread the windows over RoPE positions [0, context) (rotation.capture_statistics)."""
     from . import data
 
     if text is None:
         text, source = data.calibration_text(), source or data.CALIBRATION_SOURCE
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     windows, heldout = split_windows(ids, tokens=tokens, seq_len=seq_len, heldout_tokens=heldout_tokens)
-    stats = capture_statistics(model, windows, heldout, progress=progress)
+    stats = capture_statistics(model, windows, heldout, progress=progress, context=context)
     calibration = dict(source=source or "user text", tokens=stats.tokens, windows=stats.windows, seq_len=stats.seq_len,
-                       heldout_tokens=stats.heldout_tokens)
+                       heldout_tokens=stats.heldout_tokens, context=context)
     bundles = {}
     for name, kwargs in variants.items():
         kw = dict(kwargs)
