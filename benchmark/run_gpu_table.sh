@@ -5,8 +5,7 @@
 # beside it; then our batch-1 rows again on their own, because on H200 the rows after FlashInfer's large batches can run
 # on a board still at its power cap (benchmark/NOTES.md, "Measuring on a lent GPU").
 # Needs SGLang (part a) and FlashInfer (part b) staged: two calls on one warm machine, as run_gpu_write_decode.sh:
-#   call 1: TESTS=0 BENCH=0 bash benchmark/run_gpu_write_decode.sh                (carry .devb/a; benchmark/results moved
-#                                                                                 out of the tree: part a is 54 MB)
+#   call 1: TESTS=0 BENCH=0 bash benchmark/run_gpu_write_decode.sh                (carry .devb/a: 54 MB of the 64 MiB)
 #   call 2: OSCAR_COMMIT=<hash> bash benchmark/run_gpu_table.sh                   (carry .devb/b; ~6 min on H200)
 # env: MODELS (qwen3-8b,smollm2), CONTEXTS (8192,32768,65536,131072), BATCHES (1,8,32,64), IMPLS (below), RERUN (1: the
 # batch-1 rows of the CUDA path alone afterwards).

@@ -8,8 +8,8 @@
 #   call 2: OSCAR_COMMIT=<hash> TESTS=1 BENCH=0 bash benchmark/run_gpu_write_decode.sh      (carry .devb/b)
 #   call 3: OSCAR_COMMIT=<hash> TESTS=0 BENCH=1 bash benchmark/run_gpu_write_decode.sh
 # The kernel tests alone (test_write / test_decode) and the oscar impls need neither part.
-# A call carries the working tree and the named paths within 64 MiB: part a is 54.4 MB, so with the tree past ~9 MB
-# (benchmark/results alone is 7 MB) move benchmark/results out of the tree for these calls (none of them reads it).
+# A call carries the working tree and the named paths within 64 MiB: part a is 54.4 MB, so the tree must stay under
+# ~9 MB (none of these calls reads benchmark/results).
 # env: TEST_K (pytest -k of the GPU tests), MODELS (qwen3-8b), CONTEXTS (32768,65536,131072), BATCHES (1,8,32),
 # IMPLS (bench_write_decode's default).
 set -uo pipefail
