@@ -1049,8 +1049,8 @@ def test_cuda_history_ctypes_signature_matches_the_source():
 
 def test_cuda_history_load_refuses_an_older_interface(monkeypatch):
     """history_cuda.load: a library built from a source before the head_dim parameter (no oscar_history_abi) or of
-    another interface is refused with the reason, not launched with shifted arguments (a same-run A/B against an
-    older source, probe_history_trace.py --sources)."""
+    another interface is refused with the reason, not launched with shifted arguments (e.g. a library built from an
+    older source for a same-run A/B)."""
     import ctypes
     from types import SimpleNamespace
 
@@ -1569,7 +1569,7 @@ def test_cuda_history_head_dim_64_batch_1_and_64(lens, pool_page):
 @requires_cuda
 @pytest.mark.parametrize("stages,gqa", [(3, 3), (4, 3), (4, 8)])
 def test_cuda_history_head_dim_64_stages(stages, gqa, monkeypatch):
-    """D 64 at 3 and 4 pipeline stages (built for benchmark/probe_d64_stages.py; 2 is the default): the oracle's
+    """D 64 at 3 and 4 pipeline stages (2 is the default): the oracle's
     output, and explicit split counts."""
     from sglang_oscar.kernels import history_cuda
 

@@ -53,6 +53,20 @@ def check_head_dim(head_dim: int, group: int) -> None:
         raise ValueError(f"group size {group} must divide head_dim {head_dim}")
 
 
+def check_groups(head_dim: int, groups: dict) -> None:
+    """Refuse quantization groups the server cannot serve at this head_dim: `groups` maps the option that set each
+    group (e.g. "--group-k") to its value. Cheap, so CLIs call it before any model load or capture; the ValueError
+    names the option and the values that fit."""
+    if head_dim <= 0 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim {head_dim} is not a power of two: the Hadamard transform and the kernels need one")
+    fits = [g for g in SUPPORTED_GROUPS if g <= head_dim]  # powers of two: each divides head_dim
+    if not fits:
+        raise ValueError(f"head_dim {head_dim} is smaller than the smallest group size {SUPPORTED_GROUPS[0]}")
+    for option, group in groups.items():
+        if group not in fits:
+            raise ValueError(f"{option} {group} does not fit head_dim {head_dim}: use one of {fits}")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
     """The whole mixed-precision cache: BF16 sink [0, sink), INT2 history, BF16 recent window."""
