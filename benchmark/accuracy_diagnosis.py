@@ -197,8 +197,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--top-heads", type=int, nargs="*", default=[3, 9])
-    ap.add_argument("--set", choices=("methods", "context"), default="methods",
-                    help="methods: fixes at the 2k calibration; context: calibration window length")
+    ap.add_argument("--set", choices=("methods", "context", "offsets"), default="methods",
+                    help="methods: fixes at the 2k calibration; context: calibration window length; offsets: "
+                         "2k windows spread over RoPE positions up to 8k")
+    ap.add_argument("--bundle", action="append", default=[], help="NAME=PATH: also evaluate this bundle")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -227,8 +229,16 @@ def main(argv=None) -> int:
     }
     if args.set == "context":
         variants = {k: variants[k] for k in ("hadamard_clip", "best")}
+    if args.set == "offsets":
+        variants = {"best_offsets": variants["best"]}
     bundles, _ = calibrate_many(model, tok, variants, tokens=args.calib_tokens, seq_len=2048, heldout_tokens=4096,
-                                progress=False, model_id=model_id)
+                                progress=False, model_id=model_id,
+                                context=8192 if args.set == "offsets" else None)
+    for item in args.bundle:
+        from sglang_oscar.rotation import load_bundle
+
+        name, path = item.split("=", 1)
+        bundles[name] = load_bundle(path)
     print(f"calibrated {len(bundles)} bundles in {time.time() - t0:.0f} s", flush=True)
     if args.set == "context":
         # The same methods calibrated on windows as long as the model's context (8k): post-RoPE keys
@@ -282,6 +292,12 @@ def main(argv=None) -> int:
             Method("int2_pca_clip_8k", "pca_clip_8k", "2.5", {}),
             Method("k4_v2_8k", "k4_v2_8k", "K 4.5 / V 2.5 = 3.5 (diagnostic)", {}),
         ]
+
+    if args.set == "offsets":
+        # 2k windows spread over RoPE positions [0, 8k) against 8k windows (--bundle best_8k=...)
+        methods = [Method("bf16", None, "16", {}),
+                   Method("int2_best_offsets", "best_offsets", "2.5", {}, diag=True)]
+        methods += [Method(f"int2_{n}", n, "2.5", {}) for n in bundles if n != "best_offsets"]
 
     def sim_of(m: Method, recorder=None, exact_k_heads=()):
         if m.bundle is None:

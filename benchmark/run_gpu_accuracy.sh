@@ -9,8 +9,8 @@
 #   call 2 (carry .acc/p2):               bash benchmark/run_gpu_accuracy.sh part .acc/p2
 #   call 3 (carry .acc/p3, runs/acc_full): bash benchmark/run_gpu_accuracy.sh run
 # Calls 2 and 3 must follow while the machine is warm (files outside the checkout stay 30 s).
-# `run` checks the GGUF's checksum, then writes niah*.json and a log under $OUT; the report is built
-# here with `--stage report` after the PPL stage ran on CPU.
+# `run` checks the GGUF's checksum, then writes niah_*.json, ppl.json and a log under $OUT; the
+# report is built here: copy them into runs/acc_full and run `--stage report` (see accuracy.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 METHODS=${METHODS:-bf16,int2_naive,int2_hadamard_clip,int2_oscar_clip,int4_hadamard,int2_best}
@@ -39,11 +39,19 @@ run)
     export PYTHONPATH=/tmp/oscar-site:$PWD/python SGLANG_OSCAR_SMOLLM2_GGUF=$GG/SmolLM2-135M-Instruct.Q4_1.gguf
     export PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-    for L in ${LENGTHS:-8192 4096 2048}; do
-        python3 -m sglang_oscar.eval.compare --stage niah --device cuda --out-dir runs/acc_full \
-            --methods "$METHODS" --niah-lengths "$L" --niah-tag "_$L" --quiet 2>&1 \
-            | grep -v -i "warn\|de-quantizing\|Loading weights" | tee -a "$OUT/niah.log"
-        cp runs/acc_full/niah_$L.json "$OUT/"
+    # the longest contexts first, so a run cut short still has them; PPL (4 x 8k windows) before 2k
+    for step in ${STEPS:-8192 4096 ppl 2048}; do
+        if [ "$step" = ppl ]; then
+            python3 -m sglang_oscar.eval.compare --stage ppl --device cuda --out-dir runs/acc_full \
+                --methods "$METHODS" --quiet 2>&1 | grep -v -i "warn\|de-quantizing\|Loading weights" \
+                | tee -a "$OUT/run.log"
+            cp runs/acc_full/ppl.json "$OUT/"
+        else
+            timeout "${STEP_TIMEOUT:-600}" python3 -m sglang_oscar.eval.compare --stage niah --device cuda --out-dir runs/acc_full \
+                --methods "$METHODS" --niah-lengths "$step" --niah-tag "_$step" --quiet 2>&1 \
+                | grep -v -i "warn\|de-quantizing\|Loading weights" | tee -a "$OUT/run.log" || true
+            cp "runs/acc_full/niah_$step.json" "$OUT/" || true
+        fi
     done
     ;;
 *)

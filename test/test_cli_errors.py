@@ -173,3 +173,18 @@ def test_serving_entry_points_name_the_serve_extra_without_sglang(module):
     assert "pip install .[serve]" in r.stderr and "needs SGLang" in r.stderr
     # the extra the message names exists
     assert re.search(r'^serve = \[.*"sglang==', (REPO / "pyproject.toml").read_text(), re.M)
+
+
+def test_calibrate_refuses_a_negative_context(tmp_path, capsys, no_load):
+    with pytest.raises(SystemExit) as e:
+        run_calibrate("--model", str(model_dir(tmp_path)), "--out", str(tmp_path / "b.safetensors"), "--context", "-1")
+    one_line_error(capsys, e, "--context must be >= 0")
+
+
+def test_served_context_defaults_to_the_model_context():
+    from types import SimpleNamespace
+
+    m = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192))
+    assert calibrate.served_context(m, None) == 8192
+    assert calibrate.served_context(m, 0) is None
+    assert calibrate.served_context(m, 4096) == 4096

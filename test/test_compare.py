@@ -17,7 +17,11 @@ def _ppl(per_window):
 
 
 def test_report_shape_and_paired_delta(tmp_path):
-    specs = {n: s for n, s in compare.method_specs(64).items() if n in ("bf16", "int2_hadamard", "int4_hadamard")}
+    all_specs = compare.method_specs(64)
+    assert [n for n, s in all_specs.items() if s["served_default"]] == ["int2_best"]  # exactly one default
+    assert set(all_specs) >= {"bf16", "int2_naive", "int2_hadamard_clip", "int2_oscar_clip", "int4_hadamard"}
+    specs = {n: dict(s) for n, s in all_specs.items() if n in ("bf16", "int2_hadamard_clip", "int4_hadamard")}
+    specs["int2_hadamard"] = dict(specs.pop("int2_hadamard_clip"), served_default=True)
     assert specs["int2_hadamard"]["variant"]["k_group"] == 64
     (tmp_path / "bundles").mkdir()
     for name in ("int2_hadamard", "int4_hadamard"):
@@ -44,7 +48,15 @@ def test_report_shape_and_paired_delta(tmp_path):
     m = rep["methods"]["int2_hadamard"]
     assert m["bits_per_element"] == 2.5 and m["group"] == 64
     assert rep["methods"]["int4_hadamard"]["bits_per_element"] == 4.5
-    assert m["ppl"]["2048"] == 16.5 and m["niah"]["2048"] == 50.0 and m["niah_samples"] == {"2048": 4}
+    assert m["ppl"]["2048"] == 16.5 and m["niah"]["2048"] == 50.0
+    assert m["niah_samples"] == {"2048": {"niah_single_1": 2, "niah_multikey_2": 2}}
+    assert m["niah_pct_of_bf16"] == {"2048": {"niah_single_1": 50.0, "niah_multikey_2": 50.0}}
+    assert m["served_default"] and not rep["methods"]["int4_hadamard"]["served_default"]
+    # the BF16 sink + recent window (320 of 8192 tokens at 16 bits) count in the whole-cache bits
+    assert abs(m["bits_per_element_8k_with_windows"] - (320 * 16 + 7872 * 2.5) / 8192) < 1e-3
+    v = compare.verdict(rep)
+    assert "int2_hadamard (served default) PPL +10.0%" in v and "MISSED" in v
+    assert "NIAH 50% of bf16" in v
     # paired delta: both windows +10% -> mean 10, std 0 (the unpaired std would be large)
     assert abs(m["ppl_delta_pct"]["2048"]["mean"] - 10.0) < 1e-6 and m["ppl_delta_pct"]["2048"]["std"] < 1e-6
     assert m["attn_kl"] == 0.1 and m["clip_k"]["max"] == 1.0
@@ -73,3 +85,18 @@ def test_niah_score_excludes_tasks_bf16_fails():
     scored, excluded = compare.niah_scored_tasks(niah)
     assert scored == {"2048": ["niah_single_1"], "4096": ["niah_single_1"]}
     assert excluded == {"2048": ["niah_multikey_2"], "4096": []}
+
+
+def test_quick_uses_the_shipped_default_bundle(tmp_path):
+    from sglang_oscar.rotation import load_bundle
+
+    p = compare.shipped_bundle("int2_best", "smollm2", quick=True)
+    assert p is not None and p.is_file()
+    b = load_bundle(p)
+    assert b.method == "balanced" and b.center_k and b.k_group == 64 and b.num_layers == 30
+    # the zoo bundle covers the model's whole context (8k windows or RoPE offsets up to 8k)
+    cal = b.calibration
+    assert max(cal.get("seq_len") or 0, cal.get("context") or 0) >= 8192, cal
+    assert compare.shipped_bundle("int2_best", "smollm2", quick=False) is None
+    assert compare.shipped_bundle("int2_best", "other.gguf", quick=True) is None
+    assert compare.shipped_bundle("int2_naive", "smollm2", quick=True) is None

@@ -56,6 +56,16 @@ def split_windows(ids: list[int], *, tokens: int, seq_len: int, heldout_tokens: 
     return windows, heldout
 
 
+def served_context(model, requested: Optional[int]) -> Optional[int]:
+    """The context calibration covers: `requested` (0: none), else the model's
+    max_position_embeddings."""
+    if requested is not None:
+        if requested < 0:
+            raise ValueError(f"--context must be >= 0, got {requested}")
+        return requested or None
+    return getattr(model.config, "max_position_embeddings", None)
+
+
 def calibrate_many(model, tokenizer, variants: dict[str, dict], *, tokens: int, seq_len: int, heldout_tokens: int,
                    text: Optional[str] = None, progress: bool = True, source: Optional[str] = None,
                    model_id: str = "", context: Optional[int] = None):
@@ -135,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", type=int, default=2, choices=(2, 4))
     p.add_argument("--tokens", type=int, default=16384, help="statistics tokens")
     p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--context", type=int, default=None,
+                   help="longest context the cache will serve: the windows are spread over RoPE positions "
+                        "[0, context) (default: the model's max_position_embeddings; 0: the windows' own positions)")
     p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out tokens for clip calibration")
     p.add_argument("--clip", default=None, choices=("auto",), help="per-layer clip calibration (default)")
     p.add_argument("--clip-k", type=float, default=None, help="fixed K clip ratio for every layer")
@@ -161,6 +174,8 @@ def main(argv=None) -> int:
     for option, ratio in ratios:
         if ratio is not None and not 0 < ratio <= 1:
             _fail(f"{option} {ratio} is outside (0, 1] (a clip ratio is a quantile of |x|; 1 = no clipping)")
+    if args.context is not None and args.context < 0:
+        _fail(f"--context must be >= 0 (0: no RoPE offsets), got {args.context}")
     if args.bits != 2 and tuple(args.level_grid) != (1.0,):
         _fail(f"--level-grid applies to --bits 2 only; drop it for --bits {args.bits}")
     text, source = None, None
@@ -189,10 +204,11 @@ def main(argv=None) -> int:
                    cs=args.cs, bits=args.bits, clip=clip, level_grid=tuple(args.level_grid), **groups)
     if args.rho_grid:
         variant["rho_grid"] = tuple(args.rho_grid)
+    context = served_context(model, args.context)
     try:
         bundles, _ = calibrate_many(model, tok, {"cli": variant}, tokens=args.tokens, seq_len=args.seq_len,
                                     heldout_tokens=args.heldout_tokens if clip == "auto" else 0, text=text,
-                                    progress=not args.quiet, source=source, model_id=model_id)
+                                    progress=not args.quiet, source=source, model_id=model_id, context=context)
     except ValueError as e:
         _fail(str(e))
     bundle = bundles["cli"]

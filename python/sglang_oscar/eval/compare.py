@@ -95,18 +95,48 @@ def layers_of(bundle, bits: int):
 
 
 # ------------------------------------------------------------------------------------------ stages
-def stage_calibrate(model, tok, model_id, specs, cfg, out_dir: Path, progress: bool) -> None:
-    from ..calibrate import calibrate_many
+SHIPPED = {"int2_best": "smollm2-135m-instruct_int2_best_g64"}  # zoo bundles of the embedded model's methods
+ZOO_DIR = Path(__file__).resolve().parents[3] / "zoo"
+
+
+def shipped_bundle(name: str, model_name: str, quick: bool) -> Optional[Path]:
+    """The zoo's bundle that --quick uses instead of calibrating `name` (the served default of the
+    embedded model, calibrated with the full settings), or None."""
+    if not (quick and model_name == "smollm2" and name in SHIPPED):
+        return None
+    path = ZOO_DIR / f"{SHIPPED[name]}.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: --quick uses the zoo's {SHIPPED[name]} (run from a checkout, or "
+                                "drop --quick to calibrate it)")
+    return path
+
+
+def stage_calibrate(model, tok, model_id, specs, cfg, out_dir: Path, progress: bool,
+                    shipped: Optional[dict] = None) -> None:
+    """Calibrate every quantized method once (one capture); `shipped` {name: bundle path} are copied
+    from the zoo instead (validated against the model when loaded)."""
+    import shutil
+
+    from ..calibrate import calibrate_many, served_context
     from ..rotation import save_bundle
 
-    variants = {n: dict(s["variant"], bits=s["bits"]) for n, s in specs.items() if s["variant"] is not None}
+    shipped = shipped or {}
+    variants = {n: dict(s["variant"], bits=s["bits"]) for n, s in specs.items()
+                if s["variant"] is not None and n not in shipped}
     t = time.time()
-    bundles, stats = calibrate_many(model, tok, variants, tokens=cfg["calib_tokens"], seq_len=cfg["seq_len"],
-                                    heldout_tokens=cfg["heldout_tokens"], progress=progress, model_id=model_id)
     (out_dir / "bundles").mkdir(parents=True, exist_ok=True)
-    for name, b in bundles.items():
-        save_bundle(b, out_dir / "bundles" / f"{name}.safetensors")
-    info = dict(seconds=time.time() - t, tokens=stats.tokens, heldout_tokens=stats.heldout_tokens)
+    info = dict(shipped={n: str(p) for n, p in shipped.items()})
+    if variants:
+        bundles, stats = calibrate_many(model, tok, variants, tokens=cfg["calib_tokens"], seq_len=cfg["seq_len"],
+                                        heldout_tokens=cfg["heldout_tokens"], progress=progress, model_id=model_id,
+                                        context=served_context(model, None))
+        for name, b in bundles.items():
+            save_bundle(b, out_dir / "bundles" / f"{name}.safetensors")
+        info.update(tokens=stats.tokens, heldout_tokens=stats.heldout_tokens)
+    for name, path in shipped.items():
+        shutil.copyfile(path, out_dir / "bundles" / f"{name}.safetensors")
+        print(f"[calibrate] {name}: the zoo's {path.name} (calibrated with the full settings)", flush=True)
+    info["seconds"] = time.time() - t
     (out_dir / "calibrate.json").write_text(json.dumps(info, indent=1))
 
 
@@ -168,7 +198,8 @@ def stage_niah(model, tok, specs, cfg, out_dir: Path, progress: bool, tag: str =
                 res[name].setdefault(str(length), {})[task] = dict(out[name], first=first)
             print(f"[niah] {task} @ {length}: " + " ".join(f"{n}={out[n]['score']:.0f}" for n in specs)
                   + f" ({time.time() - t:.0f} s)", flush=True)
-    (out_dir / f"niah{tag}.json").write_text(json.dumps(res, indent=1, default=_jsonable))
+            # after every task, so a run cut short keeps what it finished
+            (out_dir / f"niah{tag}.json").write_text(json.dumps(res, indent=1, default=_jsonable))
 
 
 def _jsonable(x):
@@ -288,8 +319,9 @@ def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
                          "decode (server semantics)",
                          niah_tasks_scored=scored, niah_tasks_excluded_bf16_fails=excluded,
                          calibration_source=CALIBRATION_SOURCE,
-                         eval_source=EVAL_SOURCE, calibration_tokens_used=calib["tokens"],
-                         heldout_tokens_used=calib["heldout_tokens"], **cfg),
+                         eval_source=EVAL_SOURCE, calibration_tokens_used=calib.get("tokens"),
+                         heldout_tokens_used=calib.get("heldout_tokens"), shipped_bundles=calib.get("shipped", {}),
+                         **cfg),
         "methods": methods,
         "environment": dict(python=platform.python_version(), torch=torch.__version__, sglang_oscar=__version__,
                             commit=_git_commit(), date=time.strftime("%Y-%m-%d")),
@@ -435,7 +467,8 @@ def main(argv=None) -> int:
     for st in stages:
         t = time.time()
         if st == "calibrate":
-            stage_calibrate(model, tok, model_id, specs, cfg, out_dir, progress)
+            shipped = {n: p for n in specs if (p := shipped_bundle(n, args.model, args.quick)) is not None}
+            stage_calibrate(model, tok, model_id, specs, cfg, out_dir, progress, shipped)
         elif st == "ppl":
             stage_ppl(model, tok, specs, cfg, out_dir, progress)
         elif st == "niah":
