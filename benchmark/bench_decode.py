@@ -222,9 +222,13 @@ def sglang_triton_fns(q, b, hq, hkv, d, ctx, copies):
 def parse_oscar_config(text):
     """'128:2:3[:r128][:w6][:ring1][:sink4][:wf1][:pdl1][:sub1][:peel1][:lazy4][:fold1]' -> (text, oscar_decode keyword
     arguments)."""
+    from sglang_oscar.kernels import decode
+
     parts = text.split(":")
     nw, st = (int(x) for x in parts[1:3])
-    kw = dict(num_warps=nw, num_stages=st)
+    if (nw, st) != (decode.NUM_WARPS, decode.NUM_STAGES):  # the shipped loop's, no longer oscar_decode arguments
+        raise SystemExit(f"{text!r}: oscar_decode runs {decode.NUM_WARPS} warps, {decode.NUM_STAGES} stages")
+    kw = {}
     if parts[0] != "auto":  # auto: oscar_decode's default_block_n for the shape
         kw["block_n"] = int(parts[0])
     for p in parts[3:]:
@@ -232,24 +236,8 @@ def parse_oscar_config(text):
             kw["ring_splits"] = int(p[4:])
         elif p.startswith("sink"):
             kw["sink_splits"] = int(p[4:])
-        elif p.startswith("wf"):
-            kw["window_first"] = bool(int(p[2:]))
-        elif p.startswith("pdl"):
-            kw["pdl"] = bool(int(p[3:]))
-        elif p.startswith("sub"):
-            kw["subnormal_codes"] = bool(int(p[3:]))
-        elif p.startswith("peel"):
-            kw["peel_tail"] = bool(int(p[4:]))
-        elif p.startswith("lazy"):
-            kw["lazy_rescale"] = float(p[4:])
-        elif p.startswith("fold"):
-            kw["fold_halves"] = bool(int(p[4:]))
-        elif p.startswith("r"):
-            kw["maxnreg"] = int(p[1:])
-        elif p.startswith("w"):
-            kw["split_waves"] = int(p[1:])
         else:
-            raise SystemExit(f"unknown oscar config part {p!r} in {text!r}")
+            raise SystemExit(f"unknown oscar config part {p!r} in {text!r} (only ringN / sinkN remain)")
     return text, kw
 
 
@@ -355,21 +343,12 @@ def main():
                             cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies, page=page)
                         if variant:
                             kw = dict(cfgs[0][1])
-                            knobs = {}
                             if impl.startswith("oscar_cuda"):
+                                if "groups4" in impl or args.cuda_max_gqa:
+                                    raise SystemExit("history_cuda's head groups of 4 and MAX_GQA are no longer "
+                                                     "knobs")
                                 kw = {"history_kernel": "cuda"}
-                                knobs = dict(WIDE_TILE="groups4" not in impl)
-                                if args.cuda_max_gqa:
-                                    knobs["MAX_GQA"] = args.cuda_max_gqa
-                            from sglang_oscar.kernels import history_cuda
-                            saved = {k: getattr(history_cuda, k) for k in knobs}
-                            try:
-                                for k, v in knobs.items():
-                                    setattr(history_cuda, k, v)
-                                ms = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, **kw))
-                            finally:
-                                for k, v in saved.items():
-                                    setattr(history_cuda, k, v)
+                            ms = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, **kw))
                             cfg = f"{'cuda' if 'cuda' in impl else cfgs[0][0]}:page{page}" + \
                                 (":groups4" if "groups4" in impl else "")
                             del cache, r2t

@@ -92,12 +92,12 @@ def budget(key) -> tuple:
 
 def tools():
     """(nvcc, cuobjdump) paths, or None where either is missing (nvcc: where the server's build looks,
-    history_cuda._nvcc; cuobjdump: PATH, next to nvcc, or Triton's bundled copy)."""
-    from sglang_oscar.kernels import history_cuda
+    cuda_build.nvcc; cuobjdump: PATH, next to nvcc, or Triton's bundled copy)."""
+    from sglang_oscar.kernels import cuda_build
 
     try:
-        nvcc = history_cuda._nvcc()
-    except history_cuda.CudaHistoryUnavailable:
+        nvcc = cuda_build.nvcc()
+    except cuda_build.CudaUnavailable:
         nvcc = None
     cands = [shutil.which("cuobjdump")]
     if nvcc:

@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 from sglang_oscar.kernels import decode  # noqa: E402
+from sglang_oscar.kernels.shapes import window_programs  # noqa: E402
 from bench_decode import MODELS  # noqa: E402  (the benchmark's layer shapes)
 
 
@@ -41,27 +42,25 @@ SCALARS = {"qk_scale": "fp32", "stride_r2t": "i32"}
 
 
 def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=None, num_warps=2, num_stages=3, ns=16, fast_cvt=True,
-                   maxnreg=None, subnormal=None, peel=None, lazy=None, fold=None, page=1):
+                   maxnreg=None, subnormal=None, fold=None, page=1):
     fn = decode._oscar_decode_stage1
     group = hq // hkv
     np_ = max(decode.MIN_NP, triton.next_power_of_2(group))
     if block_n is None:
         block_n = decode.default_block_n(np_, d)
-    peel = decode.PEEL_TAIL if peel is None else peel
-    lazy = float(decode.LAZY_RESCALE if lazy is None else lazy)
     if fold is None:
-        fold = decode.default_fold(np_, d, peel, lazy, block_n)
+        fold = decode.default_fold(np_, d, block_n)
     if fold and maxnreg is None:
         maxnreg = decode.FOLD_MAXNREG
     consts = dict(
         HKV=hkv, GQA=group, D=d, GK=gk, GV=gv, SINK=64, WINDOW=256, NS=ns,
-        SS=triton.cdiv(64, decode.SINK_ROWS_PER_SPLIT), RS=triton.cdiv(256, decode.RING_ROWS_PER_SPLIT),
-        WINDOW_FIRST=decode.WINDOW_FIRST, PDL_TRIGGER=False,
+        SS=window_programs(64, 256)[0], RS=window_programs(64, 256)[1],
+        WINDOW_ONLY=False, PDL_TRIGGER=False,
         BLOCK_M=max(16, triton.next_power_of_2(group)), NP=np_,
         BLOCK_N=block_n, BLOCK_W=16, K_A=1.0, V_A=1.0, K_CODEBOOK=False, V_CODEBOOK=False,
         DT=tl.float16, WDT=tl.bfloat16, FAST_CVT=fast_cvt, NGK=d // gk, NGV=d // gv, CH=min(gk, gv, d // 4),
-        SUB=decode.SUBNORMAL_CODES if subnormal is None else subnormal,
-        PEEL=peel, LAZY=lazy, FOLD=bool(fold), PAGE=page,  # pool page size (kernels/records.py)
+        SUB=True if subnormal is None else subnormal,  # uniform levels: subnormal codes (oscar_decode's choice)
+        FOLD=bool(fold), PAGE=page,  # pool page size (kernels/records.py)
     )
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -79,7 +78,7 @@ def compile_stage1(hq, hkv, d, gk=64, gv=64, block_n=None, num_warps=2, num_stag
                             options={"num_warps": num_warps, "num_stages": num_stages,
                                      **({"maxnreg": maxnreg} if maxnreg else {})})
     kernel.oscar_settings = {"config": f"{block_n}:{num_warps}:{num_stages}", "subnormal": consts["SUB"],
-                             "peel": peel, "lazy": lazy, "fold": bool(fold),
+                             "fold": bool(fold),
                              "maxnreg": maxnreg}  # as compiled (defaults resolved like oscar_decode)
     return kernel
 
@@ -177,10 +176,8 @@ def main():
     ap.add_argument("--config", default="auto:2:3", help="BLOCK_N:num_warps:num_stages (auto: decode.default_block_n)")
     ap.add_argument("--slow-cvt", action="store_true", help="codes -> fp16 by plain arithmetic (no inline PTX)")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas -maxrregcount)")
-    ap.add_argument("--subnormal", type=int, choices=(0, 1), help="code format (default: decode.SUBNORMAL_CODES)")
-    ap.add_argument("--peel", type=int, choices=(0, 1), help="unmasked full blocks (default: decode.PEEL_TAIL)")
-    ap.add_argument("--lazy", type=float, help="lazy-rescale threshold (default: decode.LAZY_RESCALE)")
-    ap.add_argument("--fold", type=int, choices=(0, 1), help="folded [BLOCK_N/2, 2·NP] tiles (default: decode.FOLD_HALVES)")
+    ap.add_argument("--subnormal", type=int, choices=(0, 1), help="code format (default: 1, uniform levels)")
+    ap.add_argument("--fold", type=int, choices=(0, 1), help="folded [BLOCK_N/2, 2·NP] tiles (default: decode.default_fold)")
     ap.add_argument("--dump", help="folder for the ttgir / ptx / sass text")
     args = ap.parse_args()
     hq, hkv, d = MODELS[args.model]
@@ -188,7 +185,6 @@ def main():
     bn, nw, st = None if bn == "auto" else int(bn), int(nw), int(st)
     k = compile_stage1(hq, hkv, d, block_n=bn, num_warps=nw, num_stages=st, fast_cvt=not args.slow_cvt,
                        maxnreg=args.maxnreg, subnormal=None if args.subnormal is None else bool(args.subnormal),
-                       peel=None if args.peel is None else bool(args.peel), lazy=args.lazy,
                        fold=None if args.fold is None else bool(args.fold))
     sass = sass_of(k)
     res = {"model": args.model, "fast_cvt": not args.slow_cvt, **k.oscar_settings,

@@ -23,8 +23,12 @@ def rows():
 
 
 def test_every_instance_within_its_budget(rows):
-    # the DISPATCH table's instances, each with a budget: 32-token stages everywhere, 64-token ones (wide) at D 64
-    assert set(rows) == {k + (False,) for k in sass.BUDGET} | {k + (True,) for k in sass.WIDE_BUDGET}
+    # the DISPATCH table's instances (2 stages), each with a budget: 32-token stages everywhere, 64-token ones (wide)
+    # at D 64 with 4-head columns
+    budgets = {k + (False,) for k in sass.BUDGET} | {k + (True,) for k in sass.WIDE_BUDGET}
+    assert set(rows) <= budgets and {k[0] for k in rows} == {2}
+    assert {(k[1], k[3], k[4]) for k in rows} == {(4, 128, False), (8, 128, False), (4, 64, False), (8, 64, False),
+                                                 (4, 64, True)}
     for key, r in rows.items():
         loop_budget, total_budget = sass.budget(key)
         wide, d = key[4], key[3]
@@ -48,7 +52,7 @@ def test_the_budget_catches_the_reverted_rotation(tmp_path):
     src = open(sass.SOURCE).read()
     anchor = "  const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;"
     assert src.count(anchor) == 1
-    extra = """  if (a.fused_merge == 7) {  // never true: code that is compiled in but does not run
+    extra = """  if (a.fold_tiles == -7) {  // never true: code that is compiled in but does not run
     float acc[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) acc[i] = 0.f;

@@ -10,7 +10,18 @@ import dataclasses
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_GROUPS = (32, 64, 128)
+MAX_GQA = 16  # query heads per KV head the decode kernels hold in one tile
 PARAM_BITS = 16  # scale and min are stored as bf16
+
+
+def default_group(head_dim: int) -> int:
+    """The group size when neither the flag nor a calibrated bundle sets one: the largest supported group that fits
+    the row (64 at head_dim 64, 128 at head_dim 128 and 256), i.e. 2.5 bits/element at head_dim 64 and 2.25 above.
+    Every supported head_dim has a decode path at its default group (kernels/shapes.py)."""
+    fits = [g for g in SUPPORTED_GROUPS if g <= head_dim]
+    if head_dim not in SUPPORTED_HEAD_DIMS or not fits:
+        raise ValueError(f"head_dim {head_dim} is not supported by the OSCAR kernels (use one of {SUPPORTED_HEAD_DIMS})")
+    return max(fits)
 
 
 @dataclasses.dataclass(frozen=True)
