@@ -5,29 +5,30 @@ Rows {impl, model, context, batch, head_dim, ms, bytes, gbps, pct_copy_bw} plus 
 and git commit → $OUT/decode_kernel_<device>.json, and a PNG plot. Bytes are what each kernel must
 read (+ write q/o): KV payload, params, window rows and the int32 token indices. The impl
 read_same_bytes is a streaming read of exactly the bytes of the oscar call at each point
-(benchmark/read_roofline.py) and copy_same_traffic a plain device copy moving them: the share of
+(read_fns below) and copy_same_traffic a plain device copy moving them: the share of
 copy bandwidth that a kernel of that size reaches at all (launch, ramp-up and tail included).
+The oscar impls run oscar_decode's defaults, i.e. what the server runs.
 
-    python benchmark/bench_decode.py [--quick] [--out DIR]
+    python benchmark/bench_decode.py [--out DIR] [--models ...] [--contexts ...] [--batches ...] [--impls ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import os
+import re
 import sys
 import time
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-from sglang_oscar.kernels.decode import _num_sms, default_num_splits, oscar_decode  # noqa: E402
+from sglang_oscar.kernels.decode import _num_sms, oscar_decode  # noqa: E402
 from sglang_oscar.kernels.layout import LayerCache  # noqa: E402
 from bench_write import device_tag, git_commit, write_json  # noqa: E402  (benchmark/, next to this script)
-from read_roofline import read_fns  # noqa: E402
 
 # layer shapes per GPU (q heads, KV heads, head_dim); the default table runs the first two. qwen3-32b: GQA 8
 # (the unfolded kernel, NP = 8); qwen3-14b: GQA 5; glm-4.7-tp8 / -tp4: 96 q / 8 KV heads split over 8 / 4 GPUs, GQA 12
@@ -52,8 +53,8 @@ def n_copies(bytes_one):
 
 # Calls per timed graph replay, at least: do_bench's per-replay cost (the graph's launch, and the write-back
 # of the 256 MB L2 flush it runs between replays) lands on the replay's first call. With one call per replay
-# it measured ~9 us per call on H100 (Qwen3 64k batch 8: 185.5 us per call vs 176.2 us from stage-1 start to
-# merge end; benchmark/probe_decode_fixed_cost.py); a served decode step replays one graph for all layers.
+# it added ~9 us per call on H100 (Qwen3 64k batch 8: 185.5 us per call vs 176.2 us from the first kernel's
+# start to the merge's end in a profiler trace); a served decode step replays one graph for all layers.
 MIN_CALLS_PER_REPLAY = 8
 
 
@@ -136,17 +137,52 @@ def oscar_fns(q, cache, r2t, seq, ring_start, b, copies, d, decode=oscar_decode,
     return fns
 
 
-def load_prev_decode(path):
-    """oscar_decode of another version of kernels/decode.py (e.g. `git show REV:python/sglang_oscar/kernels/decode.py`),
-    loaded as a module of the sglang_oscar.kernels package so that its relative imports resolve: a same-run
-    baseline for a kernel change."""
-    import importlib.util
-    import inspect
+# ------------------------------------------------------------------------- read of the same bytes
+# A read-only streaming kernel: the share of copy bandwidth that merely reading N bytes reaches (impl
+# read_same_bytes, the ceiling of each point: at batch 1 launch, ramp-up and tail dominate, so no kernel of those
+# bytes reaches the bandwidth of a 1 GiB copy). Each program reads a contiguous range of int32 words in 16 KB
+# blocks (16-byte loads) and folds them with XOR into one stored word, so the loads cannot be optimised away.
 
-    spec = importlib.util.spec_from_file_location("sglang_oscar.kernels._decode_prev", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.oscar_decode, set(inspect.signature(mod.oscar_decode).parameters)
+READ_BLOCK = 4096  # int32 words per iteration (16 KB)
+READ_PROGRAMS_PER_SM = 8
+
+
+@triton.jit
+def _read_words(X, OUT, META, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+    # ITERS blocks per program (a constexpr: one compile per size, fine for a benchmark); META = [n]
+    n = tl.load(META)
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.int32)
+    offs = tl.arange(0, BLOCK)
+    for i in range(ITERS):
+        idx = (pid * ITERS + i) * BLOCK + offs
+        acc ^= tl.load(X + idx, mask=idx < n, other=0)
+    tl.store(OUT + pid, tl.xor_sum(acc, 0))
+
+
+def read_plan(n: int, sms: int):
+    """(programs, blocks per program, meta) for n words: up to READ_PROGRAMS_PER_SM programs per SM."""
+    blocks = triton.cdiv(n, READ_BLOCK)
+    programs = min(sms * READ_PROGRAMS_PER_SM, max(1, blocks))
+    iters = triton.cdiv(blocks, programs)
+    return triton.cdiv(blocks, iters), iters, torch.tensor([n], dtype=torch.int32)
+
+
+def read_all(x: torch.Tensor, out: torch.Tensor, sms: int, plan=None) -> torch.Tensor:
+    """XOR of each program's range of the int32 words of x into out[program]; returns those words."""
+    programs, iters, meta = plan or read_plan(x.numel(), sms)
+    _read_words[(programs,)](x, out, meta.to(x.device), ITERS=iters, BLOCK=READ_BLOCK, num_warps=8)
+    return out[:programs]
+
+
+def read_fns(nbytes: int, copies: int, sms: int):
+    """One read of nbytes per copy (rotated to defeat L2), as callables for bench."""
+    words = max(nbytes // 4, 1)
+    programs, iters, meta = read_plan(words, sms)
+    plan = (programs, iters, meta.cuda())  # on the device before the graph capture
+    bufs = [(torch.ones(words, dtype=torch.int32, device="cuda"),
+             torch.empty(sms * READ_PROGRAMS_PER_SM, dtype=torch.int32, device="cuda")) for _ in range(copies)]
+    return [lambda x=x, o=o: read_all(x, o, sms, plan) for x, o in bufs], (bufs, plan)
 
 
 # ------------------------------------------------------------------------------- FlashInfer
@@ -219,26 +255,7 @@ def sglang_triton_fns(q, b, hq, hkv, d, ctx, copies):
 # ------------------------------------------------------------------------------------- main
 
 
-def parse_oscar_config(text):
-    """'128:2:3[:r128][:w6][:ring1][:sink4][:wf1][:pdl1][:sub1][:peel1][:lazy4][:fold1]' -> (text, oscar_decode keyword
-    arguments)."""
-    from sglang_oscar.kernels import decode
-
-    parts = text.split(":")
-    nw, st = (int(x) for x in parts[1:3])
-    if (nw, st) != (decode.NUM_WARPS, decode.NUM_STAGES):  # the shipped loop's, no longer oscar_decode arguments
-        raise SystemExit(f"{text!r}: oscar_decode runs {decode.NUM_WARPS} warps, {decode.NUM_STAGES} stages")
-    kw = {}
-    if parts[0] != "auto":  # auto: oscar_decode's default_block_n for the shape
-        kw["block_n"] = int(parts[0])
-    for p in parts[3:]:
-        if p.startswith("ring"):
-            kw["ring_splits"] = int(p[4:])
-        elif p.startswith("sink"):
-            kw["sink_splits"] = int(p[4:])
-        else:
-            raise SystemExit(f"unknown oscar config part {p!r} in {text!r} (only ringN / sinkN remain)")
-    return text, kw
+IMPL_RE = re.compile(r"oscar(_cuda)?(_page\d+)?|read_same_bytes|copy_same_traffic|flashinfer_(bf16|fp8)|sglang_triton_bf16")
 
 
 def correctness_check():
@@ -278,31 +295,12 @@ def main():
     ap.add_argument("--contexts", default="8192,32768,65536,131072")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--models", default="qwen3-8b,smollm2")
-    ap.add_argument("--impls", default="oscar,read_same_bytes,copy_same_traffic,flashinfer_bf16,flashinfer_fp8,"
-                    "sglang_triton_bf16", help="read_same_bytes / copy_same_traffic: a streaming read of the bytes "
-                    "of one oscar call (benchmark/read_roofline.py) / a copy moving them: the size's ceiling; oscar_pageN: the first "
-                    "oscar config on a pool in pages of N (kernels/records.py); oscar_cuda[_pageN]: the CUDA history "
-                    "(kernels/history_cuda.py: D 128, GQA <= 16, above 8 in head groups of 8; "
-                    "oscar_cuda_groups4_pageN: head groups of 4, history_cuda.WIDE_TILE off)")
-    ap.add_argument("--cuda-max-gqa", type=int, default=None,
-                    help="history_cuda.MAX_GQA for the oscar_cuda impls (default 16; experiments)")
-    ap.add_argument("--oscar-configs", default="auto:2:3,64:2:3",
-                    help="BLOCK_N|auto:num_warps:num_stages[:rN][:wN][:ringN][:sinkN][:wfB][:pdlB][:subB][:peelB]"
-                         "[:lazyT][:foldB] (rN: maxnreg N, wN: split_waves N, ringN: ring_splits N, sinkN: "
-                         "sink_splits N, wf1/wf0: window programs first or last, pdl1/pdl0: programmatic dependent "
-                         "launch of the merge, sub1/sub0: subnormal codes on/off, peel1/peel0: unmasked full blocks "
-                         "on/off, lazyT: lazy-rescale threshold T, 0 = off, fold1/fold0: folded tiles); the first is "
-                         "oscar_decode's default (auto:2:3: 128 tokens, 64 where NP >= 16), the one the server runs")
-    ap.add_argument("--prev-decode", default=None,
-                    help="path of another kernels/decode.py: adds impl oscar_prev (its defaults, auto splits, with "
-                         "those keyword arguments of the first config that its oscar_decode takes)")
-    ap.add_argument("--report", choices=("first", "best"), default="first",
-                    help="oscar row per shape: the first config (what serving runs) or the best of all swept; "
-                         "every config's time goes to oscar_variants in the JSON either way")
-    ap.add_argument("--oscar-splits", default="auto",
-                    help="history split counts to sweep for oscar (comma list; auto = default_num_splits, "
-                         "sbN = its rule with small_batch_splits=N, sb0 = 3 waves only, fN = at most N INT2 programs per SM, "
-                         "as many as fit, nofill = default_num_splits without its wave-fill step)")
+    ap.add_argument("--impls", default="oscar_cuda_page64,oscar_page64,read_same_bytes,flashinfer_bf16,flashinfer_fp8,"
+                    "sglang_triton_bf16", help="oscar: the Triton path on a pool of page 1; oscar_pageN: the same on "
+                    "pages of N slots (kernels/records.py); oscar_cuda[_pageN]: the CUDA history stage "
+                    "(kernels/history_cuda.py), what the server runs with SGLANG_OSCAR_HISTORY_KERNEL=cuda and "
+                    "--page-size 64; read_same_bytes / copy_same_traffic: a streaming read of the bytes of one oscar "
+                    "call / a copy moving them, the ceiling of that size")
     ap.add_argument("--group", type=int, default=64, choices=(32, 64, 128),
                     help="K and V group size of the oscar impls (bytes and layout follow)")
     args = ap.parse_args()
@@ -316,13 +314,9 @@ def main():
     print("correctness (rel err vs float64 oracle):", errs, flush=True)
     rows = []
     impls = args.impls.split(",")
-    if args.prev_decode:
-        prev_decode, prev_params = load_prev_decode(args.prev_decode)
-        impls.insert(impls.index("oscar") + 1 if "oscar" in impls else 0, "oscar_prev")
-    cfgs = [parse_oscar_config(c) for c in args.oscar_configs.split(",")]
-    variants = []  # every (config, splits) timing of oscar, when more than one is swept
-    # auto = default_num_splits; sb<N> = the same rule with small_batch_splits=N (sb0: waves only)
-    splits = [None if x == "auto" else x if x[0] in "sfn" else int(x) for x in args.oscar_splits.split(",")]
+    unknown = [i for i in impls if not IMPL_RE.fullmatch(i)]
+    if unknown:
+        raise SystemExit(f"unknown impls {unknown} (see --help)")
     for model in args.models.split(","):
         hq, hkv, d = MODELS[model]
         for ctx in (int(x) for x in args.contexts.split(",")):
@@ -330,60 +324,22 @@ def main():
                 q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
                 for impl in impls:
                     try:
-                        # oscar_pageN / oscar_cuda / oscar_cuda_pageN: the first config on a pool in pages of N,
-                        # with the Triton or the CUDA history (kernels/records.py, kernels/history_cuda.py)
-                        variant = impl.startswith(("oscar_page", "oscar_cuda"))
-                        page = int(impl.rsplit("page", 1)[1]) if variant and "page" in impl else 1
-                        if impl in ("oscar", "oscar_prev", "read_same_bytes", "copy_same_traffic") or variant:
+                        if impl.startswith("oscar") or impl in ("read_same_bytes", "copy_same_traffic"):
                             nbytes = oscar_bytes(b, hq, hkv, d, ctx)  # the ceilings move the oscar call's bytes
                             if nbytes > MEM_CAP:
                                 continue
                             copies = n_copies(nbytes)
-                        if impl in ("oscar", "oscar_prev") or variant:
+                        if impl.startswith("oscar"):
+                            # oscar[_cuda][_pageN]: the Triton or the CUDA history on a pool in pages of N slots
+                            page = int(impl.rsplit("page", 1)[1]) if "page" in impl else 1
+                            kernel = "cuda" if impl.startswith("oscar_cuda") else "triton"
                             cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies, page=page)
-                        if variant:
-                            kw = dict(cfgs[0][1])
-                            if impl.startswith("oscar_cuda"):
-                                if "groups4" in impl or args.cuda_max_gqa:
-                                    raise SystemExit("history_cuda's head groups of 4 and MAX_GQA are no longer "
-                                                     "knobs")
-                                kw = {"history_kernel": "cuda"}
-                            ms = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, **kw))
-                            cfg = f"{'cuda' if 'cuda' in impl else cfgs[0][0]}:page{page}" + \
-                                (":groups4" if "groups4" in impl else "")
-                            del cache, r2t
-                        elif impl == "oscar_prev":
-                            kw = {k: v for k, v in cfgs[0][1].items() if k in prev_params}
-                            ms, cfg = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, decode=prev_decode, **kw)), \
-                                "prev:" + cfgs[0][0]
-                            del cache, r2t
-                        elif impl == "oscar":
-                            best = None
-                            for (name, kw), spec in itertools.product(cfgs, splits):
-                                ns = spec
-                                if spec == "nofill":  # the rule before its wave-fill step
-                                    ns = default_num_splits(b, hkv, r2t.shape[1], _num_sms(q.device),
-                                                            waves=kw.get("split_waves", 3), fill=False)
-                                elif isinstance(spec, str) and spec.startswith("f"):  # whole waves of N per SM
-                                    ns = default_num_splits(b, hkv, r2t.shape[1], _num_sms(q.device),
-                                                            waves=int(spec[1:]), round_up=False)
-                                elif isinstance(spec, str):  # a split rule, resolved for this shape
-                                    ns = default_num_splits(b, hkv, r2t.shape[1], _num_sms(q.device),
-                                                            waves=kw.get("split_waves", 3),
-                                                            small_batch_splits=int(spec[2:]))
-                                ms = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, num_splits=ns, **kw))
-                                label = f"{spec or 'auto'}" + (f"={ns}" if isinstance(spec, str) else "")
-                                if len(cfgs) * len(splits) > 1:
-                                    print(f"  oscar cfg {name} splits={label}: {ms:.4f} ms", flush=True)
-                                    variants.append(dict(model=model, context=ctx, batch=b, config=name, splits=label,
-                                                         ms=ms))
-                                if best is None or (args.report == "best" and ms < best[0]):
-                                    best = (ms, name + (f":ns{label}" if spec else ""))
-                            ms, cfg = best
+                            ms = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, history_kernel=kernel))
+                            cfg = f"{kernel}:page{page}"
                             del cache, r2t
                         elif impl == "read_same_bytes":
                             fns, keep = read_fns(nbytes, copies, _num_sms(q.device))
-                            ms, cfg = bench(fns), "read_roofline"
+                            ms, cfg = bench(fns), "read_all"
                             del fns, keep
                         elif impl == "copy_same_traffic":
                             fns, keep = copy_fns(nbytes, copies)
@@ -401,7 +357,7 @@ def main():
                                                        torch.float8_e4m3fn if fp8 else torch.bfloat16, page, copies)
                             ms, cfg = bench(fns), f"page{page},tc"
                             del fns, keep
-                        else:
+                        elif impl == "sglang_triton_bf16":
                             nbytes = fi_bytes(b, hq, hkv, d, ctx, 2, 1)
                             if nbytes > MEM_CAP or b * ctx * hkv * d >= 2**31:
                                 continue  # its int32 offsets overflow past 2^31 elements (illegal address seen)
@@ -409,6 +365,8 @@ def main():
                             fns, keep = sglang_triton_fns(q, b, hq, hkv, d, ctx, copies)
                             ms, cfg = bench(fns), "splits16"
                             del fns, keep
+                        else:
+                            raise AssertionError(impl)  # IMPL_RE admits no other name
                     except Exception as e:  # noqa: BLE001
                         print(f"{impl} {model} ctx={ctx} b={b}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
@@ -421,8 +379,7 @@ def main():
                           f"{row['pct_copy_bw']:5.1f}% copy", flush=True)
     tag = device_tag(dev)
     res = dict(device=dev, copy_bandwidth_gbps=copy_bw / 1e9, versions=versions(), correctness_rel_err=errs,
-               sink=SINK, window=WINDOW, k_group=GK, v_group=GV, rows=rows, oscar_variants=variants,
-               wall_s=time.time() - t0)
+               sink=SINK, window=WINDOW, k_group=GK, v_group=GV, rows=rows, wall_s=time.time() - t0)
     write_json(args.out, "decode_kernel", dev, res)
     try:
         plot(res, os.path.join(args.out, f"decode_kernel_{tag}.png"))

@@ -11,10 +11,9 @@ A device-to-device copy is timed in the same run as the bandwidth reference.
 
     python benchmark/bench_write.py            # full
     python benchmark/bench_write.py --quick    # a few cases
-    python benchmark/bench_write.py --sweep    # plus block_t x num_warps variants of prefill
     python benchmark/bench_write.py --decode-only
 Decode calls are timed as CUDA-graph replays (GPU time, as in the server's decode graphs; do_bench
-would mostly time the host launch), with block_t 1/4 (no tl.dot) vs 16 (dot tiles) side by side.
+would mostly time the host launch). Every call runs the kernel's default tiles and warps.
 Writes $OUT/write_kernel_<device>.json (default ./bench_out). Needs torch + triton only.
 """
 
@@ -146,7 +145,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="few cases, short timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "./bench_out"))
-    ap.add_argument("--sweep", action="store_true", help="also time block_t x num_warps variants of the prefill cases")
     ap.add_argument("--decode-only", action="store_true", help="only the decode cases (one token per request)")
     ap.add_argument("--precisions", default="ieee,tf32x3", help="tl.dot input precisions to time for prefill")
     args = ap.parse_args()
@@ -188,23 +186,6 @@ def main() -> None:
                     est_s = prefill_flops(m, tokens) / (tflops * 1e12)
                     row.update(all_layers_ms=ms * m["layers"], prefill_estimate_ms=est_s * 1e3,
                                write_over_prefill=ms * m["layers"] * 1e-3 / est_s)
-                if kind == "decode":  # the no-dot tiles (block_t < 16) against the 16-row dot tiles
-                    row["block_t_us"] = {bt: bench_graph(lambda: oscar_write_kv(*inputs, **kw, precision=precision,
-                                                                                validate=False, block_t=bt),
-                                                         args.quick) * 1e3 for bt in (1, 4, 16)}
-                    print("   decode block_t (us, graph):", {k: round(x, 2) for k, x in row["block_t_us"].items()})
-                if args.sweep and kind == "prefill" and not v_absorbed:
-                    sweep = {}
-                    for bt in (16, 32, 64, 128):
-                        for nw in (4, 8):
-                            try:
-                                t = bench(lambda: oscar_write_kv(*inputs, **kw, precision=precision, validate=False,
-                                                                 block_t=bt, num_warps=nw), args.quick)
-                                sweep[f"bt{bt}_w{nw}"] = t * 1e3
-                            except Exception as e:  # e.g. out of shared memory / registers
-                                sweep[f"bt{bt}_w{nw}"] = f"failed: {type(e).__name__}"
-                    row["sweep_us"] = sweep
-                    print("   sweep (us):", {k: (round(x, 1) if isinstance(x, float) else x) for k, x in sweep.items()})
                 rows.append(row)
                 extra = f"  all layers {row['all_layers_ms']:.2f} ms = {100 * row['write_over_prefill']:.2f}% of est. prefill {row['prefill_estimate_ms']:.0f} ms" if kind == "prefill" else ""
                 print(f"{model:13s} {kind:7s} T={tokens:6d} v_abs={int(v_absorbed)} {precision:6s} "

@@ -51,11 +51,10 @@ OSCAR_PAGE, FI_PAGE = 64, 16
 CLIP = 0.95  # K and V clip ratios of the write (a fitted bundle's are of this order)
 
 
-def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=None, block_t=None, num_splits=None,
-                    write_kernel="triton"):
+def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, write_kernel="triton"):
     """Per copy: q's transform (a GEMM, or in the write's launch with fuse_q), the write of one token per request
-    (position ctx - 1, a ring row; write_kernel: oscar_write_kv's kernel) and the decode (num_splits: its history
-    split count, None = its rule); and the same without the decode. Returns (chains, writes, keep)."""
+    (position ctx - 1, a ring row; write_kernel: oscar_write_kv's kernel) and the decode; and the same without the
+    decode. Returns (chains, writes, keep)."""
     cache, r2t, seq, ring_start = make_oscar(b, hkv, d, ctx, copies, page=OSCAR_PAGE)
     g = torch.Generator(device="cuda").manual_seed(0)
     rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, device="cuda"))[0].contiguous()
@@ -76,53 +75,18 @@ def oscar_chain_fns(b, hq, hkv, d, ctx, copies, after_write, fuse_q, num_warps=N
 
         def write(slots=slots, ring_dst=ring_dst):
             oscar_write_kv(k_new, v_new, slots, sink_dst, ring_dst, cache, k_transform=rot, k_clip=CLIP, v_clip=CLIP,
-                           validate=False, pdl_trigger=after_write, block_t=block_t, kernel=write_kernel, **q_kw,
-                           **({"num_warps": num_warps} if num_warps else {}))
+                           validate=False, pdl_trigger=after_write, kernel=write_kernel, **q_kw)
 
         def chain(idx=idx, write=write):
             q = q_out if fuse_q else transform_query(q_raw, t_q, hkv)  # before the write, as srt/backend.py does
             write()
             oscar_decode(q, cache, r2t, idx, seq, ring_start, sink=SINK, window=WINDOW, sm_scale=1 / math.sqrt(d),
                          out=out, history_kernel="cuda", follows_write=after_write,
-                         q_from_write=after_write and fuse_q, num_splits=num_splits, write_kernel=write_kernel)
+                         q_from_write=after_write and fuse_q, write_kernel=write_kernel)
 
         chains.append(chain)
         writes.append(write)
     return chains, writes, (cache, r2t)
-
-
-def write_sweep(models, batches, warps, tiles=(0,), no_q=False, kernels=("triton",)):
-    """The write alone (one token per request, q rotated in its launch, as the server's decode) at each num_warps and
-    token tile (0: the default tile of the batch) of the Triton kernel, and with "cuda" in kernels the CUDA write
-    (one configuration: num_warps 4, block_t 1 in the rows); no_q: also without q (K and V programs only). Kernels
-    alternate per (model, batch), so that both see the same clocks: rows {model, batch, kernel, num_warps, block_t,
-    q_in_launch, us}."""
-    from sglang_oscar.kernels.write import default_block_t
-
-    out = []
-    # the floor of one kernel in this harness: a one-element fill_ per copy (launch and graph-node overhead only)
-    cells = [torch.zeros(1, device="cuda") for _ in range(8)]
-    us = 1e3 * bench([lambda c=c: c.fill_(1.0) for c in cells])
-    out.append(dict(model="-", batch=0, kernel="one_element_fill", num_warps=0, block_t=0, q_in_launch=False, us=us))
-    print(f"write sweep floor: a one-element fill_ {us:6.2f} us", flush=True)
-    for model in models:
-        hq, hkv, d = MODELS[model]
-        for b in batches:
-            configs = [("triton", nw, bt) for bt in dict.fromkeys(t or default_block_t(b, d) for t in tiles)
-                       for nw in warps] if "triton" in kernels else []
-            configs += [("cuda", 4, 1)] if "cuda" in kernels else []
-            for (kernel, nw, bt), fuse_q in ((c, f) for c in configs for f in ((True, False) if no_q else (True,))):
-                # a short context: the write does not read the history
-                _, writes, keep = oscar_chain_fns(b, hq, hkv, d, ctx=4096, copies=8, after_write=False,
-                                                  fuse_q=fuse_q, num_warps=nw if kernel == "triton" else None,
-                                                  block_t=bt if kernel == "triton" else None, write_kernel=kernel)
-                us = 1e3 * bench(writes)
-                out.append(dict(model=model, batch=b, kernel=kernel, num_warps=nw, block_t=bt, q_in_launch=fuse_q,
-                                us=us))
-                print(f"write sweep {model} b={b:3d} {kernel:6s} block_t={bt:3d} num_warps={nw} q={int(fuse_q)}: "
-                      f"{us:6.2f} us", flush=True)
-                del writes, keep
-    return out
 
 
 def flashinfer_chain_fns(b, hq, hkv, d, ctx, copies, fp8):
@@ -204,25 +168,12 @@ def main():
                     help="the impl the summary's ratios divide by")
     ap.add_argument("--plot-from", default="", help="a results JSON of this script: write its PNG next to --out "
                     "and exit (no GPU needed)")
-    ap.add_argument("--write-sweep", default="", help="num_warps values (comma list) to time the write alone at "
-                    "each batch (only this, no chains)")
-    ap.add_argument("--write-block-t", default="0", help="with --write-sweep: token tiles (comma list; 0 = the "
-                    "batch's default tile)")
-    ap.add_argument("--write-no-q", action="store_true", help="with --write-sweep: also time the write without q")
-    ap.add_argument("--write-kernels", default="triton", help="with --write-sweep: triton, cuda or both (comma list)")
     args = ap.parse_args()
     if args.plot_from:
         res = json.load(open(args.plot_from))
         plot(res, os.path.join(args.out, f"decode_step_layer_{device_tag(res['device'])}.png"))
         return
     dev = torch.cuda.get_device_name()
-    if args.write_sweep:
-        sweep = write_sweep(args.models.split(","), [int(x) for x in args.batches.split(",")],
-                            [int(x) for x in args.write_sweep.split(",")],
-                            [int(x) for x in args.write_block_t.split(",")], args.write_no_q,
-                            tuple(args.write_kernels.split(",")))
-        write_json(args.out, "write_warps_sweep", dev, dict(device=dev, versions=versions(), clip=CLIP, rows=sweep))
-        return
     t0 = time.time()
     copy_bw = copy_bandwidth()
     print(f"device {dev}, copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)

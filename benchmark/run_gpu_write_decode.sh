@@ -8,20 +8,16 @@
 #   call 2: OSCAR_COMMIT=<hash> TESTS=1 BENCH=0 bash benchmark/run_gpu_write_decode.sh      (carry .devb/b)
 #   call 3: OSCAR_COMMIT=<hash> TESTS=0 BENCH=1 bash benchmark/run_gpu_write_decode.sh
 # The kernel tests alone (test_write / test_decode) and the oscar impls need neither part.
-# A call carries the working tree and the named paths within 64 MiB: part a is 54.4 MB, so with the tree past ~9 MB
-# (benchmark/results alone is 7 MB) move benchmark/results out of the tree for these calls (none of them reads it).
-# env: TEST_K (pytest -k of the GPU tests), MODELS (qwen3-8b), CONTEXTS (32768,65536,131072), BATCHES (1,8,32); IMPLS (bench_write_decode's default); PROBE=1 adds the batch-1 split sweep of
-# the CUDA history at PROBE_CONTEXTS (32768) with SPLITS (16,20,24,28,32; probe_decode_fixed_cost.py).
+# A call carries the working tree and the named paths within 64 MiB: part a is 54.4 MB, so the tree must stay under
+# ~9 MB (none of these calls reads benchmark/results).
+# env: TEST_K (pytest -k of the GPU tests), MODELS (qwen3-8b), CONTEXTS (32768,65536,131072), BATCHES (1,8,32),
+# IMPLS (bench_write_decode's default).
 set -uo pipefail
 . benchmark/stage_runtime_parts.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu_state.txt"
 if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider test/test_decode.py test/test_srt_backend_graph.py test/test_write.py \
     -k "${TEST_K:-cuda or after_write or gpu}" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
-fi
-if [ "${PROBE:-0}" = 1 ]; then
-  python3 benchmark/probe_decode_fixed_cost.py --history-kernel cuda --page 64 --contexts "${PROBE_CONTEXTS:-32768}" \
-    --batches 1 --splits "${SPLITS:-16,20,24,28,32}" --tag cuda_b1_splits --out "$OUT" 2>&1 | tee "$OUT/probe_cuda.log"
 fi
 [ "${BENCH:-1}" = 1 ] || exit 0
 python3 -c "import flashinfer" || { echo "flashinfer missing: stage part b (.devb/b)"; exit 3; }

@@ -1,4 +1,4 @@
-# Sourced by the kernel GPU scripts that stage SGLang in two calls (run_gpu_write_decode.sh, run_gpu_d64.sh): $OUT,
+# Sourced by the kernel GPU scripts that stage SGLang in two calls (run_gpu_write_decode.sh, run_gpu_table.sh): $OUT,
 # the OSCAR_COMMIT warning, the runtime parts this call carries (.devb/a, .devb/b) untarred into $SITE
 # ($HOME/sgl-site, which the next call on the warm machine still has), and PYTHONPATH / PATH for the kernels.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -7,7 +7,8 @@ import torch
 
 from sglang_oscar import quant
 from sglang_oscar.eval.attention_metrics import attention_errors
-from sglang_oscar.eval.niah import (NEEDLE, WORDS, NiahSample, make_samples, run_niah, string_match_all)
+from sglang_oscar.eval.niah import (NEEDLE, WORDS, NiahSample, make_samples, run_niah, score_niah,
+                                    string_match_all)
 from sglang_oscar.eval.ppl import perplexity
 from sglang_oscar.eval.simulator import MixedCacheSimulator
 from sglang_oscar.models import tiny_llama
@@ -301,6 +302,65 @@ def test_niah_real_tokenizer_lengths():
             for x in make_samples(tok, task, 4096, 2, seed=1, chat=chat):
                 assert abs(len(x.prompt_ids) - 4064) <= 0.02 * 4096, (task, chat, len(x.prompt_ids))
                 assert x.answers[0] in tok.decode(x.prompt_ids)
+
+
+def test_niah_multikey_1_and_multivalue_samples():
+    tok = ByteTokenizer()
+    for x in make_samples(tok, "niah_multikey_1", 1500, 3, seed=2):
+        text = tok.decode(x.prompt_ids)
+        assert len(x.answers) == 1 and text.count(x.answers[0]) == 1
+        assert text.count("One of the special magic numbers for") == 4  # the needle + 3 distractors
+        assert text.count(f"for {x.query} is") == 1
+        assert "The grass is green." in text  # a noise haystack, not one made of needles
+    for x in make_samples(tok, "niah_multivalue", 1500, 3, seed=2):
+        text = tok.decode(x.prompt_ids)
+        assert len(x.answers) == 4 and len(set(x.answers)) == 4
+        assert all(text.count(v) == 1 for v in x.answers)
+        assert text.count(f"for {x.query} is") == 4
+        assert text.endswith(f"The special magic numbers for {x.query} mentioned in the provided text are")
+        assert len(x.prompt_ids) <= 1500 - 4 * 32  # room for four answers
+    # the single-needle task is unchanged by the new tasks (same samples for the same seed)
+    a = make_samples(tok, "niah_single_1", 1500, 2, seed=9)
+    assert a[0].answers[0] in tok.decode(a[0].prompt_ids) and len(a[0].answers) == 1
+
+
+class DigitTokenizer(ByteTokenizer):
+    """Every id decodes to a digit: the tiny random model 'answers' in digits, so the teacher-forced
+    check covers every answer position."""
+
+    eos_token_id = 10_000  # outside the tiny model's vocabulary: answers run to max_new_tokens
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(f"{i:03d}" for i in ids)  # injective: equal text <=> equal tokens
+
+
+def test_score_niah_keeps_exactly_the_greedy_answers(model):
+    """score_niah's kept flag is exact: kept <=> the method's own greedy answer equals bf16's
+    through the last digit; per-sample scores never exceed the greedy ones."""
+    tok = DigitTokenizer()
+    samples = make_samples(ByteTokenizer(), "niah_single_1", 400, 6, seed=3)
+    lay = layers_for("identity", clip=0.5)
+    methods = {"exact": None, "covered": MixedCacheSimulator(lay, sink=64, recent=512),
+               "int2": MixedCacheSimulator(lay, sink=4, recent=8),
+               "int2_tight": MixedCacheSimulator(lay, sink=0, recent=6)}
+    greedy = run_niah(model, tok, samples, methods, max_new_tokens=6, progress=False)
+    fast = score_niah(model, tok, samples, methods, max_new_tokens=6, progress=False)
+    for name in methods:
+        for i in range(len(samples)):
+            same = greedy[name]["predictions"][i] == greedy["exact"]["predictions"][i]
+            assert fast[name]["kept"][i] == same, (name, i)
+            assert fast[name]["per_sample"][i] <= greedy[name]["per_sample"][i]
+            assert (fast[name]["diverged_at"][i] is None) == same
+    assert all(fast["covered"]["kept"]) and all(fast["exact"]["kept"])
+    assert not all(fast["int2_tight"]["kept"])  # a cache this lossy changes some answers
+    with pytest.raises(ValueError, match="recent window"):  # answers must stay inside the BF16 window
+        score_niah(model, tok, samples[:1], {"w": MixedCacheSimulator(lay, sink=0, recent=2)}, max_new_tokens=6,
+                   progress=False)
+    # a sample whose answer the exact model writes scores 100 for every method that keeps it
+    fake = NiahSample(prompt_ids=samples[0].prompt_ids, answers=[greedy["exact"]["predictions"][0]],
+                      task="niah_single_1", length=400, depth=0.5)
+    r = score_niah(model, tok, [fake], methods, max_new_tokens=6, progress=False)
+    assert r["exact"]["score"] == 100.0 and r["covered"]["score"] == 100.0
 
 
 def test_string_match_all():

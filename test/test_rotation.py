@@ -235,8 +235,9 @@ def test_cli_on_tiny_model(tmp_path, capsys):
     assert b.k_group == 32 and b.v_group == 64 and b.calibration["tokens"] == 512
     assert b.calibration["source"].startswith("file:")
     assert all(r in (1.0, pytest.approx(0.9)) for r in b.k_clip.tolist() + b.v_clip.tolist())
-    with pytest.raises(SystemExit, match="tokens"):
+    with pytest.raises(SystemExit) as e:  # a text too short for --tokens: one line, exit status 2
         main(["--model", "tiny", "--out", str(out), "--tokens", "100000", "--text-file", str(text), "--quiet"])
+    assert e.value.code == 2 and "--tokens 100000" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- validation

@@ -56,6 +56,7 @@ def test_current_parses_once_per_process(monkeypatch, files):
     parses = []
     real = o.from_env
     monkeypatch.setattr(o, "from_env", lambda *a, **k: parses.append(1) or real(*a, **k))
+    monkeypatch.setattr(o, "_CURRENT", [])  # a fresh process
     first = o.current()
     assert o.current() is first and o.current() is first and len(parses) == 1
     monkeypatch.setenv(o.ENV_GROUP, "64")

@@ -1,6 +1,7 @@
 # Sourced by the GPU session scripts: stage the SGLang 0.5.17 runtime (part b; part a was untarred
-# by the previous call, see /work/shared/device/README.md) and make sglang_oscar an SGLang plugin
-# without pip (a dist-info with its entry point next to the runtime, as `pip install` would leave).
+# into $HOME/sgl-site by the previous call; the parts are tarballs under the git-ignored .devb/, see
+# docs/results/kernels.md "Running the benchmarks") and make sglang_oscar an SGLang plugin without pip
+# (a dist-info with its entry point next to the runtime, as `pip install` would leave).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SITE=$HOME/sgl-site
 if [ -d .devb/b ] && ls .devb/b/*.tgz >/dev/null 2>&1 && [ ! -d "$SITE/flashinfer" ]; then
@@ -10,7 +11,7 @@ for m in sglang flashinfer; do
   [ -d "$SITE/$m" ] || { echo "runtime not staged: $SITE/$m missing (run call 1 with .devb/a first)"; return 3 2>/dev/null || exit 3; }
 done
 # Wheels the runtime bundle lacks (rpds-py: the server's jsonschema -> referencing needs it), carried
-# in .whl/ (fetched here with pip download --python-version 3.12, see the device README).
+# in the git-ignored .whl/ (fetched with pip download --python-version 3.12).
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
 fi
@@ -21,7 +22,7 @@ printf '[sglang.srt.plugins]\nsglang_oscar = sglang_oscar.srt.plugin:register\n'
 export PYTHONPATH=$SITE:$PWD/python PYTHONUNBUFFERED=1
 export SGLANG_PLUGINS=sglang_oscar
 python3 -c "import rpds" 2>/dev/null || echo "warning: rpds (rpds-py) missing: sglang.launch_server will not import; carry .whl/"
-# NVLink multicast stays off on the shared multi-GPU hosts (device KINDS.md)
+# NVLink multicast stays off on the shared multi-GPU hosts
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$OUT/gpu_state.txt"
 python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee "$OUT/versions.txt"

@@ -39,8 +39,6 @@ MODES = {
     # int2: G = 128 (2.25 bits/element), R = 16 requests' windows reserved; rotations from
     # $SGLANG_OSCAR_BUNDLE (default here builtin:hadamard: speed does not depend on the matrix)
     "int2": ("oscar_int2", "int2", _INT2, {}),
-    # the same with the INT2 history split for 8 programs per SM instead of 3 (small batches)
-    "int2_w8": ("oscar_int2", "int2", _INT2, {"SGLANG_OSCAR_DECODE_WAVES": "8"}),
     # the same with the extend (prefill) attention on torch SDPA instead of FlashInfer (before/after)
     "int2_sdpa": ("oscar_int2", "int2", _INT2, {"SGLANG_OSCAR_EXTEND_ATTENTION": "sdpa"}),
     # The paged pool and the CUDA history stage (docs/serving.md "Paged pool and the CUDA history stage"), both

@@ -11,9 +11,8 @@
 #   (any later call)         MODES=int2_cuda bash benchmark/serving/serving_session.sh batch_decode (then fi_bf16)
 #
 # latency:  bs=1 prefill + decode latency of dummy-weight Qwen3-8B at 8k/32k/64k/100k for int2 and
-#           FlashInfer BF16 (one_batch.py, CUDA graphs,
-#           torch-profiler traces of 2 decode steps; SWEEP=1: first the kernel's split-count sweep at b=1/8)
-# latency2: the same for FlashInfer FP8, int2 with 8 programs/SM of splits (int2_w8) and SGLang's Triton BF16
+#           FlashInfer BF16 (one_batch.py, CUDA graphs, torch-profiler traces of 2 decode steps)
+# latency2: the same for FlashInfer FP8 and SGLang's Triton BF16
 # serve:    real servers (tp_serve.py, TP 1): greedy int2 == BF16 inside the windows, int2 CUDA
 #           graph == eager, capacity, bs=1 latency at 32k/100k through HTTP, job throughput at
 #           8k in / 1k out with 32 concurrent requests
@@ -21,13 +20,14 @@
 # latency_cuda: the paged pool and the CUDA history stage in one call: int2 (G 128, page 1), int2_page64
 #           (--page-size 64, Triton), int2_cuda (the same + SGLANG_OSCAR_HISTORY_KERNEL=cuda, nvcc build at
 #           server start), FlashInfer BF16 / FP8; CONTEXTS, BATCH and MODES override the defaults (batch >= 8
-#           is where the CUDA history measured faster than Triton, benchmark/NOTES.md). Each mode has 110 s,
+#           is where the CUDA history measured faster than Triton). Each mode has 110 s,
 #           enough once the JIT caches are warm (an int2_cuda mode took 131 s in all on a fresh H200, 84 s of it
 #           FlashInfer's first JIT in the warmup prefill, then 1 s of graph capture and 1.3 s per 32k prefill):
 #           on a fresh machine run it twice (or after `latency`); a mode cut short is recorded with its error.
 # Startup timeouts are 360 s: on a fresh machine FlashInfer's JIT compile alone took 145 s (FI BF16's
 # prefill CUDA graphs) and > 120 s (int2's first prefill) in call 16's session, and 240 s was cut.
-# Results: $OUT/*.json (commit them to benchmark/results/ with docs/results/serving.md).
+# Results: $OUT/*.json, one folder per call; benchmark/serving/collect.py merges the calls into
+# benchmark/results/serving_<device>.json (see docs/results/serving.md).
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh" || exit 3
 M=benchmark/serving/configs/qwen3-8b
@@ -36,18 +36,13 @@ pack() { (cd "$OUT" && ls -d logs traces 2>/dev/null | xargs -r tar czf "$OUT/lo
 filt() { grep --line-buffered -v "^\["; }
 case "${1:-}" in
   latency)
-    if [ "${SWEEP:-0}" = 1 ]; then  # the split-count sweep (first H100 session; see benchmark/NOTES.md)
-      timeout 110 python3 benchmark/bench_decode.py --out "$OUT" --models qwen3-8b --contexts 32768,131072 \
-        --batches 1,8 --impls oscar,flashinfer_bf16 --oscar-configs 64:2:3,128:4:3 --oscar-splits auto,96,128 \
-        2>&1 | tail -40 | tee "$OUT/split_sweep.log"
-    fi
     timeout 560 python3 benchmark/serving/one_batch.py --model $M --contexts 8192,32768,65536,100000 \
       --modes int2,fi_bf16 --profile --timeout 270 --out "$OUT" 2>&1 | filt | tee "$OUT/one_batch.log"
     pack latency
     ;;
   latency2)
     timeout 540 python3 benchmark/serving/one_batch.py --model $M --contexts 8192,32768,65536,100000 \
-      --modes fi_fp8,int2_w8,triton_bf16 --profile --timeout 200 --out "$OUT" 2>&1 | filt | tee "$OUT/one_batch.log"
+      --modes fi_fp8,triton_bf16 --profile --timeout 200 --out "$OUT" 2>&1 | filt | tee "$OUT/one_batch.log"
     pack latency2
     ;;
   serve)
@@ -79,5 +74,5 @@ case "${1:-}" in
       --startup-timeout 400 --out "$OUT" 2>&1 | filt | tee "$OUT/tp_serve.log"
     pack batch_decode
     ;;
-  *) echo "usage: $0 latency|latency2|serve|throughput100k|latency_cuda"; exit 2 ;;
+  *) echo "usage: $0 latency|latency2|serve|throughput100k|latency_cuda|batch_decode"; exit 2 ;;
 esac

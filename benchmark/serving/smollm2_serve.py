@@ -37,10 +37,11 @@ OMP_NUM_THREADS, TRITON_INTERPRET and PYTHONPATH for the servers; float32 model 
     .venv-serve/bin/python benchmark/serving/smollm2_serve.py --device cpu --out /tmp/smoke \
         --gguf-parts '/tmp/parts/part*' --niah-samples 2 --niah-lengths 2048 --chat-max-tokens 16 --greedy-new 16
 
-Status (2026-11-25): on the CPU harness the convert, startup, int2_active and chat checks passed; the
-greedy and NIAH checks and the GPU run have not been run yet (see benchmark/NOTES.md).
 (about 10 s per int2 decode step on 2 cores under the Triton interpreter at --context-length 2048; the cpu
 default context length is the longest NIAH length, since the decode kernel's split count grows with it).
+
+Status: one H100 run at c6da302 passed 15 of 15 checks (benchmark/results/sglang_gpu_smoke_NVIDIA_H100_80GB_HBM3.json;
+one greedy flip at an exact tie of the stock server's top-2 passes under the near-tie rule of compare_greedy).
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ one process per rank, which would need the plugin loaded there too (use the serv
 
 import sys
 
+from sglang_oscar.launch_server import require_sglang
 from sglang_oscar.srt.launch import run_sglang_module
 
 if __name__ == "__main__":
+    require_sglang("python -m sglang_oscar.bench_one_batch")
     args = sys.argv[1:]
     for i, a in enumerate(args):
         tp = a.split("=", 1)[1] if a.startswith(("--tp-size=", "--tp=")) else (

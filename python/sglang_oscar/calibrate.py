@@ -11,13 +11,16 @@ from one capture (the capture is the slow part).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
 
-from .models import attention_shape
+from .config import check_groups
+from .models import ModelError, attention_shape, model_attention_shape
 from .rotation.bundle import save_bundle
 from .rotation.capture import capture_statistics
 from .rotation.fit import COMPOSITIONS, METHODS, bundle_orthogonality, fit_bundle
@@ -30,10 +33,14 @@ class _ByteTokenizer:
         return {"input_ids": list(text.encode("utf-8"))}
 
 
-def split_windows(ids: list[int], *, tokens: int, seq_len: int, heldout_tokens: int):
-    """(statistics windows, held-out windows): held-out from the end, statistics spread before it."""
+def check_window_sizes(tokens: int, seq_len: int, heldout_tokens: int) -> None:
     if seq_len <= 0 or tokens <= 0 or heldout_tokens < 0:
         raise ValueError("--tokens and --seq-len must be positive and --heldout-tokens >= 0")
+
+
+def split_windows(ids: list[int], *, tokens: int, seq_len: int, heldout_tokens: int):
+    """(statistics windows, held-out windows): held-out from the end, statistics spread before it."""
+    check_window_sizes(tokens, seq_len, heldout_tokens)
     need = tokens + heldout_tokens
     if len(ids) < need:
         raise ValueError(f"calibration text has {len(ids)} tokens but --tokens {tokens} + --heldout-tokens "
@@ -51,17 +58,18 @@ def split_windows(ids: list[int], *, tokens: int, seq_len: int, heldout_tokens: 
 
 def calibrate_many(model, tokenizer, variants: dict[str, dict], *, tokens: int, seq_len: int, heldout_tokens: int,
                    text: Optional[str] = None, progress: bool = True, source: Optional[str] = None,
-                   model_id: str = ""):
-    """Capture once, fit every variant. variants: name -> kwargs of fit_bundle (method required)."""
+                   model_id: str = "", context: Optional[int] = None):
+    """Capture once, fit every variant. variants: name -> kwargs of fit_bundle (method required).
+    context: spread the windows over RoPE positions [0, context) (rotation.capture_statistics)."""
     from . import data
 
     if text is None:
         text, source = data.calibration_text(), source or data.CALIBRATION_SOURCE
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     windows, heldout = split_windows(ids, tokens=tokens, seq_len=seq_len, heldout_tokens=heldout_tokens)
-    stats = capture_statistics(model, windows, heldout, progress=progress)
+    stats = capture_statistics(model, windows, heldout, progress=progress, context=context)
     calibration = dict(source=source or "user text", tokens=stats.tokens, windows=stats.windows, seq_len=stats.seq_len,
-                       heldout_tokens=stats.heldout_tokens)
+                       heldout_tokens=stats.heldout_tokens, context=context)
     bundles = {}
     for name, kwargs in variants.items():
         kw = dict(kwargs)
@@ -85,6 +93,32 @@ def _load(name: str, device: str):
     from .models import load_model
 
     return load_model(name, device=device)
+
+
+def _fail(message: str):
+    """Bad input: one line on stderr, exit status 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_output_path(path: str) -> None:
+    """The bundle can be written there: not a directory, and its nearest existing parent is a writable directory
+    (save_bundle creates the missing ones). Checked before the capture, which takes minutes."""
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"--out {path} is a directory; give a file name, e.g. {out / 'bundle.safetensors'}")
+    parent = out.parent.resolve()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: cannot create it under {parent} (not a writable directory)")
+
+
+def _groups(args, head_dim: int) -> dict:
+    """The K and V groups of the bundle (default min(head_dim, 128)), checked against head_dim."""
+    groups = dict(k_group=args.group_k or min(head_dim, 128), v_group=args.group_v or min(head_dim, 128))
+    check_groups(head_dim, {"--group-k": groups["k_group"], "--group-v": groups["v_group"]})
+    return groups
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,26 +151,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    # every input is checked here, before the model load and the capture (minutes): a typo fails in seconds
     if (args.clip_k is None) != (args.clip_v is None):
-        raise SystemExit("error: give both --clip-k and --clip-v (or neither, for --clip auto)")
+        _fail("give both --clip-k and --clip-v (or neither, for --clip auto)")
     if args.clip == "auto" and args.clip_k is not None:
-        raise SystemExit("error: --clip auto and --clip-k/--clip-v are exclusive")
+        _fail("--clip auto and --clip-k/--clip-v are exclusive")
     clip = "auto" if args.clip_k is None else (args.clip_k, args.clip_v)
+    ratios = [("--clip-k", args.clip_k), ("--clip-v", args.clip_v)] + [("--rho-grid", r) for r in args.rho_grid or ()]
+    for option, ratio in ratios:
+        if ratio is not None and not 0 < ratio <= 1:
+            _fail(f"{option} {ratio} is outside (0, 1] (a clip ratio is a quantile of |x|; 1 = no clipping)")
+    if args.bits != 2 and tuple(args.level_grid) != (1.0,):
+        _fail(f"--level-grid applies to --bits 2 only; drop it for --bits {args.bits}")
     text, source = None, None
     if args.text_file:
         try:
             with open(args.text_file, encoding="utf-8") as f:
                 text = f.read()
         except OSError as e:
-            raise SystemExit(f"error: cannot read --text-file: {e}")
+            _fail(f"cannot read --text-file: {e}")
         source = f"file:{args.text_file}"
+    try:
+        check_window_sizes(args.tokens, args.seq_len, args.heldout_tokens)
+        check_output_path(args.out)
+        if args.model != "tiny":  # the hidden test model is built in memory, in an instant, below
+            _groups(args, model_attention_shape(args.model)["head_dim"])  # from the config: no weights read
+    except (ModelError, ValueError) as e:
+        _fail(str(e))
     torch.set_grad_enabled(False)
     t0 = time.time()
     model, tok, model_id = _load(args.model, args.device)
-    d = attention_shape(model)["head_dim"]
+    try:
+        groups = _groups(args, attention_shape(model)["head_dim"])
+    except ValueError as e:
+        _fail(str(e))
     variant = dict(method=args.method, composition=args.composition, per_head=args.per_head, center_k=args.center_k,
-                   cs=args.cs, k_group=args.group_k or min(d, 128), v_group=args.group_v or min(d, 128),
-                   bits=args.bits, clip=clip, level_grid=tuple(args.level_grid))
+                   cs=args.cs, bits=args.bits, clip=clip, level_grid=tuple(args.level_grid), **groups)
     if args.rho_grid:
         variant["rho_grid"] = tuple(args.rho_grid)
     try:
@@ -144,7 +194,7 @@ def main(argv=None) -> int:
                                     heldout_tokens=args.heldout_tokens if clip == "auto" else 0, text=text,
                                     progress=not args.quiet, source=source, model_id=model_id)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        _fail(str(e))
     bundle = bundles["cli"]
     path = save_bundle(bundle, args.out)
     ortho = bundle_orthogonality(bundle)

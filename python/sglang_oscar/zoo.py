@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from .models import shape_from_config
 from .rotation.bundle import BundleError, load_bundle
 
 INDEX = "index.json"
@@ -174,19 +175,10 @@ def check_file(path: Path, entry: dict, label: str) -> None:
 def model_shape(config_path) -> dict:
     """(layers, kv_heads, head_dim) of a transformers config.json; multimodal text_config understood."""
     try:
-        cfg = json.loads(Path(config_path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        shape = shape_from_config(json.loads(Path(config_path).read_text(encoding="utf-8")))
+    except (OSError, ValueError) as e:  # ModelError is a ValueError
         raise ZooError(f"{config_path}: cannot read the model config ({e})") from None
-    cfg = cfg.get("text_config", cfg)
-    try:
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        kv = int(cfg.get("num_key_value_heads") or heads)  # absent = multi-head attention
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ZooError(f"{config_path}: missing attention shape field {e} "
-                       "(need num_hidden_layers, num_attention_heads, head_dim or hidden_size)") from None
-    return dict(layers=layers, kv_heads=kv, head_dim=head_dim)
+    return dict(layers=shape["num_layers"], kv_heads=shape["kv_heads"], head_dim=shape["head_dim"])
 
 
 def load_checked(path: Path, entry: dict, label: str, shape: Optional[dict] = None):
@@ -213,7 +205,6 @@ def add(bundle_path, zoo_dir, name: str, model_id: Optional[str] = None, force: 
     if not _NAME_RE.match(name):
         raise ZooError(f"bad entry name {name!r}: letters, digits, '.', '_' and '-' only")
     root = Path(zoo_dir)
-    root.mkdir(parents=True, exist_ok=True)
     entries = _parse_index((root / INDEX).read_text(encoding="utf-8"), str(root)) if (root / INDEX).exists() else []
     if any(e["name"] == name for e in entries) and not force:
         raise ZooError(f"{root}: entry {name!r} exists; pass --force to replace it")
@@ -221,6 +212,7 @@ def add(bundle_path, zoo_dir, name: str, model_id: Optional[str] = None, force: 
         b = load_bundle(bundle_path)
     except BundleError as e:
         raise ZooError(f"refusing to add an invalid bundle: {e}") from None
+    root.mkdir(parents=True, exist_ok=True)  # only once the bundle is known to be good
     rel = f"{name}.safetensors"
     dest = root / rel
     tmp = root / (rel + ".tmp")
@@ -241,10 +233,10 @@ def _now() -> str:
 
 def get(name: str, out, zoo: Optional[str] = None, model_config=None) -> Path:
     """Fetch one entry to `out` (a file path, or a directory to put <file> in), verified."""
+    shape = model_shape(model_config) if model_config else None  # before any download
     src = _source(zoo)
     entry = _entry(_parse_index(src.index_text(), src.label), name, src.label)
     path = src.fetch(entry["file"])
-    shape = model_shape(model_config) if model_config else None
     load_checked(path, entry, src.label, shape)  # verify before copying: never hand out a bad file
     out = Path(out)
     if out.is_dir():
@@ -259,11 +251,11 @@ def get(name: str, out, zoo: Optional[str] = None, model_config=None) -> Path:
 
 def verify(zoo: Optional[str] = None, name: Optional[str] = None, model_config=None) -> list[tuple[str, str]]:
     """[(entry name, "ok" or the error)] for every entry (or one); never stops at the first failure."""
+    shape = model_shape(model_config) if model_config else None  # before any download
     src = _source(zoo)
     entries = _parse_index(src.index_text(), src.label)
     if name is not None:
         entries = [_entry(entries, name, src.label)]
-    shape = model_shape(model_config) if model_config else None
     out = []
     for e in entries:
         try:

@@ -5,6 +5,10 @@ Tasks
                   repeated; one needle "One of the special magic numbers for {key} is: {value}."
                   (key: one common English word, value: a random 7-digit number) inserted at a
                   random depth, at a sentence boundary.
+  niah_multikey_1 the niah_single_1 haystack with the needle and 3 distractor needles (other keys,
+                  other numbers) at independent random depths; the query asks for one key.
+  niah_multivalue the niah_single_1 haystack with 4 needles of the same key and 4 different
+                  numbers at independent random depths; the answer must contain every number.
   niah_multikey_2 the haystack is itself made of needles with other keys and numbers (one per
                   line); the query asks for one of them. Hundreds of distinct keys are needed at
                   8k tokens, so in this task every key is a pair of words, "word-word".
@@ -38,7 +42,9 @@ from tqdm.auto import tqdm
 
 from .simulator import MixedCacheSimulator
 
-TASKS = ("niah_single_1", "niah_multikey_2")
+TASKS = ("niah_single_1", "niah_multikey_1", "niah_multivalue", "niah_multikey_2")
+DISTRACTORS = 3  # niah_multikey_1: needles of other keys
+VALUES = 4  # niah_multivalue: numbers of the one key
 GENERATION_RESERVE = 32
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -49,6 +55,8 @@ TEMPLATE = (
     "What is the special magic number for {query} mentioned in the provided text?"
 )
 ANSWER_PREFIX = " The special magic number for {query} mentioned in the provided text is"
+TEMPLATE_MV = TEMPLATE.replace("What is the special magic number", "What are all the special magic numbers")
+ANSWER_PREFIX_MV = " The special magic numbers for {query} mentioned in the provided text are"
 
 # Common English nouns and adjectives used as needle keys (no downloads).
 WORDS = tuple("""
@@ -91,9 +99,9 @@ def _encode(tokenizer, text: str, chat: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=not chat)["input_ids"])
 
 
-def _prompt_text(tokenizer, context: str, query: str, chat: bool) -> str:
-    body = TEMPLATE.format(context=context, query=query)
-    prefix = ANSWER_PREFIX.format(query=query)
+def _prompt_text(tokenizer, context: str, query: str, chat: bool, multi: bool = False) -> str:
+    body = (TEMPLATE_MV if multi else TEMPLATE).format(context=context, query=query)
+    prefix = (ANSWER_PREFIX_MV if multi else ANSWER_PREFIX).format(query=query)
     if not chat:
         return body + prefix
     turn = tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True,
@@ -117,29 +125,43 @@ def _seven_digits(rng: random.Random, avoid: set) -> str:
 def _build_one(tokenizer, task: str, length: int, rng: random.Random, chat: bool) -> NiahSample:
     used: set = set()
     value = _seven_digits(rng, used)
-    if task == "niah_single_1":
-        key = rng.choice(WORDS)
-    else:
+    multi = task == "niah_multivalue"
+    if task == "niah_multikey_2":
         a, b = rng.sample(WORDS, 2)
         key = f"{a}-{b}"
+    else:
+        key = rng.choice(WORDS)
     needle = NEEDLE.format(key=key, value=value)
     depth = rng.random()
-    target = length - GENERATION_RESERVE
-    base = len(_encode(tokenizer, _prompt_text(tokenizer, needle, key, chat), chat))
+    # Extra needles of the noise-haystack tasks, each at its own depth: (depth, sentence).
+    extra: list[tuple[float, str]] = []
+    values = [value]
+    if task == "niah_multikey_1":
+        others = [w for w in WORDS if w != key]
+        for k in rng.sample(others, DISTRACTORS):
+            extra.append((rng.random(), NEEDLE.format(key=k, value=_seven_digits(rng, used))))
+    elif multi:
+        for _ in range(VALUES - 1):
+            v = _seven_digits(rng, used)
+            values.append(v)
+            extra.append((rng.random(), NEEDLE.format(key=key, value=v)))
+    target = length - GENERATION_RESERVE * (VALUES if multi else 1)
+    all_needles = " ".join([needle] + [e for _, e in extra])
+    base = len(_encode(tokenizer, _prompt_text(tokenizer, all_needles, key, chat, multi), chat))
     if base > target:
         raise ValueError(f"length {length} is too short for the {task} template ({base} tokens + "
                          f"{GENERATION_RESERVE} reserved)")
 
     # Haystack units (sentences or distractor needles), generated lazily up to the largest n tried.
     units: list[str] = []
-    sep = " " if task == "niah_single_1" else "\n"
+    sep = "\n" if task == "niah_multikey_2" else " "
 
     seen_keys = {key}
 
     def grow(n: int) -> None:
         if n <= len(units):
             return
-        if task == "niah_single_1":
+        if task != "niah_multikey_2":
             units[:] = _noise_units(n)
             return
         while len(units) < n:
@@ -152,8 +174,13 @@ def _build_one(tokenizer, task: str, length: int, rng: random.Random, chat: bool
     def prompt_ids(n: int):
         grow(n)
         at = round(depth * n)
-        hay = units[:at] + [needle] + units[at:n]
-        return _encode(tokenizer, _prompt_text(tokenizer, sep.join(hay), key, chat), chat), at
+        # Insert from the deepest position down so earlier insertions do not shift later ones;
+        # the scored needle goes last among equal positions.
+        placed = sorted([(round(d * n), 1, e) for d, e in extra] + [(at, 0, needle)], reverse=True)
+        hay = list(units[:n])
+        for pos, _, sentence in placed:
+            hay.insert(pos, sentence)
+        return _encode(tokenizer, _prompt_text(tokenizer, sep.join(hay), key, chat, multi), chat), at
 
     # Largest n with len(prompt) <= target: grow an upper bound, then bisect.
     lo, hi = 0, 16
@@ -166,7 +193,7 @@ def _build_one(tokenizer, task: str, length: int, rng: random.Random, chat: bool
         else:
             hi = mid
     ids, at = prompt_ids(lo)
-    return NiahSample(prompt_ids=ids, answers=[value], task=task, length=length,
+    return NiahSample(prompt_ids=ids, answers=values, task=task, length=length,
                       depth=at / lo if lo else 0.0, query=key)
 
 
@@ -205,6 +232,11 @@ def _step(model, token: int, cache):
 _ANSWER_DONE = re.compile(r"\d{7}\D")
 
 
+def _answer_done(text: str, n_answers: int) -> bool:
+    """n_answers 7-digit numbers written, the last one closed by a non-digit."""
+    return len(_ANSWER_DONE.findall(text)) >= n_answers
+
+
 def _truncate(cache, length: int) -> None:
     """Cut a DynamicCache back to `length` positions (crop's argument changed across transformers versions)."""
     cur = cache.get_seq_length()
@@ -218,17 +250,23 @@ def _truncate(cache, length: int) -> None:
         raise RuntimeError(f"cache crop to {length} left {cache.get_seq_length()} positions")
 
 
-def _greedy(model, tokenizer, first: int, cache, max_new_tokens: int) -> str:
-    """Greedy continuation from `first` (already chosen); stops at EOS, a newline, or once a
-    7-digit answer is complete (a non-digit follows it: more tokens cannot change the score)."""
+def _greedy_tokens(model, tokenizer, first: int, cache, max_new_tokens: int, n_answers: int = 1) -> list[int]:
+    """Greedy continuation from `first` (already chosen), EOS dropped; stops at EOS, a newline, or
+    once n_answers 7-digit numbers are complete (a non-digit follows the last: more tokens cannot
+    change the score)."""
     eos = tokenizer.eos_token_id
     eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
     toks = [first]
     while (len(toks) < max_new_tokens and toks[-1] not in eos and "\n" not in (text := tokenizer.decode(toks))
-           and not _ANSWER_DONE.search(text)):
+           and not _answer_done(text, n_answers)):
         nxt, cache = _step(model, toks[-1], cache)
         toks.append(nxt)
-    toks = [t for t in toks if t not in eos]
+    return [t for t in toks if t not in eos]
+
+
+def _greedy(model, tokenizer, first: int, cache, max_new_tokens: int, n_answers: int = 1) -> str:
+    """The greedy answer's first line (see _greedy_tokens)."""
+    toks = _greedy_tokens(model, tokenizer, first, cache, max_new_tokens, n_answers)
     return tokenizer.decode(toks, skip_special_tokens=True).split("\n")[0]
 
 
@@ -266,6 +304,7 @@ def run_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, Opt
     res = {name: dict(score=0.0, per_sample=[], predictions=[]) for name in methods}
     for s in tqdm(samples, desc="niah", disable=not progress):
         ids = torch.tensor([s.prompt_ids], device=dev)
+        n_ans = len(s.answers)  # max_new_tokens is per answer
         if prompt_mode == "prefill":
             shared = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             first = int(shared.logits[0, -1].argmax())
@@ -274,15 +313,80 @@ def run_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, Opt
                 # Every method decodes from the same exact prefill cache; cut it back afterwards
                 # instead of deep-copying it per method (hundreds of MB at 8k).
                 with _with_mode(sim, model, "prefill"):
-                    pred = _greedy(model, tokenizer, first, shared.past_key_values, max_new_tokens)
+                    pred = _greedy(model, tokenizer, first, shared.past_key_values, max_new_tokens * n_ans, n_ans)
                 _truncate(shared.past_key_values, len(s.prompt_ids))
             else:
                 with _with_mode(sim, model, "decode"):
                     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
                     pred = _greedy(model, tokenizer, int(out.logits[0, -1].argmax()), out.past_key_values,
-                                   max_new_tokens)
+                                   max_new_tokens * n_ans, n_ans)
             res[name]["predictions"].append(pred)
             res[name]["per_sample"].append(string_match_all(pred, s.answers))
+    for r in res.values():
+        r["score"] = sum(r["per_sample"]) / len(r["per_sample"]) if r["per_sample"] else 0.0
+    return res
+
+
+def _last_digit_index(tokenizer, toks: list[int]) -> int:
+    """Index of the last token of `toks` that holds a digit (-1 if none)."""
+    last = -1
+    for i, t in enumerate(toks):
+        if any(ch.isdigit() for ch in tokenizer.decode([t])):
+            last = i
+    return last
+
+
+@torch.no_grad()
+def score_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, Optional[MixedCacheSimulator]],
+               max_new_tokens: int = 12, progress: bool = True) -> dict:
+    """NIAH under each method, scored against the exact model's own greedy answer (server semantics).
+
+    Per sample: the prompt is prefilled once with the exact model (a one-chunk server prefill reads
+    exact K/V, so the first answer token is the same for every method) and the exact model decodes
+    its greedy answer (its score is the bf16 score). Each quantized method then reads that answer
+    teacher-forced in one call, its queries seeing the INT2 history beyond the sink and recent
+    windows. It *keeps* the sample when its argmax equals the exact answer at every position up to
+    the answer's last digit: its greedy decode would then write the same answer, so it scores what
+    bf16 scores. Otherwise it scores 0, a lower bound of its greedy score (a diverged answer could
+    still hold a number by chance). One forward per method instead of one per token, and the
+    share of bf16's answers kept is exactly "% of bf16" on those samples.
+
+    Returns {name: dict(score, per_sample, kept, predictions, diverged_at)}; diverged_at is the
+    answer position of the first differing token (None when kept)."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    dev = next(model.parameters()).device
+    res = {name: dict(score=0.0, per_sample=[], kept=[], predictions=[], diverged_at=[]) for name in methods}
+    for s in tqdm(samples, desc="niah", disable=not progress):
+        n_ans = len(s.answers)  # max_new_tokens is per answer
+        ids = torch.tensor([s.prompt_ids], device=dev)
+        shared = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        first = int(shared.logits[0, -1].argmax())
+        ref = _greedy_tokens(model, tokenizer, first, shared.past_key_values, max_new_tokens * n_ans, n_ans)
+        _truncate(shared.past_key_values, len(s.prompt_ids))
+        text = tokenizer.decode(ref, skip_special_tokens=True).split("\n")[0]
+        ref_score = string_match_all(text, s.answers)
+        last = _last_digit_index(tokenizer, ref)
+        for name, sim in methods.items():
+            r = res[name]
+            if sim is None or last < 1:  # exact, or nothing after the first (exact) token to check
+                kept, at = True, None
+            else:
+                if last > sim.recent:
+                    # the answer's own rows must stay in the BF16 window, as in a real decode
+                    raise ValueError(f"an answer of {last + 1} tokens does not fit the recent window of "
+                                     f"{sim.recent}; lower max_new_tokens")
+                inp = torch.tensor([ref[:last]], device=dev)
+                with _with_mode(sim, model, "prefill"):
+                    out = model(input_ids=inp, past_key_values=shared.past_key_values, use_cache=True)
+                _truncate(shared.past_key_values, len(s.prompt_ids))
+                pred = out.logits[0].argmax(-1).tolist()
+                diff = [j for j in range(last) if pred[j] != ref[j + 1]]
+                kept, at = (not diff), (diff[0] + 1 if diff else None)
+            r["kept"].append(kept)
+            r["diverged_at"].append(at)
+            r["per_sample"].append(ref_score if kept else 0.0)
+            r["predictions"].append(text if kept else tokenizer.decode(ref[:at] + [pred[at - 1]]))
     for r in res.values():
         r["score"] = sum(r["per_sample"]) / len(r["per_sample"]) if r["per_sample"] else 0.0
     return res

@@ -303,8 +303,9 @@ class MixedCacheSimulator:
         call_start = S - T
         # q' per KV head group: [B, Hkv, G, T, D]
         qt = torch.einsum("bhgtd,hde->bhgte", query.float().reshape(B, Hkv, G, T, D), tq)
-        if self.mode == "decode" and call_start == 0 and T > 1:
-            # Whole sequence in one call (teacher-forced PPL): the flash-attention fast path.
+        if self.mode == "decode" and call_start == 0 and T > 1 and query.device.type == "cpu":
+            # Whole sequence in one call (teacher-forced PPL): the CPU flash-attention fast path
+            # (a GPU runs the blocked path below, fast enough there).
             rep = lambda x: x[:, :, :S].repeat_interleave(G, dim=1)  # noqa: E731
             o = decode_full_sequence(qt.reshape(B, Hq, T, D), rep(st.ke), rep(st.ve), rep(st.kq), rep(st.vq),
                                      self.sink, self.recent, scaling)

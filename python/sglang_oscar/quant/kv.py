@@ -25,8 +25,8 @@ def apply_transform(x: torch.Tensor, matrix: torch.Tensor, mean: Optional[torch.
     """(x − mean)·matrix per head, computed in fp32. matrix: [D, D] or [H, D, D]."""
     xf = x.float()
     if mean is not None:
-        xf = xf - mean.float()
-    m = matrix.float()
+        xf = xf - mean.float().to(xf.device)
+    m = matrix.float().to(xf.device)
     if m.dim() == 2:
         return xf @ m
     if m.shape[0] == 1:

@@ -143,16 +143,59 @@ def accumulate_window(sums: LayerSums, q: torch.Tensor, k: torch.Tensor, v: torc
     sums.queries += g * t
 
 
-def _run_windows(model, windows, on_layer, progress: bool, desc: str) -> None:
-    """Run each window (batch 1); on_layer(layer_idx, q, k, v, o) gets [H, T, D] fp32 tensors."""
+def rope_rotation(model, offset: int, head_dim: int, device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(cos, sin) [D] of the model's own RoPE at position `offset`, without any attention scaling
+    (YaRN's mscale), or None for a model without a rotary embedding module."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None:
+        return None
+    x = torch.zeros(1, 1, head_dim, device=device)
+    cos, sin = rotary(x, torch.tensor([[offset]], device=device))
+    cos, sin = cos.reshape(-1).float(), sin.reshape(-1).float()
+    if cos.numel() != head_dim:
+        raise ValueError(f"the rotary embedding covers {cos.numel()} of head_dim {head_dim}: partial RoPE is not "
+                         "supported by --context")
+    norm = torch.sqrt(cos * cos + sin * sin).clamp_min(1e-12)
+    return cos / norm, sin / norm
+
+
+def apply_rope(x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate [..., D] rows by (cos, sin) in the rotate-half pairing (i, i + D/2) of HF models."""
+    cos, sin = cs
+    h = x.shape[-1] // 2
+    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos + rot * sin
+
+
+def window_offsets(windows: list[list[int]], context: Optional[int]) -> list[int]:
+    """Extra RoPE offsets that spread the windows evenly over positions [0, context): a window of
+    T tokens at offset d shows the keys and queries of positions d .. d + T − 1."""
+    if context is None or not windows:
+        return [0] * len(windows)
+    n = len(windows)
+    return [round(i / max(n - 1, 1) * max(context - len(w), 0)) for i, w in enumerate(windows)]
+
+
+def _run_windows(model, windows, on_layer, progress: bool, desc: str, offsets: Optional[list[int]] = None) -> None:
+    """Run each window (batch 1); on_layer(layer_idx, q, k, v, o) gets [H, T, D] fp32 tensors.
+
+    offsets: per window, an extra RoPE rotation applied to the post-RoPE q and k the hooks see, as
+    if the window stood that many positions later. Relative positions, logits and attention are
+    unchanged (q and k turn by the same angle); only the absolute phase the quantizer sees moves.
+    RoPE composes additively (R(p + d) = R(d)·R(p)), so these are the keys of those positions for
+    the same content."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
+    shape = attention_shape(model)
+    turn: dict = {"cs": None}
 
     def attn(module, query, key, value, scaling):
         if query.shape[0] != 1 or query.shape[-2] != key.shape[-2]:
             raise RuntimeError("capture expects batch 1 prefill windows without a KV cache")
         q, k, v = query[0].float(), key[0].float(), value[0].float()
+        if turn["cs"] is not None:
+            q, k = apply_rope(q, turn["cs"]), apply_rope(k, turn["cs"])
         hq, hkv = q.shape[0], k.shape[0]
         g = hq // hkv
         t = q.shape[1]
@@ -168,17 +211,28 @@ def _run_windows(model, windows, on_layer, progress: bool, desc: str) -> None:
         return o.transpose(0, 1).unsqueeze(0).to(query.dtype)
 
     with attention_override(model, attn), torch.inference_mode():
-        for ids in tqdm(windows, desc=desc, disable=not progress, unit="win"):
+        for i, ids in enumerate(tqdm(windows, desc=desc, disable=not progress, unit="win")):
             if len(ids) == 0:
                 raise ValueError("empty calibration window")
+            d = offsets[i] if offsets else 0
+            turn["cs"] = rope_rotation(model, d, shape["head_dim"], device) if d else None
+            if d and turn["cs"] is None:
+                raise ValueError("--context needs a model with a rotary embedding (model.model.rotary_emb)")
             x = torch.tensor([ids], dtype=torch.long, device=device)
             model(input_ids=x, use_cache=False)
 
 
 def capture_statistics(
-    model, windows: list[list[int]], heldout: list[list[int]], progress: bool = True
+    model, windows: list[list[int]], heldout: list[list[int]], progress: bool = True,
+    context: Optional[int] = None,
 ) -> CalibrationStats:
-    """Run the model over `windows` (statistics) and `heldout` (kept raw for clip calibration)."""
+    """Run the model over `windows` (statistics) and `heldout` (kept raw for clip calibration).
+
+    context: the longest context the cache will serve. Post-RoPE keys turn their slow RoPE pairs
+    with position, so a K mean, transform and clip fitted on short windows only fit the phases those
+    windows reach. With context set, the windows (and held-out windows) are spread over
+    [0, context) by extra RoPE rotations (window_offsets), so the statistics cover every phase
+    the server will store, without running windows that long."""
     if not windows:
         raise ValueError("capture_statistics needs at least one calibration window")
     shape = attention_shape(model)
@@ -211,9 +265,9 @@ def capture_statistics(
         stats.heldout_v[layer].append(v.detach().cpu().clone())
         stats.scaling[layer] = scaling
 
-    _run_windows(model, windows, on_stats, progress, "capture")
+    _run_windows(model, windows, on_stats, progress, "capture", window_offsets(windows, context))
     if heldout:
-        _run_windows(model, heldout, on_heldout, progress, "held-out")
+        _run_windows(model, heldout, on_heldout, progress, "held-out", window_offsets(heldout, context))
     missing = [i for i, s in enumerate(stats.sums) if s.tokens == 0]
     if missing:
         raise RuntimeError(f"attention of layers {missing} was never called; is this a decoder-only model?")

@@ -1,0 +1,399 @@
+"""Why INT2 retrieval fails as the history grows: per-layer / per-head attention diagnostics and
+candidate fixes, scored on the same NIAH samples (docs/results/accuracy.md, "Diagnosis").
+
+For every NIAH sample the prompt is prefilled once with the exact model (a one-chunk server
+prefill reads exact K/V), the bf16 model's greedy answer is decoded once, and then every method
+re-reads that answer teacher-forced in one call whose queries see the method's INT2 history
+(server decode semantics: sink and recent window exact, the rest reconstructed). A method
+*keeps* a sample when its argmax equals the bf16 token at every answer position, i.e. its greedy
+decode would write the same answer; `kept` is the share of the samples bf16 answers correctly.
+The same call records, per layer and query head, against the exact attention of the same
+queries: the attention mass on the needle value's tokens, the mass on the quantized history,
+KL(exact || method) and the logit error on quantized keys.
+
+    python benchmark/accuracy_diagnosis.py --device cuda --samples 30 --out $OUT/diagnosis.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from sglang_oscar.eval.niah import make_samples  # noqa: E402
+from sglang_oscar.eval.simulator import MixedCacheSimulator, quantized_mask  # noqa: E402
+from sglang_oscar.quant.intq import _grouped  # noqa: E402
+
+SINK, RECENT = 64, 256
+TASKS = ("niah_single_1", "niah_multikey_1", "niah_multivalue")
+
+
+class Recorder:
+    """Per (layer, query head) sums over answer queries of one (method, length, task) cell."""
+
+    def __init__(self, layers: int, heads: int):
+        z = lambda: torch.zeros(layers, heads, dtype=torch.float64)  # noqa: E731
+        self.sums = {k: z() for k in ("needle_e", "needle_q", "hist_e", "hist_q", "kl", "err_mean", "err_sq")}
+        self.count = 0
+        self.needle: list[int] = []
+
+    def add(self, layer: int, pe, pq, se, sq_raw, quant):
+        # p* [Hq, T, S] (batch 1), quant [T, S]
+        nd = torch.tensor(self.needle, device=pe.device, dtype=torch.long)
+        s = self.sums
+        s["needle_e"][layer] += pe[..., nd].sum(-1).sum(-1).double().cpu()
+        s["needle_q"][layer] += pq[..., nd].sum(-1).sum(-1).double().cpu()
+        qm = quant.float()
+        s["hist_e"][layer] += (pe * qm).sum(-1).sum(-1).double().cpu()
+        s["hist_q"][layer] += (pq * qm).sum(-1).sum(-1).double().cpu()
+        kl = (pe * (torch.log(pe.clamp_min(1e-30)) - torch.log(pq.clamp_min(1e-30)))).sum(-1)
+        s["kl"][layer] += kl.sum(-1).double().cpu()
+        n = qm.sum(-1).clamp_min(1)  # [T]
+        d = (sq_raw - se) * qm
+        s["err_mean"][layer] += (d.sum(-1) / n).sum(-1).double().cpu()
+        s["err_sq"][layer] += ((d * d).sum(-1) / n).sum(-1).double().cpu()
+        if layer == 0:
+            self.count += pe.shape[-2]
+
+    def result(self) -> dict:
+        c = max(self.count, 1)
+        return {k: (v / c).tolist() for k, v in self.sums.items()} | dict(queries=self.count)
+
+
+class ProbeSim(MixedCacheSimulator):
+    """The simulator with knobs for the diagnosis (decode calls only; prefill is exact).
+
+    k_exact / v_exact: read that side exact (quantize only the other).
+    exact_k_heads: {(layer, kv_head)} whose keys are read exact.
+    k_bits: quantize keys at this many bits (same transform and clip).
+    vc: subtract half the expected variance of each quantized key's logit error, estimated as
+        kappa_l * sum_g |q_g|^2 * scale_g^2 ("scale"; kappa_l = E[err^2] / E[scale^2] of the layer)
+        or from the row's actual error ("oracle").
+    """
+
+    def __init__(self, layers, *, k_exact=False, v_exact=False, exact_k_heads=(), vc=None, recorder=None):
+        super().__init__(layers, sink=SINK, recent=RECENT, mode="prefill")
+        self.k_exact, self.v_exact, self.vc = k_exact, v_exact, vc
+        self.exact_k_heads = set(exact_k_heads)
+        self.recorder = recorder
+
+    def __call__(self, module, query, key, value, scaling=None):
+        idx = module.layer_idx
+        B, Hq, T, D = query.shape
+        Hkv, S = key.shape[1], key.shape[-2]
+        entry = self.layers[idx]
+        call_start = S - T
+        if entry is None or call_start == 0:
+            return super().__call__(module, query, key, value, scaling)
+        if B != 1:
+            raise ValueError("the diagnosis runs one sample at a time")
+        scaling = D ** -0.5 if scaling is None else scaling
+        qk, qv = entry
+        G = Hq // Hkv
+        tq, tinv = self._matrices(idx, Hkv, query.device)
+        st = self._rows(idx, qk, qv, key, value)
+        ke, kq, ve, vq = st.ke[:, :, :S], st.kq[:, :, :S], st.ve[:, :, :S], st.vq[:, :, :S]
+        if self.k_exact:
+            kq = ke
+        elif self.exact_k_heads:
+            kq = kq.clone()
+            for (layer, h) in self.exact_k_heads:
+                if layer == idx:
+                    kq[:, h] = ke[:, h]
+        if self.v_exact:
+            vq = ve
+        qt = torch.einsum("bhgtd,hde->bhgte", query.float().reshape(B, Hkv, G, T, D), tq)
+        qpos = torch.arange(call_start, S, device=query.device)
+        quant = quantized_mask(qpos, S, self.sink, self.recent, torch.full_like(qpos, call_start))
+        future = torch.arange(S, device=query.device)[None, :] > qpos[:, None]
+        se = (qt @ ke.unsqueeze(2).transpose(-1, -2)) * scaling
+        sq_raw = (qt @ kq.unsqueeze(2).transpose(-1, -2)) * scaling
+        sq = torch.where(quant, sq_raw, se)
+        if self.vc is not None and not self.k_exact:
+            gk = qk.group
+            if self.vc == "oracle":
+                var = _grouped((kq - ke) ** 2, gk).mean(-1)  # [B, Hkv, S, ng]
+            else:
+                scale = qk.quantize_transformed(ke).scale.float()  # [B, Hkv, S, ng]
+                err = _grouped((kq - ke) ** 2, gk).mean(-1)
+                kappa = (err.mean() / (scale ** 2).mean().clamp_min(1e-30))
+                var = kappa * scale ** 2
+            qn = _grouped(qt, gk).pow(2).sum(-1)  # [B, Hkv, G, T, ng]
+            corr = 0.5 * scaling ** 2 * torch.einsum("bhgtn,bhsn->bhgts", qn, var)
+            sq = sq - torch.where(quant, corr, torch.zeros_like(corr))
+        se = se.masked_fill(future, float("-inf"))
+        sq = sq.masked_fill(future, float("-inf"))
+        pe, pq = torch.softmax(se, -1), torch.softmax(sq, -1)
+        out = pq @ ve.unsqueeze(2) + (pq * quant) @ (vq - ve).unsqueeze(2)
+        if self.recorder is not None:
+            self.recorder.add(idx, pe.reshape(Hq, T, S), pq.reshape(Hq, T, S), se.reshape(Hq, T, S).nan_to_num(0),
+                              sq_raw.reshape(Hq, T, S), quant)
+        o = torch.einsum("bhgte,hed->bhgtd", out, tinv)
+        return o.reshape(B, Hq, T, D).transpose(1, 2).to(query.dtype)
+
+
+def needle_positions(tok, ids: list[int], values: list[str]) -> list[int]:
+    """Token positions of every answer value in the prompt (character offsets of a re-encoding)."""
+    text = tok.decode(ids)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    offs = enc["offset_mapping"]
+    if len(enc["input_ids"]) != len(ids):  # BOS or a different split: align from the end
+        shift = len(ids) - len(enc["input_ids"])
+    else:
+        shift = 0
+    pos = []
+    for v in values:
+        c = text.rfind(v)
+        if c < 0:
+            continue
+        pos += [i + shift for i, (a, b) in enumerate(offs) if a < c + len(v) and b > c]
+    return pos
+
+
+@torch.no_grad()
+def greedy_tokens(model, tok, cache, first: int, n_answers: int, max_tokens: int) -> list[int]:
+    from sglang_oscar.eval.niah import _answer_done
+
+    dev = next(model.parameters()).device
+    toks = [first]
+    eos = tok.eos_token_id
+    while len(toks) < max_tokens and toks[-1] != eos:
+        text = tok.decode(toks)
+        if "\n" in text or _answer_done(text, n_answers):
+            break
+        out = model(input_ids=torch.tensor([[toks[-1]]], device=dev), past_key_values=cache, use_cache=True)
+        toks.append(int(out.logits[0, -1].argmax()))
+    return toks
+
+
+def truncate(cache, n: int) -> None:
+    from sglang_oscar.eval.niah import _truncate
+
+    _truncate(cache, n)
+
+
+@dataclasses.dataclass
+class Method:
+    name: str
+    bundle: str  # None for bf16
+    bits_note: str
+    kw: dict
+    diag: bool = False  # record the per-head arrays
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--samples", type=int, default=30)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS))
+    ap.add_argument("--calib-tokens", type=int, default=16384)
+    ap.add_argument("--top-heads", type=int, nargs="*", default=[3, 9])
+    ap.add_argument("--set", choices=("methods", "context"), default="methods",
+                    help="methods: fixes at the 2k calibration; context: calibration window length")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+
+    from sglang_oscar.calibrate import calibrate_many
+    from sglang_oscar.models import load_model
+
+    t0 = time.time()
+    model, tok, model_id = load_model("smollm2", device=args.device)
+    cfgm = model.config
+    L, Hq = cfgm.num_hidden_layers, cfgm.num_attention_heads
+    variants = {
+        "naive": dict(method="identity", clip=None, k_group=64, v_group=64, bits=2),
+        "hadamard_clip": dict(method="hadamard", clip="auto", k_group=64, v_group=64, bits=2),
+        "best": dict(method="balanced", center_k=True, clip="auto", k_group=64, v_group=64, bits=2),
+        "best_noclip": dict(method="balanced", center_k=True, clip=None, k_group=64, v_group=64, bits=2),
+        "best_kg32": dict(method="balanced", center_k=True, clip="auto", k_group=32, v_group=64, bits=2),
+    }
+    long_variants = {
+        "hadamard_clip_8k": dict(method="hadamard", clip="auto", k_group=64, v_group=64, bits=2),
+        "best_8k": dict(method="balanced", center_k=True, clip="auto", k_group=64, v_group=64, bits=2),
+        "balanced_clip_8k": dict(method="balanced", clip="auto", k_group=64, v_group=64, bits=2),
+        "oscar_clip_8k": dict(method="oscar", clip="auto", k_group=64, v_group=64, bits=2),
+        "pca_clip_8k": dict(method="pca", clip="auto", k_group=64, v_group=64, bits=2),
+        "int4_hadamard_8k": dict(method="hadamard", clip="auto", k_group=64, v_group=64, bits=4),
+    }
+    if args.set == "context":
+        variants = {k: variants[k] for k in ("hadamard_clip", "best")}
+    bundles, _ = calibrate_many(model, tok, variants, tokens=args.calib_tokens, seq_len=2048, heldout_tokens=4096,
+                                progress=False, model_id=model_id)
+    print(f"calibrated {len(bundles)} bundles in {time.time() - t0:.0f} s", flush=True)
+    if args.set == "context":
+        # The same methods calibrated on windows as long as the model's context (8k): post-RoPE keys
+        # at positions the 2k windows never reach rotate their slow RoPE pairs to new phases.
+        t1 = time.time()
+        more, _ = calibrate_many(model, tok, long_variants, tokens=32768, seq_len=8192, heldout_tokens=8192,
+                                 progress=False, model_id=model_id)
+        bundles.update(more)
+        print(f"calibrated {len(more)} 8k-window bundles in {time.time() - t1:.0f} s", flush=True)
+
+    def layers(name, k_bits=None):
+        out = []
+        for i in range(L):
+            if name == "k4_v2_8k":  # K from the INT4 bundle (its own clip), V from the INT2 one
+                qk = bundles["int4_hadamard_8k"].layer_quantizers(i, bits=4)[0]
+                qv = bundles["hadamard_clip_8k"].layer_quantizers(i, bits=2)[1]
+            else:
+                qk, qv = bundles[name].layer_quantizers(i, bits=2)
+            if k_bits is not None:
+                qk = dataclasses.replace(qk, bits=k_bits, level_a=1.0)
+            on = lambda x: None if x is None else x.to(args.device)  # noqa: E731
+            qk = dataclasses.replace(qk, matrix=on(qk.matrix), mean=on(qk.mean))
+            qv = dataclasses.replace(qv, matrix=on(qv.matrix), mean=on(qv.mean))
+            out.append((qk, qv))
+        return out
+
+    methods = [
+        Method("bf16", None, "16", {}),
+        Method("int2_naive", "naive", "2.5", {}),
+        Method("int2_hadamard_clip", "hadamard_clip", "2.5", {}),
+        Method("int2_best", "best", "2.5", {}, diag=True),
+        Method("int2_best_noclip", "best_noclip", "2.5", {}),
+        Method("int2_best_kq_only", "best", "K 2.5 / V 16 (diagnostic)", dict(v_exact=True), diag=True),
+        Method("int2_best_vq_only", "best", "K 16 / V 2.5 (diagnostic)", dict(k_exact=True), diag=True),
+        Method("int2_best_k4", "best", "K 4.5 / V 2.5 = 3.5", dict(k_bits=4)),
+        Method("int2_best_kg32", "best_kg32", "K 3.0 / V 2.5 = 2.75", {}),
+        Method("int2_best_vc", "best", "2.5", dict(vc="scale"), diag=True),
+        Method("int2_best_vc_oracle", "best", "2.5 + per-row error (diagnostic)", dict(vc="oracle")),
+        Method("int2_hadamard_clip_vc", "hadamard_clip", "2.5", dict(vc="scale")),
+    ]
+
+    if args.set == "context":
+        methods = [
+            Method("bf16", None, "16", {}),
+            Method("int2_hadamard_clip", "hadamard_clip", "2.5", {}),
+            Method("int2_best", "best", "2.5", {}),
+            Method("int2_hadamard_clip_8k", "hadamard_clip_8k", "2.5", {}, diag=True),
+            Method("int2_best_8k", "best_8k", "2.5", {}, diag=True),
+            Method("int2_balanced_clip_8k", "balanced_clip_8k", "2.5", {}),
+            Method("int2_oscar_clip_8k", "oscar_clip_8k", "2.5", {}),
+            Method("int2_pca_clip_8k", "pca_clip_8k", "2.5", {}),
+            Method("k4_v2_8k", "k4_v2_8k", "K 4.5 / V 2.5 = 3.5 (diagnostic)", {}),
+        ]
+
+    def sim_of(m: Method, recorder=None, exact_k_heads=()):
+        if m.bundle is None:
+            return None
+        kw = dict(m.kw)
+        k_bits = kw.pop("k_bits", None)
+        return ProbeSim(layers(m.bundle, k_bits), recorder=recorder, exact_k_heads=exact_k_heads, **kw)
+
+    report = dict(model=model_id, sink=SINK, recent=RECENT, samples_per_cell=args.samples,
+                  methods={m.name: dict(bits=m.bits_note) for m in methods}, cells={}, diag={})
+    dev = args.device
+
+    def run_cell(length, task, mlist, extra_sims=None):
+        samples = make_samples(tok, task, length, args.samples, seed=length)
+        cell = {m.name: dict(kept=0, nll=0.0) for m in mlist}
+        recs = {m.name: Recorder(L, Hq) for m in mlist if m.diag}
+        extra_sims = extra_sims or {}
+        for name in extra_sims:
+            cell[name] = dict(kept=0, nll=0.0)
+        n_ok = 0
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids], device=dev)
+            shared = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            first = int(shared.logits[0, -1].argmax())
+            ans = greedy_tokens(model, tok, shared.past_key_values, first, len(s.answers), 12 * len(s.answers))
+            truncate(shared.past_key_values, len(s.prompt_ids))
+            text = tok.decode(ans)
+            if not all(v in text for v in s.answers):
+                continue  # bf16 misses it: nothing to keep
+            n_ok += 1
+            needle = needle_positions(tok, s.prompt_ids, s.answers)
+            sims = {}
+            for m in mlist:
+                rec = recs.get(m.name)
+                if rec is not None:
+                    rec.needle = needle
+                sims[m.name] = sim_of(m, rec)
+            sims.update(extra_sims)
+            # teacher-forced: feed ans[:-1], predict ans[1:] (ans[0] comes from the exact prefill)
+            inp = torch.tensor([ans[:-1]], device=dev)
+            tgt = torch.tensor(ans[1:], device=dev)
+            # Only the answer's digits count (separators and closing words may differ harmlessly).
+            digit = torch.tensor([tok.decode([t]).strip().isdigit() for t in ans[1:]], device=dev)
+            for name, sim in sims.items():
+                if sim is None:
+                    cell[name]["kept"] += 1
+                    continue
+                with sim.attach(model):
+                    out = model(input_ids=inp, past_key_values=shared.past_key_values, use_cache=True)
+                truncate(shared.past_key_values, len(s.prompt_ids))
+                lp = torch.log_softmax(out.logits[0].float(), -1)
+                cell[name]["kept"] += int(bool((lp.argmax(-1) == tgt)[digit].all()))
+                cell[name]["nll"] += float(-lp[torch.arange(len(tgt), device=dev), tgt][digit].sum())
+        for v in cell.values():
+            v["kept_pct"] = round(100.0 * v["kept"] / max(n_ok, 1), 1)
+            v["nll"] = round(v["nll"] / max(n_ok, 1), 4)
+            v["n"] = n_ok
+        return cell, {k: r.result() for k, r in recs.items()}, n_ok
+
+    def top_heads():
+        top_heads_impl(args, report, L, Hq, cfgm, methods, run_cell, sim_of)
+
+    lengths = sorted(args.lengths, reverse=True)
+    for li, length in enumerate(lengths):
+        if li == 1 and args.top_heads:
+            top_heads()
+        for task in args.tasks:
+            t = time.time()
+            cell, diag, n_ok = run_cell(length, task, methods)
+            report["cells"].setdefault(str(length), {})[task] = cell
+            report["diag"].setdefault(str(length), {})[task] = diag
+            print(f"[{length} {task}] bf16 solved {n_ok}/{args.samples}; kept %: "
+                  + " ".join(f"{n}={c['kept_pct']:.0f}" for n, c in cell.items()) + f" ({time.time() - t:.0f} s)",
+                  flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report))
+
+    if len(lengths) == 1 and args.top_heads:
+        top_heads()
+    report["seconds"] = round(time.time() - t0, 1)
+    report["device"] = torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu"
+    report["torch"] = torch.__version__
+    args.out.write_text(json.dumps(report))
+    print(f"done in {report['seconds']} s -> {args.out}")
+    return 0
+
+
+def top_heads_impl(args, report, L, Hq, cfgm, methods, run_cell, sim_of):
+    # Which heads carry the loss: rank (layer, kv head) by the needle mass int2_best loses at the
+    # longest length, then read those heads' keys exact.
+    Lmax = str(max(args.lengths))
+    G = Hq // cfgm.num_key_value_heads
+    drop = torch.zeros(L, cfgm.num_key_value_heads, dtype=torch.float64)
+    for task in args.tasks:
+        d = report["diag"][Lmax][task]["int2_best"]
+        e, q = torch.tensor(d["needle_e"]), torch.tensor(d["needle_q"])
+        drop += (e - q).clamp_min(0).reshape(L, -1, G).sum(-1)
+    order = torch.argsort(drop.flatten(), descending=True).tolist()
+    ranked = [(i // drop.shape[1], i % drop.shape[1]) for i in order]
+    report["heads_by_needle_mass_lost"] = [[a, b, float(drop[a, b])] for a, b in ranked[:20]]
+    best = next(m for m in methods if m.name == "int2_best")
+    for k in args.top_heads:
+        heads = ranked[:k]
+        name = f"int2_best_exactK_top{k}"
+        report["methods"][name] = dict(bits=f"2.5 + exact K on {k} of {L * cfgm.num_key_value_heads} KV heads "
+                                            "(diagnostic)", heads=heads)
+        for task in args.tasks:
+            cell, _, _ = run_cell(int(Lmax), task, [], {name: sim_of(best, exact_k_heads=heads)})
+            report["cells"][Lmax][task][name] = cell[name]
+            print(f"[{Lmax} {task}] {name}: kept {cell[name]['kept_pct']:.0f}%", flush=True)
+    args.out.write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
