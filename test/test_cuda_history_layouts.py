@@ -159,7 +159,8 @@ def check_history_v_dot(o, P, vs, vc, head_of_column, mtiles_of_lane):
 
 def test_selectors_match_the_kernel_source():
     src = open(PRODUCTION_SOURCE).read()
-    for sel in K_SELECTORS + V_SELECTORS:
+    # the K dot is the integer one (its masks: test_integer_k_dot_with_the_kernels_int8_q); the V dot's selectors
+    for sel in V_SELECTORS:
         assert f"0x{sel:04x}" in src.lower()
     assert "(g >> 1) + 4 * (g & 1)" in src  # sigma
     assert "0x00030003u << (2 * p)" in src  # plane masks
@@ -180,7 +181,8 @@ def test_v_dot_from_the_k_accumulator_layout(seed):
 
 
 def kernel_q_fragments(q, head_of_column, c0):
-    """The production kernel's in-kernel q operands (int2_history_kernel's prologue): lane (g, t), register
+    """q as fp16 B fragments of the fp16 K dot (the probe's; the production kernel's integer K dot is checked against
+    the same dot below, test_integer_k_dot_with_the_kernels_int8_q): lane (g, t), register
     2ks + w of k-step ks = (plane p, half hh) holds c0 q of column g's head at dims p*32 + t*8 + 4hh + 2w + (0, 1),
     times 1/4 on odd planes (q' = c0 q 4^(2g - p) with the codes' subnormal scale 2^(2p - 24))."""
     regs = []
@@ -199,7 +201,7 @@ def kernel_q_fragments(q, head_of_column, c0):
 
 @pytest.mark.parametrize("hc", [4, 8])
 def test_history_k_dot_with_the_kernels_q_fragments(hc):
-    """The production kernel builds q's B fragments itself: column g is head g & 3 (HC 4) or head g (HC 8), and
+    """The production kernel builds q's operands itself: column g is head g & 3 (HC 4) or head g (HC 8), and
     lane (g, t)'s accumulator columns 2t, 2t + 1 are the heads head0 = (2t) & 3 or 2t and head0 + 1."""
     rng = np.random.default_rng(30 + hc)
     kc = rng.integers(0, 256, (16, 32))
@@ -210,7 +212,7 @@ def test_history_k_dot_with_the_kernels_q_fragments(hc):
     check_history_k_dot(history_k_dot(kc, qb), kc, q * c0, head)
     src = open(PRODUCTION_SOURCE).read()
     assert "const int qhead = HC == 8 ? g : (g & 3);" in src and "const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;" in src
-    assert "const int d = p * 32 + t * 8 + 4 * hh + 2 * w;" in src and "(p & 1) ? 0.25f : 1.f" in src
+    assert "const int d = p * 32 + t * 8 + 4 * hh + 2 * w;" in src
     # 16-bit q arrives in one 16-byte load per plane p (dims p*32 + t*8 .. + 7): its 32-bit word 2hh + w holds
     # dims d, d + 1 of the fragment register (p, hh, w)
     assert "qraw[p] = load_q8(a, qvalid, qrow + p * 32 + t * 8);" in src
@@ -437,27 +439,6 @@ def test_cuda_history_refuses_pools_past_32bit_records(head_dim):
                             ns_total=1, o_part=None, lse_part=None)
 
 
-def test_history_defines_from_the_environment(monkeypatch, caplog):
-    """$SGLANG_OSCAR_HISTORY_DEFINES (a variant of the kernel for the GPU tests, e.g. OSCAR_IMMA_K=0): read as
-    OSCAR_<NAME>=<integer> macros, and a variant is logged as a warning; anything else is refused with the form
-    expected, before any build."""
-    from sglang_oscar.kernels import history_cuda
-
-    monkeypatch.delenv("SGLANG_OSCAR_HISTORY_DEFINES", raising=False)
-    with caplog.at_level("WARNING"):
-        assert history_cuda.env_defines() == ()
-    assert not caplog.records
-    monkeypatch.setenv("SGLANG_OSCAR_HISTORY_DEFINES", " OSCAR_TOK=64  OSCAR_IMMA_K=0 ")
-    with caplog.at_level("WARNING"):
-        assert history_cuda.env_defines() == ("OSCAR_TOK=64", "OSCAR_IMMA_K=0")
-    assert "not as shipped" in caplog.text and "OSCAR_TOK=64 OSCAR_IMMA_K=0" in caplog.text
-    for bad in ("OSCAR_CTA_PACK", "CTA_PACK=2", "OSCAR_CTA_PACK=two", "OSCAR_X=1;rm", "-DOSCAR_CTA_PACK=2",
-                "OSCAR_TOK=\u00b2"):
-        monkeypatch.setenv("SGLANG_OSCAR_HISTORY_DEFINES", bad)
-        with pytest.raises(ValueError, match="OSCAR_<NAME>=<integer>"):
-            history_cuda.env_defines()
-
-
 def _f32(x):
     return np.float32(x)
 
@@ -479,7 +460,7 @@ def _int8_hi_lo(x, kp):
 
 
 def kernel_int8_q(q, head_of_column, c0):
-    """The production kernel's q for the integer K dot (int2_history_kernel's prologue, OSCAR_IMMA_K), in fp32 as the
+    """The production kernel's q for the integer K dot (int2_history_kernel's prologue), in fp32 as the
     kernel rounds it: lane (g, t), register 2p + w holds c0 q 4^-p S_gp of column g's head at dims p*32 + t*8 + 4w +
     0..3 as int8 hi (qhi) and lo (qlo), v = 128 hi + lo, with S_gp = 16256 / (the warp's max |c0 q 4^-p| over plane
     group gp). Returns (qhi, qlo) as int arrays [32 lanes, 8 registers, 4 bytes] and (iS0, iS1)."""
@@ -551,14 +532,13 @@ def integer_k_dot(kc, qhi, qlo):
 
 @pytest.mark.parametrize("hc", [4, 8])
 def test_integer_k_dot_with_the_kernels_int8_q(hc):
-    """The K dot as the production kernel runs it (OSCAR_IMMA_K 1, its default): the lane's code bytes 8t .. 8t + 7
+    """The K dot as the production kernel runs it: the lane's code bytes 8t .. 8t + 7
     of tokens sigma(g), sigma(g) + 8 masked per plane (c 4^p in each byte) as u8 A, q as int8 hi / lo (kernel_int8_q)
     as B, hi . 128 + lo per plane group, times iS_gp: the same dot as the fp16 path (check_history_k_dot, both groups in
     units of 2^-24 after the fp16 path's 1/16), within the 14-bit quantization of q. The source's expressions are
     checked verbatim."""
     src = open(PRODUCTION_SOURCE).read()
-    for line in ("#define OSCAR_IMMA_K 1",
-                 "const uint32_t M = 0x03030303u << (2 * p);",
+    for line in ("const uint32_t M = 0x03030303u << (2 * p);",
                  "const uint32_t a0 = kw0.x & M, a1 = kw1.x & M, a2 = kw0.y & M, a3 = kw1.y & M;",
                  "imma16832(p < 2 ? ih0 : ih1, a0, a1, a2, a3, qhi[2 * p], qhi[2 * p + 1]);",
                  "imma16832(p < 2 ? il0 : il1, a0, a1, a2, a3, qlo[2 * p], qlo[2 * p + 1]);",
@@ -599,7 +579,7 @@ def test_integer_k_dot_with_the_kernels_int8_q(hc):
 # Planes of 16 dims: a token's codes are 16 bytes, byte j holding dims j + 16p in bits 2p, 2p + 1 (quant/pack.py's
 # quarter planes at D 64; codes() above reads them as dims p*16 + j); K and V groups of 32 dims (planes 0, 1 and 2, 3).
 # The K dot pairs planes 2pp, 2pp + 1 in one m16n8k32 per plane group; the V dot has 4 m-tiles, m-tile p = plane p.
-# Only the integer K dot is built at D 64 (OSCAR_IMMA_K; DISPATCH_D64).
+# The K dot is the integer one at D 64 too.
 
 
 def d64_branches(src):
@@ -889,7 +869,7 @@ def test_d64_layouts_match_the_kernel_source():
     assert "const uint32_t M = 0x03030303u << (2 * p);" not in d64
 
 
-# ---- paired tiles (int2_history.cu pair_tiles: D 128, HC 4, OSCAR_PAIR) ----------------------------------------------
+# ---- paired tiles (int2_history.cu pair_tiles: D 128, HC 4) ----------------------------------------------------------
 # The two 16-token tiles of a 32-token block share one softmax: lane (g, t) keeps tile t >> 1's K accumulator (columns
 # 2t, 2t + 1 are heads (2t) & 3, + 1 of that tile), the V operands of both groups are transposed once and masked by
 # column (g < 4: tile 0), O's columns 0..3 gather tile 0's tokens and 4..7 tile 1's, and lanes t, t ^ 2 merge after
@@ -1011,9 +991,8 @@ def test_paired_tiles_match_the_kernel_source():
     accumulator, tile tj's K / V params, the column mask of the transposed V operands and the two tiles' V dots, the
     halves' merge and the park of lv / lw by group."""
     src = open(PRODUCTION_SOURCE).read()
-    for line in ("#define OSCAR_PAIR 1",
-                 "return OSCAR_PAIR != 0 && OSCAR_IMMA_K != 0 && d == 128 && hc == 4 && !wide;",
-                 "for (int j = 0; j < (OSCAR_PROBE_COPIES ? 0 : kPair ? 1 : kTok / 16); ++j) {",
+    for line in ("return d == 128 && hc == 4 && !wide;",
+                 "for (int j = 0; j < (kPair ? 1 : kTok / 16); ++j) {",
                  "const int tj = kPair ? gsel : j;",
                  "k_dot_d128(st + j * 16 * 32, sg, t, qhi, qlo, ih0, il0, ih1, il1);",
                  "k_dot_d128(st + 16 * 32, sg, t, qhi, qlo, jh0, jl0, jh1, jl1);",

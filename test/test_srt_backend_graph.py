@@ -65,7 +65,7 @@ def setup(monkeypatch):
                         (options.ENV_PREFIX, str(S)), (options.ENV_RECENT, str(W)),
                         (options.ENV_HP_DTYPE, "float32"), (options.ENV_GROUP, "64")):
         monkeypatch.setenv(name, value)
-    return build_setup(options.from_env(), model_info(_ModelConfig(**TINY), 1), tp_rank=0, num_layers=2,
+    return build_setup(options.current(), model_info(_ModelConfig(**TINY), 1), tp_rank=0, num_layers=2,
                        max_running_requests=R)
 
 
@@ -73,7 +73,7 @@ class World:
     """One scheduler's state: pool + request table + allocator + backend, driven by hand. page > 1: a paged
     pool (LayerCache.page) behind SGLang's PagedTokenToKVPoolAllocator; callers then pass the slots."""
 
-    def __init__(self, setup, page=1, size=SIZE):
+    def __init__(self, setup, page=1, size=SIZE, server_args=None):
         self.pool = OscarKVPool(size, page_size=page, dtype=torch.uint8, head_num=HKV, head_dim=D, layer_num=2,
                                 device="cpu", enable_memory_saver=False, v_head_dim=D, start_layer=0, end_layer=1,
                                 setup=setup)
@@ -86,7 +86,7 @@ class World:
             self.alloc = PagedTokenToKVPoolAllocator(size, page, torch.uint8, "cpu", self.pool, need_sort=False)
         self.pool.attach(self.r2t, self.alloc)
         runner = types.SimpleNamespace(token_to_kv_pool=self.pool, req_to_token_pool=self.r2t, device="cpu",
-                                       model_config=_ModelConfig(**TINY))
+                                       model_config=_ModelConfig(**TINY), server_args=server_args)
         self.backend = OscarAttnBackend(runner)
         self.lens = {}
 
@@ -355,7 +355,7 @@ def test_non_orthogonal_k_transform_served_exactly(monkeypatch, tmp_path, per_he
     for name, value in ((options.ENV_BUNDLE, str(path)), (options.ENV_ABSORB_V, "0"), (options.ENV_PREFIX, str(S)),
                         (options.ENV_RECENT, str(W)), (options.ENV_HP_DTYPE, "float32"), (options.ENV_GROUP, "64")):
         monkeypatch.setenv(name, value)
-    st = build_setup(options.from_env(), model_info(_ModelConfig(**TINY), 1), tp_rank=0, num_layers=2,
+    st = build_setup(options.current(), model_info(_ModelConfig(**TINY), 1), tp_rank=0, num_layers=2,
                      max_running_requests=R)
     world = World(st)
     for r in world.pool.rotations:  # T_q·T_Kᵀ = I per head
@@ -450,59 +450,68 @@ def test_paged_pool_serves_what_the_flat_pool_serves(setup):
     assert (paged.pool.sink_table[freed] == -1).all() and (flat.pool.sink_table[freed] == -1).all()
 
 
-def test_history_kernel_option_reaches_startup_and_decode(setup, monkeypatch):
-    """SGLANG_OSCAR_HISTORY_KERNEL=cuda: refused at backend construction on CPU (before any graph capture or
-    request); with the startup check stubbed, the backend hands history_kernel='cuda' to oscar_decode, whose
-    own check then refuses the CPU tensors (this shape, head_dim 64 with groups of 64, is covered since 4dda357)."""
+def test_decode_path_chosen_at_construction(setup, monkeypatch, caplog):
+    """No option: the backend asks startup_checks.decode_path at construction (before any graph capture or request).
+    A CPU server gets the Triton path and one line saying why; with the choice stubbed to the CUDA history stage (as on
+    an H100), the backend plans every decode step for it, and oscar_decode's own check then refuses the CPU tensors
+    (this shape, head_dim 64 with groups of 64, is one the CUDA stage covers). A rank whose choice is the launcher's
+    (the line it logged, on ServerArgs) does not log it again."""
     from sglang_oscar.srt import startup_checks
+    from sglang_oscar.srt.hooks import DECODE_LINE_ATTR
 
-    monkeypatch.setenv(options.ENV_HISTORY, "cuda")
-    with pytest.raises(options.OscarOptionError, match="this server runs on cpu: set SGLANG_OSCAR_HISTORY_KERNEL=triton"):
-        World(setup)
+    with caplog.at_level("INFO", logger="sglang_oscar.srt.backend"):
+        w = World(setup)
+    path = w.backend.decode_path
+    assert (w.backend.history_kernel, w.backend.decode_write_kernel, path.page_size) == ("triton", "triton", 1)
+    assert f"sglang_oscar: {path.line()}" in caplog.text and "this server runs on cpu" in path.line()
     seen = []
-    monkeypatch.setattr(startup_checks, "check_history_kernel", lambda kernel, **kw: seen.append((kernel, kw)))
-    w = World(setup, page=P, size=8 * P)
-    assert seen == [("cuda", dict(head_dim=D, q_heads=HQ, kv_heads=HKV, k_group=64, v_group=64, codebook=False,
-                                  device="cpu", page_size=P, window_dtype=w.backend.pool.window_dtype))]
-    assert w.backend.history_kernel == "cuda"
+    cuda = startup_checks.DecodePath("cuda", "triton", P, "stubbed", "the CUDA write covers head_dim 128")
+    monkeypatch.setattr(startup_checks, "decode_path", lambda **kw: seen.append(kw) or cuda)
+    monkeypatch.setattr(startup_checks, "build_cuda_path", lambda p, device: p)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="sglang_oscar.srt.backend"):
+        w = World(setup, page=P, size=8 * P)
+    assert seen == [dict(head_dim=D, q_heads=HQ, kv_heads=HKV, k_group=64, v_group=64, codebook=False,
+                         window_dtype=w.backend.pool.window_dtype, x_dtype=torch.bfloat16, device="cpu",
+                         page_size=P)]
+    assert w.backend.history_kernel == "cuda" and f"sglang_oscar: {cuda.line()}" in caplog.text
     w.prefill(1, 10, _inputs(10, 1), slots=torch.arange(P, P + 10))
-    with pytest.raises(ValueError, match="history_kernel='cuda' needs CUDA tensors"):  # past the shape check
+    with pytest.raises(ValueError, match="history_kernel='cuda' needs CUDA tensors"):  # the step's plan for it
         w.decode_eager([1], _inputs(1, 2), slots=torch.tensor([P + 10]))
-    monkeypatch.setenv(options.ENV_HISTORY, "triton")
-    assert World(setup).backend.history_kernel == "triton" and len(seen) == 1  # triton: no startup check
+    caplog.clear()
+    with caplog.at_level("INFO", logger="sglang_oscar.srt.backend"):
+        World(setup, page=P, size=8 * P, server_args=types.SimpleNamespace(**{DECODE_LINE_ATTR: cuda.line()}))
+    assert "decode:" not in caplog.text  # the launcher said it already
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU World (the Triton interpreter); the GPU test below "
                                                     "runs the real chain")
-@pytest.mark.parametrize("fuse_q,max_batch,rows,cuda_write,max_gqa", [
-    (True, 8, [1, 2], False, 8), (True, 8, [1], False, 8), (False, 8, [1, 2], False, 8), (True, 0, [1, 2], False, 8),
-    (True, 8, [1, 2], True, 8), (True, 8, [1], True, 8), (True, 8, [1, 2, 3], True, 8), (True, 8, [1], True, 1)])
-def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, cuda_write, max_gqa):
-    """A decode layer's launches. FUSE_Q_IN_WRITE: the write rotates q (q_out) and the decode gets q_out with
-    q_transform None; else q's GEMM runs before the write when the decode is chained, or inside oscar_decode. With
-    the CUDA history stage on sm_90+ (history_after_write) and batch <= AFTER_WRITE_MAX_BATCH the write triggers
-    and oscar_decode follows it (q_from_write where the write rotated q): no kernel between the two
-    (kernels/cuda/int2_history.cu kPdlAfterWrite*). Batch 1 to 3. Without a write (save_kv_cache False) nothing
-    is fused or chained. cuda_write: the startup check finds the CUDA write covers the model (stubbed), so writes of
-    up to CUDA_WRITE_MAX_TOKENS (2 here) tokens take kernel="cuda" and larger ones the Triton kernel, unless the
-    model's GQA (2) is above CUDA_WRITE_MAX_GQA (max_gqa 1); else this head_dim (64) keeps the Triton write. Spies
-    stand in for the kernels (CPU)."""
-    from sglang_oscar.kernels import decode, write_cuda
+@pytest.mark.parametrize("max_batch,rows,cuda_write", [
+    (8, [1, 2], False), (8, [1], False), (0, [1, 2], False), (8, [1, 2], True), (8, [1], True), (8, [1, 2, 3], True)])
+def test_decode_after_write_order(setup, monkeypatch, max_batch, rows, cuda_write):
+    """A decode layer's launches, decided once per batch (DecodeStep): the write rotates q (q_out) and the decode
+    gets q_out with q_transform None. With the CUDA history stage on sm_90+ (history_after_write) and batch <=
+    AFTER_WRITE_MAX_BATCH the write triggers and the decode's plan follows it (q_from_write): no kernel between the two
+    (kernels/cuda/int2_history.cu kPdlAfterWrite*). Batch 1 to 3. Without a write (save_kv_cache False) nothing is
+    fused or chained. cuda_write: the decode path has the CUDA write (stubbed), so writes of up to
+    CUDA_WRITE_MAX_TOKENS (2 here) tokens take kernel="cuda" and larger ones the Triton kernel. Spies stand in for the
+    kernels and the planner (CPU)."""
+    from sglang_oscar.kernels import decode
     from sglang_oscar.srt import backend as backend_mod
     from sglang_oscar.srt import startup_checks
 
-    monkeypatch.setenv(options.ENV_HISTORY, "cuda")
-    monkeypatch.setattr(startup_checks, "check_history_kernel", lambda kernel, **kw: None)
-    monkeypatch.setattr(backend_mod, "FUSE_Q_IN_WRITE", fuse_q)
+    path = startup_checks.DecodePath("cuda", "cuda" if cuda_write else "triton", 1, "stubbed")
+    monkeypatch.setattr(startup_checks, "decode_path", lambda **kw: path)
+    monkeypatch.setattr(startup_checks, "build_cuda_path", lambda p, device: p)
     monkeypatch.setattr(backend_mod, "AFTER_WRITE_MAX_BATCH", max_batch)
     monkeypatch.setattr(backend_mod, "CUDA_WRITE_MAX_TOKENS", 2)
-    monkeypatch.setattr(backend_mod, "CUDA_WRITE_MAX_GQA", max_gqa)
-    if cuda_write:
-        monkeypatch.setattr(write_cuda, "check_supported", lambda *a, **kw: None)
-        monkeypatch.setattr(write_cuda, "library", lambda: None)
+    plans = []
+    monkeypatch.setattr(backend_mod, "plan_decode", lambda bs, *a, **kw: plans.append((bs, kw)) or
+                        types.SimpleNamespace(batch=bs, follows_write=kw.get("follows_write", False),
+                                              q_from_write=kw.get("q_from_write", False),
+                                              write_kernel=kw.get("write_kernel", "triton")))
     w = World(setup)
     assert w.backend.history_after_write is False  # a CPU device: no PDL
-    cuda_write = cuda_write and HQ // HKV <= max_gqa
     assert w.backend.decode_write_kernel == ("cuda" if cuda_write else "triton")
     want_kernel = "cuda" if cuda_write and len(rows) <= 2 else "triton"
     for row in rows:
@@ -511,10 +520,6 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, c
     events, seen_q, kernels, decode_kernels = [], [], [], []
     real_transform = decode.transform_query
 
-    def transform(q, t, kv_heads):
-        events.append(("transform",))
-        return real_transform(q, t, kv_heads)
-
     def write_layer(layer_id, k, v, slots, sink_dst, ring_dst, pdl_trigger=False, kernel="triton", q=None,
                     q_transform=None, q_out=None):
         events.append(("write", pdl_trigger, q is not None))
@@ -522,27 +527,22 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, c
         if q is not None:
             q_out.copy_(real_transform(q, q_transform, HKV))
 
-    def fake_decode(q, *args, q_transform=None, follows_write=False, q_from_write=False, write_kernel="triton",
-                    **kw):
-        events.append(("decode", q_transform is None, follows_write, q_from_write))
-        decode_kernels.append(write_kernel)  # the chained split count takes that write's grid
+    def fake_decode(q, *args, q_transform=None, plan=None, **kw):
+        events.append(("decode", q_transform is None, plan.follows_write, plan.q_from_write))
+        decode_kernels.append(plan.write_kernel)  # the chained split count takes that write's grid
         seen_q.append(real_transform(q, q_transform, HKV))
         return torch.zeros_like(q)
 
-    monkeypatch.setattr(decode, "transform_query", transform)
     monkeypatch.setattr(decode, "oscar_decode", fake_decode)
     monkeypatch.setattr(w.backend.pool, "write_layer", write_layer)
     inputs = _inputs(len(rows), 7)
     w.decode_eager(rows, inputs)
     chain = max_batch >= len(rows)
-    if fuse_q:
-        want_events = [("write", chain, True), ("decode", True, chain, chain)]
-    elif chain:
-        want_events = [("transform",), ("write", True, False), ("decode", True, True, False)]
-    else:
-        want_events = [("write", False, False), ("decode", False, False, False)]
-    assert events == want_events * len(LAYERS)
-    assert kernels == [want_kernel] * len(LAYERS) and decode_kernels == kernels
+    assert events == [("write", chain, True), ("decode", True, chain, chain)] * len(LAYERS)
+    assert kernels == [want_kernel] * len(LAYERS)
+    assert decode_kernels == ([want_kernel] if chain else ["triton"]) * len(LAYERS)
+    # planned once for the batch (and once more without the chain, for layers that do not write), not per layer
+    assert [bs for bs, _ in plans] == [len(rows)] * (2 if chain else 1)
     for layer, (q, _, _), got in zip(LAYERS, inputs, seen_q):  # the decode's queries, rotated once
         r = w.backend.pool.rotations[layer.layer_id]
         assert torch.equal(got, real_transform(q.reshape(-1, HQ, D), r.q_transform_as(q.dtype), HKV))
@@ -551,14 +551,17 @@ def test_decode_after_write_order(setup, monkeypatch, fuse_q, max_batch, rows, c
     w.backend.forward_decode(q, k, v, LAYERS[0], None, save_kv_cache=False)
     assert events == [("decode", False, False, False)]  # no write: q_transform goes to oscar_decode
     assert decode_kernels[-1] == "triton"
+    w.decode_eager(rows, inputs)
+    assert len(plans) == (2 if chain else 1)  # the next step of the same batch size reuses its plans
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (and nvcc for the CUDA history)")
 def test_cuda_history_backend_matches_triton_on_gpu(monkeypatch):
     """On a GPU, Qwen3-8B rank shapes (8 KV heads, 32 query heads, head_dim 128, groups 128, S 64, W 256, bf16),
-    a page-64 pool in shuffled pages: the backend with SGLANG_OSCAR_HISTORY_KERNEL=cuda decodes what the Triton
-    backend decodes from the same pool (eager and through the graph buffers), to bf16 rounding; on odd steps the
-    CUDA backend writes the token (its history kernel after the write, PDL on sm_90+) and the Triton one reads."""
+    a page-64 pool in shuffled pages: the backend's own choice, the CUDA history stage (on a Hopper GPU with nvcc),
+    decodes what a Triton backend decodes from the same pool (eager and through the graph buffers), to bf16 rounding;
+    on odd steps the CUDA backend writes the token (its history kernel after the write, PDL on sm_90+) and the Triton
+    one reads."""
     from sglang_oscar.kernels import history_cuda
     from sglang_oscar.srt import startup_checks
 
@@ -568,14 +571,9 @@ def test_cuda_history_backend_matches_triton_on_gpu(monkeypatch):
     for name in options.ALL_ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in ((options.ENV_BUNDLE, "builtin:hadamard"), (options.ENV_ABSORB_V, "0"),
-                        (options.ENV_GROUP, "128"), (options.ENV_EXTEND, "sdpa")):
+                        (options.ENV_GROUP, "128")):
         monkeypatch.setenv(name, value)
-    try:
-        startup_checks.check_history_kernel("cuda", head_dim=d, q_heads=hq, kv_heads=hkv, k_group=128, v_group=128,
-                                            codebook=False, device="cuda", page_size=page)
-    except options.OscarOptionError as e:
-        pytest.skip(f"CUDA history unavailable here: {e}")
-    st = build_setup(options.from_env(), model_info(_ModelConfig(**cfg), 1), tp_rank=0, num_layers=1,
+    st = build_setup(options.current(), model_info(_ModelConfig(**cfg), 1), tp_rank=0, num_layers=1,
                      max_running_requests=R)
     pool = OscarKVPool(100 * page, page_size=page, dtype=torch.uint8, head_num=hkv, head_dim=d, layer_num=1,
                        device="cuda", enable_memory_saver=False, v_head_dim=d, start_layer=0, end_layer=0, setup=st)
@@ -585,9 +583,12 @@ def test_cuda_history_backend_matches_triton_on_gpu(monkeypatch):
     pool.attach(r2t, PagedTokenToKVPoolAllocator(100 * page, page, torch.uint8, "cuda", pool, need_sort=False))
     runner = types.SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=r2t, device="cuda",
                                    model_config=_ModelConfig(**cfg), dtype=torch.bfloat16)
-    triton_be = OscarAttnBackend(runner)
-    monkeypatch.setenv(options.ENV_HISTORY, "cuda")
     cuda_be = OscarAttnBackend(runner)
+    if cuda_be.history_kernel != "cuda":
+        pytest.skip(f"the CUDA history stage is not chosen here: {cuda_be.decode_path.line()}")
+    monkeypatch.setattr(startup_checks, "decode_path",
+                        lambda **kw: startup_checks.DecodePath("triton", "triton", page, "the comparison"))
+    triton_be = OscarAttnBackend(runner)
     assert (triton_be.history_kernel, cuda_be.history_kernel) == ("triton", "cuda") and history_cuda.library()
     assert cuda_be.history_after_write == (torch.cuda.get_device_capability()[0] >= 9)
     assert cuda_be.decode_write_kernel == "cuda"  # this shape's decode writes (3 tokens) run the CUDA write

@@ -21,31 +21,47 @@ def env(**kw):
 
 def test_defaults_with_bundle(files):
     c = o.from_env(env(BUNDLE=files["b.safetensors"]))
-    assert (c.sink, c.recent, c.window_dtype, c.scale_dtype, c.hp_max_splits) == (64, 256, "bfloat16", "bfloat16", 8)
+    assert (c.sink, c.recent, c.window_dtype, c.scale_dtype) == (64, 256, "bfloat16", "bfloat16")
     assert c.group_size is None and c.absorb_v_rotation and c.k_clip is None
     assert c.rotation_source == "bundle" and c.resolve_group(128) == 128
 
 
 def test_seed_variables(files):
     c = o.from_env(env(K_PATH=files["k.pt"], V_PATH=files["v.pt"], K_CLIP="0.96", V_CLIP="0", ABSORB_V="1",
-                       PREFIX=64, RECENT=256, WINDOWS=1, HP_DTYPE="bf16", SCALE_DTYPE="bfloat16", HP_SPLITS=4))
+                       PREFIX=64, RECENT=256, WINDOWS=1, HP_DTYPE="bf16", SCALE_DTYPE="bfloat16"))
     assert c.rotation_source == "seed" and c.k_clip == 0.96 and c.v_clip == 1.0  # seed's 0 = no clip
-    assert c.hp_max_splits == 4 and c.decode_waves == 3
 
 
-def test_decode_waves(files):
-    c = o.from_env(env(BUNDLE="builtin:hadamard", WAVES=8))
-    assert c.decode_waves == 8 and o.from_env(c.to_env()) == c
+def test_removed_variables_are_not_options_and_warn_once(monkeypatch, files):
+    """The kernel choice, split waves, extend attention, pool-only mode and the window split count are no options:
+    setting their old variables changes nothing, and one startup warning names them."""
+    base = env(BUNDLE="builtin:hadamard")
+    stale = {"SGLANG_OSCAR_HISTORY_KERNEL": "triton", "SGLANG_OSCAR_DECODE_WAVES": "8",
+             "SGLANG_MIXED_KV_HP_MAX_SPLITS": "4"}
+    assert o.from_env({**base, **stale}) == o.from_env(base)
+    assert not set(o.REMOVED_ENV) & set(o.ALL_ENV)
+    assert o.removed_env_warning(base) is None
+    msg = o.removed_env_warning({**base, **stale})
+    assert msg.startswith("SGLANG_OSCAR_HISTORY_KERNEL, SGLANG_OSCAR_DECODE_WAVES, SGLANG_MIXED_KV_HP_MAX_SPLITS are "
+                          "no longer read") and "\n" not in msg
+    assert "is no longer read" in o.removed_env_warning({"SGLANG_OSCAR_POOL_ONLY": "1"})
 
 
-def test_history_kernel(files):
-    assert o.from_env(env(BUNDLE="builtin:hadamard")).history_kernel == "triton"  # the default
-    assert o.from_env(env(BUNDLE="builtin:hadamard", HISTORY="")).history_kernel == "triton"
-    for text, want in (("cuda", "cuda"), (" CUDA ", "cuda"), ("triton", "triton"), ("Triton", "triton")):
-        c = o.from_env(env(BUNDLE="builtin:hadamard", HISTORY=text))
-        assert c.history_kernel == want and o.from_env(c.to_env()) == c  # reaches the schedulers unchanged
-    assert o.ENV_HISTORY == "SGLANG_OSCAR_HISTORY_KERNEL" and o.ENV_HISTORY in o.ALL_ENV
-    assert "history=cuda" in o.from_env(env(BUNDLE="builtin:hadamard", HISTORY="cuda")).summary()
+def test_current_parses_once_per_process(monkeypatch, files):
+    """options.current(): one parse per process, reused by every hook, the pool and the backend; parsed again only
+    when an int2 variable changes (the launcher's hook sets the group's)."""
+    for name in o.ALL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(o.ENV_BUNDLE, "builtin:hadamard")
+    parses = []
+    real = o.from_env
+    monkeypatch.setattr(o, "from_env", lambda *a, **k: parses.append(1) or real(*a, **k))
+    monkeypatch.setattr(o, "_CURRENT", [])  # a fresh process
+    first = o.current()
+    assert o.current() is first and o.current() is first and len(parses) == 1
+    monkeypatch.setenv(o.ENV_GROUP, "64")
+    assert o.current().group_size == 64 and len(parses) == 2
+    assert o.current().group_size == 64 and len(parses) == 2
 
 
 def test_flag_popped_and_roundtrip(files):
@@ -69,11 +85,7 @@ def test_flag_popped_and_roundtrip(files):
     (dict(PREFIX="-1"), "must be >= 0"),
     (dict(HP_DTYPE="int8"), "not a dtype"),
     (dict(ABSORB_V="maybe"), "not a boolean"),
-    (dict(HP_SPLITS="0"), "must be >= 1"),
-    (dict(WAVES="0"), "must be >= 1"),
-    (dict(WAVES="x"), "not an integer"),
-    (dict(HISTORY="cutlass"), "SGLANG_OSCAR_HISTORY_KERNEL='cutlass': use one of ('triton', 'cuda')"),
-    (dict(HISTORY="1"), "SGLANG_OSCAR_HISTORY_KERNEL='1'"),
+    (dict(GROUP="x"), "not an integer"),
 ])
 def test_bad_values(kw, msg):
     with pytest.raises(o.OscarOptionError, match=__import__("re").escape(msg)):

@@ -34,7 +34,6 @@ from sglang_oscar.rotation.bundle import BundleError, data_free_bundle, save_bun
 from sglang_oscar.srt import capacity, hooks, options, plugin  # noqa: E402
 from sglang_oscar.srt.int2_setup import build_setup, model_info, setup_for_kvc  # noqa: E402
 from sglang_oscar.srt.launch import plugin_env  # noqa: E402
-from sglang_oscar.srt.server_checks import ENV_POOL_ONLY  # noqa: E402
 
 TINY = dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=64, hidden_size=256)
@@ -142,12 +141,25 @@ def _args(*extra):
 def test_prepare_server_args_accepts_int2(registered, int2_env):
     from sglang.srt.server_args import prepare_server_args
 
-    int2_env.setenv(ENV_POOL_ONLY, "1")
+    from sglang_oscar.srt.hooks import DECODE_LINE_ATTR
+
+    int2_env.setenv("SGLANG_OSCAR_HISTORY_KERNEL", "cuda")  # no longer read: a warning, nothing else
+    logged = []  # (prepare_server_args resets the root logger's handlers: caplog sees nothing)
+    for level in ("info", "warning"):
+        int2_env.setattr(hooks.logger, level, lambda msg, *a: logged.append(msg % a))
     sa = prepare_server_args(_args("--kv-cache-dtype", "int2", "--kv-cache-quant-group-size", "64",
-                                   "--max-running-requests", "8", "--attention-backend", "torch_native"))
+                                   "--max-running-requests", "8", "--attention-backend", "oscar_int2"))
     assert sa.kv_cache_dtype == "int2"
     assert os.environ[options.ENV_GROUP] == "64"  # carried to the scheduler through the environment
-    assert options.from_env().group_size == 64
+    assert options.current().group_size == 64
+    # a CPU server: the Triton path on SGLang's page size, named with the reason in one line, carried to the schedulers
+    assert sa.page_size == 1
+    line = ("decode: Triton history and KV write, page size 1 (no CUDA history stage: it needs an NVIDIA GPU, this "
+            "server runs on cpu)")
+    assert getattr(sa, DECODE_LINE_ATTR) == line and [m for m in logged if "decode:" in m] == [f"sglang_oscar: {line}"]
+    assert any("SGLANG_OSCAR_HISTORY_KERNEL is no longer read" in m for m in logged)
+    assert prepare_server_args(_args("--kv-cache-dtype", "int2", "--max-running-requests", "8", "--attention-backend",
+                                     "oscar_int2", "--page-size", "16")).page_size == 16  # the user's, kept
 
 
 def test_int2_with_its_backend_absorbs_v_by_default(registered, int2_env):
@@ -155,9 +167,9 @@ def test_int2_with_its_backend_absorbs_v_by_default(registered, int2_env):
 
     args = _args("--kv-cache-dtype", "int2", "--max-running-requests", "8", "--attention-backend", "oscar_int2")
     assert prepare_server_args(args).attention_backend == "oscar_int2"
-    assert options.from_env().absorb_v_rotation  # the default: hook #9 folds T_V into the weights
+    assert options.current().absorb_v_rotation  # the default: hook #9 folds T_V into the weights
     # options under which the weights cannot be rewritten in place fail at the command line...
-    with pytest.raises(options.OscarOptionError, match="cpu-offload-gb.*SGLANG_OSCAR_ABSORB_V_ROTATION=0"):
+    with pytest.raises(options.OscarStartupError, match="cpu-offload-gb.*SGLANG_OSCAR_ABSORB_V_ROTATION=0"):
         prepare_server_args(args + ["--cpu-offload-gb", "1"])
     int2_env.setenv(options.ENV_ABSORB_V, "0")  # ...and are fine with runtime V rotation
     assert prepare_server_args(args + ["--cpu-offload-gb", "1"]).cpu_offload_gb == 1
@@ -168,7 +180,7 @@ def test_stock_dtypes_unchanged(registered, int2_env):
 
     assert prepare_server_args(_args("--kv-cache-dtype", "bf16")).kv_cache_dtype == "bf16"
     assert prepare_server_args(_args()).kv_cache_dtype == "auto"
-    with pytest.raises(options.OscarOptionError, match="only applies to --kv-cache-dtype int2"):
+    with pytest.raises(options.OscarStartupError, match="only applies to --kv-cache-dtype int2"):
         prepare_server_args(_args("--kv-cache-quant-group-size", "64"))
 
 
@@ -181,7 +193,7 @@ def test_stock_dtypes_unchanged(registered, int2_env):
 def test_prepare_server_args_rejects(registered, int2_env, extra, match):
     from sglang.srt.server_args import prepare_server_args
 
-    with pytest.raises(options.OscarOptionError, match=match):
+    with pytest.raises(options.OscarStartupError, match=match):
         prepare_server_args(_args("--kv-cache-dtype", "int2", *extra))
 
 
@@ -189,9 +201,55 @@ def test_missing_rotations_fail_at_the_command_line(registered, int2_env):
     from sglang.srt.server_args import prepare_server_args
 
     int2_env.delenv(options.ENV_BUNDLE)
-    int2_env.setenv(ENV_POOL_ONLY, "1")
-    with pytest.raises(options.OscarOptionError, match="needs rotations"):
-        prepare_server_args(_args("--kv-cache-dtype", "int2", "--max-running-requests", "8"))
+    with pytest.raises(options.OscarStartupError, match="needs rotations"):
+        prepare_server_args(_args("--kv-cache-dtype", "int2", "--max-running-requests", "8", "--attention-backend",
+                                  "oscar_int2"))
+
+
+def test_bundle_checked_against_the_model_before_anything_is_loaded(registered, int2_env, tmp_path, monkeypatch):
+    """A rotation bundle that does not fit the model is refused by the launcher's from_cli_args hook, from the model's
+    config alone: before any scheduler is spawned or any weight loaded (no ModelRunner, no pool), as one line
+    (OscarStartupError: SystemExit, status 1). Every TP rank's shard is checked there, and the group flag too."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.setattr(ModelRunner, "load_model", lambda self: pytest.fail("the weights must not be loaded"))
+    args = ("--kv-cache-dtype", "int2", "--max-running-requests", "8", "--attention-backend", "oscar_int2")
+    other = save_bundle(data_free_bundle("hadamard", 3, 2, 64, 64, 64), tmp_path / "other.safetensors")
+    int2_env.setenv(options.ENV_BUNDLE, str(other))
+    with pytest.raises(options.OscarStartupError) as e:
+        prepare_server_args(_args(*args))
+    msg = str(e.value)
+    assert msg.startswith("sglang_oscar: ") and "3 layers but the model has 2" in msg and isinstance(e.value, SystemExit)
+    g32 = save_bundle(data_free_bundle("hadamard", 2, 2, 64, 32, 32), tmp_path / "g32.safetensors")
+    int2_env.setenv(options.ENV_BUNDLE, str(g32))
+    with pytest.raises(options.OscarStartupError, match="fitted for groups K=32"):
+        prepare_server_args(_args(*args, "--kv-cache-quant-group-size", "64"))
+    int2_env.setenv(options.ENV_BUNDLE, "builtin:hadamard")
+    with pytest.raises(options.OscarStartupError, match="tp_size 3 is not a multiple of the 2 KV heads"):
+        prepare_server_args(_args(*args, "--tp-size", "3"))
+
+
+def test_refused_start_exits_1_with_one_line(model_dir, tmp_path):
+    """`python -m sglang_oscar.launch_server` with a bundle for another model: status 1 and the plugin's one line on
+    stderr, no traceback, nothing spawned (before: ~47 lines of scheduler traceback after the weights loaded, and the
+    launcher killed with SIGKILL, status 137)."""
+    import subprocess
+
+    other = save_bundle(data_free_bundle("hadamard", 3, 2, 64, 64, 64), tmp_path / "other.safetensors")
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([_SHIM, os.environ.get("PYTHONPATH", "")]),
+               **{options.ENV_BUNDLE: str(other)})
+    for name in options.ALL_ENV:
+        if name != options.ENV_BUNDLE:
+            env.pop(name, None)
+    cmd = [sys.executable, "-m", "sglang_oscar.launch_server", "--model-path", model_dir, "--device", "cpu",
+           "--kv-cache-dtype", "int2", "--attention-backend", "oscar_int2", "--max-running-requests", "4"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(_REPO))
+    assert res.returncode == 1, (res.returncode, res.stderr[-3000:])
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("sglang_oscar: ") and "3 layers but the model has 2" in last, res.stderr[-3000:]
 
 
 def test_configure_kv_cache_dtype(registered):
@@ -251,7 +309,7 @@ def _tiny_setup(int2_env, reqs=3, group=64, window_dtype="bfloat16"):
     int2_env.setenv(options.ENV_PREFIX, "4")
     int2_env.setenv(options.ENV_HP_DTYPE, window_dtype)
     int2_env.setenv(options.ENV_GROUP, str(group))
-    return build_setup(options.from_env(), model_info(FakeModelConfig(**TINY), 1), tp_rank=0, num_layers=2,
+    return build_setup(options.current(), model_info(FakeModelConfig(**TINY), 1), tp_rank=0, num_layers=2,
                        max_running_requests=reqs)
 
 
@@ -753,24 +811,3 @@ def test_cpu_server_int2_history_matches_the_simulator(tiny_model, tmp_path):
     finally:
         srv.stop()
 
-
-@pytest.mark.slow
-def test_cpu_server_boots_with_int2_pool(tiny_model, tmp_path):
-    """Phase 1: the int2 pool is sized and built inside the real scheduler. There is no int2 attention
-    backend yet, so the pool sits behind torch_native (SGLANG_OSCAR_POOL_ONLY) and a request must fail
-    with our error, not produce tokens."""
-    srv = _Server(tiny_model, tmp_path / "int2.log", "--attention-backend", "torch_native", "--kv-cache-dtype",
-                  "int2", "--kv-cache-quant-group-size", "64", "--max-running-requests", "4",
-                  "--skip-server-warmup", env={ENV_POOL_ONLY: "1", options.ENV_BUNDLE: "builtin:hadamard"})
-    try:
-        srv.wait_ready()
-        log = srv.text()
-        assert "KV Cache is allocated. dtype: torch.uint8, #tokens: 4096" in log
-        assert "sglang_oscar: KV budget" in log and "(164 B/token)" in log  # 2 layers x 2 heads x (16+4)x2 + 4
-        assert "max_running_requests=4" in log
-        with pytest.raises(Exception):
-            srv.generate([1, 2, 3, 4], n=2, timeout=60)
-        srv.proc.wait(60)
-        assert "only the oscar_int2 attention backend can read it" in srv.text()
-    finally:
-        srv.stop()

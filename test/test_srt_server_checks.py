@@ -20,7 +20,6 @@ def _sa(kv="int2", decode="full", prefill="breakable", **kw):
 
 
 def test_prefill_graphs_turned_off_for_int2_and_said(monkeypatch):
-    monkeypatch.delenv("SGLANG_OSCAR_POOL_ONLY", raising=False)
     sa = _sa()
     msg = adjust_cuda_graphs(sa)
     assert sa.cuda_graph_config["prefill"].backend == "disabled" and "breakable" in msg
@@ -30,14 +29,12 @@ def test_prefill_graphs_turned_off_for_int2_and_said(monkeypatch):
 
 @pytest.mark.parametrize("decode", ["full", "disabled"])
 def test_decode_full_or_off_accepted(decode, monkeypatch):
-    monkeypatch.delenv("SGLANG_OSCAR_POOL_ONLY", raising=False)
     sa = _sa(decode=decode, prefill="disabled")
     assert adjust_cuda_graphs(sa) is None and sa.cuda_graph_config["decode"].backend == decode
 
 
 @pytest.mark.parametrize("decode", ["breakable", "tc_piecewise"])
 def test_other_decode_graph_backends_refused(decode, monkeypatch):
-    monkeypatch.delenv("SGLANG_OSCAR_POOL_ONLY", raising=False)
     with pytest.raises(OscarOptionError, match="--cuda-graph-backend-decode full"):
         adjust_cuda_graphs(_sa(decode=decode))
 
@@ -48,7 +45,6 @@ def test_other_kv_dtypes_untouched():
 
 
 def test_int2_needs_pinned_requests_and_our_backend(monkeypatch):
-    monkeypatch.delenv("SGLANG_OSCAR_POOL_ONLY", raising=False)
     with pytest.raises(OscarOptionError, match="--max-running-requests"):
         check_server_args(_sa(max_running_requests=None))
     with pytest.raises(OscarOptionError, match="oscar_int2"):
@@ -58,21 +54,18 @@ def test_int2_needs_pinned_requests_and_our_backend(monkeypatch):
 
 @pytest.mark.parametrize("page", [1, 16, 64, 256])
 def test_page_sizes_the_int2_pool_stores(page, monkeypatch):
-    monkeypatch.delenv("SGLANG_OSCAR_POOL_ONLY", raising=False)
     check_server_args(_sa(page_size=page))
     check_server_args(_sa(page_size=None))  # before SGLang's default pass: page 1
 
 
 @pytest.mark.parametrize("page", [3, 48, 512])
 def test_page_sizes_the_kernels_do_not_support(page, monkeypatch):
-    monkeypatch.delenv("SGLANG_OSCAR_POOL_ONLY", raising=False)
     with pytest.raises(OscarOptionError, match=f"supports --page-size 1, 2, 4, .*256 \\(got {page}\\)"):
         check_server_args(_sa(page_size=page))
 
 
 def test_kv_canary_only_on_the_flat_pool(monkeypatch):
     """SGLang's kv canary counts k_buffer.shape[0] as slots and hashes k_buffer rows as tokens: pages at P > 1."""
-    monkeypatch.delenv("SGLANG_OSCAR_POOL_ONLY", raising=False)
     check_server_args(_sa(page_size=1, kv_canary="log"))
     check_server_args(_sa(page_size=64, kv_canary="none"))
     with pytest.raises(OscarOptionError, match="--page-size 64 does not support --kv-canary log"):
@@ -82,6 +75,5 @@ def test_kv_canary_only_on_the_flat_pool(monkeypatch):
 @pytest.mark.parametrize("flag,what", [("enable_lmcache", "--enable-lmcache"), ("enable_flexkv", "--enable-flexkv")])
 def test_kv_offload_connectors_refused(flag, what, monkeypatch):
     """LMCache / FlexKV copy k_buffer / v_buffer rows only (no params, no windows, and pages at P > 1)."""
-    monkeypatch.delenv("SGLANG_OSCAR_POOL_ONLY", raising=False)
     with pytest.raises(OscarOptionError, match=f"does not support {what}"):
         check_server_args(_sa(**{flag: True}))

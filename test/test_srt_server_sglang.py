@@ -826,7 +826,7 @@ def _exact(model, ids, n):
 
 
 def test_page_size_64_serves_the_tokens_of_page_size_1(tiny_model, tmp_path):
-    """--page-size 64 (what SGLANG_OSCAR_HISTORY_KERNEL=cuda is meant for) stores codes and params as
+    """--page-size 64 (what the CUDA history stage runs on) stores codes and params as
     [pages, Hkv, 64, .] (srt/pool.py, kernels/records.py): only the addresses of the records change, so a
     page-64 server must give exactly the page-1 server's greedy tokens and logprobs for the same work:
     cold prompts of 60 (its decode tokens cross the page boundary at 64), 100 and 150 (prefills over 2 and 3

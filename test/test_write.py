@@ -558,7 +558,7 @@ def test_write_cuda_kernel_refusals():
                             device=DEVICE, window_dtype=torch.float32)
     k128 = torch.zeros(2, 2, 128, device=DEVICE, dtype=torch.bfloat16)
     kw = dict(k_transform=torch.eye(128, device=DEVICE))
-    with pytest.raises(ValueError, match="stores BF16 sink / ring rows"):
+    with pytest.raises(ValueError, match="stores bfloat16 sink / ring rows"):
         oscar_write_kv(k128, k128, slots, none, none, c128, kernel="cuda", **kw)
     with pytest.raises(ValueError, match="takes bf16 or fp16 k / v"):
         oscar_write_kv(k128.float(), k128.float(), slots, none, none, c128, kernel="cuda", **kw)
@@ -595,11 +595,11 @@ def test_write_cuda_source_compiles_without_spills(tmp_path):
     import re
     import subprocess
 
-    from sglang_oscar.kernels import history_cuda, write_cuda
+    from sglang_oscar.kernels import cuda_build, write_cuda
 
     try:
-        nvcc = history_cuda._nvcc()
-    except history_cuda.CudaHistoryUnavailable:
+        nvcc = cuda_build.nvcc()
+    except cuda_build.CudaUnavailable:
         pytest.skip("needs nvcc")
     res = subprocess.run([nvcc, "-O3", "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "w.cubin"),
                           write_cuda.SOURCE], capture_output=True, text=True)

@@ -10,7 +10,23 @@ import dataclasses
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_GROUPS = (32, 64, 128)
+MAX_GQA = 16  # query heads per KV head the decode kernels hold in one tile
 PARAM_BITS = 16  # scale and min are stored as bf16
+
+
+def groups_for(head_dim: int) -> list:
+    """The supported group sizes that fit a row of head_dim (powers of two: each divides a power-of-two head_dim)."""
+    return [g for g in SUPPORTED_GROUPS if g <= head_dim]
+
+
+def default_group(head_dim: int) -> int:
+    """The group size when neither the flag nor a calibrated bundle sets one: the largest supported group that fits
+    the row (64 at head_dim 64, 128 at head_dim 128 and 256), i.e. 2.5 bits/element at head_dim 64 and 2.25 above.
+    Every supported head_dim has a decode path at its default group (kernels/shapes.py)."""
+    fits = groups_for(head_dim)
+    if head_dim not in SUPPORTED_HEAD_DIMS or not fits:
+        raise ValueError(f"head_dim {head_dim} is not supported by the OSCAR kernels (use one of {SUPPORTED_HEAD_DIMS})")
+    return max(fits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +75,7 @@ def check_groups(head_dim: int, groups: dict) -> None:
     names the option and the values that fit."""
     if head_dim <= 0 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim {head_dim} is not a power of two: the Hadamard transform and the kernels need one")
-    fits = [g for g in SUPPORTED_GROUPS if g <= head_dim]  # powers of two: each divides head_dim
+    fits = groups_for(head_dim)
     if not fits:
         raise ValueError(f"head_dim {head_dim} is smaller than the smallest group size {SUPPORTED_GROUPS[0]}")
     for option, group in groups.items():

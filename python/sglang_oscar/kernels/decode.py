@@ -10,8 +10,8 @@ Stage 1 (one launch): grid (B·Hkv, NS + SS + RS). Splits 0..NS-1 cut the INT2 h
 into NS equal chunks; splits NS..NS+SS-1 read the sink rows in SS chunks of ceil(S / SS) positions,
 splits NS+SS..NS+SS+RS-1 the ring rows in RS chunks of ceil(W / RS) positions (so that no window
 program walks all its rows alone: at short contexts and batch 1 it was the longest program,
-benchmark/NOTES.md). The window programs are launched first (WINDOW_FIRST). One program holds every
-query head of its KV head (the M dimension of the dots), so each K/V byte is read once.
+benchmark/NOTES.md). One program holds every query head of its KV head (the M dimension of the
+dots), so each K/V byte is read once.
 Stage 2: LSE merge of the NS + SS + RS partial outputs.
 
 Missing sink rows. A sink position whose slot has sink_table[slot] < 0 (the pool ran out of sink
@@ -22,10 +22,9 @@ only where sink_dst / ring_dst >= 0). Stage 1 never indexes the sink buffers wit
 clamps the row to 0, so its sink partial is garbage for such a request, and flags it with a NaN
 LSE); the merge, only where a sink partial is flagged, drops the sink partials and recomputes the
 sink range itself: BF16 rows where present, min + scale·level[code] (fp32) where
-not. The stage-1 code is otherwise unchanged on purpose: its register allocation (ptxas) is
-fragile, and small edits to the window branch were measured to slow the INT2 loop by 5-38% on
-H100 (benchmark/NOTES.md). Same contract as kernels/gather.py and the oracle
-(quant/attention.py, missing_sink_int2=True).
+not. The recompute lives in the merge, not in stage 1, on purpose: stage 1's register allocation
+(ptxas) is fragile, and small edits to its window branch slowed the INT2 loop by 5-38% on H100.
+Same contract as kernels/gather.py and the oracle (quant/attention.py, missing_sink_int2=True).
 
 GQA. All Hq/Hkv query heads of a KV head share one program: the INT2 split puts them in the N of
 its dots, padded to NP = max(4, next_pow2(group)) with the extra columns masked (loads, stores,
@@ -41,21 +40,24 @@ INT2 inner loop (the ALU budget, see design/architecture.md): scale and min are 
 
 so the dots run on raw codes. With uniform levels a code of plane p enters the dots as the fp16
 subnormal code·2^(2p−24): its byte spread into a halfword and AND-ed with the plane's two bits, one
-instruction per two codes, exact; the factor is undone outside the loop (SUBNORMAL_CODES,
+instruction per two codes, exact; the factor is undone outside the loop (SUB,
 _codes_plane_scaled). A codebook's levels enter as 1 + level/4 (_codes_plane). Quarter-plane packing
 makes plane p = (byte >> 2p) & 3 the contiguous dims [p·D/4, (p+1)·D/4): four dots over D/4, no
 reshapes.
 
-Folded tiles (FOLD_HALVES, where NP < 8 and D <= 128): the m16n8 layout pads a [BLOCK_N, 4] tile's N to 8, so
+Folded tiles (default_fold: where NP < 8 and D <= 128): the m16n8 layout pads a [BLOCK_N, 4] tile's N to 8, so
 _int2_split_folded lays the two halves of a block side by side, [BLOCK_N/2, 2·NP], with the K dots
 against blockdiag(q, q): no padded softmax work, 168 registers instead of ~250, 6 CTAs per SM.
 
-The number of splits depends only on shapes (batch, KV heads, req_to_token's width), never on
-tensor values: no host sync, CUDA-graph capturable.
+Plan and run. Every launch decision (split counts, folded tiles, which history kernel, the chain to the
+KV write) depends only on shapes (batch, heads, head_dim, req_to_token's width) and the device, never
+on tensor values: plan_decode makes them once into a DecodePlan (the server: once per forward batch),
+and oscar_decode(..., plan=...) runs a layer on it. No host sync, CUDA-graph capturable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -64,12 +66,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..config import MAX_GQA
+from . import history_cuda, write, write_cuda
 from .layout import check_shape
 from .records import pool_record
+from .shapes import window_programs
 
 LOG2E = 1.4426950408889634
 SUPPORTED_QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_GQA = 16  # query heads per KV head (one [BLOCK_N, NP <= 16] tile; srt/startup_checks.py copies it)
 MIN_NP = 4  # GQA heads padded to a power of two >= this (the N of the dots)
 
 
@@ -144,21 +148,12 @@ def _plane_codes(b, P: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constex
 
 
 @triton.jit
-def _load(ptr, mask, MASKED: tl.constexpr):
-    """tl.load(ptr) with `mask` (0 where masked) only if MASKED: full blocks carry no predicates."""
-    if MASKED:
-        return tl.load(ptr, mask=mask, other=0)
-    else:
-        return tl.load(ptr)
-
-
-@triton.jit
-def _param_word(P32, P64, row, g: tl.constexpr, NG: tl.constexpr, mask, MASKED: tl.constexpr):
-    """(scale, min) of group g of each row as fp32 [N] vectors, from one 4- or 8-byte load."""
+def _param_word(P32, P64, row, g: tl.constexpr, NG: tl.constexpr, mask):
+    """(scale, min) of group g of each row as fp32 [N] vectors, from one 4- or 8-byte load (0 where ~mask)."""
     if NG == 1:
-        w = _load(P32 + row, mask, MASKED)
+        w = tl.load(P32 + row, mask=mask, other=0)
     else:
-        w64 = _load(P64 + row * (NG // 2) + g // 2, mask, MASKED)
+        w64 = tl.load(P64 + row * (NG // 2) + g // 2, mask=mask, other=0)
         if g % 2 == 0:
             w = w64.to(tl.int32)
         else:
@@ -299,84 +294,58 @@ def _int2_block(
     HKV: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BLOCK_N: tl.constexpr,
     K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
     DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr, CH: tl.constexpr,
-    SUB: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr, PAGE: tl.constexpr,
+    SUB: tl.constexpr, PAGE: tl.constexpr,
 ):
-    """BLOCK_N history rows [start, start + BLOCK_N) of one split: scores, online softmax, V dots.
-    MASKED: rows >= hi are masked (the tail block only; full blocks carry no predicates or selects).
-
-    LAZY = τ > 0 (log2 units): the running max m_i only moves, and the accumulators are only rescaled,
-    when some head's block max exceeds it by more than τ (one CTA-uniform branch). Otherwise p =
-    exp2(s − m_i) <= 2^τ: l_t is fp32, and the fp16 weights p·vs stay finite for V scales < 65504 / 2^τ.
-    The result is the same softmax (the final LSE uses the m_i that was used)."""
+    """BLOCK_N history rows [start, start + BLOCK_N) of one split: scores, online softmax, V dots; rows >= hi are
+    masked."""
     D4: tl.constexpr = D // 4
     NCH: tl.constexpr = D4 // CH
     NSP: tl.constexpr = 4 * NCH
     offs_c = tl.arange(0, CH)
     pos = start + tl.arange(0, BLOCK_N)
     mask_n = pos < hi
-    slot = _load(r2t + pos, mask_n, MASKED).to(tl.int64)
+    slot = tl.load(r2t + pos, mask=mask_n, other=0).to(tl.int64)
     row = pool_record(slot, h, HKV, PAGE)  # [N] (slot, head) records (kernels/records.py)
     kbs = []
     vbs = []
     for k in tl.static_range(NCH):
-        kbs = kbs + [_load(KC + row[:, None] * D4 + (k * CH + offs_c)[None, :], mask_n[:, None], MASKED)]
+        kbs = kbs + [tl.load(KC + row[:, None] * D4 + (k * CH + offs_c)[None, :], mask=mask_n[:, None], other=0)]
     for k in tl.static_range(NCH):
         # V codes as [CH, BLOCK_N] (dims x tokens): already the A operand of the V dots, so Triton
         # stages the bytes once and converts each plane in registers; a [BLOCK_N, CH] load
-        # needs tl.trans of every fp16 plane, one shared-memory round trip per plane (NOTES v4)
-        vbs = vbs + [_load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask_n[None, :], MASKED)]
+        # needs tl.trans of every fp16 plane, one shared-memory round trip per plane
+        vbs = vbs + [tl.load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask=mask_n[None, :], other=0)]
 
     # ---- scores sᵀ [N, NP]
     s = tl.zeros(l_t.shape, tl.float32)
     for g in tl.static_range(NGK):
-        ks, km = _param_word(KP32, KP64, row, g, NGK, mask_n, MASKED)
+        ks, km = _param_word(KP32, KP64, row, g, NGK, mask_n)
         d = tl.zeros(l_t.shape, tl.float32)
         for sp in tl.static_range(NSP):
             if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
                 e = _plane_codes(kbs[sp % NCH], sp // NCH, K_A, K_CODEBOOK, SUB, DT, FAST_CVT)
                 d = tl.dot(e, qts[sp], acc=d)
         s += _group_scores(d, ks[:, None], km[:, None], qsum[g], (g * GK) // D4, SUB)
-    if MASKED:
-        s = tl.where(mask_n[:, None], s, float("-inf"))
+    s = tl.where(mask_n[:, None], s, float("-inf"))
 
     # ---- online softmax over the tokens (log2 domain)
     m_blk = tl.max(s, 0)
-    if LAZY > 0:
-        # the first block always moves m_i off -inf (m_blk - (-inf) = +inf); a block has >= 1 valid row
-        if tl.max(m_blk - m_i, 0) > LAZY:
-            m_new = tl.maximum(m_i, m_blk)
-            alpha = tl.exp2(m_i - m_new)
-            l_t = l_t * alpha[None, :]
-            for sp in tl.static_range(NSP):
-                accs = _tuple_set(accs, sp, accs[sp] * alpha[None, :])
-            for g in tl.static_range(NGV):
-                accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :])
-            m_i = m_new
-        p = tl.exp2(s - m_i[None, :])
-        l_t = l_t + p
-    else:
-        m_new = tl.maximum(m_i, m_blk)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])
-        l_t = l_t * alpha[None, :] + p
-        m_i = m_new
+    m_new = tl.maximum(m_i, m_blk)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[None, :])
+    l_t = l_t * alpha[None, :] + p
+    m_i = m_new
 
     # ---- values oᵀ [CH, NP] per sub-plane
     for g in tl.static_range(NGV):
-        vs, vm = _param_word(VP32, VP64, row, g, NGV, mask_n, MASKED)
+        vs, vm = _param_word(VP32, VP64, row, g, NGV, mask_n)
         w, vmp = _value_weights(p, vs[:, None], vm[:, None], SUB, DT)
-        if LAZY > 0:
-            accmin = _tuple_add(accmin, g, vmp)
-        else:
-            accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + vmp)
+        accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + vmp)
         for sp in tl.static_range(NSP):
             if ((sp // NCH) * D4 + (sp % NCH) * CH) // GV == g:
                 e = _plane_codes(vbs[sp % NCH], sp // NCH, V_A, V_CODEBOOK, SUB, DT, FAST_CVT)
-                if LAZY > 0:
-                    accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp]))
-                else:
-                    accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp] * alpha[None, :]))
+                accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp] * alpha[None, :]))
     return m_i, l_t, accs, accmin
 
 
@@ -388,8 +357,7 @@ def _int2_split(
     SINK: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
-    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PEEL: tl.constexpr, LAZY: tl.constexpr,
-    PAGE: tl.constexpr,
+    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PAGE: tl.constexpr,
 ):
     """One split of the INT2 history [SINK, hist_hi), transposed: tokens in M, the GQA heads in N
     (padded to NP = next power of two, not 16), so the softmax and the scale / min algebra run on
@@ -427,23 +395,10 @@ def _int2_split(
     for g in tl.static_range(NGV):
         accmin = accmin + [tl.zeros([BLOCK_N, NP], tl.float32)]
 
-    # Full blocks without masks (every split but the last has only full blocks: chunk is a multiple of
-    # BLOCK_N), then at most one masked tail block.
-    if PEEL:
-        hi_full = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
-    else:  # every block masked (the form before the peeling, kept for same-run comparisons)
-        hi_full = lo
-    for start in range(lo, hi_full, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         m_i, l_t, accs, accmin = _int2_block(
             KC, KP32, KP64, VC, VP32, VP64, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
-            HKV, D, GK, GV, BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
-            False, LAZY, PAGE,
-        )
-    for start in range(hi_full, hi, BLOCK_N):
-        m_i, l_t, accs, accmin = _int2_block(
-            KC, KP32, KP64, VC, VP32, VP64, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
-            HKV, D, GK, GV, BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB,
-            True, LAZY, PAGE,
+            HKV, D, GK, GV, BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PAGE,
         )
 
     # ---- epilogue: reduce the token lanes, then add the min terms, normalise, store oᵀ
@@ -490,7 +445,7 @@ def _int2_split_folded(
     none is. The K dots become E' · blockdiag(q, q): E' [BM, 2·CH] holds the codes of token t in its
     first CH columns and of token t + BM in the next CH, so the MMA count is unchanged. The V dots
     take w unfolded back to [BLOCK_N, NP] (a reshape + permute that Triton folds into the conversion
-    to the dot operand). Same math as _int2_split (docstring there); every block is masked."""
+    to the dot operand). Same math as _int2_split (docstring there)."""
     D4: tl.constexpr = D // 4
     NCH: tl.constexpr = D4 // CH
     NSP: tl.constexpr = 4 * NCH
@@ -547,8 +502,8 @@ def _int2_split_folded(
         # ---- scores, folded [BM, NPF]
         s = tl.zeros([BM, NPF], tl.float32)
         for g in tl.static_range(NGK):
-            ks_a, km_a = _param_word(KP32, KP64, row_a, g, NGK, mask_a, True)
-            ks_b, km_b = _param_word(KP32, KP64, row_b, g, NGK, mask_b, True)
+            ks_a, km_a = _param_word(KP32, KP64, row_a, g, NGK, mask_a)
+            ks_b, km_b = _param_word(KP32, KP64, row_b, g, NGK, mask_b)
             d = tl.zeros([BM, NPF], tl.float32)
             for sp in tl.static_range(NSP):
                 if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
@@ -570,8 +525,8 @@ def _int2_split_folded(
 
         # ---- values oᵀ [CH, NP] per sub-plane, w unfolded to [BLOCK_N, NP]
         for g in tl.static_range(NGV):
-            vs_a, vm_a = _param_word(VP32, VP64, row_a, g, NGV, mask_a, True)
-            vs_b, vm_b = _param_word(VP32, VP64, row_b, g, NGV, mask_b, True)
+            vs_a, vm_a = _param_word(VP32, VP64, row_a, g, NGV, mask_a)
+            vs_b, vm_b = _param_word(VP32, VP64, row_b, g, NGV, mask_b)
             vs = _fold_pick(vs_a, vs_b, jk)
             vm = _fold_pick(vm_a, vm_b, jk)
             wf, vmp = _value_weights(p, vs, vm, SUB, DT)
@@ -677,10 +632,8 @@ def _oscar_decode_stage1(
     NGK: tl.constexpr, NGV: tl.constexpr,  # groups per row
     CH: tl.constexpr,  # bytes per code chunk: min(GK, GV, D/4)
     SUB: tl.constexpr,  # subnormal codes (uniform levels): E = code·2^(2p−24), see _int2_split
-    PEEL: tl.constexpr,  # full history blocks without masks, one masked tail (_int2_block)
-    LAZY: tl.constexpr,  # lazy rescale threshold τ in log2 units, 0 = rescale every block (_int2_block)
     FOLD: tl.constexpr,  # the two halves of a block side by side in N (_int2_split_folded)
-    WINDOW_FIRST: tl.constexpr,  # launch the SS + RS window programs before the INT2 ones
+    WINDOW_ONLY: tl.constexpr,  # a grid of the SS + RS window programs only (after the CUDA history stage)
     PDL_TRIGGER: tl.constexpr,  # let the merge launch now (its programs wait for this grid's writes)
     PAGE: tl.constexpr,  # pool page size: the record rule of kernels/records.py
     PDL_WAIT: tl.constexpr = False,  # window programs launched after the CUDA history: exit only after it has
@@ -690,10 +643,8 @@ def _oscar_decode_stage1(
         gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
-    if WINDOW_FIRST:
-        # program_id(1) is the slow grid axis: the first programs to run are window programs, whose
-        # dependent index loads then overlap the INT2 streaming instead of trailing it
-        split = tl.where(split < SS + RS, split + NS, split - (SS + RS))
+    if WINDOW_ONLY:
+        split = split + NS
     b = pid_bh // HKV
     h = pid_bh % HKV
     NS_TOTAL: tl.constexpr = NS + SS + RS
@@ -716,7 +667,7 @@ def _oscar_decode_stage1(
                 Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
                 split, b, h, base_hi, hist_hi, r2t, qk_scale,
                 HKV, GQA, D, GK, GV, SINK, NS, NS_TOTAL, NP,
-                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PEEL, LAZY, PAGE,
+                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PAGE,
             )
     else:
         recent_lo = tl.maximum(tl.maximum(L - WINDOW, SINK), tl.load(RING_START + r))
@@ -844,76 +795,31 @@ def _oscar_decode_merge(
 # host side
 
 
-# Batch 1 (at most SMALL_BATCH_HEADS request x KV-head pairs): at least SMALL_BATCH_SPLITS splits.
-# Same-run sweep on an H100 (Qwen3-8B heads; benchmark/NOTES.md "Split count at small batch",
-# results/decode_split_sweep_*.log): batch 1 at 64 splits (512 programs) takes 0.84x the time of
-# 3 waves' 50 at 128k, 0.93x at 32k. Larger batches stay at `waves`: 16 splits helped batch 4/8 at
-# 128k but hurt at 8k, and batch 32/64 were not swept, so no rule for them yet.
+# Split rule of the Triton history (default_num_splits). At least SPLIT_WAVES INT2 programs per SM; at batch 1 (at most
+# SMALL_BATCH_HEADS request x KV-head pairs) at least SMALL_BATCH_SPLITS splits (H100, Qwen3-8B heads: 0.84x the time
+# of 3 waves' 50 at 128k, 0.93x at 32k).
+SPLIT_WAVES = 3
 SMALL_BATCH_HEADS = 8
 SMALL_BATCH_SPLITS = 64
-# The recent window is read by ceil(W / RING_ROWS_PER_SPLIT) programs (4 for W = 256): one program
-# walking all W BF16 rows in BLOCK_W steps was the longest of the launch at short contexts.
-RING_ROWS_PER_SPLIT = 64
-# The sink range is read by ceil(S / SINK_ROWS_PER_SPLIT) programs: each sink row costs a chain of
-# three dependent loads (req_to_token -> sink_table -> row), so one program walking 64 rows was the
-# longest at small batch. H100 same run, 4 programs vs 1: SmolLM2 8k batch 1/2 0.81x, Qwen3 8k batch 1
-# 0.94x, batch >= 8 within the run's spread (benchmark/NOTES.md "Sink programs, the merge's sink check and PDL").
-SINK_ROWS_PER_SPLIT = 16
-# Window programs first in the launch order (see _oscar_decode_stage1): measured up to 2x slower at
-# batch >= 8 (the INT2 programs then land unevenly on the SMs; benchmark/NOTES.md, same section), off.
-WINDOW_FIRST = False
-# Programmatic dependent launch of the merge (CUDA only): the merge waits in-kernel for stage 1's
-# writes (griddepcontrol.wait), and where stage 1's whole grid is resident in one round (free slots: small
-# batch) stage 1 lets it launch at once, so its launch and prologue overlap stage 1. H100/H200 same run:
-# 0.92-0.97x the time at batch 1-2 and <= 32k, unchanged elsewhere (benchmark/NOTES.md). Without the
-# early launch it measured no gain, so PDL only where the grid fits.
-PDL = True
-# Codes as fp16 subnormals code·2^(2p−24) (no offset) where the levels are uniform: fewer instructions
-# per code in the INT2 loop than 1 + code/4 (benchmark/NOTES.md "Subnormal codes"). A codebook
-# always uses the offset form (its levels are not integers: as subnormals they would be rounded).
-SUBNORMAL_CODES = True
-# The INT2 loop's full blocks run without masks; only a split's last, partial block is masked.
-PEEL_TAIL = False
-# Lazy rescale: the running max moves only when a block's max exceeds it by more than this many
-# log2 units (p <= 2^LAZY_RESCALE); 0 rescales every block. Bounds the fp16 V weights p·vs by
-# 2^LAZY_RESCALE·vs (finite for V scales < 4094 at 4).
-LAZY_RESCALE = 0.0
-# Folded tiles (the two halves of a block side by side in N) where the GQA heads pad N: NP < 8
-# (benchmark/NOTES.md "Folded tiles"). The folded loop compiles to 168 registers at 128:2:3 (254
-# unfolded): capped there, 6 CTAs fit per SM and the wave fill counts with 6.
-FOLD_HALVES = True
+# Folded tiles (the two halves of a block side by side in N) where the GQA heads pad N (NP < 8): the folded loop
+# compiles to 168 registers at 128:2:3 (254 unfolded), so capped there 6 CTAs fit per SM. At D 256 it spills under 168
+# registers, so it is not folded there.
 FOLD_MAXNREG = 168
-# At D 256 the folded loop spills heavily under 168 registers (inspect_decode_sass: ~300-400 local-memory
-# ops per iteration): not folded by default there.
 FOLD_MAX_HEAD_DIM = 128
-MAX_LAZY_RESCALE = 8.0
-# GQA groups of 9-16 heads (NP = 16, e.g. GLM-4.x's 12) at D 128: [128, 16] tiles spill 46 local-memory ops
-# per loop iteration at 255 registers (inspect_decode_sass.py --model glm-4.7-tp8); 64 tokens per
-# iteration compile to 240 registers without spills and measured 0.94-0.99x the time on H100 (GLM-4.7 at
-# TP8, 8k-128k, batch 1-64; results/decode_variants_large_np_*). D 256 was not measured.
+# GQA groups of 9-16 heads (NP = 16, e.g. GLM-4.x's 12) at D 128: [128, 16] tiles spill at 255 registers; 64 tokens per
+# iteration compile to 240 registers without spills.
 LARGE_NP_BLOCK_N = 64
+# The INT2 loop's warps and pipeline depth (128 tokens, 64 per warp) and the window programs' rows per iteration.
+NUM_WARPS, NUM_STAGES, BLOCK_W = 2, 3, 16
 
-
-# Wave fill. The unfolded config runs 4 CTAs per SM (<= 255 registers x 64 threads, every supported
-# shape; the folded one 6, at FOLD_MAXNREG; oscar_decode passes its own count), so P INT2 programs take
-# ceil(P / (ctas·SMs)) rounds; ceil(3·SMs / heads) splits can leave the last round nearly empty (SmolLM2
-# batch 64: 192 heads x 3 = 576 programs for 528 slots). When the rounds would be less than FILL_BELOW
-# full on average, the smallest larger count (up to 3x) that fills them to FILL_TO is taken, if every
-# split keeps >= fill_min_rows rows. Same-run sweeps on H100 (benchmark/NOTES.md "Wave fill", "Split
-# rule for the folded kernel"):
-# - unfolded (FILL_MIN_ROWS = 4096): SmolLM2 batch 64, 3 -> 8 splits: 0.67x / 0.71x the time at 128k /
-#   32k; SmolLM2 batch 8 at 32k, 22 splits of 1.5k rows: 1.2x slower than 17, hence the floor.
-# - folded (FOLD_FILL_MIN_ROWS = 512): the floor of 4096 blocked the fill at 23 of 50 sweep points, where
-#   the filled count measured 0.72-0.95x (1.02x at Qwen3 64k batch 1).
-# - unfolded at NP >= 8, D <= 128 (LARGE_NP_FILL_MIN_ROWS = 1024; Qwen3-32B GQA 8, GLM-4.x GQA 12): of 56
-#   sweep points (batch 1-64, 8k-128k) the lower floor changes the count at 9; at the 8 swept ones the new
-#   count measured 0.86-0.97x the old (GLM 32k batch 32: 13 -> 16 splits 0.89x; Qwen3-32B 64k batch 2:
-#   25 -> 32, 0.86x), the ninth (GLM 128k batch 4: 99 -> 126) was not swept (128: 0.92x). The 4096 floor
-#   stays where it was measured (NP 4 unfolded, fold_halves=False) and for D 256 (not measured).
-# Long splits over several rounds (folded only, FOLD_LONG_SPLIT_ROWS): when after the fill the programs
-# take more than one round and a split holds more than that many rows, the count is raised to
-# ceil(context / FOLD_LONG_SPLIT_ROWS) and filled again (Qwen3-8B batch 64 at 128k: 3 -> 16 splits, 0.86x
-# in the full table; in one round, batch 32, long splits measured no loss).
+# Wave fill. The unfolded loop runs 4 CTAs per SM (<= 255 registers x 64 threads), the folded one 6 (FOLD_MAXNREG),
+# so P INT2 programs take ceil(P / (ctas·SMs)) rounds, and ceil(3·SMs / heads) splits can leave the last round nearly
+# empty (SmolLM2 batch 64: 192 heads x 3 = 576 programs for 528 slots). When the rounds would be less than FILL_BELOW
+# full on average, the smallest larger count (up to 3x) that fills them to FILL_TO is taken, if every split keeps
+# >= fill_min_rows rows: FILL_MIN_ROWS unfolded at NP 4 and D 256 (fewer rows per split measured slower), the lower
+# LARGE_NP_FILL_MIN_ROWS unfolded at NP >= 8 and D <= 128, FOLD_FILL_MIN_ROWS folded. Folded, when after the fill the
+# programs take more than one round and a split holds more than FOLD_LONG_SPLIT_ROWS rows, the count is raised to
+# ceil(context / FOLD_LONG_SPLIT_ROWS) and filled again (Qwen3-8B batch 64 at 128k: 3 -> 16 splits, 0.86x the time).
 FILL_CTAS_PER_SM = 4
 FILL_BELOW = 0.9
 FILL_TO = 0.95
@@ -923,6 +829,7 @@ LARGE_NP_FILL_MIN_ROWS = 1024
 FOLD_LONG_SPLIT_ROWS = 8192
 # The merge's programs each take >= this many output dims of a query head (default_merge_splits).
 MERGE_MIN_DIMS = 32
+HISTORY_KERNELS = ("triton", "cuda")
 
 
 def _rounds_fill(programs: int, slots: int) -> float:
@@ -932,7 +839,7 @@ def _rounds_fill(programs: int, slots: int) -> float:
 
 
 def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int = 132, min_tokens: int = 256,
-                       waves: int = 3, small_batch_splits: int = SMALL_BATCH_SPLITS, round_up: bool = True,
+                       waves: int = SPLIT_WAVES, small_batch_splits: int = SMALL_BATCH_SPLITS, round_up: bool = True,
                        fill: bool = True, ctas_per_sm: int = FILL_CTAS_PER_SM, fill_min_rows: int = FILL_MIN_ROWS,
                        long_split_rows: Optional[int] = None) -> int:
     """History splits from shapes only: >= `waves` programs per SM (round_up) or the most that keep
@@ -971,15 +878,12 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
 
 
 def default_window_splits(heads: int, num_splits: int, sink: int, window: int, slots: int) -> tuple:
-    """(sink programs, ring programs) per (request, KV head): ceil(S / SINK_ROWS_PER_SPLIT) and
-    ceil(W / RING_ROWS_PER_SPLIT), halved once where that brings a launch whose INT2 programs fit one round of
-    `slots` resident programs, but whose window programs spill past it, back into one round (so no window
-    program trails the round, and the merge launches early through PDL). H100, Qwen3-8B batch 1 at 64k (95
-    splits + 8 window programs per head = 824 programs for 792 slots): 0.95x the time, 0.99x at 128k; halving
-    to 1 + 1 measured slower (the 256-row ring program gets longest; benchmark/NOTES.md "Fixed cost at small
-    batch")."""
-    ss = max(1, triton.cdiv(sink, SINK_ROWS_PER_SPLIT))
-    rs = triton.cdiv(window, RING_ROWS_PER_SPLIT)
+    """(sink programs, ring programs) per (request, KV head): shapes.window_programs, halved once where that brings a
+    launch whose INT2 programs fit one round of `slots` resident programs, but whose window programs spill past it,
+    back into one round (so no window program trails the round, and the merge launches early through PDL). H100,
+    Qwen3-8B batch 1 at 64k (95 splits + 8 window programs per head = 824 programs for 792 slots): 0.95x the time;
+    halving to 1 + 1 measured slower (the 256-row ring program gets longest)."""
+    ss, rs = window_programs(sink, window)
     if heads * num_splits <= slots < heads * (num_splits + ss + rs):
         ss2, rs2 = triton.cdiv(ss, 2), triton.cdiv(rs, 2)
         if heads * (num_splits + ss2 + rs2) <= slots:
@@ -998,16 +902,14 @@ def default_merge_splits(query_heads: int, head_dim: int, num_sms: int = 132) ->
 
 
 def default_block_n(np_: int, head_dim: int) -> int:
-    """oscar_decode's block_n=None: 128 tokens per INT2 iteration, LARGE_NP_BLOCK_N where NP >= 16 and D <= 128."""
+    """Tokens per INT2 iteration: 128, LARGE_NP_BLOCK_N where NP >= 16 and D <= 128."""
     return LARGE_NP_BLOCK_N if np_ >= 16 and head_dim <= 128 else 128
 
 
-def default_fold(np_: int, head_dim: int, peel: bool, lazy: float, block_n: int) -> bool:
-    """oscar_decode's fold_halves=None: fold where N is padded (NP < 8) and the folded loop fits
-    FOLD_MAXNREG (D <= FOLD_MAX_HEAD_DIM), with a block_n the folded dots take (a multiple of 32), and
-    not with the loop options it does not combine with (peel_tail, lazy_rescale)."""
-    return (FOLD_HALVES and np_ < 8 and head_dim <= FOLD_MAX_HEAD_DIM and not peel and lazy == 0
-            and block_n >= 32 and block_n % 32 == 0)
+def default_fold(np_: int, head_dim: int, block_n: int) -> bool:
+    """Folded tiles where N is padded (NP < 8) and the folded loop fits FOLD_MAXNREG (D <= FOLD_MAX_HEAD_DIM), with a
+    block_n the folded dots take (a multiple of 32)."""
+    return np_ < 8 and head_dim <= FOLD_MAX_HEAD_DIM and block_n >= 32 and block_n % 32 == 0
 
 
 def transform_query(q: torch.Tensor, q_transform: Optional[torch.Tensor], kv_heads: int) -> torch.Tensor:
@@ -1036,6 +938,151 @@ def transform_query(q: torch.Tensor, q_transform: Optional[torch.Tensor], kv_hea
     return torch.einsum("bhgd,hde->bhge", qg, t).reshape(b, hq, d).to(q.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """The launch decisions of decode calls of one shape (plan_decode), reused by every layer of a forward batch.
+
+    Everything here follows from shapes and the device, never from tensor values, so a plan holds for every replay
+    of a CUDA graph captured with it."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    max_context: int  # req_to_token's width
+    history_kernel: str  # "triton" (this module's loop) or "cuda" (history_cuda.py)
+    num_splits: int  # INT2 history splits per (request, KV head)
+    sink_splits: int  # window partials per (request, KV head); (0, 0): the window is folded into the CUDA history
+    ring_splits: int
+    merge_splits: int  # merge programs per query head
+    block_n: int  # Triton INT2 loop: tokens per iteration
+    fold: bool  # Triton INT2 loop: folded tiles (_int2_split_folded)
+    fold_window: bool  # CUDA: the window folded into the history CTAs (history_cuda.folds)
+    window_in_cuda: bool  # CUDA: the kernel reads the window itself (history_cuda.fuses_window)
+    pdl: bool  # the merge (and window programs after the CUDA history) launched as programmatic dependents
+    follows_write: bool  # the CUDA history launched as this step's KV write's programmatic dependent
+    q_from_write: bool  # ... whose launch also rotated q
+    write_kernel: str  # that write's kernel ("triton" / "cuda"), whose programs the chained split count leaves room for
+    maxnreg: Optional[int]  # register cap of the Triton stage 1
+
+    @property
+    def gqa(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def ns_total(self) -> int:
+        return self.num_splits + self.sink_splits + self.ring_splits
+
+
+def plan_decode(batch: int, q_heads: int, kv_heads: int, head_dim: int, max_context: int, device, *, sink: int,
+                window: int, history_kernel: str = "triton", follows_write: bool = False, q_from_write: bool = False,
+                write_kernel: str = "triton", num_splits: Optional[int] = None, block_n: Optional[int] = None,
+                sink_splits: Optional[int] = None, ring_splits: Optional[int] = None,
+                merge_splits: Optional[int] = None) -> DecodePlan:
+    """Every launch decision of a decode call of batch `batch`, from shapes and the device only.
+
+    history_kernel: "triton" (every supported shape) or "cuda" (history_cuda.py: the shapes kernels/shapes.py gives
+    it, checked by oscar_decode against the cache). follows_write: the kernel launched just before the call is this
+    step's KV write (kernels/write.py oscar_write_kv(..., pdl_trigger=True)) and q, already transformed and contiguous,
+    was written before it: the CUDA history kernel is launched as the write's programmatic dependent (sm_90+); its
+    history CTAs read q, the indices and the old INT2 rows while the write runs, its window CTAs wait for the write.
+    q_from_write (with follows_write): q is that write's q_out, so the history CTAs issue their first copies, then
+    wait for the write before they read q. write_kernel: that write's kernel, whose grid (write.write_grid,
+    write_cuda.grid) the chained split count takes as the SM slots the write holds.
+
+    The rest fix what the rules would choose, for tests of edges: num_splits (INT2 history splits per request and KV
+    head), block_n (Triton tokens per iteration: 128, 64 where NP >= 16), sink_splits / ring_splits (the Triton window
+    programs; the CUDA history reads the window itself at D 128), merge_splits (a power of two, D / merge_splits >=
+    MERGE_MIN_DIMS)."""
+    if history_kernel not in HISTORY_KERNELS:
+        raise ValueError(f"history_kernel must be 'triton' or 'cuda', got {history_kernel!r}")
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"query heads {q_heads} are not a multiple of KV heads {kv_heads}")
+    group = q_heads // kv_heads
+    if group > MAX_GQA:
+        raise ValueError(f"GQA group {group} ({q_heads} query heads / {kv_heads} KV heads) is not supported: the int2 "
+                         f"decode kernel holds at most {MAX_GQA} query heads per KV head")
+    if window <= 0:
+        raise ValueError("window must be >= 1")
+    device = torch.device(device)
+    hist_cuda = history_kernel == "cuda"
+    if follows_write:
+        if not hist_cuda:
+            raise ValueError("follows_write launches the CUDA history kernel as the KV write's programmatic "
+                             "dependent: it needs history_kernel='cuda'")
+        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+            raise ValueError("follows_write needs programmatic dependent launch (sm_90 or newer)")
+    elif q_from_write:
+        raise ValueError("q_from_write qualifies follows_write (the history kernel chained to the write that "
+                         "rotated q); without follows_write the launch waits for the write anyway")
+    window_in_cuda = hist_cuda and history_cuda.fuses_window(head_dim)
+    if window_in_cuda and (ring_splits is not None or sink_splits is not None):
+        raise ValueError("ring_splits / sink_splits set the Triton window programs; history_kernel='cuda' reads "
+                         "the window in its own CTAs (history_cuda.window_ctas)")
+    on_gpu = device.type == "cuda"
+    if hist_cuda and not on_gpu:
+        raise ValueError("history_kernel='cuda' needs CUDA tensors")
+    sms = _num_sms(device)
+    np_ = max(MIN_NP, triton.next_power_of_2(group))
+    if block_n is None:
+        block_n = default_block_n(np_, head_dim)
+    fold = default_fold(np_, head_dim, block_n)
+    maxnreg = FOLD_MAXNREG if fold and on_gpu else None
+    # resident stage-1 programs per SM if registers bound them (4 at 128:2:3, 6 folded), for the wave fill
+    ctas = max(1, 65536 // ((FOLD_MAXNREG if fold else 256) * 32 * NUM_WARPS))
+    fold_window = False
+    if num_splits is None:
+        if hist_cuda:
+            chained = None  # chained: the write's programs of this step's tokens hold SM slots at the launch
+            if follows_write:
+                if write_kernel == "cuda":
+                    chained = math.prod(write_cuda.grid(batch, kv_heads, group if q_from_write else None))
+                else:
+                    chained = math.prod(write.write_grid(batch, kv_heads, write.default_block_t(batch, head_dim),
+                                                         q_from_write))
+            num_splits, fold_window = history_cuda.plan(batch, kv_heads, group, max_context, sms, sink, window,
+                                                        chained, head_dim=head_dim)
+        else:
+            if fold:
+                rule = dict(fill_min_rows=FOLD_FILL_MIN_ROWS, long_split_rows=FOLD_LONG_SPLIT_ROWS)
+            elif np_ >= 8 and head_dim <= 128:
+                rule = dict(fill_min_rows=LARGE_NP_FILL_MIN_ROWS)
+            else:
+                rule = {}
+            num_splits = default_num_splits(batch, kv_heads, max_context, sms, ctas_per_sm=ctas, **rule)
+    elif window_in_cuda:
+        fold_window = history_cuda.folds(num_splits, sink, window, head_dim)  # an explicit count folds by the rule
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    slots = ctas * sms  # stage-1 programs resident at once (one round)
+    if fold_window:
+        ss, rs = 0, 0
+    elif window_in_cuda:
+        ss, rs = history_cuda.window_ctas(sink, window)
+    else:
+        ss, rs = default_window_splits(batch * kv_heads, num_splits, sink, window, slots)
+        ss = ss if sink_splits is None else sink_splits
+        rs = rs if ring_splits is None else ring_splits
+        if rs < 1:
+            raise ValueError(f"ring_splits must be >= 1, got {rs}")
+        if ss < 1:
+            raise ValueError(f"sink_splits must be >= 1, got {ss}")
+    ns_total = num_splits + ss + rs
+    if merge_splits is None:
+        merge_splits = default_merge_splits(batch * q_heads, head_dim, sms)
+    if merge_splits < 1 or merge_splits & (merge_splits - 1) or head_dim // merge_splits < MERGE_MIN_DIMS:
+        raise ValueError(f"merge_splits must be a power of two with D / merge_splits >= {MERGE_MIN_DIMS} "
+                         f"(D = {head_dim}), got {merge_splits}")
+    # PDL chains the merge to the one stage-1 launch where its grid fits one round (no gain measured otherwise). After
+    # the CUDA history (it lets its dependents launch at once) the merge follows it at any grid size: the window is
+    # read in the same grid, or by the Triton window programs launched as its dependents (they run in the SM slots its
+    # CTAs free and exit only after it has).
+    pdl = on_gpu and (hist_cuda or batch * kv_heads * ns_total <= slots)
+    return DecodePlan(batch, q_heads, kv_heads, head_dim, max_context, history_kernel, num_splits, ss, rs,
+                      merge_splits, block_n, fold, fold_window, window_in_cuda, pdl, follows_write, q_from_write,
+                      write_kernel if follows_write else "triton", maxnreg)
+
+
 def oscar_decode(
     q: torch.Tensor,
     cache,
@@ -1048,69 +1095,21 @@ def oscar_decode(
     window: int,
     sm_scale: float,
     q_transform: Optional[torch.Tensor] = None,
-    num_splits: Optional[int] = None,
-    split_waves: int = 3,
     out: Optional[torch.Tensor] = None,
     k_level_a: Optional[float] = None,
     v_level_a: Optional[float] = None,
-    block_n: Optional[int] = None,
-    block_w: int = 16,
-    num_warps: int = 2,
-    num_stages: int = 3,
-    maxnreg: Optional[int] = None,
-    ring_splits: Optional[int] = None,
-    sink_splits: Optional[int] = None,
-    window_first: Optional[bool] = None,
-    pdl: Optional[bool] = None,
-    subnormal_codes: Optional[bool] = None,
-    peel_tail: Optional[bool] = None,
-    lazy_rescale: Optional[float] = None,
-    fold_halves: Optional[bool] = None,
-    merge_splits: Optional[int] = None,
-    history_kernel: str = "triton",
-    follows_write: bool = False,
-    q_from_write: bool = False,
-    write_kernel: str = "triton",
+    plan: Optional[DecodePlan] = None,
+    **plan_args,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
 
     k_level_a / v_level_a: INT2 codebook parameter a (levels 0, a, 3−a, 3); None = uniform.
-    num_splits: INT2 history splits per (request, KV head); None = default_num_splits(..., waves=split_waves)
-    (history_kernel "cuda": history_cuda.plan, i.e. default_num_splits, or chained_num_splits for one request that
-    follows_write at req_to_token widths of 32k-64k, with the window folded into the history CTAs where the count has
-    a split per window tile, history_cuda.folds; an explicit count folds by the same rule).
-    block_n / num_warps / num_stages: the INT2 loop's tokens per iteration, warps and pipeline depth
-    (None / 2 / 3: 128 tokens, 64 per warp, measured best on H100 in benchmark/NOTES.md v4; 64 where NP >= 16,
-    default_block_n); maxnreg caps
-    the stage-1 registers per thread (None: ptxas decides). ring_splits: programs per (request, KV
-    head) for the recent window (None: ceil(window / RING_ROWS_PER_SPLIT)); sink_splits: the same for
-    the sink range (None: ceil(sink / SINK_ROWS_PER_SPLIT)); window_first: launch order (None:
-    WINDOW_FIRST). pdl: programmatic dependent launch of the merge where stage 1's grid fits one round
-    (None: PDL; CUDA only). subnormal_codes: the INT2 loop's code format (None: SUBNORMAL_CODES); True
-    with a codebook (k_level_a / v_level_a) is an error.
-    peel_tail / lazy_rescale: the INT2 loop's unmasked full blocks and lazy-rescale threshold in log2
-    units (None: PEEL_TAIL / LAZY_RESCALE; 0 rescales every block; at most MAX_LAZY_RESCALE).
-    fold_halves: the INT2 loop's tiles as [BLOCK_N/2, 2·NP] (None: FOLD_HALVES where NP < 8, D <= 128, block_n
-    is a multiple of 32 and peel_tail / lazy_rescale are off; then maxnreg defaults to FOLD_MAXNREG on the GPU).
-    merge_splits: programs per query head in the merge, each merging D / merge_splits output dims (a power of
-    two, D / merge_splits >= MERGE_MIN_DIMS; None: default_merge_splits).
-    history_kernel: "triton" (this module's loops) or "cuda" (kernels/history_cuda.py: D 128 with groups 64/128 or
-    D 64 with groups 32/64, GQA 1-16, uniform levels, BF16 window rows; one split per CTA of 8 warps, num_splits None:
-    its own rule; at D 128 the sink and ring rows in the same kernel's window CTAs, history_cuda.window_ctas, so
-    ring_splits / sink_splits do not apply, and with history_cuda.FUSED_MERGE the merge too, so merge_splits does not
-    apply; at D 64 this module's window programs follow it). An unsupported shape raises instead of falling back.
-    follows_write: the kernel launched just before this call is this decode step's KV write
-    (kernels/write.py oscar_write_kv(..., pdl_trigger=True)), and q, already transformed (q_transform None) and
-    contiguous, was written before it. The CUDA history kernel is then launched as the write's programmatic
-    dependent: its history CTAs read q, the indices and the INT2 rows older than the new token while the write
-    runs, and its window CTAs wait for the write (kernels/cuda/int2_history.cu kPdlAfterWrite). history_kernel
-    "cuda" on sm_90 or newer only; the caller guarantees the order (the server's backend does, srt/backend.py).
-    q_from_write (with follows_write): q is that write's q_out (oscar_write_kv(q=..., q_out=...) rotated it), so the
-    history CTAs issue their first copies and then wait for the write before they read q (kPdlAfterWriteQ).
-    write_kernel (with follows_write): that write's kernel ("triton" or "cuda", oscar_write_kv kernel), whose grid
-    (write.write_grid, write_cuda.grid) the chained split count takes as the SM slots the write holds.
-    """
+    plan: the launch decisions (plan_decode) of this call's shape; None: plan_decode(**plan_args) for this call
+    (history_kernel, follows_write, q_from_write, write_kernel, num_splits, block_n, sink_splits, ring_splits,
+    merge_splits: see there). With follows_write, q must already be transformed (q_transform None) and contiguous: a
+    kernel between the write and this call would write q while the history kernel reads it; the caller guarantees
+    the order (the server's backend does, srt/backend.py)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     if q.dtype not in SUPPORTED_QUERY_DTYPES:
@@ -1123,12 +1122,6 @@ def oscar_decode(
     gv = D // cache.v_params.shape[-2]
     check_shape(D, gk, "K: ")
     check_shape(D, gv, "V: ")
-    if Hq % Hkv:
-        raise ValueError(f"query heads {Hq} are not a multiple of KV heads {Hkv}")
-    group = Hq // Hkv
-    if group > MAX_GQA:
-        raise ValueError(f"GQA group {group} ({Hq} query heads / {Hkv} KV heads) is not supported: the int2 decode "
-                         f"kernel holds at most {MAX_GQA} query heads per KV head")
     if cache.sink_table is None:
         raise ValueError("oscar_decode needs cache.sink_table")
     if window <= 0:
@@ -1146,100 +1139,28 @@ def oscar_decode(
         raise ValueError(f"req_pool_indices must be int32/int64, got {req_pool_indices.dtype}")
     if not req_to_token.is_contiguous() and req_to_token.stride(1) != 1:
         raise ValueError("req_to_token must have unit stride along positions")
-
     codebook = k_level_a is not None or v_level_a is not None
-    if subnormal_codes and codebook:
-        raise ValueError("subnormal_codes needs uniform INT2 levels: with a codebook (k_level_a / v_level_a) the "
-                         "levels are not integers; leave subnormal_codes unset or False")
-    sub = (SUBNORMAL_CODES if subnormal_codes is None else bool(subnormal_codes)) and not codebook
-    lazy = float(LAZY_RESCALE if lazy_rescale is None else lazy_rescale)
-    if not 0.0 <= lazy <= MAX_LAZY_RESCALE:
-        raise ValueError(f"lazy_rescale must be in [0, {MAX_LAZY_RESCALE}] (log2 units; the fp16 V weights p·vs "
-                         f"grow up to 2^lazy_rescale·vs), got {lazy}")
-    peel = PEEL_TAIL if peel_tail is None else bool(peel_tail)
-    np_ = max(MIN_NP, triton.next_power_of_2(group))
-    if block_n is None:
-        block_n = default_block_n(np_, D)
-    fold = default_fold(np_, D, peel, lazy, block_n) if fold_halves is None else bool(fold_halves)
-    if fold and (peel or lazy > 0):
-        raise ValueError("fold_halves runs every block masked and rescales every block: it cannot be combined "
-                         "with peel_tail or lazy_rescale > 0")
-    if fold and (block_n < 32 or block_n % 32) and q.is_cuda:
-        raise ValueError(f"fold_halves needs block_n a multiple of 32 on the GPU (tl.dot M >= 16), got {block_n}")
-    if fold and maxnreg is None and q.is_cuda:
-        maxnreg = FOLD_MAXNREG
-    if history_kernel not in ("triton", "cuda"):
-        raise ValueError(f"history_kernel must be 'triton' or 'cuda', got {history_kernel!r}")
-    hist_cuda = history_kernel == "cuda"
-    if follows_write:
-        # nothing may run between the write and the history kernel that writes what it reads before its wait
-        if not hist_cuda:
-            raise ValueError("follows_write launches the CUDA history kernel as the KV write's programmatic "
-                             "dependent: it needs history_kernel='cuda'")
-        if q_transform is not None or not q.is_contiguous():
-            raise ValueError("follows_write: transform q (transform_query) and make it contiguous before the KV "
-                             "write, and pass q_transform=None; a kernel between the write and this call would "
-                             "write q while the history kernel reads it")
-        if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] < 9:
-            raise ValueError("follows_write needs programmatic dependent launch (sm_90 or newer)")
-    elif q_from_write:
-        raise ValueError("q_from_write qualifies follows_write (the history kernel chained to the write that "
-                         "rotated q); without follows_write the launch waits for the write anyway")
-    q = transform_query(q, q_transform, Hkv).contiguous()
+    follows = plan.follows_write if plan is not None else plan_args.get("follows_write", False)
+    if follows and (q_transform is not None or not q.is_contiguous()):
+        raise ValueError("follows_write: transform q (transform_query) and make it contiguous before the KV "
+                         "write, and pass q_transform=None; a kernel between the write and this call would "
+                         "write q while the history kernel reads it")
+    if plan is None:
+        if plan_args.get("history_kernel") == "cuda":  # the shape first: its refusal names what the stage covers
+            history_cuda.check_supported(D, Hq // Hkv, gk, gv, codebook, None, window_dtype=cache.ring_k.dtype)
+        plan = plan_decode(B, Hq, Hkv, D, req_to_token.shape[1], q.device, sink=sink, window=window, **plan_args)
+    elif plan_args:
+        raise ValueError(f"pass either a plan or plan_decode's arguments, not both ({sorted(plan_args)})")
+    elif (plan.batch, plan.q_heads, plan.kv_heads, plan.head_dim, plan.max_context) != (B, Hq, Hkv, D,
+                                                                                       req_to_token.shape[1]):
+        raise ValueError(f"the plan is for batch {plan.batch}, {plan.q_heads} / {plan.kv_heads} heads, head_dim "
+                         f"{plan.head_dim}, req_to_token width {plan.max_context}; this call has {B}, {Hq} / {Hkv}, "
+                         f"{D}, {req_to_token.shape[1]}")
+    hist_cuda = plan.history_kernel == "cuda"
     if hist_cuda:
-        from . import history_cuda
-
-        if history_cuda.fuses_window(D) and (ring_splits is not None or sink_splits is not None):
-            raise ValueError("ring_splits / sink_splits set the Triton window programs; history_kernel='cuda' reads "
-                             "the window in its own CTAs (history_cuda.window_ctas)")
-        if history_cuda.fuses_window(D) and history_cuda.FUSED_MERGE and merge_splits is not None:
-            raise ValueError("merge_splits sets the Triton merge; history_kernel='cuda' merges in its own kernel "
-                             "(history_cuda.FUSED_MERGE)")
-        history_cuda.check_supported(D, group, gk, gv, k_level_a is not None or v_level_a is not None, q.device,
-                                     window_dtype=cache.ring_k.dtype)
-    # resident stage-1 programs per SM if registers bound them (4 at 128:2:3, 6 folded), for the wave fill
-    ctas = max(1, 65536 // ((maxnreg or 256) * 32 * num_warps))
-    if num_splits is None:
-        if fold:
-            split_rule = dict(fill_min_rows=FOLD_FILL_MIN_ROWS, long_split_rows=FOLD_LONG_SPLIT_ROWS)
-        elif np_ >= 8 and D <= 128:
-            split_rule = dict(fill_min_rows=LARGE_NP_FILL_MIN_ROWS)
-        else:
-            split_rule = {}
-        if hist_cuda:
-            # chained: the write's programs of this step's tokens hold SM slots when the history kernel launches
-            chained = None
-            if follows_write:
-                if write_kernel == "cuda":
-                    from .write_cuda import grid as cuda_write_grid
-
-                    chained = math.prod(cuda_write_grid(B, Hkv, group if q_from_write else None))
-                else:
-                    from .write import default_block_t, write_grid
-
-                    chained = math.prod(write_grid(B, Hkv, default_block_t(B, D), q_from_write))
-            num_splits, _ = history_cuda.plan(B, Hkv, group, req_to_token.shape[1], _num_sms(q.device), sink,
-                                              window, chained, head_dim=D)
-        else:
-            num_splits = default_num_splits(B, Hkv, req_to_token.shape[1], _num_sms(q.device), waves=split_waves,
-                                            ctas_per_sm=ctas, **split_rule)
-    ns = num_splits
-    slots = ctas * _num_sms(q.device)  # stage-1 programs resident at once (one round)
-    # the CUDA history kernel reads the window in its own CTAs (history_cuda.fuses_window: FUSED_WINDOW at D 128,
-    # window_ctas); at D 64 the Triton window programs follow it
-    fused_window = hist_cuda and history_cuda.fuses_window(D)
-    fused_merge = fused_window and history_cuda.FUSED_MERGE
-    # the window folded into the history CTAs (history_cuda.folds): no window partials
-    fold_window = fused_window and history_cuda.folds(ns, sink, window)
-    ss_auto, rs_auto = ((0, 0) if fold_window else history_cuda.window_ctas(sink, window) if fused_window
-                        else default_window_splits(B * Hkv, ns, sink, window, slots))
-    rs = ring_splits if ring_splits is not None else rs_auto
-    if rs < 1 and not fold_window:
-        raise ValueError(f"ring_splits must be >= 1, got {rs}")
-    ss = sink_splits if sink_splits is not None else ss_auto
-    if ss < 1 and not fold_window:
-        raise ValueError(f"sink_splits must be >= 1, got {ss}")
-    ns_total = ns + ss + rs
+        history_cuda.check_supported(D, plan.gqa, gk, gv, codebook, q.device, window_dtype=cache.ring_k.dtype)
+    q = transform_query(q, q_transform, Hkv).contiguous()
+    ns, ss, rs, ns_total = plan.num_splits, plan.sink_splits, plan.ring_splits, plan.ns_total
     o_part = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B, Hq, ns_total, dtype=torch.float32, device=q.device)
     if out is None:
@@ -1247,18 +1168,13 @@ def oscar_decode(
     elif out.shape != q.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
 
-    # PDL chains the merge to the one stage-1 launch where its grid fits one round. With the CUDA history (it lets
-    # its dependents launch at once) the merge follows it directly, at any grid size: the window is read in the
-    # same grid (FUSED_WINDOW), or, without that, by the Triton window programs launched as its dependents (they
-    # run in the SM slots its CTAs free, i.e. in its tail, and exit only after it has).
-    use_pdl = (PDL if pdl is None else bool(pdl)) and q.is_cuda and (hist_cuda or B * Hkv * ns_total <= slots)
     fp32 = q.dtype == torch.float32
     dt = tl.float32 if fp32 else tl.float16
     wdt = tl.float32 if cache.ring_k.dtype == torch.float32 or fp32 else (
         tl.bfloat16 if cache.ring_k.dtype == torch.bfloat16 else tl.float16
     )
+    group = plan.gqa
     block_m = max(16, triton.next_power_of_2(group))
-    grid = (B * Hkv, ss + rs if hist_cuda else ns_total)  # cuda: window programs only (WINDOW_FIRST order)
     ngk, ngv = D // gk, D // gv
     kp32 = cache.k_params.view(torch.int32)
     vp32 = cache.v_params.view(torch.int32)
@@ -1272,13 +1188,14 @@ def oscar_decode(
         # (follows_write); it lets its dependents launch early
         history_cuda.launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, sink=sink, window=window,
                             sm_scale=sm_scale, ns=ns, ns_total=ns_total, o_part=o_part, lse_part=lse_part,
-                            pdl=(history_cuda.PDL_OFF if not follows_write else history_cuda.PDL_AFTER_WRITE_Q
-                                 if q_from_write else history_cuda.PDL_AFTER_WRITE),
-                            window_splits=(ss, rs) if fused_window else (0, 0), sink_k=sink_k, sink_v=sink_v,
-                            out=out if fused_merge else None, fold=fold_window)
-        if fused_merge:
-            return out
-    if not fused_window:
+                            pdl=(history_cuda.PDL_OFF if not plan.follows_write else history_cuda.PDL_AFTER_WRITE_Q
+                                 if plan.q_from_write else history_cuda.PDL_AFTER_WRITE),
+                            window_splits=(ss, rs) if plan.window_in_cuda else (0, 0), sink_k=sink_k, sink_v=sink_v,
+                            fold=plan.fold_window)
+    if not plan.window_in_cuda:
+        # the INT2 history and the window programs, or (after the CUDA history) the window programs only
+        grid = (B * Hkv, ss + rs if hist_cuda else ns_total)
+        wait = plan.pdl and hist_cuda  # window programs after the CUDA history: exit only after it has
         _oscar_decode_stage1[grid](
             q, cache.k_codes, kp32, kp64, cache.v_codes, vp32, vp64,
             sink_k, sink_v, cache.ring_k, cache.ring_v, cache.sink_table,
@@ -1287,23 +1204,19 @@ def oscar_decode(
             float(sm_scale) * LOG2E,
             req_to_token.stride(0),
             HKV=Hkv, GQA=group, D=D, GK=gk, GV=gv, SINK=sink, WINDOW=window, NS=ns, SS=ss, RS=rs,
-            BLOCK_M=block_m, NP=np_, BLOCK_N=block_n, BLOCK_W=block_w,
+            BLOCK_M=block_m, NP=max(MIN_NP, triton.next_power_of_2(group)), BLOCK_N=plan.block_n, BLOCK_W=BLOCK_W,
             K_A=float(k_level_a if k_level_a is not None else 1.0),
             V_A=float(v_level_a if v_level_a is not None else 1.0),
             K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None,
             DT=dt, WDT=wdt, FAST_CVT=not fp32,
-            NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=sub, PEEL=peel, LAZY=lazy, FOLD=fold,
-            WINDOW_FIRST=True if hist_cuda else (WINDOW_FIRST if window_first is None else bool(window_first)),
-            PDL_TRIGGER=use_pdl, PAGE=cache.page, PDL_WAIT=use_pdl and hist_cuda,
-            num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
-            **({"launch_pdl": True} if use_pdl and hist_cuda else {}),
+            # codes as fp16 subnormals code·2^(2p−24) where the levels are uniform (fewer instructions per code); a
+            # codebook's levels are not integers and take the 1 + level/4 form
+            NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=not codebook, FOLD=plan.fold,
+            WINDOW_ONLY=hist_cuda, PDL_TRIGGER=plan.pdl, PAGE=cache.page, PDL_WAIT=wait,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
+            **({"launch_pdl": True} if wait else {}),
         )
-    if merge_splits is None:
-        merge_splits = default_merge_splits(B * Hq, D, _num_sms(q.device))
-    if merge_splits < 1 or merge_splits & (merge_splits - 1) or D // merge_splits < MERGE_MIN_DIMS:
-        raise ValueError(f"merge_splits must be a power of two with D / merge_splits >= {MERGE_MIN_DIMS} "
-                         f"(D = {D}), got {merge_splits}")
-    _oscar_decode_merge[(B * Hq, merge_splits)](
+    _oscar_decode_merge[(B * Hq, plan.merge_splits)](
         o_part, lse_part, out,
         q, cache.k_codes, kp32, cache.v_codes, vp32, sink_k, sink_v, cache.sink_table,
         req_to_token, req_pool_indices, seq_lens, float(sm_scale) * LOG2E, req_to_token.stride(0),
@@ -1311,9 +1224,9 @@ def oscar_decode(
         K_A=float(k_level_a if k_level_a is not None else 1.0),
         V_A=float(v_level_a if v_level_a is not None else 1.0),
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None, BLOCK_T=16,
-        NS=ns, SS=ss, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, DC=D // merge_splits,
-        PDL=use_pdl, PAGE=cache.page,
-        num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
+        NS=ns, SS=ss, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, DC=D // plan.merge_splits,
+        PDL=plan.pdl, PAGE=cache.page,
+        num_warps=4, **({"launch_pdl": True} if plan.pdl else {}),
     )
     return out
 
@@ -1322,6 +1235,7 @@ _SM_COUNT = {}
 
 
 def _num_sms(device: torch.device) -> int:
+    device = torch.device(device)
     if device.type != "cuda":
         return 132
     idx = device.index if device.index is not None else torch.cuda.current_device()

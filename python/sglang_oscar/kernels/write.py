@@ -361,22 +361,16 @@ def _check_mean(mean: torch.Tensor, h: int, d: int, device) -> tuple:
 
 # Up to this many tokens (decode batches) a program handles one token (_write_row): a 16-row dot tile would be mostly
 # padding, and one program per (token, head, side) spreads the work over more SMs. Each such program reads its head's
-# D x D fp32 matrix (64 KiB at D 128) from L2, so larger batches go back to the dot tiles. H100, CUDA-graph replays,
-# the write with q rotated in its launch (benchmark/results/write_row_*, 9169561): Qwen3-8B batch 32 8.1 us with one-
-# token programs vs 9.9 (16-row tiles, 4 warps) / 9.6 (8 warps); batch 64 12.5 vs 10.0 / 9.6; Qwen3-32B batch 32 8.0
-# vs 11.0 / 9.3, batch 64 12.4 vs 11.0 / 9.3.
+# D x D fp32 matrix (64 KiB at D 128) from L2, so larger batches go back to the dot tiles (H100, Qwen3-8B / 32B: batch
+# 32 0.8x the tiles' time, batch 64 1.3x).
 SMALL_BATCH_TOKENS = 32
-# Up to this many tokens, 16-row dot tiles (more programs) of 8 warps (same results: Qwen3-8B / 32B batch 32-64 9.3-9.6
-# us vs 10.0-11.5 with 4, results/write_warps_sweep_09f0505_* and write_row_*); beyond, the prefill tiles per head_dim.
+# Up to this many tokens, 16-row dot tiles (more programs) of 8 warps (0.85-0.95x the time of 4 at batch 32-64);
+# beyond, the prefill tiles per head_dim.
 MID_BATCH_TOKENS = 256
 MID_BATCH_WARPS = 8
 # The prefill tiles at head_dim 128 (32 rows) with the transform's dot in IEEE fp32 (the default precision): 8 warps.
-# With 4 the fp32 dot's [32, 128] accumulator and operands spill (255 registers, 188 / 298 spilled with / without a V
-# transform); H200, Qwen3-8B 100k tokens (results/probe_write_prefill_tiles_9dca25f_*): with V absorbed into the
-# weights (no V transform, the served default) 2.38 ms per layer call with 8 warps against 6.16 with 4; with a V
-# transform 3.17 against 3.31. (16-row tiles of 8 warps: 2.07 / 5.06 ms; 64 rows: 6.09-14.1.) At 8k tokens 0.46x / 0.88x
-# the 4-warp time; tf32x3 keeps 4 warps, faster there (183 / 203 us against 8 warps' 221 / 291;
-# results/probe_write_prefill_tiles_8k_3dd876d_*).
+# With 4 the fp32 dot's [32, 128] accumulator and operands spill (H200, Qwen3-8B 100k tokens, V absorbed: 2.38 ms per
+# layer call against 6.16); tf32x3 keeps 4 warps, faster there.
 PREFILL_D128_IEEE_WARPS = 8
 # Interpreter tiles (default_block_t(..., interpreter=True)): the largest of each path.
 INTERPRETER_MAX_SMALL_T = 8
@@ -585,8 +579,8 @@ def _q_args(q, q_transform, q_out, n: int, h: int, d: int, device, bt: int) -> d
     lowp = q.dtype == t.dtype and q.dtype in (torch.bfloat16, torch.float16)
     p2 = triton.next_power_of_2(gqa)
     if lowp and q.is_cuda:
-        # pad a token's heads to 16 tile rows: a tensor-core dot instead of the broadcast product (Qwen3-32B, GQA 8,
-        # batch 1: 9.9 us for the write with q, most of it its q programs; results/write_warps_sweep_09f0505_*)
+        # pad a token's heads to 16 tile rows: a tensor-core dot instead of the broadcast product (the broadcast took
+        # most of the write's time with q at GQA 8)
         p2 = max(p2, 16 // bt)
     rows = bt * p2
     # 16+ rows: tl.dot over 32-wide slices; fewer: a broadcast product [rows, BLOCK_KQ, D] of ~4K fp32 elements

@@ -6,14 +6,13 @@ quant/cache_ops.py:write_reference; test/test_write.py compares both kernels wit
 trigger for the decode's history kernel (pdl_trigger). Why: a decode write is one program's dependent chain, and the
 Triton one-token program's was ~4.6 us on H200 for any number of KV heads (benchmark/NOTES.md).
 
-It covers what the CUDA decode stage serves (history_cuda.py): head_dim 128, groups of 32, 64 or 128 per side,
-bf16 or fp16 k / v (and q, of the same dtype), BF16 sink and ring rows, the fp32 transforms of oscar_write_kv, a
-q_transform of q's dtype or fp32. Anything else raises with the reason; nothing falls back. It reads the head's
-D x D fp32 transform once per (token, head, side), so it is meant for decode batches (the server uses it up to
-write.SMALL_BATCH_TOKENS tokens, where the Triton kernel also runs one token per program); prefill stays on the
-Triton kernel's dot tiles.
+It covers kernels/shapes.py's rule (cuda_write_refusal: head_dim 128, groups of 32, 64 or 128 per side, bf16 or fp16
+k / v, and q of the same dtype, BF16 sink and ring rows), the fp32 transforms of oscar_write_kv, a q_transform of q's
+dtype or fp32. Anything else raises with the reason; nothing falls back. It reads the head's D x D fp32 transform
+once per (token, head, side), so it is meant for decode batches (the server uses it up to
+shapes.CUDA_WRITE_MAX_TOKENS tokens); prefill stays on the Triton kernel's dot tiles.
 
-Build: history_cuda.build (nvcc once per source, GPU arch and nvcc, cached on disk; ctypes, no extension).
+Build: kernels/cuda_build.py (nvcc once per source, GPU arch and nvcc, cached on disk; ctypes, no extension).
 """
 
 from __future__ import annotations
@@ -26,17 +25,12 @@ from typing import Optional
 
 import torch
 
-from . import history_cuda
-from .history_cuda import CudaHistoryUnavailable
+from . import cuda_build
+from .cuda_build import CudaUnavailable
+from .shapes import cuda_write_refusal
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "int2_write.cu")
-HEAD_DIM = 128
-GROUPS = (32, 64, 128)
+SOURCE = os.path.join(cuda_build.CUDA_DIR, "int2_write.cu")
 Q_HEADS_PER_CTA = 4  # query heads per q program (int2_write.cu kQHeads)
-# The write kernel's largest shared-memory carveout, set once when the library loads (int2_write.cu
-# oscar_write_prepare says why: chained history CTAs start beside the write's CTAs). A module attribute, so that a
-# benchmark can time the library without it (a process that loads it with False).
-PREFER_SHARED = True
 X_DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # the kernel's x_dtype codes (k, v, q and q_out share it)
 
 _i, _p, _l, _f = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_float
@@ -58,19 +52,14 @@ def grid(num_tokens: int, kv_heads: int, gqa: Optional[int] = None) -> tuple:
 
 def check_supported(head_dim: int, k_group: int, v_group: int, x_dtype: torch.dtype, window_dtype: torch.dtype,
                     device) -> None:
-    """Raise ValueError / CudaHistoryUnavailable saying why kernel="cuda" cannot write this call."""
-    if head_dim != HEAD_DIM or k_group not in GROUPS or v_group not in GROUPS:
-        raise ValueError(f"the CUDA write covers head_dim {HEAD_DIM} with K / V groups of {GROUPS}; this cache has "
-                         f"head_dim {head_dim}, groups {k_group}/{v_group}: use kernel='triton'")
-    if x_dtype not in X_DTYPES:
-        raise ValueError(f"the CUDA write takes bf16 or fp16 k / v, got {x_dtype}: use kernel='triton'")
-    if window_dtype != torch.bfloat16:
-        raise ValueError(f"the CUDA write stores BF16 sink / ring rows; this cache keeps them as {window_dtype}: keep "
-                         f"the window in bfloat16 or use kernel='triton'")
+    """Raise ValueError / CudaUnavailable saying why kernel="cuda" cannot write this call."""
+    why = cuda_write_refusal(head_dim, k_group, v_group, x_dtype, window_dtype)
+    if why:
+        raise ValueError(f"{why}: use kernel='triton'")
     if torch.device(device).type != "cuda":
         raise ValueError("kernel='cuda' needs CUDA tensors")
     if torch.cuda.get_device_capability(device)[0] < 8:
-        raise CudaHistoryUnavailable("the CUDA write needs sm_80 or newer (redux.sync)")
+        raise CudaUnavailable("the CUDA write needs sm_80 or newer (redux.sync)")
 
 
 def library() -> ctypes.CDLL:
@@ -80,14 +69,13 @@ def library() -> ctypes.CDLL:
         return _lib
     with _lock:
         if _lib is None:
-            lib = ctypes.CDLL(history_cuda.build(source=SOURCE))
+            lib = ctypes.CDLL(cuda_build.build(SOURCE))
             lib.oscar_write_launch.argtypes = LAUNCH_ARGTYPES
             lib.oscar_write_launch.restype = ctypes.c_int
             lib.oscar_write_prepare.restype = ctypes.c_int
-            if PREFER_SHARED:
-                rc = lib.oscar_write_prepare()  # the shared-memory carveout (int2_write.cu oscar_write_prepare)
-                if rc:
-                    raise CudaHistoryUnavailable(f"cudaFuncSetAttribute for the CUDA write failed (cuda error {rc})")
+            rc = lib.oscar_write_prepare()  # the shared-memory carveout (int2_write.cu oscar_write_prepare)
+            if rc:
+                raise CudaUnavailable(f"cudaFuncSetAttribute for the CUDA write failed (cuda error {rc})")
             _lib = lib
     return _lib
 

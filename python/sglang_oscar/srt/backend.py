@@ -1,9 +1,11 @@
 """oscar_int2 attention backend: eager extend, eager or CUDA-graph decode.
 
 Reads the int2 pool exactly as the kernels define it:
-* decode: kernels/decode.py:oscar_decode (INT2 history + BF16 sink + BF16 ring, one launch + merge;
-  SGLANG_OSCAR_HISTORY_KERNEL=cuda runs the INT2 history in kernels/history_cuda.py instead, checked and
-  built at construction, startup_checks.check_history_kernel);
+* decode: kernels/decode.py:oscar_decode (INT2 history + BF16 sink + BF16 ring, one launch + merge), with
+  the INT2 history in kernels/history_cuda.py where startup_checks.decode_path picks the CUDA stage (chosen
+  and built at construction, logged in one line). Every per-step decision (splits, folds, the chain to
+  the KV write, which write kernel) is made once per batch in the metadata step (DecodeStep, a
+  kernels/decode.py DecodePlan per batch size) and read by every layer;
 * extend: kernels/gather.py rebuilds each request's cached prefix in BF16 in the transformed basis
   (before the chunk is written, so the prefix's last W positions still come from the ring) into a
   ragged K/V buffer, followed by the chunk's own K/V transformed in torch (exact, not quantized: a
@@ -11,8 +13,8 @@ Reads the int2 pool exactly as the kernels define it:
   layer over the whole batch (srt/extend_attention.py: FlashInfer's ragged prefill on CUDA, torch
   SDPA on CPU). Prefill CUDA graphs are turned off for int2 (server_checks.adjust_cuda_graphs).
 Writes (INT2 + windows) go through srt/write_plan.py + OscarKVPool.write_layer. At decode the write's launch
-also rotates the step's queries (FUSE_Q_IN_WRITE) and, with the CUDA history stage on sm_90+ at small batch
-(AFTER_WRITE_MAX_BATCH), the history kernel starts as the write's programmatic dependent.
+also rotates the step's queries (up to write.MID_BATCH_TOKENS tokens) and, with the CUDA history stage on sm_90+
+at small batch (AFTER_WRITE_MAX_BATCH), the history kernel starts as the write's programmatic dependent.
 
 Basis: keys are stored as (k − μ)·T_K and queries become q·T_K (T_K orthogonal, so T_K^{−T} = T_K;
 the μ term shifts every score of a query equally, which softmax ignores). V is stored as v·T_V:
@@ -47,35 +49,23 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from . import options
 from .extend_attention import ExtendAttention
 from .options import OscarOptionError
 from .pool import OscarKVPool
 from .write_plan import plan_writes
+from ..kernels.decode import DecodePlan, plan_decode
+from ..kernels.shapes import CUDA_WRITE_MAX_TOKENS
 from ..kernels.write import MID_BATCH_TOKENS
 
 NAME = "oscar_int2"
-# Decode, per layer (benchmark/bench_write_decode.py, NOTES "The decode after the KV write"):
-# - FUSE_Q_IN_WRITE: the step's queries are rotated (q . T_q) by the KV write's own launch (oscar_write_kv q_out)
-#   instead of a GEMM before it, for batches of at most MID_BATCH_TOKENS (the write's decode tiles);
-# - AFTER_WRITE_MAX_BATCH: with the CUDA history stage on sm_90+, up to this batch the history kernel is launched as
-#   the write's programmatic dependent (oscar_decode follows_write); above it, plain launches measured as fast or
-#   faster. Chained with q from the write, the history CTAs issue their first copies, then wait for the write
-#   before reading q; chained with q's GEMM before the write instead (FUSE_Q_IN_WRITE off) they stream during
-#   the whole write, which measured slower once the write's q programs used tensor cores (64k batch 1: 37.3 vs
-#   36.3 us, 128k 54.1 vs 50.0; results/decode_step_layer_ee6a1e7_*).
-FUSE_Q_IN_WRITE = True
+# Decode, per layer (benchmark/bench_write_decode.py, NOTES "The decode after the KV write"): the step's queries are
+# rotated (q . T_q) by the KV write's own launch (oscar_write_kv q_out) for batches of at most MID_BATCH_TOKENS (the
+# write's decode tiles), one GEMM less; with the CUDA history stage on sm_90+, up to AFTER_WRITE_MAX_BATCH the history
+# kernel is launched as the write's programmatic dependent (oscar_decode follows_write): its CTAs issue their first
+# copies, then wait for the write before reading q. Above it, plain launches measured as fast or faster. Decode writes
+# of up to CUDA_WRITE_MAX_TOKENS tokens run the CUDA write where decode_path chose it (0.80-0.85x the Triton write's
+# time with q at batch 1-8 on H200).
 AFTER_WRITE_MAX_BATCH = 8
-# - CUDA_DECODE_WRITE: with the CUDA history stage, decode writes of up to CUDA_WRITE_MAX_TOKENS tokens of models with
-#   at most CUDA_WRITE_MAX_GQA query heads per KV head run the CUDA write (kernels/write_cuda.py) instead of the Triton
-#   one where it covers the shape (checked and built at startup; the log says which write runs). Measured on H200
-#   (benchmark/NOTES.md "The decode write in CUDA"): the write alone with q 0.80-0.85x the Triton write's time at
-#   batch 1-8 for GQA 4 / 8 / 12; chained to the history with q, the layer 0.94-1.00x the time at batch 1 (Qwen3-8B /
-#   32B, GLM-4.7 TP8, 32k-128k) and 0.97-1.01x at batch 8. At batch 16-32 the write with q was slower for GQA 8 (its
-#   2 q programs per KV head per token), and the chain stops at AFTER_WRITE_MAX_BATCH = 8 anyway.
-CUDA_DECODE_WRITE = True
-CUDA_WRITE_MAX_TOKENS = 8
-CUDA_WRITE_MAX_GQA = 16
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +89,17 @@ class DecodeMeta:
     slots: torch.Tensor  # int64 [bs]: INT2 slot of each new token; padded: 0 (scratch)
     sink_dst: torch.Tensor  # int32 [bs]: sink row or -1
     ring_dst: torch.Tensor  # int32 [bs]: ring row or -1
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStep:
+    """The decisions of a decode step of one batch size, made once in the metadata step and read by every layer."""
+
+    fuse_q: bool  # the KV write rotates the step's queries (oscar_write_kv q_out)
+    chain: bool  # the CUDA history kernel launched as the write's programmatic dependent
+    write_kernel: str  # "triton" or "cuda" (oscar_write_kv kernel)
+    plan: DecodePlan  # the decode of a layer that writes this step's KV
+    plain: DecodePlan  # the decode of a layer that does not (save_kv_cache False): no chain
 
 
 @dataclasses.dataclass
@@ -174,73 +175,54 @@ class OscarAttnBackend(AttentionBackend):
 
         check_v_basis(getattr(model_runner, "model", None), pool)
         self.pool = pool
-        opts = options.from_env()
-        self.split_waves = opts.decode_waves  # shapes-only split count: graph-capturable
         self.device = model_runner.device
-        # SGLANG_OSCAR_HISTORY_KERNEL: checked (shape, device) and, for cuda, built with nvcc here, before
-        # any CUDA graph is captured or request served; an unsupported combination refuses to start.
-        self.history_kernel = opts.history_kernel
-        self.decode_write_kernel = "triton"  # the CUDA write where _check_history_kernel finds it covers the shape
-        if self.history_kernel != "triton":
-            self._check_history_kernel(model_runner)
+        mc = getattr(model_runner, "model_config", None)
+        if mc is None:
+            raise OscarOptionError(f"--attention-backend {NAME} needs the model config to plan its decode; the model "
+                                   "runner has none")
+        self.q_heads = mc.get_num_attention_heads(pool.setup.shape.tp_size)
+        self._choose_decode_path(model_runner)
         # decode with the CUDA history stage on sm_90+: the history kernel can be launched as the KV write's
         # programmatic dependent (oscar_decode follows_write), streaming the old INT2 rows while the write runs;
-        # forward_decode chains them up to AFTER_WRITE_MAX_BATCH
+        # the decode step chains them up to AFTER_WRITE_MAX_BATCH
         self.history_after_write = (self.history_kernel == "cuda" and torch.device(self.device).type == "cuda"
                                     and torch.cuda.get_device_capability(self.device)[0] >= 9)
         model_dtype = getattr(model_runner, "dtype", None)
         for r in pool.rotations if model_dtype is not None else ():  # made here, not inside a graph capture
             r.q_transform_as(model_dtype)
         self.req_to_token_pool = model_runner.req_to_token_pool
-        self.extend_attention = ExtendAttention(opts.extend_attention, self.device)
+        self.extend_attention = ExtendAttention("auto", self.device)
         self.plan = None  # extend: WritePlan of the step
         self.meta = None  # extend: ExtendMeta
         self.decode_meta: Optional[DecodeMeta] = None
+        self.decode_step: Optional[DecodeStep] = None
+        self._steps: dict = {}  # batch size -> DecodeStep
         self.graph: Optional[GraphBuffers] = None  # set by init_cuda_graph_state
 
-    def _check_history_kernel(self, model_runner) -> None:
-        """startup_checks.check_history_kernel with this rank's attention shape: local query heads as SGLang
-        splits them (num_attention_heads // attn TP size, as RadixAttention.tp_q_head_num), local KV heads,
-        the bundle's groups and whether any layer uses codebook levels (level_a != 1)."""
-        from .startup_checks import check_history_kernel
+    def _choose_decode_path(self, model_runner) -> None:
+        """startup_checks.decode_path for this rank's attention (local query heads as SGLang splits them, local KV
+        heads, the bundle's groups, codebook levels in any layer) on the pool's page size, its CUDA libraries built
+        here, before any CUDA graph is captured or request served. One log line names the choice (the launcher logged
+        the same one where it made it; a rank logs its own only where it differs, e.g. a failed build)."""
+        from .hooks import DECODE_LINE_ATTR
+        from .startup_checks import build_cuda_path, decode_path
 
         pool = self.pool
-        mc = getattr(model_runner, "model_config", None)
-        if mc is None:
-            raise OscarOptionError(f"{options.ENV_HISTORY}={self.history_kernel} needs the model config to check "
-                                   "the attention shape; the model runner has none")
-        q_heads = mc.get_num_attention_heads(pool.setup.shape.tp_size)
         codebook = any(r.k_level_a != 1.0 or r.v_level_a != 1.0 for r in pool.rotations)
-        check_history_kernel(self.history_kernel, head_dim=pool.head_dim, q_heads=q_heads, kv_heads=pool.head_num,
-                             k_group=pool.setup.plan.k_group, v_group=pool.setup.plan.v_group, codebook=codebook,
-                             device=self.device, page_size=pool.page_size, window_dtype=pool.window_dtype)
-        logger.info("sglang_oscar: decode INT2 history stage: %s (pool page size %d)", self.history_kernel,
-                    pool.page_size)
-        if CUDA_DECODE_WRITE:
-            self._check_decode_write(model_runner, q_heads // pool.head_num)
-
-    def _check_decode_write(self, model_runner, gqa: int) -> None:
-        """With the CUDA history stage: the CUDA decode write where it covers this model (head_dim, groups, the
-        model's dtype for k / v, BF16 windows; kernels/write_cuda.check_supported) and GQA <= CUDA_WRITE_MAX_GQA,
-        built here before any graph capture; else the Triton write, and the log says why."""
-        from ..kernels import write_cuda
-
-        pool = self.pool
-        dtype = getattr(model_runner, "dtype", None)
-        if gqa > CUDA_WRITE_MAX_GQA:
-            logger.info("sglang_oscar: decode KV write: triton (GQA %d: the CUDA write was measured up to GQA %d, "
-                        "srt/backend.py CUDA_WRITE_MAX_GQA)", gqa, CUDA_WRITE_MAX_GQA)
-            return
-        try:
-            write_cuda.check_supported(pool.head_dim, pool.setup.plan.k_group, pool.setup.plan.v_group, dtype,
-                                       pool.window_dtype, self.device)
-            write_cuda.library()
-        except (ValueError, write_cuda.CudaHistoryUnavailable) as e:
-            logger.info("sglang_oscar: decode KV write: triton (%s)", e)
-            return
-        self.decode_write_kernel = "cuda"
-        logger.info("sglang_oscar: decode KV write: cuda up to %d tokens per call, triton above",
-                    CUDA_WRITE_MAX_TOKENS)
+        path = decode_path(head_dim=pool.head_dim, q_heads=self.q_heads, kv_heads=pool.head_num,
+                           k_group=pool.setup.plan.k_group, v_group=pool.setup.plan.v_group, codebook=codebook,
+                           window_dtype=pool.window_dtype,
+                           x_dtype=getattr(model_runner, "dtype", None) or torch.bfloat16, device=self.device,
+                           page_size=pool.page_size)
+        built = build_cuda_path(path, self.device)
+        launcher = getattr(getattr(model_runner, "server_args", None), DECODE_LINE_ATTR, None)
+        if built is not path:
+            logger.warning("sglang_oscar: %s", built.line())
+        elif built.line() != launcher:
+            logger.info("sglang_oscar: %s", built.line())
+        self.decode_path = built
+        self.history_kernel = built.history
+        self.decode_write_kernel = built.write
 
     # ---- metadata (host side, once per forward) -----------------------------------------------
 
@@ -269,7 +251,7 @@ class OscarAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch):
         """Eager step (no graph): decode and extend; idle / empty batches are a no-op."""
         mode = forward_batch.forward_mode
-        self.plan = self.meta = self.decode_meta = None
+        self.plan = self.meta = self.decode_meta = self.decode_step = None
         if mode.is_idle() or forward_batch.req_pool_indices.numel() == 0:
             return
         if mode == ForwardMode.DECODE:
@@ -289,6 +271,7 @@ class OscarAttnBackend(AttentionBackend):
                 pad = torch.full((bs - n,), -1, dtype=torch.int32, device=dev)
                 sink_dst, ring_dst = torch.cat([sink_dst.to(torch.int32), pad]), torch.cat([ring_dst.to(torch.int32), pad])
             self.decode_meta = DecodeMeta(forward_batch.req_pool_indices, seq_lens, slots, sink_dst, ring_dst)
+            self.decode_step = self._decode_step(bs)
         elif mode == ForwardMode.EXTEND:
             rows = forward_batch.req_pool_indices.tolist()
             if 0 in rows:
@@ -352,6 +335,26 @@ class OscarAttnBackend(AttentionBackend):
         g.req_pool_indices[n:bs].zero_()
         g.seq_lens[n:bs].zero_()
         self.decode_meta = g.view(bs)
+        self.decode_step = self._decode_step(bs) if bs else None
+
+    def _decode_step(self, bs: int) -> DecodeStep:
+        """The DecodeStep of a batch of bs requests (shapes only: the same for every replay of its graph), made once
+        per batch size."""
+        step = self._steps.get(bs)
+        if step is None:
+            chain = self.history_after_write and bs <= AFTER_WRITE_MAX_BATCH
+            fuse_q = bs <= MID_BATCH_TOKENS
+            write_kernel = self.decode_write_kernel if bs <= CUDA_WRITE_MAX_TOKENS else "triton"
+            plan = self._plan(bs, follows_write=chain, q_from_write=chain and fuse_q, write_kernel=write_kernel)
+            plain = self._plan(bs) if chain else plan
+            step = self._steps[bs] = DecodeStep(fuse_q, chain, write_kernel, plan, plain)
+        return step
+
+    def _plan(self, bs: int, **chain) -> DecodePlan:
+        cfg = self.pool.setup.cfg
+        return plan_decode(bs, self.q_heads, self.pool.head_num, self.pool.head_dim,
+                           self.req_to_token_pool.req_to_token.shape[1], self.device, sink=cfg.sink,
+                           window=cfg.recent, history_kernel=self.history_kernel, **chain)
 
     def _past_sink_count(self, forward_batch) -> int:
         """Replay steps whose new tokens all lie at positions >= S: the number of real requests, else 0.
@@ -408,38 +411,30 @@ class OscarAttnBackend(AttentionBackend):
         return torch.einsum("nhe,hde->nhd", o.float(), tv).to(o.dtype)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        """Launches kernels only, on decode_meta (graph: persistent buffers) and the pool; reads no
+        """Launches kernels only, on decode_meta (graph: persistent buffers), decode_step and the pool; reads no
         per-step field of forward_batch, so a captured replay is correct for any batch."""
-        from ..kernels.decode import oscar_decode, transform_query
+        from ..kernels.decode import oscar_decode
 
-        m = self.decode_meta
+        m, step = self.decode_meta, self.decode_step
         h, hq, d = self.pool.head_num, layer.tp_q_head_num, layer.qk_head_dim
         r = self.pool.rotations[layer.layer_id - self.pool.start_layer]
         q = q.reshape(-1, hq, d)
         q_transform = r.q_transform_as(q.dtype)
         write = save_kv_cache and k is not None
-        n = q.shape[0]  # the graph's batch when captured: these choices are fixed per graph
-        chain = write and self.history_after_write and n <= AFTER_WRITE_MAX_BATCH
-        fuse_q = write and FUSE_Q_IN_WRITE and q_transform is not None and n <= MID_BATCH_TOKENS
-        if chain and not fuse_q:  # q's GEMM before the write: nothing may run between the write and the history
-            q, q_transform = transform_query(q, q_transform, h).contiguous(), None
-        kernel = self.decode_write_kernel if n <= CUDA_WRITE_MAX_TOKENS else "triton"
         if write:
             q_kw = {}
-            if fuse_q:
+            if step.fuse_q:
                 q_kw = dict(q=q, q_transform=q_transform, q_out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
             self.pool.write_layer(layer.layer_id, k.reshape(-1, h, d), v.reshape(-1, h, d), m.slots, m.sink_dst,
-                                  m.ring_dst, pdl_trigger=chain, kernel=kernel, **q_kw)
-            if fuse_q:
+                                  m.ring_dst, pdl_trigger=step.chain, kernel=step.write_kernel, **q_kw)
+            if step.fuse_q:
                 q, q_transform = q_kw["q_out"], None
         lc = self.pool.layer_cache(layer.layer_id)
         o = oscar_decode(q, lc, self.req_to_token_pool.req_to_token, m.req_pool_indices,
                          m.seq_lens, self.pool.ring_start, sink=lc.sink, window=lc.window, sm_scale=layer.scaling,
-                         q_transform=q_transform, split_waves=self.split_waves, follows_write=chain,
-                         q_from_write=chain and fuse_q, write_kernel=kernel if write else "triton",
+                         q_transform=q_transform, plan=step.plan if write else step.plain,
                          k_level_a=None if r.k_level_a == 1.0 else r.k_level_a,
-                         v_level_a=None if r.v_level_a == 1.0 else r.v_level_a,
-                         history_kernel=self.history_kernel)
+                         v_level_a=None if r.v_level_a == 1.0 else r.v_level_a)
         return self._unrotate_v(o, layer).reshape(-1, hq * d)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):

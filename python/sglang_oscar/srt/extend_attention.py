@@ -9,14 +9,12 @@ chunk's own rows, so an extend step is ordinary causal attention on ragged tenso
 with kv_lens[i] >= q_lens[i] and the causal mask aligned bottom-right: new token j of request i
 (0-based) sees keys [0, kv_lens[i] - q_lens[i] + j].
 
-Two implementations, chosen by SGLANG_OSCAR_EXTEND_ATTENTION (never silently):
-* "flashinfer" (default on CUDA): FlashInfer's BatchPrefillWithRaggedKVCacheWrapper, the kernel
-  SGLang's own FlashInfer backend runs for the new tokens of a prefill (FA3 on Hopper). GQA is
-  native, so nothing is repeated or transposed; planned once per forward, run once per layer.
-* "sdpa" (default on CPU; on CUDA only when asked): torch SDPA per request, K/V repeated to the
-  query heads. It is the reference the GPU test compares FlashInfer to, and on CUDA it was the
-  only path before (70% of FlashInfer BF16's prefill speed at 32k on an H100: torch's FA2-class
-  kernels and the GQA copies); kept selectable so both can be timed in one run.
+Two implementations, by device ("auto", what the server runs):
+* "flashinfer" (CUDA): FlashInfer's BatchPrefillWithRaggedKVCacheWrapper, the kernel SGLang's own
+  FlashInfer backend runs for the new tokens of a prefill (FA3 on Hopper). GQA is native, so nothing
+  is repeated or transposed; planned once per forward, run once per layer.
+* "sdpa" (CPU): torch SDPA per request, K/V repeated to the query heads. On CUDA it is the reference
+  the GPU test compares FlashInfer to (70% of FlashInfer's prefill speed at 32k on an H100).
 """
 
 from __future__ import annotations
@@ -25,7 +23,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .options import ENV_EXTEND, EXTEND_IMPLS as IMPLS, OscarOptionError
+from .options import OscarOptionError
+
+IMPLS = ("auto", "flashinfer", "sdpa")
 
 # FlashInfer's float workspace holds split-KV partial outputs of the prefill plan; 128 MiB is its
 # documented default, and plan() raises ("increase the workspace buffer size") if a batch needs more.
@@ -90,12 +90,12 @@ class ExtendAttention:
 
     def __init__(self, impl: str, device):
         if impl not in IMPLS:
-            raise OscarOptionError(f"{ENV_EXTEND}={impl!r}: use one of {IMPLS}")
+            raise ValueError(f"extend attention {impl!r}: use one of {IMPLS}")
         device = torch.device(device)
         if impl == "auto":
             impl = "flashinfer" if device.type == "cuda" else "sdpa"
         if impl == "flashinfer" and device.type != "cuda":
-            raise OscarOptionError(f"{ENV_EXTEND}=flashinfer needs a CUDA device; unset it (CPU uses sdpa)")
+            raise ValueError("the flashinfer extend attention needs a CUDA device (CPU uses sdpa)")
         self.impl, self.device = impl, device
         self._wrapper = None
         self._plan_key = None
@@ -106,8 +106,7 @@ class ExtendAttention:
             except ImportError as e:  # a dependency of sglang; missing means a broken install
                 raise OscarOptionError(
                     f"the int2 extend (prefill) attention runs FlashInfer on CUDA, but `import flashinfer` failed "
-                    f"({e}); install flashinfer-python (sglang's dependency), or set "
-                    f"{ENV_EXTEND}=sdpa for torch SDPA (about 1.4x slower prefill)") from e
+                    f"({e}); install flashinfer-python (sglang's dependency)") from e
             workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="auto")
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import os
 
+from ..rotation.bundle import BundleError
 from . import options
-from .server_checks import INT2, adjust_cuda_graphs, check_server_args, is_int2
+from .server_checks import INT2, adjust_cuda_graphs, check_page_size, check_server_args, is_int2
 
 logger = logging.getLogger(__name__)
 
@@ -34,33 +35,84 @@ def add_cli_args_after(result, parser):
     if options.GROUP_FLAG not in parser._option_string_actions:
         parser.add_argument(options.GROUP_FLAG, type=int, default=None, dest="kv_cache_quant_group_size",
                             help="int2 KV cache: elements per (scale, min) group, 32/64/128 (default: the "
-                                 "rotation bundle's groups). sglang_oscar plugin.")
+                                 "rotation bundle's groups, else 64 at head_dim 64 and 128 above). sglang_oscar "
+                                 "plugin.")
     return None
 
 
-# 2. ServerArgs.from_cli_args (classmethod), AFTER: carry our flag, fail early on bad options ------
+# 2. ServerArgs.from_cli_args (classmethod), AFTER: carry our flag, check everything before anything is loaded, ---
+#    and choose the decode kernels and the page size
+
+DECODE_LINE_ATTR = "_oscar_decode_line"  # on ServerArgs: the launcher's decode choice, pickled to the schedulers
+
 
 def from_cli_args_after(server_args, cls, args):
+    """In the launcher's process, before any scheduler is spawned or any weight loaded: check the options, the
+    rotation bundle against the model for every rank, and pick the decode path (startup_checks.decode_path), setting
+    the page size it needs unless the user gave one. A refusal exits with status 1 and one line (OscarStartupError)."""
     group = getattr(args, "kv_cache_quant_group_size", None)
-    if group is not None and not is_int2(server_args):
-        raise options.OscarOptionError(f"{options.GROUP_FLAG} only applies to --kv-cache-dtype int2")
-    if not is_int2(server_args):
-        return None
-    if group is not None:
-        options.check_group(group)
-        # ServerArgs cannot carry new fields; the env reaches every spawned scheduler process.
-        os.environ[options.ENV_GROUP] = str(group)
-    cfg = options.from_env()  # bad env / missing bundle fails here, in the main process
-    check_server_args(server_args)
-    msg = adjust_cuda_graphs(server_args)
-    if msg:
-        logger.info("sglang_oscar: %s", msg)
-    if cfg.absorb_v_rotation:
-        from .absorb_v import check_server_args_for_absorption
+    try:
+        if group is not None and not is_int2(server_args):
+            raise options.OscarOptionError(f"{options.GROUP_FLAG} only applies to --kv-cache-dtype int2")
+        if not is_int2(server_args):
+            return None
+        if group is not None:
+            options.check_group(group)
+            # ServerArgs cannot carry new fields; the env reaches every spawned scheduler process.
+            os.environ[options.ENV_GROUP] = str(group)
+        stale = options.removed_env_warning()
+        if stale:
+            logger.warning("sglang_oscar: %s", stale)
+        cfg = options.current()  # bad env / missing bundle fails here, in the main process
+        check_server_args(server_args)
+        msg = adjust_cuda_graphs(server_args)
+        if msg:
+            logger.info("sglang_oscar: %s", msg)
+        if cfg.absorb_v_rotation:
+            from .absorb_v import check_server_args_for_absorption
 
-        check_server_args_for_absorption(server_args)
-    logger.info("sglang_oscar: %s", cfg.summary())
+            check_server_args_for_absorption(server_args)
+        logger.info("sglang_oscar: %s", cfg.summary())
+        if str(getattr(server_args, "model_path", "")).lower() in ("none", "dummy"):
+            return None  # no model config to check against (SGLang's own short-circuit)
+        _choose_decode_path(server_args, args, cfg)
+    except (options.OscarOptionError, BundleError) as e:
+        raise options.OscarStartupError(str(e)) from None
     return None
+
+
+def _choose_decode_path(server_args, args, cfg) -> None:
+    import torch
+
+    from .int2_setup import check_before_load
+    from .startup_checks import decode_path
+
+    info, plan = check_before_load(server_args, cfg)
+    user_page = getattr(args, "page_size", None)
+    refusal = None
+    canary = str(getattr(server_args, "kv_canary", "none") or "none").strip().lower()
+    chunk = getattr(server_args, "chunked_prefill_size", None) or 0
+    if canary != "none":
+        refusal = f"--kv-canary {canary} reads one row per slot"
+    elif chunk > 0 and chunk % 64:
+        refusal = f"--chunked-prefill-size {chunk} is not a multiple of 64"
+    device = str(getattr(server_args, "device", "cuda") or "cuda")
+    if device == "cuda" and torch.cuda.is_available():
+        gpu = int(getattr(server_args, "base_gpu_id", 0) or 0)
+        device = f"cuda:{gpu if gpu < torch.cuda.device_count() else 0}"
+    mc = getattr(server_args, "model_config", None)
+    window_dtype = getattr(torch, cfg.window_dtype)
+    b = plan.bundle
+    path = decode_path(head_dim=info.head_dim, q_heads=info.num_heads // info.tp_size, kv_heads=plan.kv_heads_local,
+                       k_group=plan.k_group, v_group=plan.v_group,
+                       codebook=bool((b.k_level_a != 1.0).any() or (b.v_level_a != 1.0).any()),
+                       window_dtype=window_dtype, x_dtype=getattr(mc, "dtype", torch.bfloat16),
+                       device=device, page_size=user_page, page_refusal=refusal)
+    if path.page_size != server_args.page_size:
+        server_args.override("sglang_oscar", page_size=path.page_size)
+        check_page_size(server_args)
+    object.__setattr__(server_args, DECODE_LINE_ATTR, path.line())
+    logger.info("sglang_oscar: %s", path.line())
 
 
 # 3. configure_kv_cache_dtype, AROUND: "int2" -> ("int2", torch.uint8) ------------------------------
@@ -191,7 +243,7 @@ def load_model_after(result, self):
     sa = self.server_args
     if not is_int2(sa) or getattr(self, "is_draft_worker", False):
         return None  # draft workers: int2 refuses speculative decoding; never touch a draft model
-    cfg = options.from_env()
+    cfg = options.current()
     if not cfg.absorb_v_rotation:
         return None
     from .absorb_v import absorb_model_, check_server_args_for_absorption

@@ -3,7 +3,9 @@
 The capacity hook (pool sizing) and the pool-build hook run at different times in the same
 process and must agree on the group sizes, R and the window rows; both ask `setup_for_kvc`, which
 computes it once per model config and caches it. Loading and validating the rotation bundle
-happens here, so a bundle that does not match the model fails before any KV memory is taken.
+happens here, so a bundle that does not match the model fails before any KV memory is taken; and
+before that, in the launcher's process, check_before_load validates it for every rank before any
+process is spawned or any weight is loaded (the ServerArgs.from_cli_args hook).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Optional
 from ..config import CacheLayout
 from . import capacity, options
 from .options import OscarOptionError, OscarServeConfig
-from .startup_checks import ModelInfo, StartupPlan, plan_rank
+from .startup_checks import ModelInfo, StartupPlan, load_rotation, plan_rank
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,37 @@ def model_info(model_config, tp_size: int) -> ModelInfo:
     return info
 
 
+def attention_tp_size(sa) -> int:
+    """Ranks the attention heads are split over (SGLang's attn_tp_size): tp_size, divided by dp_size under DP
+    attention."""
+    tp = int(getattr(sa, "tp_size", 1) or 1)
+    dp = int(getattr(sa, "dp_size", 1) or 1) if getattr(sa, "enable_dp_attention", False) else 1
+    return max(tp // max(dp, 1), 1)
+
+
+def check_before_load(sa, cfg: OscarServeConfig, model_config=None) -> tuple:
+    """(ModelInfo, rank 0's StartupPlan) of the model a ServerArgs names, with the rotation source loaded and checked
+    against the model for every attention TP rank: what the schedulers would refuse after loading the weights, refused
+    before anything is spawned. model_config: SGLang's ModelConfig (default: the one ServerArgs resolved)."""
+    if model_config is None:
+        model_config = getattr(sa, "model_config", None)
+    if model_config is None:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        model_config = ModelConfig.from_server_args(sa)
+    if getattr(model_config, "is_hybrid_swa", False) or "MLA" in str(getattr(model_config, "attention_arch", "")):
+        raise OscarOptionError("--kv-cache-dtype int2 supports dense MHA/GQA models only (not MLA or hybrid "
+                               "sliding-window models)")
+    tp = attention_tp_size(sa)
+    info = model_info(model_config, tp)
+    from .startup_checks import check_model
+
+    check_model(info)
+    bundle = load_rotation(cfg, info, cfg.group_size)
+    plans = [plan_rank(cfg, info, rank, bundle=bundle) for rank in range(tp)]
+    return info, plans[0]
+
+
 def build_setup(cfg: OscarServeConfig, info: ModelInfo, *, tp_rank: int, num_layers: int,
                 max_running_requests: int, num_sink_rows: Optional[int] = None) -> Int2Setup:
     """Pure: the options + model + rank -> what to allocate (no SGLang objects)."""
@@ -102,7 +135,7 @@ def setup_for_kvc(kvc, num_layers: Optional[int] = None) -> Int2Setup:
     if key not in _CACHE:
         info = model_info(kvc.model_config, tp_size)
         sgl_heads = kvc.model_config.get_num_kv_heads(tp_size)
-        s = build_setup(options.from_env(), info, tp_rank=tp_rank, num_layers=layers,
+        s = build_setup(options.current(), info, tp_rank=tp_rank, num_layers=layers,
                         max_running_requests=sa.max_running_requests // dp)
         if s.shape.kv_heads_per_rank != sgl_heads:
             raise OscarOptionError(f"SGLang puts {sgl_heads} KV heads on each rank, our sharding "

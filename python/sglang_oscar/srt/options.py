@@ -4,7 +4,9 @@ SGLang's ServerArgs cannot grow new fields from a plugin (0.5.17: `ServerArgs.fr
 copies only dataclass fields), so the one flag we add, --kv-cache-quant-group-size, is taken out
 of argv here and carried, like every other option, in an environment variable. Environment
 variables are inherited by the spawned scheduler processes, where the pool and the backend are
-built, so every process parses the same OscarServeConfig from the same source.
+built, so every process parses the same OscarServeConfig from the same source, once (current()).
+What the server decides from the model and the device (the decode kernels, the page size) is not
+an option: srt/startup_checks.py decode_path.
 
 Accepted (seed names kept so seed launch scripts work unchanged):
 
@@ -18,17 +20,6 @@ Accepted (seed names kept so seed launch scripts work unchanged):
     SGLANG_ENABLE_MIXED_KV_WINDOWS     must not be off: the windows are part of the format
     SGLANG_MIXED_KV_HP_DTYPE           window dtype: bfloat16 (default), float16, float32
     SGLANG_MIXED_KV_SCALE_DTYPE        only bfloat16 (what the kernels store)
-    SGLANG_MIXED_KV_HP_MAX_SPLITS      split count for the window part of decode (default 8)
-    SGLANG_OSCAR_DECODE_WAVES          at least this many decode programs per SM for the INT2 history
-                                       (default 3; the kernel's wave fill may add splits; more splits
-                                       help small batches at long context)
-    SGLANG_OSCAR_EXTEND_ATTENTION      attention of prefill / extend steps over the rebuilt BF16 prefix:
-                                       auto (default: FlashInfer on CUDA, torch SDPA on CPU),
-                                       flashinfer, or sdpa (torch, slower on CUDA; for comparison)
-    SGLANG_OSCAR_HISTORY_KERNEL        the INT2 history stage of decode: triton (default, every shape) or
-                                       cuda (kernels/history_cuda.py, the shapes its check_supported
-                                       accepts, e.g. Qwen3-8B; checked and built with nvcc at startup;
-                                       meant for --page-size 64)
 """
 
 from __future__ import annotations
@@ -38,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from ..config import SUPPORTED_GROUPS
+from ..config import SUPPORTED_GROUPS, default_group
 
 GROUP_FLAG = "--kv-cache-quant-group-size"
 ENV_GROUP = "SGLANG_OSCAR_KV_QUANT_GROUP_SIZE"
@@ -53,21 +44,16 @@ ENV_RECENT = "SGLANG_MIXED_KV_RECENT_TOKENS"
 ENV_WINDOWS = "SGLANG_ENABLE_MIXED_KV_WINDOWS"
 ENV_HP_DTYPE = "SGLANG_MIXED_KV_HP_DTYPE"
 ENV_SCALE_DTYPE = "SGLANG_MIXED_KV_SCALE_DTYPE"
-ENV_HP_SPLITS = "SGLANG_MIXED_KV_HP_MAX_SPLITS"
-ENV_WAVES = "SGLANG_OSCAR_DECODE_WAVES"
-ENV_EXTEND = "SGLANG_OSCAR_EXTEND_ATTENTION"
-ENV_HISTORY = "SGLANG_OSCAR_HISTORY_KERNEL"
 
 ALL_ENV = (ENV_GROUP, ENV_BUNDLE, ENV_K_PATH, ENV_V_PATH, ENV_K_CLIP, ENV_V_CLIP, ENV_ABSORB_V, ENV_PREFIX,
-           ENV_RECENT, ENV_WINDOWS, ENV_HP_DTYPE, ENV_SCALE_DTYPE, ENV_HP_SPLITS, ENV_WAVES, ENV_EXTEND, ENV_HISTORY)
+           ENV_RECENT, ENV_WINDOWS, ENV_HP_DTYPE, ENV_SCALE_DTYPE)
+# Variables earlier versions read; set, they get one warning at startup (removed_env_warning) instead of silence.
+REMOVED_ENV = ("SGLANG_OSCAR_HISTORY_KERNEL", "SGLANG_OSCAR_HISTORY_DEFINES", "SGLANG_OSCAR_DECODE_WAVES",
+               "SGLANG_OSCAR_EXTEND_ATTENTION", "SGLANG_OSCAR_POOL_ONLY", "SGLANG_MIXED_KV_HP_MAX_SPLITS")
 
 BUILTIN_BUNDLES = ("builtin:identity", "builtin:hadamard")
 DEFAULT_SINK = 64
 DEFAULT_RECENT = 256
-DEFAULT_HP_SPLITS = 8
-DEFAULT_WAVES = 3
-EXTEND_IMPLS = ("auto", "flashinfer", "sdpa")
-HISTORY_KERNELS = ("triton", "cuda")  # oscar_decode(..., history_kernel=...)
 
 # Accepted spellings -> canonical torch dtype name (the seed accepted all of these).
 _DTYPE_ALIASES = {
@@ -83,25 +69,29 @@ class OscarOptionError(ValueError):
     """A bad int2 server option; the message names the flag or variable and what to do."""
 
 
+class OscarStartupError(SystemExit):
+    """A refused server start in the launcher's process (the ServerArgs.from_cli_args hook, before anything is
+    spawned or loaded): a SystemExit, so the launcher exits with status 1 and prints this one line, no traceback."""
+
+    def __init__(self, message: str):
+        super().__init__(f"sglang_oscar: {message}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OscarServeConfig:
     """Everything the int2 mode needs besides the model; identical in every process."""
 
-    group_size: Optional[int] = None  # None: the bundle's groups, or head_dim for seed files (seed default)
+    group_size: Optional[int] = None  # None: the bundle's groups, or config.default_group(head_dim) for builtin / seed
     sink: int = DEFAULT_SINK
     recent: int = DEFAULT_RECENT
     window_dtype: str = "bfloat16"
     scale_dtype: str = "bfloat16"
-    hp_max_splits: int = DEFAULT_HP_SPLITS
     bundle_path: Optional[str] = None
     k_rotation_path: Optional[str] = None
     v_rotation_path: Optional[str] = None
     k_clip: Optional[float] = None  # None: the bundle's per-layer calibrated ratios (seed files: 1.0)
     v_clip: Optional[float] = None
     absorb_v_rotation: bool = True
-    decode_waves: int = DEFAULT_WAVES
-    extend_attention: str = "auto"
-    history_kernel: str = "triton"  # "cuda": checked against the model and built at startup (srt/startup_checks.py)
 
     @property
     def rotation_source(self) -> str:
@@ -110,8 +100,8 @@ class OscarServeConfig:
         return "seed"
 
     def resolve_group(self, head_dim: int) -> int:
-        """The group size for a model (the seed's default is one group per row: G = head_dim)."""
-        g = head_dim if self.group_size is None else self.group_size
+        """The group size for a model without a calibrated bundle: the flag's, else config.default_group(head_dim)."""
+        g = default_group(head_dim) if self.group_size is None else self.group_size
         check_group(g, head_dim)
         return g
 
@@ -120,9 +110,7 @@ class OscarServeConfig:
         env = {
             ENV_PREFIX: str(self.sink), ENV_RECENT: str(self.recent), ENV_WINDOWS: "1",
             ENV_HP_DTYPE: self.window_dtype, ENV_SCALE_DTYPE: self.scale_dtype,
-            ENV_HP_SPLITS: str(self.hp_max_splits), ENV_ABSORB_V: "1" if self.absorb_v_rotation else "0",
-            ENV_WAVES: str(self.decode_waves), ENV_EXTEND: self.extend_attention,
-            ENV_HISTORY: self.history_kernel,
+            ENV_ABSORB_V: "1" if self.absorb_v_rotation else "0",
         }
         optional = {ENV_GROUP: self.group_size, ENV_BUNDLE: self.bundle_path, ENV_K_PATH: self.k_rotation_path,
                     ENV_V_PATH: self.v_rotation_path, ENV_K_CLIP: self.k_clip, ENV_V_CLIP: self.v_clip}
@@ -134,7 +122,7 @@ class OscarServeConfig:
         clip = "bundle" if self.k_clip is None and self.v_clip is None else f"K={self.k_clip} V={self.v_clip}"
         return (f"int2 KV: sink={self.sink} recent={self.recent} group={self.group_size or 'auto'} "
                 f"window={self.window_dtype} params={self.scale_dtype} rotation={rot} clip={clip} "
-                f"V={'absorbed' if self.absorb_v_rotation else 'runtime'} history={self.history_kernel}")
+                f"V={'absorbed' if self.absorb_v_rotation else 'runtime'}")
 
 
 def check_group(group: int, head_dim: Optional[int] = None) -> None:
@@ -237,7 +225,6 @@ def from_env(env: Optional[Mapping[str, str]] = None, *, group_size: Optional[in
         raise OscarOptionError(f"{ENV_SCALE_DTYPE}={get(ENV_SCALE_DTYPE)} is not supported: the OSCAR kernels "
                                "store scale and min as bfloat16 (2.25 bits/element at G=128; the seed's float32 "
                                "would be 2.5); unset it or set bfloat16")
-    splits = _int(get(ENV_HP_SPLITS), ENV_HP_SPLITS, 1) if get(ENV_HP_SPLITS) is not None else DEFAULT_HP_SPLITS
 
     bundle = get(ENV_BUNDLE)
     kp, vp = get(ENV_K_PATH), get(ENV_V_PATH)
@@ -261,17 +248,30 @@ def from_env(env: Optional[Mapping[str, str]] = None, *, group_size: Optional[in
     k_clip = _clip(get(ENV_K_CLIP), ENV_K_CLIP) if get(ENV_K_CLIP) is not None else None
     v_clip = _clip(get(ENV_V_CLIP), ENV_V_CLIP) if get(ENV_V_CLIP) is not None else None
     absorb = _bool(get(ENV_ABSORB_V), ENV_ABSORB_V) if get(ENV_ABSORB_V) is not None else True
-    waves = _int(get(ENV_WAVES), ENV_WAVES, 1) if get(ENV_WAVES) is not None else DEFAULT_WAVES
-    extend = str(get(ENV_EXTEND) or "auto").strip().lower()
-    if extend not in EXTEND_IMPLS:
-        raise OscarOptionError(f"{ENV_EXTEND}={get(ENV_EXTEND)!r}: use one of {EXTEND_IMPLS}")
-    history = str(get(ENV_HISTORY) or "triton").strip().lower()
-    if history not in HISTORY_KERNELS:
-        raise OscarOptionError(f"{ENV_HISTORY}={get(ENV_HISTORY)!r}: use one of {HISTORY_KERNELS} (triton: every "
-                               "supported shape; cuda: the shapes kernels/history_cuda.py covers, e.g. Qwen3-8B)")
+    return OscarServeConfig(group_size, sink, recent, window_dtype, scale_dtype, bundle, kp, vp, k_clip, v_clip, absorb)
 
-    return OscarServeConfig(group_size, sink, recent, window_dtype, scale_dtype, splits, bundle, kp, vp,
-                            k_clip, v_clip, absorb, waves, extend, history)
+
+_CURRENT: list = []  # [(the int2 variables' values, config)]: this process's parse
+
+
+def current() -> OscarServeConfig:
+    """This process's options, parsed from its environment once and reused by every hook, the pool and the backend.
+    Parsed again only if one of the int2 variables changed (the launcher's hook sets the group's; tests set others)."""
+    key = tuple(os.environ.get(name) for name in ALL_ENV)
+    if not _CURRENT or _CURRENT[0][0] != key:
+        _CURRENT[:] = [(key, from_env())]
+    return _CURRENT[0][1]
+
+
+def removed_env_warning(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """A one-line warning naming the set variables that this version no longer reads (REMOVED_ENV), or None."""
+    env = os.environ if env is None else env
+    stale = [name for name in REMOVED_ENV if str(env.get(name, "")).strip()]
+    if not stale:
+        return None
+    return (f"{', '.join(stale)} {'is' if len(stale) == 1 else 'are'} no longer read and ignored: the server picks "
+            "the decode kernels and the page size itself (one log line says which, docs/serving.md); unset "
+            f"{'it' if len(stale) == 1 else 'them'}")
 
 
 def from_argv(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> tuple[list, OscarServeConfig]:

@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from ..kernels.layout import SUPPORTED_PAGES, LayerCache
 from .int2_setup import Int2Setup
-from .options import ENV_HISTORY, OscarOptionError
+from .options import OscarOptionError
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class OscarKVPool(MHATokenToKVPool):
         page = self.page_size
         if page not in SUPPORTED_PAGES:
             raise OscarOptionError(f"--page-size {page} is not supported by the int2 KV pool (kernels/layout.py); "
-                                   f"use one of {SUPPORTED_PAGES} (64 for {ENV_HISTORY}=cuda)")
+                                   f"use one of {SUPPORTED_PAGES} (64 for the CUDA history stage)")
         if self.size % page:
             # SGLang 0.5.17 floors the token count to whole pages (DefaultPoolConfigurator.calculate_pool_sizes
             # and calculate_pool_sizes_from_max_tokens) before it builds the pool, so this means another path

@@ -7,16 +7,10 @@ Engine API builds ServerArgs without from_cli_args). Only plain attribute reads:
 
 from __future__ import annotations
 
-import os
-
 from .options import OscarOptionError
 
 INT2 = "int2"
 BACKEND = "oscar_int2"
-# Phase 1 only: lets a server build and size the int2 pool behind a stock attention backend so the
-# pool/capacity wiring can be tested end to end. Requests then fail with a clear error (the stock
-# backends cannot read INT2 codes). Never set it for serving.
-ENV_POOL_ONLY = "SGLANG_OSCAR_POOL_ONLY"
 
 # (attribute, value that is fine, what to tell the user). Each of these paths moves or reads KV
 # bytes with code that does not know our layout (codes + params + windows + sink table).
@@ -32,10 +26,6 @@ _UNSUPPORTED = (
     ("enable_lmcache", False, "--enable-lmcache (LMCache offloads k_buffer/v_buffer rows only)"),
     ("enable_flexkv", False, "--enable-flexkv (FlexKV offloads k_buffer/v_buffer rows only)"),
 )
-
-
-def pool_only() -> bool:
-    return os.environ.get(ENV_POOL_ONLY, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def is_int2(server_args) -> bool:
@@ -58,14 +48,11 @@ def check_server_args(sa) -> None:
             "--kv-cache-dtype int2 needs --max-running-requests: the BF16 recent window is reserved per running "
             "request inside the KV budget before the token count is computed, so the count must be pinned "
             "(the resulting capacity is logged at startup)")
-    if pool_only():
-        return
     backends = {getattr(sa, n, None) for n in ("attention_backend", "prefill_attention_backend",
                                                "decode_attention_backend")} - {None}
     if backends != {BACKEND}:
         raise OscarOptionError(
-            f"--kv-cache-dtype int2 is read only by --attention-backend {BACKEND} (got {sorted(backends) or 'auto'}); "
-            f"({ENV_POOL_ONLY}=1 builds the pool behind another backend, for tests only)")
+            f"--kv-cache-dtype int2 is read only by --attention-backend {BACKEND} (got {sorted(backends) or 'auto'})")
 
 
 def check_page_size(sa) -> None:
@@ -77,7 +64,7 @@ def check_page_size(sa) -> None:
     page = getattr(sa, "page_size", None) or 1
     if page not in SUPPORTED_PAGES:
         raise OscarOptionError(f"--kv-cache-dtype int2 supports --page-size {', '.join(map(str, SUPPORTED_PAGES))} "
-                               f"(got {page}); 64 is what SGLANG_OSCAR_HISTORY_KERNEL=cuda was measured with")
+                               f"(got {page}); leave it out and the server picks one (64 for the CUDA history stage)")
     canary = str(getattr(sa, "kv_canary", "none") or "none").strip().lower()
     if page > 1 and canary != "none":
         raise OscarOptionError(f"--kv-cache-dtype int2 with --page-size {page} does not support --kv-canary "
@@ -94,7 +81,7 @@ def adjust_cuda_graphs(sa) -> "str | None":
     so refusing would make every int2 launch fail. Returns a message to log when it changed
     something (SGLang turns graphs off the same way for its own incompatible features)."""
     cfg = getattr(sa, "cuda_graph_config", None)
-    if not is_int2(sa) or cfg is None or pool_only():
+    if not is_int2(sa) or cfg is None:
         return None
     decode, prefill = cfg["decode"], cfg["prefill"]
     if decode.backend not in ("full", "disabled"):

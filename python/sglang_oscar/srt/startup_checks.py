@@ -1,7 +1,9 @@
-"""Startup checks of the int2 mode against the model and the parallel layout, before any pool exists.
+"""Startup checks of the int2 mode against the model and the parallel layout, and the choice of decode kernels.
 
-They run in each scheduler process (where the model config and the TP rank are known) and fail
+They run in the launcher's process before anything is spawned or loaded (the ServerArgs.from_cli_args
+hook: int2_setup.check_before_load, for every TP rank) and again in each scheduler process, and fail
 with one message that says what to change, instead of a shape error deep inside a kernel.
+decode_path picks the fastest decode kernels the shape supports on the device, and the page size.
 """
 
 from __future__ import annotations
@@ -12,16 +14,14 @@ from typing import Optional
 
 import torch
 
+from ..config import MAX_GQA, default_group
 from ..kernels.layout import check_shape
+from ..kernels.shapes import CUDA_HISTORY_PAGE, CUDA_WRITE_MAX_TOKENS, cuda_history_refusal, cuda_write_refusal
 from ..rotation.bundle import (ORTHO_TOL, BundleError, RotationBundle, check_expectations, data_free_bundle, load_bundle,
                                load_seed_pt, orthogonality_error)
-from .options import ENV_ABSORB_V, ENV_BUNDLE, ENV_HISTORY, GROUP_FLAG, OscarOptionError, OscarServeConfig
+from .options import ENV_ABSORB_V, ENV_BUNDLE, GROUP_FLAG, OscarOptionError, OscarServeConfig
 
 logger = logging.getLogger(__name__)
-
-# decode.py's MAX_GQA (query heads per KV head the decode kernel holds in one tile); copied so this
-# module imports without triton. test_srt_startup_checks.py checks the two agree where triton exists.
-MAX_GQA = 16
 
 # Architectures whose attention has qkv_proj (QKVParallelLinear, rows [q | k | v]) and o_proj
 # (RowParallelLinear over the local q heads) as in SGLang 0.5.17 models/{llama,qwen2,qwen3}.py:
@@ -62,7 +62,10 @@ def kv_head_range(tp_rank: int, tp_size: int, kv_heads: int) -> tuple[int, int]:
 
 
 def check_model(model: ModelInfo) -> None:
-    check_shape(model.head_dim, 32, "model: ")  # head_dim the kernels support (group checked later)
+    try:
+        check_shape(model.head_dim, 32, "model: ")  # head_dim the kernels support (group checked later)
+    except ValueError as e:
+        raise OscarOptionError(f"{model.architecture}: {e}") from None
     if model.num_heads % model.kv_heads:
         raise OscarOptionError(f"{model.num_heads} query heads are not a multiple of {model.kv_heads} KV heads")
     if model.num_heads // model.kv_heads > MAX_GQA:
@@ -82,13 +85,13 @@ def load_rotation(cfg: OscarServeConfig, model: ModelInfo, group: Optional[int])
     """The full (unsharded) bundle for this model, validated; group = the flag's value or None."""
     src = cfg.rotation_source
     if src == "builtin":
-        g = group or model.head_dim
+        g = group or default_group(model.head_dim)
         return data_free_bundle(cfg.bundle_path.split(":", 1)[1], model.num_layers, model.kv_heads,
                                 model.head_dim, g, g)
     if src == "bundle":
         return load_bundle(cfg.bundle_path, expect_layers=model.num_layers, expect_kv_heads=model.kv_heads,
                            expect_head_dim=model.head_dim)
-    g = group or model.head_dim  # seed files carry no group; the seed's default is one group per row
+    g = group or default_group(model.head_dim)  # seed files carry no group
     b = load_seed_pt(cfg.k_rotation_path, cfg.v_rotation_path, k_group=g, v_group=g)
     check_expectations(b, f"{cfg.k_rotation_path} / {cfg.v_rotation_path}", expect_layers=model.num_layers,
                        expect_head_dim=model.head_dim)
@@ -149,55 +152,100 @@ def plan_rank(cfg: OscarServeConfig, model: ModelInfo, tp_rank: int = 0,
     return StartupPlan(shard, b.k_group, b.v_group, start, end)
 
 
-# The page size the CUDA history stage was measured on (benchmark/NOTES.md "The pool in pages and the CUDA
-# history stage"): correct at any page size, but it reaches its read rate only when a request's slots come
-# in runs of 64 (smaller pages: each KV head's rows of a page are fewer, shorter contiguous reads).
-CUDA_HISTORY_PAGE = 64
+# The GPU generation the CUDA history stage is built and measured for (H100 / H200).
+CUDA_HISTORY_SM_MAJOR = 9
 
 
-def check_history_kernel(kernel: str, *, head_dim: int, q_heads: int, kv_heads: int, k_group: int, v_group: int,
-                         codebook: bool, device, page_size: int, window_dtype: torch.dtype = torch.bfloat16) -> None:
-    """SGLANG_OSCAR_HISTORY_KERNEL against this rank's attention (local q / KV heads) and device, at startup.
+@dataclasses.dataclass(frozen=True)
+class DecodePath:
+    """The decode kernels a server runs and the page size of its pool (decode_path)."""
 
-    triton: nothing to check (every shape the pool accepts). cuda: the shape must be one the CUDA history
-    stage covers (kernels/history_cuda.check_supported), the device a CUDA GPU (sm_80+), and the kernel is
-    built (nvcc) and loaded here, before CUDA-graph capture and the first request: TP ranks share the on-disk
-    cache and the build is atomic (os.replace), so concurrent ranks are safe. Every refusal says what to
-    change. Warns (does not refuse) below --page-size 64."""
-    if kernel == "triton":
-        return
-    if kernel != "cuda":
-        raise OscarOptionError(f"{ENV_HISTORY}={kernel!r}: use triton or cuda")
-    use_triton = f"set {ENV_HISTORY}=triton (the default; it serves every supported shape)"
+    history: str  # "cuda" (kernels/history_cuda.py) or "triton" (kernels/decode.py)
+    write: str  # the decode KV write of up to CUDA_WRITE_MAX_TOKENS tokens: "cuda" (kernels/write_cuda.py) or "triton"
+    page_size: int
+    why: str  # cuda: what it was chosen for; triton: what keeps the CUDA history stage out
+    why_write: str = ""  # write "triton" beside the CUDA history: why
+
+    def line(self) -> str:
+        """The one startup log line naming the choice (and for the Triton path, why)."""
+        if self.history == "triton":
+            return f"decode: Triton history and KV write, page size {self.page_size} (no CUDA history stage: {self.why})"
+        write = (f"CUDA KV write up to {CUDA_WRITE_MAX_TOKENS} tokens" if self.write == "cuda"
+                 else f"Triton KV write ({self.why_write})")
+        return f"decode: CUDA history stage and {write}, page size {self.page_size} ({self.why})"
+
+
+def decode_path(*, head_dim: int, q_heads: int, kv_heads: int, k_group: int, v_group: int, codebook: bool,
+                window_dtype: torch.dtype, x_dtype: torch.dtype, device, page_size: Optional[int],
+                page_refusal: Optional[str] = None, nvcc: Optional[bool] = None) -> DecodePath:
+    """The fastest decode kernels this rank's attention (local query / KV heads) supports on `device`.
+
+    The CUDA history stage (kernels/history_cuda.py, with the CUDA KV write where kernels/shapes.py covers the model)
+    on pages of CUDA_HISTORY_PAGE slots, where: the device is a Hopper GPU (sm_90), the shape is one the stage covers
+    (shapes.cuda_history_refusal), nvcc is there to build it, and the page size is free (page_size None: the user
+    gave none, and nothing else needs pages of 1: page_refusal) or already >= CUDA_HISTORY_PAGE. Otherwise the Triton
+    path (every supported shape) on the given page size (None: 1), and `why` says what kept the CUDA stage out.
+    nvcc: whether nvcc is found (None: look it up)."""
     dev = torch.device(device)
+
+    def triton(why: str) -> DecodePath:
+        return DecodePath("triton", "triton", page_size or 1, why)
+
     if dev.type != "cuda":
-        raise OscarOptionError(f"{ENV_HISTORY}=cuda runs the INT2 history in a CUDA kernel, but this server runs on "
-                               f"{dev.type}: {use_triton}")
+        return triton(f"it needs an NVIDIA GPU, this server runs on {dev.type}")
+    major, minor = torch.cuda.get_device_capability(dev)
+    if major != CUDA_HISTORY_SM_MAJOR:
+        return triton(f"it is built and measured for Hopper GPUs (sm_90), this GPU is sm_{major}{minor}")
     if kv_heads < 1 or q_heads % kv_heads:
-        raise OscarOptionError(f"{ENV_HISTORY}=cuda: {q_heads} query heads on this rank are not a multiple of its "
-                               f"{kv_heads} KV heads")
-    from ..kernels import history_cuda
+        raise OscarOptionError(f"{q_heads} query heads on this rank are not a multiple of its {kv_heads} KV heads")
+    gqa = q_heads // kv_heads
+    why = cuda_history_refusal(head_dim, gqa, k_group, v_group, codebook, window_dtype)
+    if why:
+        return triton(why.replace("the CUDA history stage covers", "it covers"))
+    if page_size is not None and page_size < CUDA_HISTORY_PAGE:
+        return triton(f"--page-size {page_size} kept; it needs pages of {CUDA_HISTORY_PAGE} (drop --page-size to get "
+                      "them)")
+    if page_size is None and page_refusal:
+        return triton(f"{page_refusal}, and it needs pages of {CUDA_HISTORY_PAGE}")
+    if nvcc is None:
+        from ..kernels.cuda_build import CudaUnavailable, nvcc as find_nvcc
 
-    try:
-        # the kernel module is the authority on what it covers (its message names the covered shapes)
-        history_cuda.check_supported(head_dim, q_heads // kv_heads, k_group, v_group, codebook, dev,
-                                     window_dtype=window_dtype)
-    except (ValueError, history_cuda.CudaHistoryUnavailable) as e:
-        raise OscarOptionError(
-            f"{ENV_HISTORY}=cuda cannot serve this model on this rank (head_dim {head_dim}, {q_heads} query heads "
-            f"per {kv_heads} KV heads = GQA {q_heads // kv_heads}, groups K={k_group} V={v_group}"
-            f"{', codebook levels' if codebook else ''}, window {window_dtype}): {e}. Serve a covered shape (builtin bundles take their "
-            f"groups from {GROUP_FLAG}) or {use_triton}") from None
-    try:
-        history_cuda.library()  # nvcc build (first server on this machine) or the cached library
-    except history_cuda.CudaHistoryUnavailable as e:
-        raise OscarOptionError(f"{ENV_HISTORY}=cuda: the CUDA history kernel could not be built or loaded: {e}; "
-                               f"install the CUDA toolkit (nvcc) or {use_triton}") from None
-    if page_size < CUDA_HISTORY_PAGE:
-        logger.warning("sglang_oscar: %s=cuda with --page-size %d: correct at any page size, but it was measured "
-                       "(and is fast) with --page-size %d, where a request's rows of one KV head are contiguous "
-                       "per page", ENV_HISTORY, page_size, CUDA_HISTORY_PAGE)
+        try:
+            find_nvcc()
+            nvcc = True
+        except CudaUnavailable:
+            nvcc = False
+    if not nvcc:
+        return triton("it is built at startup with nvcc, which is not on PATH, in $CUDA_HOME/bin or "
+                      "/usr/local/cuda/bin")
+    page = page_size or CUDA_HISTORY_PAGE
+    chosen = f"Hopper sm_{major}{minor}, head_dim {head_dim}, GQA {gqa}, groups {k_group}/{v_group}"
+    why_write = cuda_write_refusal(head_dim, k_group, v_group, x_dtype, window_dtype)
+    return DecodePath("cuda", "triton" if why_write else "cuda", page, chosen, why_write or "")
 
 
-__all__ = ["BundleError", "CUDA_HISTORY_PAGE", "MAX_GQA", "ModelInfo", "StartupPlan", "V_ABSORB_ARCHITECTURES",
-           "check_history_kernel", "check_model", "check_v_absorption", "kv_head_range", "load_rotation", "plan_rank"]
+def build_cuda_path(path: DecodePath, device) -> DecodePath:
+    """Build and load the CUDA libraries of a "cuda" path on this rank (nvcc on the first server of a machine, then
+    the on-disk cache; ranks share it and the build is atomic), before any CUDA graph is captured. A build that fails
+    gives the Triton path, whose `why` names the failure (the caller logs it: never a silent fallback)."""
+    if path.history != "cuda":
+        return path
+    from ..kernels import history_cuda, write_cuda
+    from ..kernels.cuda_build import CudaUnavailable
+
+    with torch.cuda.device(torch.device(device)):
+        try:
+            history_cuda.library()
+        except CudaUnavailable as e:
+            return DecodePath("triton", "triton", path.page_size, f"its build failed: {str(e).splitlines()[0]}")
+        if path.write == "cuda":
+            try:
+                write_cuda.library()
+            except CudaUnavailable as e:
+                return dataclasses.replace(path, write="triton", why_write=f"its build failed: {e}")
+    return path
+
+
+__all__ = ["BundleError", "CUDA_HISTORY_SM_MAJOR", "DecodePath", "MAX_GQA", "ModelInfo", "StartupPlan",
+           "V_ABSORB_ARCHITECTURES", "build_cuda_path", "check_model", "check_v_absorption", "decode_path",
+           "kv_head_range", "load_rotation", "plan_rank"]

@@ -1,11 +1,9 @@
 // The INT2 history splits of OSCAR decode attention and, in the same grid, its BF16 sink and ring rows, hand-written
-// (kernels/history_cuda.py builds, checks and launches it; kernels/decode.py runs the LSE merge after it, or, with
-// fused_merge, the last CTA of each column merges: merge_column).
+// (kernels/history_cuda.py builds, checks and launches it; kernels/decode.py runs the LSE merge after it).
 //
-// Why CUDA for this one stage: on H100 the Triton history loop is issue-bound at about the time that the pool's
-// gather allows, and this loop spends ~0.7x of its instructions; on a paged pool (kernels/records.py, pages of
-// 64) it reads at 86-101% of a streaming read of its bytes at batch >= 8 (benchmark/NOTES.md "A hand-written
-// history loop"; the probe benchmark/cuda/int2_history_probe.cu is the experiment it grew from).
+// Why CUDA for this one stage: the Triton history loop is issue-bound; this loop spends ~0.7x of its instructions and,
+// on a paged pool (kernels/records.py, pages of 64), reads at 86-101% of a streaming read of its bytes at batch >= 8
+// on H100 (benchmark/NOTES.md "A hand-written history loop").
 //
 // Shapes: D 128 with K and V groups of 64 or 128 each, or D 64 (template D; SmolLM2) with groups of 32 or 64: a row
 // has two groups (one (scale, min) pair per half row) or one (a group of the whole row: its pair is copied into the
@@ -23,28 +21,26 @@
 // Each CTA owns one split of [sink, R) with R = min(max(L - window, sink, ring_start), L), the rows the
 // Triton path reads as INT2 (kernels/decode.py _history_end); its warps take consecutive sub-ranges, run the
 // loop below independently, and merge their (m, l, O) in shared memory at the end, so that the merge kernel
-// reads one partial per CTA, not per warp (at batch 1 the per-warp partials were ~10-20% of the bytes read).
+// reads one partial per CTA, not per warp.
 // The CTA stores its partial like _store_split: o / l per (request, query head, split) in
 // o_part [B, Hq, NS_TOTAL, 128] and lse = m + log2 l (-inf for an empty split) in lse_part [B, Hq, NS_TOTAL],
 // splits [0, ns_hist).
 //
-// Window CTAs (nwin_sink + nwin_ring > 0; window_cta below): rows of the grid before (or, win_last, after) the
-// history CTAs that read the BF16 sink rows [0, min(L, S)) and ring rows [recent_lo, L) (win_tiles mma tiles of 16
-// per warp) and store partials ns_hist + j, the Triton window programs' layout (split NS + j for sink j < SS, then
-// ring), so that the merge is unchanged. A sink position without a sink row is read from its INT2 record into the
-// tile (store_int2_chunk), so no partial needs the merge's recompute. Without window CTAs (nwin 0) decode.py runs
-// the Triton window programs after this kernel as its programmatic dependents, unless the window is folded into the
-// history CTAs (fold_tiles > 0, history_cuda.folds: a split per window tile): then warp 0 of split i reads window
-// tile i (the same helpers as the window CTAs) before its history range, and its CTA merges it as one more entry.
+// Window CTAs (nwin_sink + nwin_ring > 0; window_cta below): rows of the grid after the history CTAs that read the
+// BF16 sink rows [0, min(L, S)) and ring rows [recent_lo, L) (win_tiles mma tiles of 16 per warp) and store partials
+// ns_hist + j, the Triton window programs' layout (split NS + j for sink j < SS, then ring), so that the merge is
+// unchanged. A sink position without a sink row is read from its INT2 record into the tile (store_int2_chunk), so no
+// partial needs the merge's recompute. Without window CTAs (nwin 0) decode.py runs the Triton window programs after
+// this kernel as its programmatic dependents, unless the window is folded into the history CTAs (fold_tiles > 0,
+// history_cuda.folds: a split per window tile): then warp 0 of split i reads window tile i (the same helpers as the
+// window CTAs) before its history range, and its CTA merges it as one more entry.
 // Launch order (kernels/decode.py): this kernel lets its dependents launch at once; the merge (PDL) waits for it.
 // In a served decode step this kernel is itself launched as the KV write's dependent (Args.pdl, kPdl* below).
 //
 // Per warp and 16-token tile (all in registers, no CTA barrier):
 //   K dot  S^T[16 tokens, 8 cols] = codes[16, 128] . q'[128, 8] (at HC 4 cols 4..7 repeat heads 0..3), two
-//          accumulators (groups). OSCAR_IMMA_K (default): 8 x mma m16n8k32 u8 x s8, one AND per four codes and plane
-//          (bytes c.4^p), q as int8 hi and lo per plane (built per warp in the prologue, scale per plane group).
-//          Else 8 x mma m16n8k16 with codes as fp16 subnormals c.2^(2p-24): one PRMT spreads two bytes into two
-//          halfwords for all four planes, one AND per two codes per plane; q' carries 4^(2g-p).
+//          accumulators (groups): 8 x mma m16n8k32 u8 x s8, one AND per four codes and plane (bytes c.4^p), q as int8
+//          hi and lo per plane (built per warp in the prologue, scale per plane group).
 //   scores s' = acc0.sc0 + acc1.sc1/16 + mn0.Q0 + mn1.Q1 (units of 2^-24 log2; the integer dot's acc_g.sc_g.iS_g),
 //          lazy max: the row-max shuffles and the rescale run only when a score passes m + 8 (a warp vote).
 //   V dot  O^T[128 dims, 8 cols] += V^T codes[128, 16] . (p.vscale)^T[16, 8]: at HC 4 cols 0..3 carry p.scale
@@ -53,7 +49,7 @@
 //   Token order inside a tile (sigma) makes every shared-memory load conflict-free.
 //   Paired tiles (HC 4 at D 128, pair_tiles): a 32-token block's two tiles run one softmax between them, lanes t < 2
 //   on tile 0's scores and t >= 2 on tile 1's, instead of each tile's softmax on all lanes with columns 4..7 repeating
-//   0..3; O's columns 0..3 then hold tile 0's tokens and 4..7 tile 1's, merged after the loop (OSCAR_PAIR below).
+//   0..3; O's columns 0..3 then hold tile 0's tokens and 4..7 tile 1's, merged after the loop.
 // test/test_probe_cuda_history.py emulates these register layouts, and the window CTAs' (window_cta), on the CPU.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -62,31 +58,8 @@
 
 namespace {
 
-#ifndef OSCAR_TOK
-#define OSCAR_TOK 32
-#endif
-// tokens per pipeline stage of a warp: 32, or 64 (-DOSCAR_TOK=64, an experiment knob). 32 since 57af105: with half the
-// bytes in flight per SM the dependent loads queued behind them wait less; same-call H100 A/B (probe_history_trace.py,
-// results/probe_history_trace_57af105_tok_*): 0.95x at 32k batch 1 and in the 64k batch-1 write chain, 0.97-1.00x
-// elsewhere; 3 stages of 32 0.98-1.02x, 4 stages 1.01-1.07x
-constexpr int kTok = OSCAR_TOK;
-#ifndef OSCAR_IMMA_K
-#define OSCAR_IMMA_K 1
-#endif
-// OSCAR_IMMA_K 1 (default since 289fc8b): the K dot as integer mma (m16n8k32, u8 codes x s8 q): the plane masks cover
-// four codes per LOP3 instead of two and the bytes need no PRMT (16 logic ops per tile instead of 40; the logic pipe
-// is the SM's busiest at batch >= 8: ncu, results/history_ncu_*). Same-call H200 A/B (results/probe_history_trace_
-// imma3_*): 64k batch 8 0.93x, batch 32 0.95x, batch 1 1.01x alone and 1.02x chained, 128k batch 1 0.99x. q is
-// quantized per warp and plane group to 14 bits as hi . 128 + lo (two mma per plane): an absolute error per element of
-// at most 2^-15 of the group's largest |c0 q 4^-p| (fp16 q: 2^-12 of each element), test_probe_cuda_history.py.
-// 0 (an experiment knob): the fp16 K dot below.
-static_assert(kTok == 64 || kTok == 32, "OSCAR_TOK must be 64 or 32");
-#ifndef OSCAR_PROBE_COPIES
-#define OSCAR_PROBE_COPIES 0
-#endif
-// OSCAR_PROBE_COPIES 1 (benchmark/probe_history_copies.py builds a separate library with it; never shipped, its output
-// is garbage): the loop issues and waits for its copies, slots included, but skips the tiles' math, so that its time
-// is what the copies' pattern alone takes on the same grid.
+// tokens per pipeline stage of a warp (the D-64 WIDE instances: kWideTok)
+constexpr int kTok = 32;
 // A stage of TOK tokens at head_dim D: K codes D/4 + V codes D/4 + K params 8 + V params 8 bytes per token
 // (80 at D 128, 48 at D 64), in four arrays.
 template <int D, int TOK = kTok> struct Stage {
@@ -97,49 +70,25 @@ template <int D, int TOK = kTok> struct Stage {
 constexpr int kStageBytes = Stage<128>::kBytes;
 // WIDE (template; D 64 only, history_cuda.block_tokens): 64-token stages with the block's four tiles unrolled, so
 // that the compiler overlaps one tile's K dot with the previous one's softmax and V dot, and the per-block code
-// (slots, records, copies: ~117 instructions) is paid once per 64 tokens. Same-process H200 A/B against 32-token
-// stages (results/probe_history_trace_d64_variants_*, SmolLM2): 0.84-0.86x at batch 8 / 32k batch 64, 0.92x at 128k
-// batch 64, 0.89x at 128k batch 1, 0.99x at 64k batch 1; chained to the KV write 1.12x at 64k batch 1, so the
-// chained launch keeps 32-token stages. 64 tokens without the unroll: 0.92-0.96x; the unroll alone: 0.94-0.99x.
+// (slots, records, copies) is paid once per 64 tokens.
 constexpr int kWideTok = 64;  // tokens per stage of the WIDE (D 64) instances
-#ifndef OSCAR_TILE_UNROLL
-#define OSCAR_TILE_UNROLL 0
-#endif
 // Tiles of a block unrolled (tile_unroll). D 128: both tiles of a 32-token block, so that the compiler overlaps one
-// tile's K dot with the other's softmax and V dot, as WIDE does at D 64 (SASS per 32 tokens 548 instead of 567 at
-// HC 4, 581 instead of 602 at HC 8; 128 registers, no spills). Same-process H200 A/Bs against one tile per iteration
-// (results/probe_history_trace_d128_unroll_*): 0.97-0.98x at 64k / 128k batch 1 alone and chained (Qwen3-8B / 32B),
-// 0.98-0.99x at 32k batch 1 and for GLM-4.7 TP8; batch 8 / 32 within +-2% (the board at its 700 W cap); the decode
-// table's A/B 0.96-0.99x from 32k (results/ab_decode_kernel_unroll_*). 64-token stages at D 128 (OSCAR_TOK 64), with or
-// without the unroll, were slower at batch 1 (1.02-1.12x). D 64's 32-token instances: one tile per iteration (the
-// unroll there 0.99-1.01x chained at batch 1, where they run).
-// OSCAR_TILE_UNROLL n > 0 (an experiment knob): every 32-token instance unrolls n (probe_history_trace.py --sources
-// old=+DOSCAR_TILE_UNROLL=1).
-#ifndef OSCAR_PAIR
-#define OSCAR_PAIR 1
-#endif
-// OSCAR_PAIR 1 (default): at D 128 and HC 4 the two tiles of a 32-token block share one softmax (paired tiles). Why: at
-// HC 4 the K dot's columns 4..7 repeat heads 0..3, so lanes t >= 2 computed the same scores, exponentials and V-side
-// products as lanes t < 2 (their only use was to carry V group 1's scale into the V dot); about 80 per tile, ~160 of
-// the block's 418 common-path instructions, are such per-(token, head) work. Paired, a lane's accumulator columns take tile 0's
-// scores where t < 2 and tile 1's where t >= 2 (a select of the two tiles' K accumulators, in place of the second
-// tile's integer combine), so that every lane does the softmax of 4 distinct (token, head) pairs per block instead of 8
-// with half of them repeated. The V dot then needs each tile's p with only its own columns: the p . vscale operands of
-// both V groups are transposed once (movmatrix) and masked by column (lanes g < 4 for tile 0, g >= 4 for tile 1); the
-// O accumulator's columns 0..3 gather tile 0's tokens and 4..7 tile 1's, and the two halves of a warp (lanes t, t ^ 2:
-// the same heads) merge as two softmax partials after the loop. Same MMA count and the same 14-bit q as unpaired (an
-// 8-bit q would have saved half the K MMAs and the hi / lo combines, but it moved the attention output by 0.4-5%
-// against float64, where the GPU tests allow 1%: benchmark/probe_q_bits.py). SASS (G64, 2 stages): the block's common
-// path 384 instructions instead of 418 (hot loop 450 instead of 548 with its rare rescale branch, once per block now).
-// Same-process H200 A/Bs against OSCAR_PAIR=0 (results/probe_history_trace_pair{,2}_943175b_*, best of 4-5 rounds):
-// 0.96-0.98x at batch 8 / 32 (32k-128k; 0.91x at 128k batch 8 in one call), 0.99-1.00x at batch 1: half the
-// instruction cut, since a block's two K dots now both precede its softmax, where the unpaired block overlapped one
-// tile's V dot with the other's K dot. 0 (an experiment knob): both tiles with their own softmax, as before.
+// tile's K dot with the other's softmax and V dot, as WIDE does at D 64. D 64's 32-token instances: one tile per
+// iteration.
+// Paired tiles (pair_tiles): at D 128 and HC 4 the two tiles of a 32-token block share one softmax. Why: at HC 4 the K
+// dot's columns 4..7 repeat heads 0..3, so lanes t >= 2 would compute the same scores, exponentials and V-side
+// products as lanes t < 2. Paired, a lane's accumulator columns take tile 0's scores where t < 2 and tile 1's where
+// t >= 2 (a select of the two tiles' K accumulators), so that every lane does the softmax of 4 distinct (token, head)
+// pairs per block instead of 8 with half of them repeated. The V dot then needs each tile's p with only its own
+// columns: the p . vscale operands of both V groups are transposed once (movmatrix) and masked by column (lanes g < 4
+// for tile 0, g >= 4 for tile 1); the O accumulator's columns 0..3 gather tile 0's tokens and 4..7 tile 1's, and the
+// two halves of a warp (lanes t, t ^ 2: the same heads) merge as two softmax partials after the loop. q keeps its 14
+// bits (hi and lo): an 8-bit q moved the attention output by 0.4-5%.
 __host__ __device__ constexpr bool pair_tiles(int d, int hc, bool wide) {
-  return OSCAR_PAIR != 0 && OSCAR_IMMA_K != 0 && d == 128 && hc == 4 && !wide;
+  return d == 128 && hc == 4 && !wide;
 }
 __host__ __device__ constexpr int tile_unroll(int d, bool wide) {
-  return wide ? kWideTok / 16 : OSCAR_TILE_UNROLL > 0 ? OSCAR_TILE_UNROLL : d == 128 ? kTok / 16 : 1;
+  return wide ? kWideTok / 16 : d == 128 ? kTok / 16 : 1;
 }
 // The BF16 window rows in this kernel (window CTAs, the folded window) are read at D 128 only; at D 64 decode.py runs
 // the Triton window programs after it (history_cuda.fuses_window).
@@ -178,54 +127,6 @@ __device__ __forceinline__ void grid_dependency_wait() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
-
-// OSCAR_HISTORY_TRACE (benchmark/probe_history_trace.py builds a separate library with it; the shipped build has
-// none of this): lane 0 of every warp stores %globaltimer and clock64 at the marks below into g_trace, 16 words per
-// warp at ((blockIdx.y * gridDim.x + blockIdx.x) * warps + warp) * 16: words 2i, 2i + 1 are mark i's (globaltimer,
-// clock64), word 14 the warp's (smid | split + 1 << 8 | nblocks << 24 | window CTA << 40), word 15 its CTA column.
-// A mark's "dep" operand makes it wait for that value (an asm input), so that a mark after a load is taken after
-// the load has landed.
-#ifdef OSCAR_HISTORY_TRACE
-constexpr int kTraceWarps = 1 << 16, kTraceWords = 16;
-__device__ unsigned long long g_trace[kTraceWarps * kTraceWords];
-enum TraceMark { kMarkEntry, kMarkIndex, kMarkSlots, kMarkQ, kMarkFirst, kMarkLoop, kMarkEnd };
-// this warp's first trace word, from special registers read anew at each mark (asm volatile: not kept live across
-// the kernel, where it took one of the 128 registers and was spilled once the window could be folded)
-__device__ __forceinline__ unsigned trace_slot() {
-  unsigned cx, cy, nx, nt, tx;
-  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cx));
-  asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(cy));
-  asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(nx));
-  asm volatile("mov.u32 %0, %%ntid.x;\n" : "=r"(nt));
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tx));
-  return ((cy * nx + cx) * (nt >> 5) + (tx >> 5)) * kTraceWords;
-}
-__device__ __forceinline__ void trace_mark(int mark, uint32_t dep) {
-  unsigned long long t, c;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t) : "r"(dep) : "memory");
-  asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(c) : "r"(dep) : "memory");
-  const unsigned idx = trace_slot();
-  if ((threadIdx.x & 31) == 0 && idx < kTraceWarps * kTraceWords) {
-    g_trace[idx + 2 * mark] = t;
-    g_trace[idx + 2 * mark + 1] = c;
-  }
-}
-__device__ __forceinline__ void trace_meta(int split, int nblocks, int window) {
-  uint32_t smid;
-  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
-  const unsigned idx = trace_slot();
-  if ((threadIdx.x & 31) == 0 && idx < kTraceWarps * kTraceWords) {
-    g_trace[idx + 14] = (unsigned long long)smid | ((unsigned long long)(split + 1) << 8) |
-                        ((unsigned long long)nblocks << 24) | ((unsigned long long)window << 40);
-    g_trace[idx + 15] = blockIdx.x;
-  }
-}
-#define TRACE_MARK(mark, dep) trace_mark(mark, (uint32_t)(dep))
-#define TRACE_META(split, nblocks, window) trace_meta(split, nblocks, window)
-#else
-#define TRACE_MARK(mark, dep) ((void)0)
-#define TRACE_META(split, nblocks, window) ((void)0)
-#endif
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int n) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
@@ -280,8 +181,7 @@ __device__ __forceinline__ uint32_t pack_s8(uint32_t x0, uint32_t x1, uint32_t x
   return prmt(prmt(x0, x1, 0x0040), prmt(x2, x3, 0x0040), 0x5410);
 }
 // round-to-nearest-even of |x| < 2^22 through fp32 addition: x + 1.5 . 2^23 leaves the integer in the low mantissa bits
-// (FMA-pipe ops, where rintf + cvt were two conversions on the slow pipe each: the first IMMA A/B's q build took
-// 3.4 us instead of 0.75 at batch 1, results/probe_history_trace_3303786_imma_*)
+// (FMA-pipe ops; rintf + cvt are two conversions on the slow pipe each)
 constexpr float kRoundMagic = 12582912.f;
 __device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
@@ -320,8 +220,11 @@ struct Args {
   const int* sink_table;    // [slots]: sink row of a slot, -1 where none (the merge then recomputes the sink range)
   int nwin_sink, nwin_ring; // window CTAs per CTA column
   int win_tiles;            // 16-position tiles per warp of a window CTA
-  int win_last;             // window CTAs after the history CTAs in the grid (else before)
-  // the merge in this kernel (fused_merge): the last CTA of a column to finish merges the column's partials
+  // Dormant: history_cuda.launch always passes win_last 1 (the window CTAs after the history CTAs) and fused_merge 0
+  // (the Triton merge follows this kernel). Both are kept, with merge_column, only because deleting them changes
+  // nvcc 13.0's register allocation of the shipped instances (D 128: a spill in the epilogue; D 64 with 64-token
+  // stages: 81-82 registers, 2 CTAs per SM instead of 3; test_cuda_history_sass.py). Delete them with a GPU A/B.
+  int win_last;
   void* out;                // [B, Hq, 128], dtype code out_dtype (as q_dtype)
   int out_dtype;
   int* counters;            // [>= gridDim.x] zero between calls: CTAs of a column done (the last one resets it)
@@ -340,8 +243,8 @@ __device__ __forceinline__ long long pool_record(const Args& a, Slot s, int h, i
 
 // The same record in 32 bits, for the history loop's copies: one shift, one multiply-add, one shift and one
 // three-input logic op per token and block (the 64-bit form above, with its sign handling, was ~3x that per use, and
-// the loop used it three times per lane and block: ~137 instructions per 32-token block, a quarter of the kernel's
-// at batch >= 8; ncu, results/history_ncu_*). history_cuda.launch refuses pools of 2^31 records or more, so that
+// the loop used it three times per lane and block: about a quarter of the kernel's instructions at batch >= 8).
+// history_cuda.launch refuses pools of 2^31 records or more, so that
 // 2 * record + 1 (a record's 16-byte halves) fits 32 bits too.
 __device__ __forceinline__ uint32_t pool_record32(const Args& a, int s, int h, uint32_t pmask) {
   const uint32_t u = (uint32_t)s;
@@ -415,7 +318,7 @@ __device__ __forceinline__ void store_cta_partial(const Args& a, const float* so
   }
 }
 
-// The merge in this kernel (fused_merge): every CTA of column col (one (request, KV head, head group)) counts itself
+// Dormant (Args.fused_merge is always 0, see Args). The merge in this kernel: every CTA of column col (one (request, KV head, head group)) counts itself
 // done after its partial is visible device-wide (the fence-then-count pattern of CUDA's threadFenceReduction); the
 // last one reduces the column's ns_total partials per query head, o = sum 2^(lse_s - M) o_s / sum 2^(lse_s - M), in
 // split order (the same bits whichever CTA is last), writes out and resets the counter for the next call.
@@ -512,7 +415,7 @@ struct WinTile {
 // Tile k (from 0) of the sink (is_sink) or ring range of a request of length L whose ring starts at ring_lo.
 __device__ __forceinline__ WinTile window_tile(const Args& a, bool is_sink, int k, int L, int ring_lo) {
   // ring tiles from max(L - W, S), which needs no ring_start, so that its load is off the copies' chain (under the
-  // history CTAs' copies each dependent load of a window CTA took ~2 us; benchmark/probe_history_trace.py)
+  // history CTAs' copies each dependent load of a window CTA waits ~2 us)
   const int base_lo = is_sink ? 0 : min(max(L - a.window, a.sink), L);
   WinTile w;
   w.first = base_lo + 16 * k;
@@ -734,7 +637,7 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
 
-// The K dot of one 16-token D-128 tile (OSCAR_IMMA_K): the lane's code bytes 8t .. 8t + 7 of tokens sg, sg + 8 (the
+// The K dot of one 16-token D-128 tile: the lane's code bytes 8t .. 8t + 7 of tokens sg, sg + 8 (the
 // tile's rows g, g + 8) at kcs, masked per plane p as c 4^p (A, u8: k 4t.. and 16 + 4t.., matching qhi / qlo) against
 // q's int8 hi and lo; plane group 0 (planes 0, 1: dims 0..63) into ih0 / il0, group 1 into ih1 / il1 (added to them).
 __device__ __forceinline__ void k_dot_d128(const uint8_t* kcs, int sg, int t, const uint32_t (&qhi)[8],
@@ -781,9 +684,10 @@ __device__ __forceinline__ void v_dot_d128(const uint8_t* vcs, int t, float (&o)
 // the K dot pairs planes 2pp and 2pp + 1 in one m16n8k32 (k 0..15 the first plane's bytes, 16..31 the second's);
 // the V dot has 4 m-tiles, m-tile p = plane p; no window CTAs and no folded window: history_cuda refuses them).
 // The paired-tile instances are held to 2 CTAs of 8 warps per SM (<= 128 registers) by their launch bounds: without
-// them nvcc 13.0 gave the ones with runtime groups 149 registers (1 CTA per SM) and the 4-stage one 8 bytes of spills.
-// The others keep no minimum (0): they land at 128 on their own, and an explicit 1 gave HC 8 152-159 registers
-// (test_cuda_history_sass.py holds every instance to 128).
+// them nvcc 13.0 gave the ones with runtime groups 149 registers (1 CTA per SM). The D-64 instances are held to 3
+// (<= 80 registers; without, nvcc 13.0 gave the 64-token ones 81-82: 2 CTAs per SM). The D-128 HC-8 instances keep no
+// minimum (0): they land at 128 on their own, and an explicit 1 gave 152-159 registers (test_cuda_history_sass.py
+// holds every instance to its budget).
 template <int NSTAGE, int HC, bool TWO_G, int D, bool WIDE>
 __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_history_kernel(Args a) {
   static_assert(D == 128 || D == 64, "head_dim 128 or 64");
@@ -792,7 +696,7 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
   using SL = Stage<D, kTok>;
   constexpr int kSB = SL::kBytes, NMT = D / 16;  // stage bytes, V m-tiles
   constexpr int kTileUnroll = tile_unroll(D, WIDE);
-  constexpr bool kPair = pair_tiles(D, HC, WIDE);  // the block's two tiles share one softmax (OSCAR_PAIR)
+  constexpr bool kPair = pair_tiles(D, HC, WIDE);  // the block's two tiles share one softmax
   static_assert(kTileUnroll >= 1 && kTileUnroll <= kTok / 16, "tiles unrolled: 1 .. the block's");
   // the CTA merge parks (O, m, l) in the warps' stages
   static_assert(NSTAGE * kSB >= HC * (D + 2) * 4, "a warp's stages hold its parked partial");
@@ -800,12 +704,11 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3, gsel = t >> 1;
   const bool kg_row = !TWO_G && a.kg_row, vg_row = !TWO_G && a.vg_row;
-  TRACE_MARK(kMarkEntry, 0);
   const int bh = blockIdx.x / a.hgroups, hg = blockIdx.x - bh * a.hgroups, b = bh / a.hkv, h = bh - b * a.hkv;
   const int hq_base = b * a.hkv * a.gqa + h * a.gqa + hg * HC;  // query head of local head 0 of this group
   const int nh = min(HC, a.gqa - hg * HC);                        // valid local heads of this group
   const int nwin = a.nwin_sink + a.nwin_ring, ns_hist = (int)gridDim.y - nwin;
-  // this CTA's history split (< 0: window CTA wj)
+  // this CTA's history split (< 0: window CTA wj; win_last is always 1: the window CTAs follow the history CTAs)
   const int split = a.win_last ? ((int)blockIdx.y < ns_hist ? (int)blockIdx.y : -1) : (int)blockIdx.y - nwin;
   const int wj = a.win_last ? (int)blockIdx.y - ns_hist : (int)blockIdx.y;
   const int widx = split * nwarps + warp;
@@ -819,15 +722,12 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
 #endif
   if (split < 0) {  // uniform per CTA (D 64: never; history_cuda launches no window CTAs there)
     if constexpr (D == 128) window_cta<HC>(a, smem, wj, b, h, hq_base, nh);
-    TRACE_MARK(kMarkEnd, 0);
-    TRACE_META(-1, 0, 1);
     return;
   }
 
   // q's elements of this lane (16-bit q: dims p*32 + t*8 .. + 7 of column g's head, one 16-byte load per plane p),
-  // loaded before the index chain wherever q is written before this grid (not kPdlAfterWriteQ). Why: the trace of
-  // this kernel (benchmark/probe_history_trace.py) had q's scalar loads, issued after the first copies, land ~4.5 us
-  // later, queued behind them, and the second stage's copies wait for the q build.
+  // loaded before the index chain wherever q is written before this grid (not kPdlAfterWriteQ). Why: loads issued
+  // after the first copies queue behind them, and the second stage's copies wait for the q build.
   const int qhead = HC == 8 ? g : (g & 3);  // column g's head
   const bool qvalid = qhead < nh;  // a spare column: zero query (its scores are 0; nothing is stored)
   const size_t qrow = (size_t)(hq_base + (qvalid ? qhead : 0)) * D;
@@ -850,8 +750,7 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
   const int chunk = ((n + a.nsw - 1) / a.nsw + 15) & ~15;
   // In a CTA whose warp 0 reads a folded window tile (fold_tiles, below), warp 0 hands k <= min(7, nwarps - 1) of
   // its 16-row units to warps 1..k, one each: the tile's 8 KB of BF16 rows weigh ~100 INT2 rows, and the CTA ends
-  // with its last warp (the first A/B of the fold: loop -> end 2.0 -> 2.8-3.4 us at 64k / 128k batch 1). The CTA's
-  // range is unchanged.
+  // with its last warp. The CTA's range is unchanged.
   // a CTA of the folded window (fold_tiles, below): its warp 0 reads window tile `split` and parks it in wbuf, the 8 KB
   // past the warps' stages (cta_smem); uniform per CTA
   const bool fold_cta = D == 128 && a.fold_tiles > 0 && split < a.fold_tiles;
@@ -861,7 +760,6 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
   const int lo = min(lo0, hist_hi);
   const int hi = min(lo0 + chunk + (warp == 0 ? -16 * k : warp <= k ? 16 : 0), hist_hi);
   const int nblocks = (hi - lo + kTok - 1) / kTok;
-  TRACE_MARK(kMarkIndex, hist_hi);
   const int* r2t_row = a.r2t + (size_t)req * a.r2t_stride;
   const uint32_t pmask = (1u << a.page_log2) - 1u;
 
@@ -928,8 +826,7 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
   // The window folded into this grid (fold_tiles > 0, no window CTAs): warp 0 of split i < fold_tiles reads window
   // tile i (the sink's ceil(S / 16) tiles, then the ring's ceil(W / 16)) before its history range, into the 8 KB past
   // the warps' stages, and adds it to the CTA merge as one more entry. Why: at batch 1 the window CTAs did not fit
-  // the grid's one round beside the history CTAs; those of the second round started when history CTAs ended and
-  // ended ~2-3 us after the last of them (64k, probe_history_trace.py). Uniform per warp.
+  // the grid's one round beside the history CTAs, and those of the second round ended the call. Uniform per warp.
   const int n_sink_tiles = (a.sink + 15) >> 4;
   const bool fold = fold_cta && warp == 0;
   WinTile wt{0, 0, 0, false};
@@ -946,8 +843,7 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
   // ring_start >= L; uniform per CTA
   if (after_write && hist_hi >= L && n > 0) grid_dependency_wait();
   // the slots of the first NSTAGE blocks, all loaded before the first copy is issued: a load issued after the copies
-  // waits behind them, and so does every instruction after it (the trace: q's operands and the second stage's copies
-  // ~3.4 us after the first copies at 64k batch 1)
+  // waits behind them, and so does every instruction after it
   int ps0[NSTAGE], ps1[NSTAGE];
 #pragma unroll
   for (int s = 0; s < NSTAGE; ++s) {
@@ -960,7 +856,6 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
     s0 = ps0[s];
     s1 = ps1[s];
     issue(s);
-    if (s == 0) TRACE_MARK(kMarkSlots, s0);  // block 0's copies issued (its slots landed)
   }
   s0 = ps0[NSTAGE - 1];
   s1 = ps1[NSTAGE - 1];
@@ -1002,11 +897,7 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
   // p*32 + t*8 + 4hh + 2w + (0, 1) of column g's head; and the group sums of q. This lane's accumulator
   // columns 2t, 2t+1 are heads head0, head0 + 1 (HC 4: columns 4..7 repeat heads 0..3)
   const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;
-#if OSCAR_IMMA_K
   float xs[4][D / 16];  // c0 q at dims p*32 + t*8 + i (D 64: p*16 + t*4 + i), for the int8 q below (read once, here)
-#else
-  uint32_t qb[16];
-#endif
   float gs0 = 0.f, gs1 = 0.f;
   if constexpr (D == 64) {  // four dims of each plane per lane (a quad holds the head's 64)
 #pragma unroll
@@ -1029,13 +920,8 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
       const float2 xq = q_pair(a, qraw[p], 2 * hh + w, qvalid, qrow + d);
       const float x0 = xq.x, x1 = xq.y;
       if (p < 2) gs0 += x0 + x1; else gs1 += x0 + x1;
-#if OSCAR_IMMA_K
       xs[p][4 * hh + 2 * w] = x0;
       xs[p][4 * hh + 2 * w + 1] = x1;
-#else
-      const float f = (p & 1) ? 0.25f : 1.f;
-      qb[r] = h2u(__floats2half2_rn(x0 * f, x1 * f));
-#endif
     }
   }
 #pragma unroll
@@ -1047,7 +933,6 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
   const float q01 = __shfl_sync(0xffffffffu, gs0, (head0 + 1) * 4) / kTwo24;
   const float q10 = __shfl_sync(0xffffffffu, gs1, head0 * 4) / kTwo24;
   const float q11 = __shfl_sync(0xffffffffu, gs1, (head0 + 1) * 4) / kTwo24;
-#if OSCAR_IMMA_K
   // q for the integer K dot: register 2p + w holds c0 q 4^-p of column g's head at dims p*32 + t*8 + 4w + 0..3 (the
   // lane's bytes 8t + 4w .. + 3 of plane p, whose masked codes are c 4^p) as int8, scaled per plane group gp by
   // S_gp = 16256 / max |c0 q 4^-p| over the warp: v = x S = 128 hi + lo (hi in [-127, 127], lo in [-64, 64]).
@@ -1103,22 +988,17 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
       }
     }
   }
-#endif
-  TRACE_MARK(kMarkQ, __float_as_uint(q11));
 
   for (int blk = 0; blk < nblocks; ++blk) {
     issue(blk + NSTAGE - 1);
     load_slots(blk + NSTAGE);
     cp_wait<NSTAGE - 1>();
     __syncwarp();
-#ifdef OSCAR_HISTORY_TRACE
-    if (blk == 0) TRACE_MARK(kMarkFirst, 0);
-#endif
     const uint8_t* st = wbase + (blk % NSTAGE) * kSB;
     const int pos0 = lo + blk * kTok;
     const bool full = pos0 + kTok <= hi;
 #pragma unroll (kTileUnroll)
-    for (int j = 0; j < (OSCAR_PROBE_COPIES ? 0 : kPair ? 1 : kTok / 16); ++j) {
+    for (int j = 0; j < (kPair ? 1 : kTok / 16); ++j) {
       const int tj = kPair ? gsel : j;  // the tile whose tokens sg, sg + 8 this lane's accumulator holds
       float acc0[4], acc1[4];
       if constexpr (D == 64) {
@@ -1141,7 +1021,6 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
           acc1[e] = (float)(ih1[e] * 128 + il1[e]);
         }
       } else {
-#if OSCAR_IMMA_K
       // hi and lo of each plane group in their own accumulators (k_dot_d128); paired tiles (kPair): both tiles' dots,
       // and this lane keeps tile tj's (a select in place of the other tile's combine)
       int ih0[4] = {0, 0, 0, 0}, il0[4] = {0, 0, 0, 0}, ih1[4] = {0, 0, 0, 0}, il1[4] = {0, 0, 0, 0};
@@ -1160,41 +1039,12 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
         acc0[e] = (float)(ih0[e] * 128 + il0[e]);
         acc1[e] = (float)(ih1[e] * 128 + il1[e]);
       }
-#else
-      const uint8_t* kcs = st + j * 16 * 32;
-      const uint2 kw0 = *reinterpret_cast<const uint2*>(kcs + sg * 32 + t * 8);
-      const uint2 kw1 = *reinterpret_cast<const uint2*>(kcs + (sg + 8) * 32 + t * 8);
-      // two bytes -> the low bytes of two halfwords, shared by the four planes
-      const uint32_t lo0x = prmt(kw0.x, 0, 0x1100), hi0x = prmt(kw0.x, 0, 0x3322);
-      const uint32_t lo0y = prmt(kw0.y, 0, 0x1100), hi0y = prmt(kw0.y, 0, 0x3322);
-      const uint32_t lo1x = prmt(kw1.x, 0, 0x1100), hi1x = prmt(kw1.x, 0, 0x3322);
-      const uint32_t lo1y = prmt(kw1.y, 0, 0x1100), hi1y = prmt(kw1.y, 0, 0x3322);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc0[e] = acc1[e] = 0.f;
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const uint32_t M = 0x00030003u << (2 * p);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int ks = 2 * p + hh;
-          const uint32_t a0 = (hh ? lo0y : lo0x) & M, a1 = (hh ? lo1y : lo1x) & M;
-          const uint32_t a2 = (hh ? hi0y : hi0x) & M, a3 = (hh ? hi1y : hi1x) & M;
-          if (p < 2) mma16816(acc0, a0, a1, a2, a3, qb[2 * ks], qb[2 * ks + 1]);
-          else mma16816(acc1, a0, a1, a2, a3, qb[2 * ks], qb[2 * ks + 1]);
-        }
-      }
-#endif
       }
       const uint2* kps = reinterpret_cast<const uint2*>(st + SL::kKpOff) + tj * 16;
       const uint2 pr0 = kps[sg], pr1 = kps[sg + 8];
       const uint32_t py0 = kg_row ? pr0.x : pr0.y, py1 = kg_row ? pr1.x : pr1.y;  // dims 64..127's pair
-#if OSCAR_IMMA_K
       const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, mn1a = bf_hi(py0);
       const float sc0b = bf_lo(pr1.x) * iS0, mn0b = bf_hi(pr1.x), sc1b = bf_lo(py1) * iS1, mn1b = bf_hi(py1);
-#else
-      const float sc0a = bf_lo(pr0.x), mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * 0.0625f, mn1a = bf_hi(py0);
-      const float sc0b = bf_lo(pr1.x), mn0b = bf_hi(pr1.x), sc1b = bf_lo(py1) * 0.0625f, mn1b = bf_hi(py1);
-#endif
       float s[4];
       s[0] = fmaf(mn1a, q10, fmaf(mn0a, q00, fmaf(acc1[0], sc1a, acc0[0] * sc0a)));
       s[1] = fmaf(mn1a, q11, fmaf(mn0a, q01, fmaf(acc1[1], sc1a, acc0[1] * sc0a)));
@@ -1279,7 +1129,6 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
     __syncwarp();  // this stage is refilled by the next iteration's issue
   }
   cp_wait<0>();
-  TRACE_MARK(kMarkLoop, __float_as_uint(l0));
 
 #pragma unroll
   for (int x = 4; x < 32; x <<= 1) {
@@ -1349,8 +1198,6 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
   // a folded CTA's warp 0 parked its window tile's entry in wbuf
   store_cta_partial<HC, D>(a, so, sml, nwarps, nh, hq_base, split,
                            fold_cta ? reinterpret_cast<const float*>(wbuf) : nullptr);
-  TRACE_MARK(kMarkEnd, 0);
-  TRACE_META(split, nblocks, 0);
   if (a.fused_merge) merge_column<HC, D>(a, smem, blockIdx.x, hq_base, nh);
 }
 
@@ -1394,39 +1241,19 @@ int occupancy(int warps) {  // the fewer of the two group instances' (both 128 r
 }  // namespace
 
 // HC: query heads per CTA column, 4 (columns 4..7 of a warp's tile repeat heads 0..3) or 8 (one head per column);
-// 2-4 stages (history_cuda.STAGES); D 64 with the integer K dot only (OSCAR_IMMA_K), WIDE at HC 4 and 2-3 stages only
-// (at HC 8 it compiled to 82-84 registers, at 4 stages its 96 KB of stages per CTA fit twice per SM: 2 CTAs per SM
-// instead of 3)
-#if OSCAR_IMMA_K
-#define DISPATCH_D64(FN, ...)                                            \
-    case 512 + 2 * 16 + 4: return FN<2, 4, 64, false>(__VA_ARGS__);      \
-    case 512 + 3 * 16 + 4: return FN<3, 4, 64, false>(__VA_ARGS__);      \
-    case 512 + 4 * 16 + 4: return FN<4, 4, 64, false>(__VA_ARGS__);      \
-    case 512 + 2 * 16 + 8: return FN<2, 8, 64, false>(__VA_ARGS__);      \
-    case 512 + 3 * 16 + 8: return FN<3, 8, 64, false>(__VA_ARGS__);      \
-    case 512 + 4 * 16 + 8: return FN<4, 8, 64, false>(__VA_ARGS__);      \
-    case 256 + 512 + 2 * 16 + 4: return FN<2, 4, 64, true>(__VA_ARGS__); \
-    case 256 + 512 + 3 * 16 + 4: return FN<3, 4, 64, true>(__VA_ARGS__);
-#else
-#define DISPATCH_D64(FN, ...)
-#endif
+// 2 stages (history_cuda.STAGES); D 64's WIDE instance at HC 4 only (at HC 8 it compiled to 82-84 registers: 2 CTAs
+// per SM instead of 3)
 #define DISPATCH(NS, HC, HD, WIDE, FN, ...)                                       \
   switch ((HD == 64 ? 512 : HD == 128 ? 0 : 1024) + (WIDE ? 256 : 0) + NS * 16 + HC) { \
     case 2 * 16 + 4: return FN<2, 4, 128, false>(__VA_ARGS__);           \
-    case 3 * 16 + 4: return FN<3, 4, 128, false>(__VA_ARGS__);           \
-    case 4 * 16 + 4: return FN<4, 4, 128, false>(__VA_ARGS__);           \
     case 2 * 16 + 8: return FN<2, 8, 128, false>(__VA_ARGS__);           \
-    case 3 * 16 + 8: return FN<3, 8, 128, false>(__VA_ARGS__);           \
-    case 4 * 16 + 8: return FN<4, 8, 128, false>(__VA_ARGS__);           \
-    DISPATCH_D64(FN, __VA_ARGS__)                                        \
+    case 512 + 2 * 16 + 4: return FN<2, 4, 64, false>(__VA_ARGS__);      \
+    case 512 + 2 * 16 + 8: return FN<2, 8, 64, false>(__VA_ARGS__);      \
+    case 256 + 512 + 2 * 16 + 4: return FN<2, 4, 64, true>(__VA_ARGS__); \
     default: return -1;                                                  \
   }
 
 extern "C" {
-
-// the C interface's version (history_cuda.ABI): 3 since the `wide` parameter of the entry points below (2: head_dim);
-// a library without this symbol was built from an older source, whose entry points take other arguments
-int oscar_history_abi() { return 3; }
 
 // wide: 64-token stages (the WIDE instances, D 64 only; -1 elsewhere)
 int oscar_history_prepare(int nstage, int warps, int hc, int head_dim, int wide) {
@@ -1442,9 +1269,8 @@ int oscar_history_launch(int nstage, int warps, int hc, int head_dim, int wide, 
                          const void* req_idx, int req_idx_64, const int* seq_lens, const int* ring_start, int hkv,
                          int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
                          const void* sk, const void* sv, const void* rk, const void* rv, const int* sink_table,
-                         int nwin_sink, int nwin_ring, int win_tiles, int win_last, void* out, int out_dtype,
-                         int* counters, int fused_merge, int fold_tiles, void* stream) {
-  // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows of the grid) before or after them;
+                         int nwin_sink, int nwin_ring, int win_tiles, int win_last, void* out, int out_dtype, int* counters, int fused_merge, int fold_tiles, void* stream) {
+  // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows of the grid) after them (win_last 1);
   // a KV head's query heads in ceil(gqa / hc) CTA columns (head groups)
   const int hgroups = (gqa + hc - 1) / hc;
   Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
@@ -1455,18 +1281,5 @@ int oscar_history_launch(int nstage, int warps, int hc, int head_dim, int wide, 
   DISPATCH(nstage, hc, head_dim, wide, launch, a, bh * hgroups, warps, grid_y + nwin_sink + nwin_ring, pdl,
            (cudaStream_t)stream)
 }
-
-#ifdef OSCAR_HISTORY_TRACE
-// the trace (above): copy its first `words` words to host memory / zero it
-int oscar_history_trace_read(unsigned long long* host, int words) {
-  return (int)cudaMemcpyFromSymbol(host, g_trace, (size_t)words * sizeof(unsigned long long));
-}
-int oscar_history_trace_clear() {
-  void* p = nullptr;
-  const int rc = (int)cudaGetSymbolAddress(&p, g_trace);
-  return rc ? rc : (int)cudaMemset(p, 0, sizeof(g_trace));
-}
-int oscar_history_trace_words() { return kTraceWarps * kTraceWords; }
-#endif
 
 }  // extern "C"

@@ -283,8 +283,7 @@ extern "C" {
 // this kernel. Why: an SM runs the carveout of the kernels it holds, and the write's CTAs (13 KB of shared memory)
 // otherwise leave their SM at a small one; a chained history CTA (its programmatic dependent, ~100 KB) then cannot
 // start there until the write CTA has ended, so the block scheduler put two history CTAs on other SMs: GLM-4.7 TP8
-// at batch 1, 5 write CTAs, 5 SMs with two history CTAs and 5 with none, the call's last CTA 3.7 us late at 128k
-// (benchmark/probe_history_trace.py --raw, results/probe_history_trace_writes_glm_*).
+// at batch 1, 5 write CTAs, 5 SMs with two history CTAs and 5 with none, the call's last CTA 3.7 us late at 128k.
 int oscar_write_prepare() {
   const int rc = (int)cudaFuncSetAttribute(int2_write_kernel<__nv_bfloat16>,
                                            cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
