@@ -23,7 +23,7 @@ def test_defaults_with_bundle(files):
     c = o.from_env(env(BUNDLE=files["b.safetensors"]))
     assert (c.sink, c.recent, c.window_dtype, c.scale_dtype) == (64, 256, "bfloat16", "bfloat16")
     assert c.group_size is None and c.absorb_v_rotation and c.k_clip is None
-    assert c.rotation_source == "bundle" and c.resolve_group(128) == 128
+    assert c.rotation_source == "bundle" and c.resolve_group(128) == 64
 
 
 def test_seed_variables(files):

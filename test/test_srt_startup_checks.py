@@ -25,7 +25,7 @@ def test_kv_head_range_matches_qkv_parallel_linear():
 
 def test_plan_builtin_and_tp_shard():
     plan = s.plan_rank(cfg(k_clip=0.9), dataclasses.replace(QWEN3, tp_size=2), tp_rank=1)
-    assert (plan.kv_start, plan.kv_end, plan.k_group, plan.v_group) == (4, 8, 128, 128)
+    assert (plan.kv_start, plan.kv_end, plan.k_group, plan.v_group) == (4, 8, 64, 64)
     assert torch.all(plan.bundle.k_clip == 0.9) and torch.all(plan.bundle.v_clip == 1.0)
 
 
@@ -47,7 +47,7 @@ def test_seed_files(tmp_path):
         torch.save({"format_version": 1, "layers": {i: {"rotation": h[i]} for i in range(4)}}, tmp_path / f"{side}.pt")
     c = cfg(bundle_path=None, k_rotation_path=str(tmp_path / "k.pt"), v_rotation_path=str(tmp_path / "v.pt"))
     plan = s.plan_rank(c, dataclasses.replace(QWEN3, tp_size=4), tp_rank=3)
-    assert plan.k_group == 128 and plan.kv_heads_local == 2  # the default group at head_dim 128: 128
+    assert plan.k_group == 64 and plan.kv_heads_local == 2  # the default group at every head_dim: 64
     with pytest.raises(BundleError, match="layers"):
         s.plan_rank(c, dataclasses.replace(QWEN3, num_layers=5))
 
@@ -89,10 +89,10 @@ def test_one_definition_of_the_shape_rules():
     assert decode.MAX_GQA is config.MAX_GQA
 
 
-@pytest.mark.parametrize("head_dim,group", [(64, 64), (128, 128), (256, 128)])
+@pytest.mark.parametrize("head_dim,group", [(64, 64), (128, 64), (256, 64)])
 def test_default_group_per_head_dim(head_dim, group):
-    """The default group (no flag, builtin or seed rotations) is the largest supported group that fits the row, so
-    every supported head_dim starts with its default: head_dim 256 gets 128 (2.25 bits/element), not 256."""
+    """The default group (no flag, builtin or seed rotations) is 64 at every supported head_dim: the published
+    configuration (2.5 bits/element), and head_dim 256 starts with it (not 256, which no kernel takes)."""
     from sglang_oscar.config import default_group
 
     assert default_group(head_dim) == group
@@ -106,7 +106,7 @@ def test_default_group_per_head_dim(head_dim, group):
 
 def test_head_dim_256_default_group_serves_with_the_kernels():
     """A head_dim-256 model with the default group runs a supported kernel path end to end on the CPU: the pool
-    layout and the Triton decode take groups of 128 at D 256."""
+    layout and the Triton decode take its groups at D 256."""
     from sglang_oscar.config import default_group
     from sglang_oscar.kernels.layout import LayerCache
 
@@ -292,9 +292,10 @@ def test_launcher_picks_cuda_and_page_64_on_hopper_without_any_variable(monkeypa
     assert sa.overrides == ([("sglang_oscar", {"page_size": 64})] if want_page == 64 and user_page is None else [])
     lines = [r.getMessage() for r in caplog.records if "decode:" in r.getMessage()]
     assert len(lines) == 1 and lines[0] == "sglang_oscar: " + getattr(sa, hooks.DECODE_LINE_ATTR)
+    want_group = 64  # config.default_group: no flag, builtin rotation
     if history == "cuda":
         assert lines[0].startswith(f"sglang_oscar: decode: CUDA history stage and CUDA KV write up to 8 tokens, page "
-                                   f"size {want_page} (Hopper sm_90, head_dim 128, GQA 4, groups 128/128)")
+                                   f"size {want_page} (Hopper sm_90, head_dim 128, GQA 4, groups {want_group}/{want_group})")
     else:
         assert lines[0].startswith(f"sglang_oscar: decode: Triton history and KV write, page size {want_page} (no CUDA "
                                    "history stage: ")
@@ -322,7 +323,7 @@ def test_launcher_keeps_triton_on_cpu_and_other_shapes(monkeypatch, caplog):
     sa = _FakeServerArgs(_FakeModelConfig(head_dim=256, heads=16, kv_heads=8))
     hooks._choose_decode_path(sa, types.SimpleNamespace(page_size=None), o.current())
     line = getattr(sa, hooks.DECODE_LINE_ATTR)
-    assert sa.page_size == 1 and "this is head_dim 256, GQA 2, groups 128/128" in line, line
+    assert sa.page_size == 1 and "this is head_dim 256, GQA 2, groups 64/64" in line, line
 
 
 def test_launcher_refuses_a_bad_bundle_before_loading(monkeypatch, tmp_path):

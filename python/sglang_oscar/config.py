@@ -19,14 +19,18 @@ def groups_for(head_dim: int) -> list:
     return [g for g in SUPPORTED_GROUPS if g <= head_dim]
 
 
+SERVED_GROUP = 64  # 2.5 bits/element: the format whose accuracy and decode speed are published
+
+
 def default_group(head_dim: int) -> int:
-    """The group size when neither the flag nor a calibrated bundle sets one: the largest supported group that fits
-    the row (64 at head_dim 64, 128 at head_dim 128 and 256), i.e. 2.5 bits/element at head_dim 64 and 2.25 above.
-    Every supported head_dim has a decode path at its default group (kernels/shapes.py)."""
+    """The group size when neither the flag nor a calibrated bundle sets one: 64 at every supported head_dim
+    (2.5 bits/element), the one configuration whose accuracy (docs/results/accuracy.md) and decode-kernel table
+    (docs/results/kernels.md) are published; the flag can choose 128 (2.25 bits, more capacity, accuracy not
+    measured). Every supported head_dim has a decode path at this group (kernels/shapes.py)."""
     fits = groups_for(head_dim)
     if head_dim not in SUPPORTED_HEAD_DIMS or not fits:
         raise ValueError(f"head_dim {head_dim} is not supported by the OSCAR kernels (use one of {SUPPORTED_HEAD_DIMS})")
-    return max(fits)
+    return SERVED_GROUP if SERVED_GROUP in fits else max(fits)
 
 
 @dataclasses.dataclass(frozen=True)
