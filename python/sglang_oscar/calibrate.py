@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--context", type=int, default=None,
                    help="longest context the cache will serve: the windows are spread over RoPE positions "
-                        "[0, context) (default: the model's max_position_embeddings; 0: the windows' own positions)")
+                        "[0, context) (default: the model's max_position_embeddings; 0: the windows' own positions). "
+                        "Windows as long as the served context (--seq-len) fit better still")
     p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out tokens for clip calibration")
     p.add_argument("--clip", default=None, choices=("auto",), help="per-layer clip calibration (default)")
     p.add_argument("--clip-k", type=float, default=None, help="fixed K clip ratio for every layer")

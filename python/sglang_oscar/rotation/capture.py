@@ -232,7 +232,9 @@ def capture_statistics(
     with position, so a K mean, transform and clip fitted on short windows only fit the phases those
     windows reach. With context set, the windows (and held-out windows) are spread over
     [0, context) by extra RoPE rotations (window_offsets), so the statistics cover every phase
-    the server will store, without running windows that long."""
+    the server will store. It does not replace windows as long as the context (SmolLM2 at 8k: 42%
+    of bf16's NIAH answers kept with 2k windows + offsets, 0% without, 83% with 8k windows): keys
+    of deeper layers also depend on how much context they attend to."""
     if not windows:
         raise ValueError("capture_statistics needs at least one calibration window")
     shape = attention_shape(model)
