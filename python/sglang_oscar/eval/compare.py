@@ -455,6 +455,9 @@ def main(argv=None) -> int:
     cfg["niah_first"] = args.niah_first
     out_dir = Path(args.out_dir or ("runs/accuracy_quick" if args.quick else "runs/accuracy"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.quick:  # the README's main job leaves a file and a plot a user can open
+        args.json = args.json or str(out_dir / "report.json")
+        args.plot = args.plot or str(out_dir / "report.png")
     progress = not args.quiet
     model, tok, model_id = load_model(args.model, device=args.device)
     specs = method_specs(attention_shape(model)["head_dim"])
@@ -487,6 +490,9 @@ def main(argv=None) -> int:
                 Path(args.md).write_text(table + "\n")
             if args.plot:
                 plot(report, Path(args.plot))
+            for what, path in (("JSON", args.json), ("table", args.md), ("plot", args.plot)):
+                if path:
+                    print(f"wrote {what}: {path}")
         print(f"[{st}] done in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
     return 0
 
