@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from sglang_oscar.eval.niah import make_samples  # noqa: E402
+from sglang_oscar.eval.niah import _greedy_tokens, _truncate, make_samples  # noqa: E402
 from sglang_oscar.eval.simulator import MixedCacheSimulator, quantized_mask  # noqa: E402
 from sglang_oscar.quant.intq import _grouped  # noqa: E402
 
@@ -156,28 +155,6 @@ def needle_positions(tok, ids: list[int], values: list[str]) -> list[int]:
             continue
         pos += [i + shift for i, (a, b) in enumerate(offs) if a < c + len(v) and b > c]
     return pos
-
-
-@torch.no_grad()
-def greedy_tokens(model, tok, cache, first: int, n_answers: int, max_tokens: int) -> list[int]:
-    from sglang_oscar.eval.niah import _answer_done
-
-    dev = next(model.parameters()).device
-    toks = [first]
-    eos = tok.eos_token_id
-    while len(toks) < max_tokens and toks[-1] != eos:
-        text = tok.decode(toks)
-        if "\n" in text or _answer_done(text, n_answers):
-            break
-        out = model(input_ids=torch.tensor([[toks[-1]]], device=dev), past_key_values=cache, use_cache=True)
-        toks.append(int(out.logits[0, -1].argmax()))
-    return toks
-
-
-def truncate(cache, n: int) -> None:
-    from sglang_oscar.eval.niah import _truncate
-
-    _truncate(cache, n)
 
 
 @dataclasses.dataclass
@@ -322,8 +299,8 @@ def main(argv=None) -> int:
             ids = torch.tensor([s.prompt_ids], device=dev)
             shared = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             first = int(shared.logits[0, -1].argmax())
-            ans = greedy_tokens(model, tok, shared.past_key_values, first, len(s.answers), 12 * len(s.answers))
-            truncate(shared.past_key_values, len(s.prompt_ids))
+            ans = _greedy_tokens(model, tok, first, shared.past_key_values, 12 * len(s.answers), len(s.answers))
+            _truncate(shared.past_key_values, len(s.prompt_ids))
             text = tok.decode(ans)
             if not all(v in text for v in s.answers):
                 continue  # bf16 misses it: nothing to keep
@@ -347,7 +324,7 @@ def main(argv=None) -> int:
                     continue
                 with sim.attach(model):
                     out = model(input_ids=inp, past_key_values=shared.past_key_values, use_cache=True)
-                truncate(shared.past_key_values, len(s.prompt_ids))
+                _truncate(shared.past_key_values, len(s.prompt_ids))
                 lp = torch.log_softmax(out.logits[0].float(), -1)
                 cell[name]["kept"] += int(bool((lp.argmax(-1) == tgt)[digit].all()))
                 cell[name]["nll"] += float(-lp[torch.arange(len(tgt), device=dev), tgt][digit].sum())
