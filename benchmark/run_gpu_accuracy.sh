@@ -9,6 +9,8 @@
 #   call 2 (carry .acc/p2):               bash benchmark/run_gpu_accuracy.sh part .acc/p2
 #   call 3 (carry .acc/p3, runs/acc_full): bash benchmark/run_gpu_accuracy.sh run
 # Calls 2 and 3 must follow while the machine is warm (files outside the checkout stay 30 s).
+# STEPS: what `run` measures, in order (default "8192 4096 ppl 2048"); a step is ppl, LEN or LEN:TASK[+TASK]
+# (e.g. "8192:niah_multivalue 4096 2048"); STEP_TIMEOUT (600 s) bounds each.
 # `run` checks the GGUF's checksum, then writes niah_*.json, ppl.json and a log under $OUT; the
 # report is built here: copy them into runs/acc_full and run `--stage report` (see accuracy.md).
 set -euo pipefail
@@ -47,10 +49,13 @@ run)
                 | tee -a "$OUT/run.log"
             cp runs/acc_full/ppl.json "$OUT/"
         else
+            # LEN or LEN:TASK[+TASK...] (a subset of the NIAH tasks at that length, e.g. 8192:niah_multivalue)
+            len=${step%%:*}; tasks=""; tag="_$len"
+            if [ "$step" != "$len" ]; then tasks="--niah-tasks ${step#*:}"; tasks=${tasks//+/,}; tag="_${len}_${step#*:}"; tag=${tag//+/_}; fi
             timeout "${STEP_TIMEOUT:-600}" python3 -m sglang_oscar.eval.compare --stage niah --device cuda --out-dir runs/acc_full \
-                --methods "$METHODS" --niah-lengths "$step" --niah-tag "_$step" --quiet 2>&1 \
+                --methods "$METHODS" --niah-lengths "$len" $tasks --niah-tag "$tag" --quiet 2>&1 \
                 | grep -v -i "warn\|de-quantizing\|Loading weights" | tee -a "$OUT/run.log" || true
-            cp "runs/acc_full/niah_$step.json" "$OUT/" || true
+            cp "runs/acc_full/niah$tag.json" "$OUT/" || true
         fi
     done
     ;;

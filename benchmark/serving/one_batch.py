@@ -9,11 +9,9 @@ Runs `sglang.benchmark.one_batch` (stock modes) or `python -m sglang_oscar.bench
     python benchmark/serving/one_batch.py --model benchmark/serving/configs/qwen3-8b \
         --contexts 8192,32768,65536,100000 --modes int2,fi_bf16,fi_fp8,triton_bf16 [--profile]
 
-The paged pool and the CUDA history stage against the same baselines, in one call (Qwen3-8B shapes: the CUDA
-stage refuses shapes it does not cover at startup, and the refusal is recorded as that mode's error):
+The served default against the general path and the baselines, in one call:
 
-    python benchmark/serving/one_batch.py --contexts 32768,65536,100000 \
-        --modes int2,int2_page64,int2_cuda,fi_bf16,fi_fp8
+    python benchmark/serving/one_batch.py --contexts 32768,65536,100000 --modes int2,int2_page1,fi_bf16,fi_fp8
 
 --profile adds a torch-profiler trace (GPU kernels only) of two decode steps per context, taken
 after half the steps (the median over the other steps is unaffected), to $OUT/traces/; summarize
@@ -33,20 +31,15 @@ import sys
 import time
 from pathlib import Path
 
-_INT2 = ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128"]
+_INT2 = ["--max-running-requests", "16"]
 MODES = {
     # name: (attention backend, kv-cache dtype, extra flags, extra env)
-    # int2: G = 128 (2.25 bits/element), R = 16 requests' windows reserved; rotations from
+    # int2: the served default (groups of 64, 2.5 bits/element; on Hopper the server itself picks pages of 64 and
+    # the CUDA history stage and logs the choice), R = 16 requests' windows reserved; rotations from
     # $SGLANG_OSCAR_BUNDLE (default here builtin:hadamard: speed does not depend on the matrix)
     "int2": ("oscar_int2", "int2", _INT2, {}),
-    # the same with the extend (prefill) attention on torch SDPA instead of FlashInfer (before/after)
-    "int2_sdpa": ("oscar_int2", "int2", _INT2, {"SGLANG_OSCAR_EXTEND_ATTENTION": "sdpa"}),
-    # The paged pool and the CUDA history stage (docs/serving.md "Paged pool and the CUDA history stage"), both
-    # with int2's flags (G = 128): int2_page64 = --page-size 64, Triton history (the layout alone), int2_cuda =
-    # the same with SGLANG_OSCAR_HISTORY_KERNEL=cuda (the kernel alone; nvcc builds it at server start, outside
-    # the timed steps; a shape it does not cover fails the mode at startup, recorded with the error)
-    "int2_page64": ("oscar_int2", "int2", [*_INT2, "--page-size", "64"], {"SGLANG_OSCAR_HISTORY_KERNEL": "triton"}),
-    "int2_cuda": ("oscar_int2", "int2", [*_INT2, "--page-size", "64"], {"SGLANG_OSCAR_HISTORY_KERNEL": "cuda"}),
+    # the general path: --page-size 1 (the Triton history stage), for comparison
+    "int2_page1": ("oscar_int2", "int2", [*_INT2, "--page-size", "1"], {}),
     "fi_bf16": ("flashinfer", "auto", [], {}),
     "fi_fp8": ("flashinfer", "fp8_e4m3", [], {}),
     "triton_bf16": ("triton", "auto", [], {}),
