@@ -47,6 +47,8 @@ def test_specs_and_modes():
     assert tp_serve.parse_spec("8192x1024") == (8192, 1024, None)
     with pytest.raises(SystemExit):
         tp_serve.parse_spec("32k x 256")
-    backend, kv, flags = tp_serve.MODES["int2_cuda"]
-    assert (backend, kv) == ("oscar_int2", "int2") and flags[flags.index("--page-size") + 1] == "64"
-    assert tp_serve.MODE_ENV["int2_cuda"] == {"SGLANG_OSCAR_HISTORY_KERNEL": "cuda"}
+    # int2 is the served command: --kv-cache-dtype int2, the server picks backend, R, page size and kernels (the
+    # CUDA history stage on Hopper by itself: no int2_cuda mode, no SGLANG_OSCAR_HISTORY_KERNEL)
+    assert tp_serve.MODES["int2"] == (None, "int2", [])
+    assert tp_serve.MODES["int2_eager"] == (None, "int2", ["--disable-cuda-graph"])
+    assert "int2_cuda" not in tp_serve.MODES and not hasattr(tp_serve, "MODE_ENV")
