@@ -47,7 +47,9 @@ class Int2Setup:
         if r is None or auto:
             r, auto = capacity.auto_max_running_requests(available_bytes, self.shape, self.layout,
                                                          window_dtype=self.cfg.window_dtype), True
-        rows = capacity.default_sink_rows(r, self.cfg.sink) if self.num_sink_rows is None or auto else self.num_sink_rows
+        rows = self.num_sink_rows
+        if rows is None or auto:
+            rows = capacity.default_sink_rows(r, self.cfg.sink)
         return dataclasses.replace(self, max_running_requests=r, num_sink_rows=rows, requests_from_budget=auto,
                                    available_bytes=available_bytes, page_size=page_size)
 
