@@ -9,6 +9,7 @@
 #   call 5:                  bash benchmark/serving/serving_session.sh throughput100k
 #   (any later call)         bash benchmark/serving/serving_session.sh latency_cuda
 #   (any later call)         MODES=int2 bash benchmark/serving/serving_session.sh batch_decode (then fi_bf16)
+#   (any later call)         bash benchmark/serving/serving_session.sh capacity
 #
 # latency:  bs=1 prefill + decode latency of dummy-weight Qwen3-8B at 8k/32k/64k/100k for int2 and
 #           FlashInfer BF16 (one_batch.py, CUDA graphs, torch-profiler traces of 2 decode steps)
@@ -24,6 +25,9 @@
 #           fresh H200, 84 s of it FlashInfer's first JIT in the warmup prefill, then 1 s of graph capture and
 #           1.3 s per 32k prefill): on a fresh machine run it twice (or after `latency`); a mode cut short is
 #           recorded with its error.
+# capacity: bench_serving.py: each mode's server at --mem-fraction-static 0.85 with the most concurrent requests it
+#           fits per workload (WORKLOADS, default 32768:256), SGLang's own serving benchmark; steady decode
+#           throughput, TPOT, TTFT, job throughput. MODES defaults to int2,fi_bf16,fi_fp8.
 # Startup timeouts are 360 s: on a fresh machine FlashInfer's JIT compile alone took 145 s (FI BF16's
 # prefill CUDA graphs) and > 120 s (int2's first prefill) in call 16's session, and 240 s was cut.
 # Results: $OUT/*.json, one folder per call; benchmark/serving/collect.py merges the calls into
@@ -74,5 +78,10 @@ case "${1:-}" in
       --startup-timeout 400 --out "$OUT" 2>&1 | filt | tee "$OUT/tp_serve.log"
     pack batch_decode
     ;;
-  *) echo "usage: $0 latency|latency2|serve|throughput100k|latency_cuda|batch_decode"; exit 2 ;;
+  capacity)
+    timeout 595 python3 benchmark/serving/bench_serving.py --model $M --workloads "${WORKLOADS:-32768:256}" \
+      --modes "${MODES:-int2,fi_bf16,fi_fp8}" --time-budget 550 --out "$OUT" 2>&1 | filt | tee "$OUT/bench_serving.log"
+    pack capacity
+    ;;
+  *) echo "usage: $0 latency|latency2|serve|throughput100k|latency_cuda|batch_decode|capacity"; exit 2 ;;
 esac
