@@ -1,5 +1,6 @@
 """CPU checks of the serving benchmark's pure parts (benchmark/serving/): the batch-decode window of
-tp_serve.steady_gaps and the --batch-decode spec."""
+tp_serve.steady_gaps and the --batch-decode spec; bench_serving.py's steady decode window, fitting concurrency,
+synthetic tokenizer and rows; collect.py adding a bench_serving call to a device's results."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmark", "serving"))
 tp_serve = pytest.importorskip("tp_serve")
+bench_serving = pytest.importorskip("bench_serving")
+collect = pytest.importorskip("collect")
 
 
 def stream(t0, step, n, tokens_per_chunk=1):
@@ -47,6 +50,110 @@ def test_specs_and_modes():
     assert tp_serve.parse_spec("8192x1024") == (8192, 1024, None)
     with pytest.raises(SystemExit):
         tp_serve.parse_spec("32k x 256")
-    backend, kv, flags = tp_serve.MODES["int2_cuda"]
-    assert (backend, kv) == ("oscar_int2", "int2") and flags[flags.index("--page-size") + 1] == "64"
-    assert tp_serve.MODE_ENV["int2_cuda"] == {"SGLANG_OSCAR_HISTORY_KERNEL": "cuda"}
+    # int2 is the served command: --kv-cache-dtype int2, the server picks backend, R, page size and kernels (the
+    # CUDA history stage on Hopper by itself: no int2_cuda mode, no SGLANG_OSCAR_HISTORY_KERNEL)
+    assert tp_serve.MODES["int2"] == (None, "int2", [])
+    assert tp_serve.MODES["int2_eager"] == (None, "int2", ["--disable-cuda-graph"])
+    assert "int2_cuda" not in tp_serve.MODES and not hasattr(tp_serve, "MODE_ENV")
+    assert bench_serving.MODES["int2"][0] == ["--kv-cache-dtype", "int2"]
+
+
+# ---- bench_serving.py ---------------------------------------------------------------------------------------------
+
+def details(ttfts, itls, output_lens=None, errors=None):
+    n = len(ttfts)
+    return dict(ttfts=ttfts, itls=itls, output_lens=output_lens or [len(i) + 1 for i in itls],
+                errors=errors or [""] * n)
+
+
+def test_steady_window_counts_tokens_while_every_request_decodes():
+    # a: first token at 1.0 s, then 8 tokens 0.125 s apart (last at 2.0); b: first token at 1.5 s, 8 tokens
+    # 0.125 s apart (last at 2.5). Every request decodes in (1.5, 2.0]: a's 4 tokens at 1.625..2.0, b's 4 likewise
+    d = details([1.0, 1.5], [[0.125] * 8, [0.125] * 8])
+    w = bench_serving.steady_window(d)
+    assert (w["start_s"], w["end_s"], w["window_s"], w["tokens"]) == (1.5, 2.0, 0.5, 8)
+    assert w["decode_throughput"] == 16.0  # 2 requests x 8 tok/s
+    # a chunk of 3 tokens at the first token: 3 tokens at ttft, then one per gap
+    assert bench_serving.token_times(1.0, [0.5, 0.5], 4) == [1.0, 1.0, 1.5, 2.0]
+
+
+def test_steady_window_absent_when_a_request_finishes_before_the_last_first_token():
+    d = details([0.125, 5.0], [[0.125] * 8, [0.125] * 8])  # a finishes at 1.125 s, b starts decoding at 5.0 s
+    w = bench_serving.steady_window(d)
+    assert w["decode_throughput"] is None and w["tokens"] == 0
+    # a failed request (error, no output) does not close the window
+    d = details([1.0, 1.5, 0.0], [[0.125] * 8, [0.125] * 8, []], output_lens=[9, 9, 0], errors=["", "", "boom"])
+    assert bench_serving.steady_window(d)["decode_throughput"] == 16.0
+
+
+def test_rows_of_one_run():
+    d = details([1.0, 1.5], [[0.125] * 8, [0.125] * 8])
+    result = dict(d, median_tpot_ms=125.0, median_ttft_ms=1250.0, p99_ttft_ms=1495.0, output_throughput=7.2,
+                  completed=2)
+    rows = bench_serving.rows_of("int2", "qwen3-8b", 32768, 9, 2, result, "call7")
+    by = {r["metric"]: r for r in rows}
+    assert set(by) == {"decode_throughput", "steady_window", "tpot_median", "ttft_median", "ttft_p99",
+                       "job_output_throughput", "completed_requests"}
+    assert by["decode_throughput"] == dict(mode="int2", model="qwen3-8b", context=32768, output_len=9, batch=2,
+                                           run="call7", metric="decode_throughput", value=16.0, unit="tok/s")
+    assert (by["ttft_median"]["value"], by["ttft_median"]["unit"]) == (1.25, "s")
+    assert (by["tpot_median"]["value"], by["job_output_throughput"]["value"]) == (125.0, 7.2)
+    # no steady window: the metric is left out, not recorded as 0
+    none = dict(details([0.125, 5.0], [[0.125] * 8, [0.125] * 8]), output_throughput=1.0)
+    assert "decode_throughput" not in {r["metric"] for r in bench_serving.rows_of("x", "m", 1, 1, 2, none, "r")}
+
+
+def test_fitting_concurrency_and_workloads():
+    # Qwen3-8B int2 at 100 GiB: R = 188, 4,195,942 tokens -> 127 requests of 32k + 256 in pages of 64
+    assert bench_serving.fitting_concurrency(188, 4195942, 32768, 256, 64) == 4195942 // 33024 == 127
+    assert bench_serving.fitting_concurrency(188, 4195942, 100000, 256, 64) == 4195942 // 100288
+    assert bench_serving.fitting_concurrency(16, 4195942, 2048, 16384, 1) == 16  # R bounds short requests
+    assert bench_serving.parse_workloads("32768:256, 2048:16384") == [(32768, 256), (2048, 16384)]
+    for bad in ("32k:256", "100:0", ""):
+        with pytest.raises(SystemExit):
+            bench_serving.parse_workloads(bad)
+
+
+def test_synthetic_tokenizer_round_trips_random_ids(tmp_path):
+    import json
+    import random
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 5000}))
+    served = bench_serving.model_with_tokenizer(model, tmp_path / "work")
+    assert sorted(p.name for p in model.iterdir()) == ["config.json"]  # the source directory is not touched
+    tok = AutoTokenizer.from_pretrained(str(served))
+    assert tok.vocab_size == 5000
+    rnd = random.Random(0)
+    ids = [0, 4999] + [rnd.randrange(5000) for _ in range(500)]
+    text = tok.decode(ids)
+    assert tok.encode(text, add_special_tokens=False) == ids
+    # what the server streams back, decoded piecewise, re-encodes to the same count (bench_serving's retokenized len)
+    assert len(tok.encode(" ".join(tok.decode([i]) for i in ids), add_special_tokens=False)) == len(ids)
+
+
+def test_collect_adds_a_call_and_keeps_the_others(tmp_path):
+    import json
+
+    old = dict(device="NVIDIA H200", versions={}, commits={"call1": "abc"}, note="n",
+               rows=[dict(mode="int2", model="qwen3-8b", context=32768, batch=1, metric="decode_latency", value=6.7,
+                          unit="ms/token", run="call1", source="one_batch (in-process, CUDA graphs, bs=1)")])
+    path = tmp_path / "serving_NVIDIA_H200.json"
+    path.write_text(json.dumps(old))
+    d = details([1.0, 1.5], [[0.125] * 8, [0.125] * 8])
+    bench = dict(device="NVIDIA H200", commit="def", rows=bench_serving.rows_of(
+        "int2", "qwen3-8b", 32768, 9, 2, dict(d, output_throughput=7.2), "20260101-0000"))
+    doc = collect.add_bench_serving(path, bench, "call9")
+    assert doc["rows"][0] == old["rows"][0] and doc["commits"] == {"call1": "abc", "call9": "def"}
+    added = doc["rows"][1:]
+    assert added and all(r["run"] == "call9" and r["source"] == collect.BENCH_SERVING_SOURCE for r in added)
+    path.write_text(json.dumps(doc))
+    assert collect.add_bench_serving(path, bench, "call9")["rows"] == doc["rows"]  # adding twice keeps one copy
+    with pytest.raises(SystemExit, match="holds NVIDIA H200 rows"):
+        collect.add_bench_serving(path, dict(bench, device="cpu"), "call9")
+    pytest.importorskip("matplotlib")
+    (png,) = collect.plot_capacity(doc["rows"], tmp_path, "NVIDIA H200")
+    assert png.name == "serving_capacity_NVIDIA_H200.png" and png.stat().st_size > 1000

@@ -48,3 +48,49 @@ def test_issue_target_6_5x():
     assert 64 <= c.max_requests_for_ratio(6.5, 55 * GIB, QWEN3_8B, lay) < 256
     # G=64 costs 2.5 bits/element: its ceiling (6.4x) is under the target whatever the request count
     assert c.max_requests_for_ratio(6.5, 55 * GIB, QWEN3_8B, c.layout_for(64, 256, 64)) == 0
+
+
+def test_r_sized_from_the_budget_qwen3_8b():
+    """No --max-running-requests: R = the most requests whose windows fit in 1/10 of the budget. Qwen3-8B at the
+    served G=64 with 100 GiB (about what 0.85 of an H200 leaves after the weights): 188 requests' windows, and the
+    tokens left still hold 128 requests of 32k and are 9/10 of the INT2-only pool (5.76x BF16)."""
+    lay = c.layout_for(64, 256, 64)
+    budget = 100 * GIB
+    r = c.auto_max_running_requests(budget, QWEN3_8B, lay)
+    assert r == 188
+    fixed = c.fixed_bytes(QWEN3_8B, lay, r).total
+    assert fixed <= budget // 10 < c.fixed_bytes(QWEN3_8B, lay, r + 1).total
+    rep = c.capacity_report(budget, QWEN3_8B, lay, r)
+    assert rep.int2_tokens // 32768 == 128
+    assert rep.ratio == pytest.approx(0.9 * c.bf16_cell_bytes(QWEN3_8B) / c.int2_cell_bytes(QWEN3_8B, lay), rel=2e-3)
+    assert rep.ratio > 5.7
+    # the same share at every group: G=128 gives the same R and 6.4x, G=32 (5.3x ceiling) still serves
+    assert c.auto_max_running_requests(budget, QWEN3_8B, c.layout_for(64, 256, 128)) == 188
+    assert c.capacity_report(budget, QWEN3_8B, c.layout_for(64, 256, 128), 188).ratio > 6.39
+    assert c.auto_max_running_requests(budget, QWEN3_8B, c.layout_for(64, 256, 32)) == 188
+    # R scales with the budget and stops at SGLang's own smallest default
+    assert c.auto_max_running_requests(50 * GIB, QWEN3_8B, lay) == 94
+    assert c.auto_max_running_requests(10_000 * GIB, QWEN3_8B, lay) == c.MAX_AUTO_REQUESTS == 2048
+
+
+def test_budget_too_small_for_one_request_is_a_clear_error():
+    lay = c.layout_for(64, 256, 64)
+    one = c.fixed_bytes(QWEN3_8B, lay, 1).total  # 0.088 GiB: 2 x 256 ring rows (+ padding request) + 128 sink rows
+    assert c.auto_max_running_requests(10 * one, QWEN3_8B, lay) == 1
+    with pytest.raises(ValueError, match=r"KV budget is too small for int2: one request's BF16 windows take 0\.088 GiB"
+                                         r".*raise --mem-fraction-static or give --max-running-requests"):
+        c.auto_max_running_requests(10 * one - 10, QWEN3_8B, lay)
+
+
+def test_startup_line():
+    lay = c.layout_for(64, 256, 64)
+    rep = c.capacity_report(100 * GIB, QWEN3_8B, lay, 188)
+    line = c.capacity_line(rep.int2_tokens, rep, 188, 131072, from_budget=True)
+    assert line == (f"int2 KV: {rep.int2_tokens:,} tokens (5.8x BF16's {rep.bf16_tokens:,} in the same budget); "
+                    "windows reserved for R=188 requests (their windows sized to 1/10 of the budget); fits 188 "
+                    f"requests of 4k, 128 of 32k, {rep.int2_tokens // 100000} of 100k, {rep.int2_tokens // 131072} of "
+                    "128k (context length)")
+    # --max-total-tokens below what the budget holds, a short context: the cap is named, lengths past it dropped
+    line = c.capacity_line(4096, rep, 16, 256, from_budget=False)
+    assert line.startswith(f"int2 KV: 4,096 tokens (capped by --max-total-tokens; the budget holds {rep.int2_tokens:,}")
+    assert line.endswith("R=16 requests (--max-running-requests); fits 16 requests of 256 (context length)")

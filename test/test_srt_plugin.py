@@ -162,6 +162,19 @@ def test_prepare_server_args_accepts_int2(registered, int2_env):
                                      "oscar_int2", "--page-size", "16")).page_size == 16  # the user's, kept
 
 
+def test_plain_int2_command_selects_the_backend_and_leaves_r_to_the_budget(registered, int2_env):
+    """`--kv-cache-dtype int2` alone: the __post_init__ hook selects oscar_int2 before SGLang picks its own default
+    (the CLI and the Engine API both construct ServerArgs), and R stays unset for the pool sizing hook."""
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+    sa = prepare_server_args(_args("--kv-cache-dtype", "int2"))
+    assert sa.attention_backend == "oscar_int2" and sa.max_running_requests is None
+    assert sa.prefill_attention_backend in (None, "oscar_int2") and sa.decode_attention_backend in (None, "oscar_int2")
+    engine_style = ServerArgs(model_path=_MODEL["path"], device="cpu", kv_cache_dtype="int2")
+    assert engine_style.attention_backend == "oscar_int2"
+    assert ServerArgs(model_path=_MODEL["path"], device="cpu").attention_backend != "oscar_int2"  # stock: untouched
+
+
 def test_int2_with_its_backend_absorbs_v_by_default(registered, int2_env):
     from sglang.srt.server_args import prepare_server_args
 
@@ -186,7 +199,8 @@ def test_stock_dtypes_unchanged(registered, int2_env):
 
 @pytest.mark.parametrize("extra,match", [
     (("--attention-backend", "torch_native", "--max-running-requests", "8"), "oscar_int2"),
-    (("--attention-backend", "torch_native"), "--max-running-requests"),
+    (("--attention-backend", "torch_native"), "read only by --attention-backend oscar_int2 \\(got torch_native\\)"),
+    (("--decode-attention-backend", "triton"), "oscar_int2 \\(got .*triton\\)"),
     (("--max-running-requests", "8", "--kv-cache-quant-group-size", "48"), "not supported"),
     (("--max-running-requests", "8", "--enable-mixed-chunk"), "enable-mixed-chunk"),
 ])
@@ -283,6 +297,34 @@ def test_pool_sizing_equals_capacity_model(registered, int2_env, group, reqs, pa
     assert got == (budget - capacity.fixed_bytes(shape, layout, reqs).total) // cell // page * page
     assert hooks.resolve_max_num_reqs_after(4096, kvc, got) == reqs  # never more requests than rings
     assert hooks.resolve_max_num_reqs_after(reqs - 1, kvc, got) is None
+
+
+def test_pool_sizing_without_max_running_requests_sizes_r_from_the_budget(registered, int2_env, monkeypatch):
+    """No --max-running-requests: the sizing hook fixes R from the budget (capacity.auto_max_running_requests), the
+    tokens are what fits beside those windows, SGLang's request limit comes down to R, the pool is built for R, and
+    rank 0 logs the one capacity line."""
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+
+    kvc = fake_kvc(QWEN3_8B, max_running_requests=None)
+    kvc.model_config.context_len = 131072
+    conf = object.__new__(DefaultPoolConfigurator)
+    conf._cell_size = DefaultPoolConfigurator._compute_cell_size(conf, kvc, 36)
+    conf._zero_kv_max_tokens = 0
+    shape, layout = capacity.ModelShape(36, 8, 128), capacity.layout_for(64, 256, 64)
+    budget = 100 * 2**30
+    reqs = capacity.auto_max_running_requests(budget, shape, layout)
+    got = DefaultPoolConfigurator.calculate_pool_sizes(conf, budget, 64).max_total_num_tokens
+    assert got == capacity.max_total_num_tokens(budget, shape, layout, reqs, page_size=64)
+    logged = []
+    monkeypatch.setattr(hooks.logger, "info", lambda msg, *a: logged.append(msg % a))
+    assert hooks.resolve_max_num_reqs_after(2048, kvc, got) == reqs  # SGLang's own 2048 -> the windows' R
+    (line,) = [m for m in logged if "windows reserved" in m]
+    assert line.startswith(f"sglang_oscar: int2 KV: {got:,} tokens (5.8x BF16's ") and f"R={reqs} requests" in line
+    assert f"fits {reqs} requests of 4k, {min(reqs, got // 32768)} of 32k" in line and "(context length)" in line
+    assert setup_for_kvc(kvc).max_running_requests == reqs  # what the pool build hook allocates rings for
+    kvc.ps.world_rank = 1  # other ranks cap the same way and stay quiet
+    logged.clear()
+    assert hooks.resolve_max_num_reqs_after(2048, kvc, got) == reqs and not logged
 
 
 def test_windows_larger_than_budget_fail_clearly(registered, int2_env):

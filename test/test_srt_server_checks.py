@@ -5,7 +5,7 @@ import types
 import pytest
 
 from sglang_oscar.srt.options import OscarOptionError
-from sglang_oscar.srt.server_checks import adjust_cuda_graphs, check_server_args
+from sglang_oscar.srt.server_checks import adjust_cuda_graphs, check_server_args, select_backend
 
 
 class _Cfg(dict):
@@ -44,12 +44,34 @@ def test_other_kv_dtypes_untouched():
     assert adjust_cuda_graphs(sa) is None and sa.cuda_graph_config["prefill"].backend == "breakable"
 
 
-def test_int2_needs_pinned_requests_and_our_backend(monkeypatch):
-    with pytest.raises(OscarOptionError, match="--max-running-requests"):
-        check_server_args(_sa(max_running_requests=None))
-    with pytest.raises(OscarOptionError, match="oscar_int2"):
-        check_server_args(_sa(attention_backend="flashinfer"))
-    check_server_args(_sa())
+def test_plain_int2_needs_neither_r_nor_a_backend(monkeypatch):
+    """`--kv-cache-dtype int2` alone: R is sized from the KV budget later, and the backend is selected (before
+    SGLang's default would be, at the start of ServerArgs.__post_init__)."""
+    sa = _sa(max_running_requests=None, attention_backend=None)
+    check_server_args(sa)
+    assert select_backend(sa) == "--attention-backend oscar_int2 selected for --kv-cache-dtype int2"
+    assert sa.attention_backend == "oscar_int2"
+    check_server_args(sa)
+    assert select_backend(sa) is None  # already chosen: nothing to do
+    check_server_args(_sa(max_running_requests=8))  # an explicit R keeps working
+
+
+def test_another_backend_is_refused_and_never_replaced(monkeypatch):
+    for given in (dict(attention_backend="flashinfer"), dict(attention_backend=None, decode_attention_backend="fa3"),
+                  dict(attention_backend="oscar_int2", prefill_attention_backend="triton")):
+        sa = _sa(**given)
+        assert select_backend(sa) is None and sa.attention_backend == given["attention_backend"]
+        with pytest.raises(OscarOptionError, match="read only by --attention-backend oscar_int2 .*leave the attention "
+                                                   "backend out"):
+            check_server_args(sa)
+    stock = _sa(kv="auto", attention_backend=None)
+    assert select_backend(stock) is None and stock.attention_backend is None  # stock servers untouched
+
+
+def test_pipeline_stages_need_an_explicit_r(monkeypatch):
+    with pytest.raises(OscarOptionError, match="--pp-size > 1 needs --max-running-requests"):
+        check_server_args(_sa(max_running_requests=None, pp_size=2))
+    check_server_args(_sa(max_running_requests=8, pp_size=2))
 
 
 @pytest.mark.parametrize("page", [1, 16, 64, 256])

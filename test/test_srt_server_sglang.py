@@ -31,6 +31,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -739,20 +740,37 @@ def test_eval_drivers_run_against_the_int2_server(tiny_model, tmp_path):
     server response of exactly the requested length, no API errors, scores in [0, 1], and the server's
     log shows it answered exactly those requests on the driver's endpoint with HTTP 200 and prefilled
     exactly the prompt tokens the driver built (chat tasks: the messages under the model's chat
-    template; ruler: the token ids), in int2 mode (uint8 pool, the plugin's "int2 KV" line)."""
+    template; ruler: the token ids), in int2 mode (uint8 pool, the plugin's "int2 KV" line).
+
+    The server is the plain command, `--kv-cache-dtype int2` without --attention-backend or
+    --max-running-requests: the plugin selects oscar_int2, sizes R from the KV budget, SGLang's
+    running-request limit is that R, and one line states the capacity."""
     from transformers import AutoTokenizer
 
     from sglang_oscar.eval.tasks.ruler import Ruler
 
     chat_ok, completion_ok = '"POST /v1/chat/completions HTTP/1.1" 200 OK', '"POST /v1/completions HTTP/1.1" 200 OK'
 
-    srv = _Server(tiny_model, tmp_path / "eval.log", *FLAGS, "--max-running-requests", "4", env=ENV)
+    plain = tuple(f for f in FLAGS if f not in ("--attention-backend", "oscar_int2"))
+    srv = _Server(tiny_model, tmp_path / "eval.log", *plain, env=ENV)
     try:
         t0 = time.time()
         print(f"\n[eval] server ready in {_start(srv):.0f} s")
         log = srv.text()
         assert f"sglang_oscar: int2 KV: sink={SINK} recent={RECENT}" in log
         assert "KV Cache is allocated. dtype: torch.uint8" in log
+        assert "sglang_oscar: --attention-backend oscar_int2 selected for --kv-cache-dtype int2" in log
+        # --max-total-tokens 4096 (_Server) caps the pool; R comes from the budget (here free RAM: the 2048 cap)
+        line = re.search(r"sglang_oscar: int2 KV: 4,096 tokens \(capped by --max-total-tokens; the budget holds "
+                         r"[\d,]+, [\d.]+x BF16's [\d,]+\); windows reserved for R=(\d+) requests \(their windows "
+                         r"sized to 1/10 of the budget\); fits (\d+) requests of 256 \(context length\)\n", log)
+        assert line, log[-3000:]
+        reqs = int(line.group(1))
+        assert int(line.group(2)) == min(reqs, 4096 // 256) and log.count("windows reserved for R=") == 1
+        assert f"R={reqs} requests/worker (sized from the KV budget)" in log  # the rings the pool holds
+        assert f"max_running_requests={reqs}," in log  # the scheduler's limit is that R
+        state = _request(srv, "GET", "/server_info")["internal_states"][0]
+        assert state["effective_max_running_requests_per_dp"] == reqs and state["attention_backend"] == "oscar_int2"
         model = str(tiny_model)  # SGLang serves the model under its path; the drivers ask /v1/models
         tok = AutoTokenizer.from_pretrained(model)
 

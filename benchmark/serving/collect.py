@@ -4,6 +4,13 @@
     python benchmark/serving/collect.py benchmark/results/serving_h100 --out benchmark/results \
         --plots docs/results
 
+--add adds one call's bench_serving.py output (bench_serving_<device>.json, rows with output_len) to the
+device's existing serving_<device>.json under the run name given, replacing that run's rows from the same source,
+so the committed rows of earlier calls stay:
+
+    python benchmark/serving/collect.py --add /path/to/call_out --run call3 --out benchmark/results \
+        --plots docs/results
+
 Each call's folder (callN/) holds what one device call wrote: one_batch_*.json (bs=1 latency, one
 process per mode), serving_tp1_*.json (real servers: greedy checks, HTTP latency, throughput) and
 kernel_table.json (per-kernel GPU time of one decode step). `run` names the call, so ratios are
@@ -16,6 +23,8 @@ import argparse
 import json
 import re
 from pathlib import Path
+
+BENCH_SERVING_SOURCE = "bench_serving (sglang.benchmark.serving against a real server, dummy weights)"
 
 
 def load_calls(root: Path) -> list:
@@ -30,11 +39,12 @@ def rows_of(calls) -> tuple:
     rows, meta = [], {}
     for run, docs in calls:
         for name, doc in docs.items():
-            if name.startswith(("one_batch_", "serving_tp")):
+            if name.startswith(("one_batch_", "serving_tp", "bench_serving_")):
                 meta.setdefault("device", doc.get("device"))
                 meta.setdefault("versions", doc.get("versions"))
                 meta.setdefault("commits", {})[run] = doc.get("commit")
                 source = "one_batch (in-process, CUDA graphs, bs=1)" if name.startswith("one_batch") \
+                    else BENCH_SERVING_SOURCE if name.startswith("bench_serving_") \
                     else "server (sglang.launch_server, HTTP streaming)"
                 for r in doc["rows"]:
                     rows.append(dict(r, run=run, source=source))
@@ -51,6 +61,19 @@ def rows_of(calls) -> tuple:
                                      metric="gpu_busy_ms_per_step", value=t["busy_ms_per_step"], unit="ms", run=run,
                                      source="torch profiler, 2 decode steps"))
     return rows, meta
+
+
+def add_bench_serving(doc_path: Path, bench: dict, run: str) -> dict:
+    """serving_<device>.json (doc_path, if it exists) with a bench_serving.py output's rows added as `run`; rows of
+    the same run and source are replaced (adding a call twice keeps one copy)."""
+    doc = json.loads(doc_path.read_text()) if doc_path.exists() else dict(
+        device=bench["device"], versions=bench.get("versions"), commits={}, note="", rows=[])
+    if doc.get("device") != bench["device"]:
+        raise SystemExit(f"{doc_path} holds {doc.get('device')} rows; this output is from {bench['device']}")
+    doc["rows"] = [r for r in doc["rows"] if not (r.get("run") == run and r.get("source") == BENCH_SERVING_SOURCE)]
+    doc["rows"] += [dict(r, run=run, source=BENCH_SERVING_SOURCE) for r in bench["rows"]]
+    doc.setdefault("commits", {})[run] = bench.get("commit")
+    return doc
 
 
 LATEST_RUNS = 4  # calls per model in the bs=1 latency plot
@@ -124,12 +147,69 @@ def plot(rows, out: Path, device: str) -> list:
     return paths
 
 
+def plot_capacity(rows, out: Path, device: str) -> list:
+    """serving_capacity_<device>.png: steady decode throughput (tok/s) against the concurrency, one panel per
+    workload (IN/OUT), one line per mode, from bench_serving.py rows (the latest run of each workload and mode)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    thr = [r for r in rows if r["metric"] == "decode_throughput" and r.get("output_len")]
+    if not thr:
+        return []
+    latest = {}
+    for r in thr:  # rows come in run order: the last run of a (workload, mode) wins
+        latest.setdefault((r["context"], r["output_len"], r["mode"]), {})[r["run"]] = r
+    loads = sorted({(c, o) for c, o, _ in latest})
+    fig, axes = plt.subplots(1, len(loads), figsize=(5 * len(loads), 4), squeeze=False)
+    for ax, (ctx, n_out) in zip(axes[0], loads):
+        for mode in sorted({m for c, o, m in latest if (c, o) == (ctx, n_out)}):
+            by_run = latest[(ctx, n_out, mode)]
+            run = list(by_run)[-1]
+            pts = sorted((r["batch"], r["value"]) for r in thr if (r["context"], r["output_len"], r["mode"],
+                                                                   r["run"]) == (ctx, n_out, mode, run))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{mode} ({run})")
+            for b, v in pts:
+                ax.annotate(f"{v:,.0f}", (b, v), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set(xlabel="concurrent requests (the most that fit, unless swept)", ylabel="steady decode tok/s",
+               title=f"{ctx:,} in / {n_out:,} out, {device}")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = out / f"serving_capacity_{_tag(device)}.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return [p]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", type=Path)
+    ap.add_argument("root", type=Path, nargs="?")
     ap.add_argument("--out", type=Path, default=Path("benchmark/results"))
     ap.add_argument("--plots", type=Path, default=None)
+    ap.add_argument("--add", type=Path, default=None, help="a bench_serving.py output folder (or its JSON) to add")
+    ap.add_argument("--run", default=None, help="with --add: the run name of its rows (e.g. call3)")
     args = ap.parse_args()
+    if args.add is not None:
+        if not args.run:
+            raise SystemExit("--add needs --run NAME")
+        files = [args.add] if args.add.is_file() else sorted(args.add.glob("bench_serving_*.json"))
+        if len(files) != 1:
+            raise SystemExit(f"--add {args.add}: expected one bench_serving_<device>.json, found {len(files)}")
+        bench = json.loads(files[0].read_text())
+        path = args.out / f"serving_{_tag(bench['device'])}.json"
+        doc = add_bench_serving(path, bench, args.run)
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print("wrote", path, len(doc["rows"]), "rows")
+        if args.plots:
+            for p in plot_capacity(doc["rows"], args.plots, doc["device"]):
+                print("wrote", p)
+        return
+    if args.root is None:
+        raise SystemExit("give the calls' folder (root) or --add")
     rows, meta = rows_of(load_calls(args.root))
     if not rows:
         raise SystemExit(f"no results under {args.root}/call*/")
@@ -142,7 +222,7 @@ def main() -> None:
     (args.out / name).write_text(json.dumps(doc, indent=1) + "\n")
     print("wrote", args.out / name, len(rows), "rows")
     if args.plots:
-        for p in plot(rows, args.plots, device):
+        for p in plot(rows, args.plots, device) + plot_capacity(rows, args.plots, device):
             print("wrote", p)
 
 

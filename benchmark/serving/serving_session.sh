@@ -8,7 +8,8 @@
 #   call 4:                  bash benchmark/serving/serving_session.sh serve
 #   call 5:                  bash benchmark/serving/serving_session.sh throughput100k
 #   (any later call)         bash benchmark/serving/serving_session.sh latency_cuda
-#   (any later call)         MODES=int2_cuda bash benchmark/serving/serving_session.sh batch_decode (then fi_bf16)
+#   (any later call)         MODES=int2 bash benchmark/serving/serving_session.sh batch_decode (then fi_bf16)
+#   (any later call)         bash benchmark/serving/serving_session.sh capacity
 #
 # latency:  bs=1 prefill + decode latency of dummy-weight Qwen3-8B at 8k/32k/64k/100k for int2 and
 #           FlashInfer BF16 (one_batch.py, CUDA graphs, torch-profiler traces of 2 decode steps)
@@ -17,13 +18,16 @@
 #           graph == eager, capacity, bs=1 latency at 32k/100k through HTTP, job throughput at
 #           8k in / 1k out with 32 concurrent requests
 # throughput100k: job throughput at 100k in / 1k out with the largest batch each mode fits
-# latency_cuda: the paged pool and the CUDA history stage in one call: int2 (G 128, page 1), int2_page64
-#           (--page-size 64, Triton), int2_cuda (the same + SGLANG_OSCAR_HISTORY_KERNEL=cuda, nvcc build at
-#           server start), FlashInfer BF16 / FP8; CONTEXTS, BATCH and MODES override the defaults (batch >= 8
-#           is where the CUDA history measured faster than Triton). Each mode has 110 s,
-#           enough once the JIT caches are warm (an int2_cuda mode took 131 s in all on a fresh H200, 84 s of it
-#           FlashInfer's first JIT in the warmup prefill, then 1 s of graph capture and 1.3 s per 32k prefill):
-#           on a fresh machine run it twice (or after `latency`); a mode cut short is recorded with its error.
+# latency_cuda: int2 against FlashInfer BF16 / FP8 in one call (one_batch.py); on Hopper the int2 server runs the
+#           CUDA history stage on pages of 64 by itself (nvcc build at server start); CONTEXTS, BATCH and MODES
+#           override the defaults (batch >= 8 is where the CUDA history measured faster than Triton). Each mode
+#           has 110 s, enough once the JIT caches are warm (an int2 mode on the CUDA stage took 131 s in all on a
+#           fresh H200, 84 s of it FlashInfer's first JIT in the warmup prefill, then 1 s of graph capture and
+#           1.3 s per 32k prefill): on a fresh machine run it twice (or after `latency`); a mode cut short is
+#           recorded with its error.
+# capacity: bench_serving.py: each mode's server at --mem-fraction-static 0.85 with the most concurrent requests it
+#           fits per workload (WORKLOADS, default 32768:256), SGLang's own serving benchmark; steady decode
+#           throughput, TPOT, TTFT, job throughput. MODES defaults to int2,fi_bf16,fi_fp8.
 # Startup timeouts are 360 s: on a fresh machine FlashInfer's JIT compile alone took 145 s (FI BF16's
 # prefill CUDA graphs) and > 120 s (int2's first prefill) in call 16's session, and 240 s was cut.
 # Results: $OUT/*.json, one folder per call; benchmark/serving/collect.py merges the calls into
@@ -48,7 +52,7 @@ case "${1:-}" in
   serve)
     timeout 570 python3 benchmark/serving/tp_serve.py --model $M --tp 1 --modes int2,int2_eager,fi_bf16 \
       --contexts 32768,100000 --graph-max-bs 32 --mem-fraction 0.7 --throughput 8192x1024@32 \
-      --int2-flags "--max-running-requests 32" --startup-timeout 360 --out "$OUT" 2>&1 | filt | tee "$OUT/tp_serve.log"
+      --startup-timeout 360 --out "$OUT" 2>&1 | filt | tee "$OUT/tp_serve.log"
     pack serve
     ;;
   throughput100k)
@@ -59,7 +63,7 @@ case "${1:-}" in
     ;;
   latency_cuda)
     timeout 575 python3 benchmark/serving/one_batch.py --model $M --contexts "${CONTEXTS:-32768,100000}" \
-      --batch "${BATCH:-1}" --graph-max-bs "${BATCH:-1}" --modes "${MODES:-int2,int2_page64,int2_cuda,fi_bf16,fi_fp8}" \
+      --batch "${BATCH:-1}" --graph-max-bs "${BATCH:-1}" --modes "${MODES:-int2,fi_bf16,fi_fp8}" \
       --timeout 110 \
       --out "$OUT" 2>&1 | filt | tee "$OUT/one_batch.log"
     pack latency_cuda
@@ -67,12 +71,17 @@ case "${1:-}" in
   batch_decode)
     # the decode step at batch N through a real server (tp_serve.py --batch-decode: N prompts prefilled, then
     # decoded together; chunked prefill, so no one-forward prefill runs out of memory as in one_batch). One mode
-    # per call (a fresh server's JIT takes 2-4 minutes): MODES=int2_cuda, then MODES=fi_bf16. GRAPH_BS must cover
+    # per call (a fresh server's JIT takes 2-4 minutes): MODES=int2, then MODES=fi_bf16. GRAPH_BS must cover
     # the largest N, or that batch runs without CUDA graphs.
-    timeout 585 python3 benchmark/serving/tp_serve.py --model $M --tp 1 --modes "${MODES:-int2_cuda}" --contexts "" \
+    timeout 585 python3 benchmark/serving/tp_serve.py --model $M --tp 1 --modes "${MODES:-int2}" --contexts "" \
       --batch-decode "${SPECS:-32768x256@8}" --graph-max-bs "${GRAPH_BS:-8}" --mem-fraction 0.85 \
       --startup-timeout 400 --out "$OUT" 2>&1 | filt | tee "$OUT/tp_serve.log"
     pack batch_decode
     ;;
-  *) echo "usage: $0 latency|latency2|serve|throughput100k|latency_cuda|batch_decode"; exit 2 ;;
+  capacity)
+    timeout 595 python3 benchmark/serving/bench_serving.py --model $M --workloads "${WORKLOADS:-32768:256}" \
+      --modes "${MODES:-int2,fi_bf16,fi_fp8}" --time-budget 550 --out "$OUT" 2>&1 | filt | tee "$OUT/bench_serving.log"
+    pack capacity
+    ;;
+  *) echo "usage: $0 latency|latency2|serve|throughput100k|latency_cuda|batch_decode|capacity"; exit 2 ;;
 esac

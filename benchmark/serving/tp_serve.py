@@ -39,19 +39,17 @@ import time
 import urllib.request
 from pathlib import Path
 
-_INT2 = ["--max-running-requests", "16", "--kv-cache-quant-group-size", "128"]
 MODES = {
-    # name: (attention backend, kv-cache dtype, extra flags)  -- as in one_batch.py
-    "int2": ("oscar_int2", "int2", _INT2),
-    "int2_eager": ("oscar_int2", "int2", [*_INT2, "--disable-cuda-graph"]),  # greedy only: CUDA graph == eager check
-    # the paged pool and the CUDA history stage (docs/serving.md), int2's flags otherwise
-    "int2_cuda": ("oscar_int2", "int2", [*_INT2, "--page-size", "64"]),
+    # name: (attention backend or None, kv-cache dtype, extra flags). int2 is the served command, nothing else: the
+    # server selects oscar_int2, sizes the running-request limit from the KV budget, and picks the decode kernels and
+    # the page size (the CUDA history stage on pages of 64 on Hopper, docs/serving.md "Which decode path").
+    "int2": (None, "int2", []),
+    "int2_eager": (None, "int2", ["--disable-cuda-graph"]),  # greedy only: CUDA graph == eager check
     "fi_bf16": ("flashinfer", "auto", []),
     "fi_fp8": ("flashinfer", "fp8_e4m3", []),
     "triton_bf16": ("triton", "auto", []),
     "torch_native": ("torch_native", "auto", []),  # the CPU harness's stock backend (checks this script)
 }
-MODE_ENV = {"int2_cuda": {"SGLANG_OSCAR_HISTORY_KERNEL": "cuda"}}
 GREEDY_PROMPTS = (16, 100, 200, 250)  # + GREEDY_NEW <= 64 + 256: inside the int2 windows
 GREEDY_NEW = 32
 PLUGIN_CAPACITY = re.compile(r"int2 ([\d,]+) tokens \(([\d,]+) B/token\) vs bf16 ([\d,]+) .*?= ([0-9.]+)x")
@@ -190,11 +188,11 @@ class Server:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
                "--skip-tokenizer-init", "--tp", str(args.tp), "--host", "127.0.0.1", "--port", str(port),
                "--mem-fraction-static", str(args.mem_fraction), "--context-length", str(args.context_length),
-               "--attention-backend", backend, "--kv-cache-dtype", kv, "--cuda-graph-max-bs", str(args.graph_max_bs),
+               *(["--attention-backend", backend] if backend else []), "--kv-cache-dtype", kv,
+               "--cuda-graph-max-bs", str(args.graph_max_bs),
                *extra, *args.flags.split(), *(args.int2_flags.split() if kv == "int2" else [])]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1",
                    NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-        env.update(MODE_ENV.get(mode, {}))
         if kv == "int2":
             env.setdefault("SGLANG_OSCAR_BUNDLE", "builtin:hadamard")
             for kv_pair in args.int2_env:
@@ -260,7 +258,10 @@ def run_mode(mode: str, args, gpus: str, port: int, log_dir: Path) -> dict:
             res["capacity_ratio_same_budget"] = float(m.group(4))
         info = srv.info()
         res["max_total_num_tokens"] = find_key(info, "max_total_num_tokens")
-        res["max_running_requests"] = find_key(info, "max_running_requests")  # int2: its window slots
+        # the scheduler's limit (int2: the requests its windows are reserved for); the server-args field is None
+        # when --max-running-requests was not given
+        res["max_running_requests"] = (find_key(info, "effective_max_running_requests_per_dp")
+                                       or find_key(info, "max_running_requests"))
         rnd = random.Random(0)
         res["greedy"] = []
         for n in GREEDY_PROMPTS:

@@ -14,8 +14,13 @@ Our pool has a per-token part and a fixed part:
     where one BF16 "row" = all layers x local KV heads x head_dim x (K, V).
 
 The fixed part depends on R = max_running_requests, which SGLang only decides after the token
-count, so the plugin pins R (from --max-running-requests) before sizing and subtracts the fixed
-bytes from the budget; then max_total_num_tokens is exactly what fits.
+count, so the plugin fixes R before sizing and subtracts the fixed bytes from the budget; then
+max_total_num_tokens is exactly what fits. R is --max-running-requests when given, else
+auto_max_running_requests: the most requests whose windows take at most 1/WINDOW_SHARE of the
+budget. Each request's windows cost as many bytes as ~2.5k INT2 tokens (Qwen3-8B, G=64), so a
+tenth of the budget sizes R for requests of ~22k tokens on average: shorter requests are bounded
+by R, longer ones by the token count, and the pool keeps 9/10 of its INT2-only tokens at any group
+size (a fixed ratio-to-BF16 target could not: G=32's INT2-only ceiling is 5.3x BF16).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from ..config import CacheLayout, QuantFormat
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 SINK_TABLE_BYTES = 4  # int32 per slot
 DEFAULT_SINK_ROW_FACTOR = 2  # sink rows for R live requests + as many cached prefixes (see docs)
+WINDOW_SHARE = 10  # without --max-running-requests the BF16 windows get at most 1/10 of the KV budget
+MAX_AUTO_REQUESTS = 2048  # and R stays <= SGLang 0.5.17's smallest own default (resolve_max_num_reqs)
+LINE_LENGTHS = (4096, 32768, 100000)  # request lengths the startup line counts (plus the context length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +109,7 @@ def max_total_num_tokens(available_bytes: int, shape: ModelShape, layout: CacheL
                         window_dtype=window_dtype).total
     if fixed >= available_bytes:
         raise ValueError(f"the BF16 windows of {max_running_requests} requests need {fixed / 2**30:.2f} GiB, more "
-                         f"than the {available_bytes / 2**30:.2f} GiB KV budget; lower --max-running-requests, "
+                         f"than the {available_bytes / 2**30:.2f} GiB KV budget; lower --max-running-requests or "
                          f"the window sizes, or raise --mem-fraction-static")
     tokens = (available_bytes - fixed) // int2_cell_bytes(shape, layout)
     return tokens // page_size * page_size
@@ -158,3 +166,43 @@ def max_requests_for_ratio(target: float, available_bytes: int, shape: ModelShap
             good = False
         lo, hi = (mid, hi) if good else (lo, mid)
     return lo
+
+
+def auto_max_running_requests(available_bytes: int, shape: ModelShape, layout: CacheLayout, *,
+                              window_dtype: str = "bfloat16") -> int:
+    """R when --max-running-requests is not given: the most requests whose BF16 windows (ring, sink rows,
+    ring_start: fixed_bytes) fit in 1/WINDOW_SHARE of the KV budget, at most MAX_AUTO_REQUESTS."""
+    share = available_bytes // WINDOW_SHARE
+    fits = lambda r: fixed_bytes(shape, layout, r, window_dtype=window_dtype).total <= share  # noqa: E731
+    if not fits(1):
+        one = fixed_bytes(shape, layout, 1, window_dtype=window_dtype).total
+        raise ValueError(f"the {available_bytes / 2**30:.2f} GiB KV budget is too small for int2: one request's BF16 "
+                         f"windows take {one / 2**30:.3f} GiB, more than the 1/{WINDOW_SHARE} of the budget they get "
+                         "without --max-running-requests; raise --mem-fraction-static or give --max-running-requests")
+    lo, hi = 1, MAX_AUTO_REQUESTS
+    if fits(hi):
+        return hi
+    while hi - lo > 1:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _length(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else f"{n / 1000:g}k" if n % 1000 == 0 else f"{n:,}"
+
+
+def capacity_line(tokens: int, report: CapacityReport, max_running_requests: int, context_len: Optional[int],
+                  *, from_budget: bool) -> str:
+    """The startup line: the pool's tokens against BF16 in the same budget, R, and how many requests of a few
+    lengths run at once (min(R, tokens // length))."""
+    head = f"int2 KV: {tokens:,} tokens ({report.ratio:.1f}x BF16's {report.bf16_tokens:,} in the same budget)"
+    if tokens < report.int2_tokens:
+        head = (f"int2 KV: {tokens:,} tokens (capped by --max-total-tokens; the budget holds {report.int2_tokens:,}, "
+                f"{report.ratio:.1f}x BF16's {report.bf16_tokens:,})")
+    why = f"their windows sized to 1/{WINDOW_SHARE} of the budget" if from_budget else "--max-running-requests"
+    lengths = sorted({n for n in LINE_LENGTHS if not context_len or n < context_len} | ({context_len} - {None, 0}))
+    fits = [(min(max_running_requests, tokens // n), n) for n in lengths]
+    fit_text = ", ".join(f"{k} {'requests ' if i == 0 else ''}of {_length(n)}"
+                         + (" (context length)" if n == context_len else "") for i, (k, n) in enumerate(fits))
+    return f"{head}; windows reserved for R={max_running_requests} requests ({why}); fits {fit_text}"

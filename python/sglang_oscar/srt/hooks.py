@@ -12,7 +12,7 @@ import os
 
 from ..rotation.bundle import BundleError
 from . import options
-from .server_checks import INT2, adjust_cuda_graphs, check_page_size, check_server_args, is_int2
+from .server_checks import INT2, adjust_cuda_graphs, check_page_size, check_server_args, is_int2, select_backend
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,17 @@ def add_cli_args_after(result, parser):
     return None
 
 
-# 2. ServerArgs.from_cli_args (classmethod), AFTER: carry our flag, check everything before anything is loaded, ---
+# 2a. ServerArgs.__post_init__, BEFORE: int2 without an attention backend gets oscar_int2 ---------------
+#     (before SGLang resolves its own default; the CLI and the Engine API both construct ServerArgs)
+
+def post_init_before(self):
+    msg = select_backend(self)
+    if msg:
+        logger.info("sglang_oscar: %s", msg)
+    return None
+
+
+# 2b. ServerArgs.from_cli_args (classmethod), AFTER: carry our flag, check everything before anything is loaded, ---
 #    and choose the decode kernels and the page size
 
 DECODE_LINE_ATTR = "_oscar_decode_line"  # on ServerArgs: the launcher's decode choice, pickled to the schedulers
@@ -147,6 +157,10 @@ def calculate_pool_sizes_around(original, self, available_bytes, page_size):
     s = getattr(self, "_oscar_setup", None)
     if s is None:
         return original(self, available_bytes, page_size)
+    from .int2_setup import size_for_budget
+
+    # R is known from here on: --max-running-requests, else sized from this budget (capacity.py)
+    s = self._oscar_setup = size_for_budget(s, available_bytes, page_size)
     tokens = s.max_total_num_tokens(available_bytes, page_size)  # raises if the windows do not fit
     config = original(self, available_bytes - s.fixed.total, page_size)
     if config.max_total_num_tokens != tokens:
@@ -156,18 +170,30 @@ def calculate_pool_sizes_around(original, self, available_bytes, page_size):
     return config
 
 
-# 6. KVCacheConfigurator.resolve_max_num_reqs, AFTER: never more requests than windows reserved ----
+# 6. KVCacheConfigurator.resolve_max_num_reqs, AFTER: never more requests than windows reserved; the startup line -
 
 def resolve_max_num_reqs_after(result, self, token_capacity):
     if getattr(self, "kv_cache_dtype_str", None) != INT2:
         return None
     from .int2_setup import setup_for_kvc
 
-    cap = setup_for_kvc(self).max_running_requests
-    if result > cap:
+    s = setup_for_kvc(self)
+    cap = s.sized_requests()
+    final = min(result, cap)
+    if result > cap and not s.requests_from_budget:
         logger.info("sglang_oscar: max running requests %d -> %d (BF16 rings reserved for %d)", result, cap, cap)
-        return cap
-    return None
+    if _rank(self) == 0:
+        logger.info("sglang_oscar: %s", s.startup_line(token_capacity, final,
+                                                       getattr(self.model_config, "context_len", None)))
+    return final if final != result else None
+
+
+def _rank(kvc) -> int:
+    """This process's global rank (0 outside a distributed server)."""
+    try:
+        return int(getattr(kvc.ps, "world_rank", 0) or 0)
+    except Exception:  # noqa: BLE001 - a server without distributed state is rank 0
+        return 0
 
 
 def _published(read, default):
@@ -215,8 +241,16 @@ def build_mha_kv_pool_around(original, self, *, max_total_num_tokens, mha_pool_c
         start_layer=self.layer_info.start_layer,
         end_layer=self.layer_info.end_layer,
         enable_alt_stream=not _published(lambda: kvc_mod.get_disagg().enable_pdmux, False),
-        setup=setup_for_kvc(self),
+        setup=_sized_setup(self),
     )
+
+
+def _sized_setup(kvc):
+    from .int2_setup import setup_for_kvc
+
+    s = setup_for_kvc(kvc)
+    s.sized_requests()  # the pool needs R: raises if the sizing hook has not run
+    return s
 
 
 # 8. KVCacheConfigurator._init_pools, AFTER: bind the pool to the request table and allocator ------

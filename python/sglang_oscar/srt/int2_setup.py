@@ -28,27 +28,57 @@ class Int2Setup:
     plan: StartupPlan
     shape: capacity.ModelShape  # num_layers = this rank's layers; kv_heads total (+ tp_size)
     layout: CacheLayout
-    max_running_requests: int  # R per attention-DP worker: the ring is reserved for R (+1 padding) requests
-    num_sink_rows: int
+    # R per attention-DP worker: the ring is reserved for R (+1 padding) requests. None until the pool sizing
+    # hook knows the budget when --max-running-requests is not given (then capacity.auto_max_running_requests).
+    max_running_requests: Optional[int]
+    num_sink_rows: Optional[int]  # None: capacity.default_sink_rows(R), set with R
+    requests_from_budget: bool = False  # R was sized from the budget (no --max-running-requests)
+    available_bytes: Optional[int] = None  # the KV budget it was sized for
+    page_size: int = 1
+    cache_key: tuple = dataclasses.field(default=(), compare=False)
 
     @property
     def cell_bytes(self) -> int:
         return capacity.int2_cell_bytes(self.shape, self.layout)
 
+    def for_budget(self, available_bytes: int, page_size: int) -> "Int2Setup":
+        """This setup with R fixed for a KV budget: the given R, else the one capacity.py sizes from the budget."""
+        r, auto = self.max_running_requests, self.requests_from_budget
+        if r is None or auto:
+            r, auto = capacity.auto_max_running_requests(available_bytes, self.shape, self.layout,
+                                                         window_dtype=self.cfg.window_dtype), True
+        rows = self.num_sink_rows
+        if rows is None or auto:
+            rows = capacity.default_sink_rows(r, self.cfg.sink)
+        return dataclasses.replace(self, max_running_requests=r, num_sink_rows=rows, requests_from_budget=auto,
+                                   available_bytes=available_bytes, page_size=page_size)
+
+    def sized_requests(self) -> int:
+        """R; an error if the pool sizing hook has not fixed it yet."""
+        if self.max_running_requests is None:
+            raise RuntimeError("sglang_oscar: the int2 pool is used before the pool sizing hook fixed its request "
+                               "count; this SGLang version sizes KV pools in another order")
+        return self.max_running_requests
+
     @property
     def fixed(self) -> capacity.FixedBytes:
-        return capacity.fixed_bytes(self.shape, self.layout, self.max_running_requests,
-                                    num_sink_rows=self.num_sink_rows, window_dtype=self.cfg.window_dtype)
+        return capacity.fixed_bytes(self.shape, self.layout, self.sized_requests(), num_sink_rows=self.num_sink_rows,
+                                    window_dtype=self.cfg.window_dtype)
 
     def max_total_num_tokens(self, available_bytes: int, page_size: int) -> int:
-        return capacity.max_total_num_tokens(available_bytes, self.shape, self.layout, self.max_running_requests,
+        return capacity.max_total_num_tokens(available_bytes, self.shape, self.layout, self.sized_requests(),
                                              page_size=page_size, num_sink_rows=self.num_sink_rows,
                                              window_dtype=self.cfg.window_dtype)
 
     def report(self, available_bytes: int, page_size: int) -> capacity.CapacityReport:
-        return capacity.capacity_report(available_bytes, self.shape, self.layout, self.max_running_requests,
+        return capacity.capacity_report(available_bytes, self.shape, self.layout, self.sized_requests(),
                                         page_size=page_size, num_sink_rows=self.num_sink_rows,
                                         window_dtype=self.cfg.window_dtype)
+
+    def startup_line(self, tokens: int, max_running_requests: int, context_len: Optional[int]) -> str:
+        """capacity.capacity_line for the final token count and running-request limit SGLang settled on."""
+        return capacity.capacity_line(tokens, self.report(self.available_bytes, self.page_size), max_running_requests,
+                                      context_len, from_budget=self.requests_from_budget)
 
 
 def model_info(model_config, tp_size: int) -> ModelInfo:
@@ -100,9 +130,10 @@ def check_before_load(sa, cfg: OscarServeConfig, model_config=None) -> tuple:
 
 
 def build_setup(cfg: OscarServeConfig, info: ModelInfo, *, tp_rank: int, num_layers: int,
-                max_running_requests: int, num_sink_rows: Optional[int] = None) -> Int2Setup:
-    """Pure: the options + model + rank -> what to allocate (no SGLang objects)."""
-    if max_running_requests < 1:
+                max_running_requests: Optional[int], num_sink_rows: Optional[int] = None) -> Int2Setup:
+    """Pure: the options + model + rank -> what to allocate (no SGLang objects). max_running_requests None: sized
+    from the KV budget later (Int2Setup.for_budget)."""
+    if max_running_requests is not None and max_running_requests < 1:
         raise OscarOptionError(f"max running requests per worker is {max_running_requests}; int2 needs >= 1 "
                                "(raise --max-running-requests)")
     plan = plan_rank(cfg, info, tp_rank)  # loads + validates the bundle against the model
@@ -111,15 +142,17 @@ def build_setup(cfg: OscarServeConfig, info: ModelInfo, *, tp_rank: int, num_lay
         raise OscarOptionError(f"KV heads per rank disagree: capacity {shape.kv_heads_per_rank}, "
                                f"rotation shard {plan.kv_heads_local}")
     layout = capacity.layout_for(cfg.sink, cfg.recent, plan.k_group, plan.v_group)
-    rows = capacity.default_sink_rows(max_running_requests, cfg.sink) if num_sink_rows is None else num_sink_rows
-    return Int2Setup(cfg, plan, shape, layout, max_running_requests, rows)
+    if num_sink_rows is None and max_running_requests is not None:
+        num_sink_rows = capacity.default_sink_rows(max_running_requests, cfg.sink)
+    return Int2Setup(cfg, plan, shape, layout, max_running_requests, num_sink_rows)
 
 
 _CACHE: dict = {}
 
 
 def setup_for_kvc(kvc, num_layers: Optional[int] = None) -> Int2Setup:
-    """The (cached) setup of the model a KVCacheConfigurator sizes/builds pools for."""
+    """The (cached) setup of the model a KVCacheConfigurator sizes/builds pools for; once the pool sizing hook
+    has fixed R for the budget (size_for_budget), that one."""
     from .server_checks import adjust_cuda_graphs, check_server_args
 
     sa = kvc.server_args
@@ -135,12 +168,23 @@ def setup_for_kvc(kvc, num_layers: Optional[int] = None) -> Int2Setup:
     if key not in _CACHE:
         info = model_info(kvc.model_config, tp_size)
         sgl_heads = kvc.model_config.get_num_kv_heads(tp_size)
+        given = sa.max_running_requests
         s = build_setup(options.current(), info, tp_rank=tp_rank, num_layers=layers,
-                        max_running_requests=sa.max_running_requests // dp)
+                        max_running_requests=None if given is None else given // dp)
         if s.shape.kv_heads_per_rank != sgl_heads:
             raise OscarOptionError(f"SGLang puts {sgl_heads} KV heads on each rank, our sharding "
                                    f"{s.shape.kv_heads_per_rank}; this SGLang version shards differently")
-        logger.info("%s; groups K=%d V=%d, R=%d requests/worker, %d sink rows", s.cfg.summary(),
-                    s.plan.k_group, s.plan.v_group, s.max_running_requests, s.num_sink_rows)
-        _CACHE[key] = s
+        _CACHE[key] = dataclasses.replace(s, cache_key=key)
     return _CACHE[key]
+
+
+def size_for_budget(s: Int2Setup, available_bytes: int, page_size: int) -> Int2Setup:
+    """s with R fixed for the KV budget (Int2Setup.for_budget), kept as the setup of its model for the hooks that
+    run after the pool sizing (the request limit, the pool build)."""
+    sized = s.for_budget(available_bytes, page_size)
+    if s.cache_key:
+        _CACHE[s.cache_key] = sized
+    logger.info("%s; groups K=%d V=%d, R=%d requests/worker%s, %d sink rows", sized.cfg.summary(), sized.plan.k_group,
+                sized.plan.v_group, sized.max_running_requests,
+                " (sized from the KV budget)" if sized.requests_from_budget else "", sized.num_sink_rows)
+    return sized

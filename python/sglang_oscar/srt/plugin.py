@@ -34,6 +34,8 @@ _EXPORTER = "sglang.srt.model_executor.model_runner_components.weight_exporter.W
 HOOKS = {
     "sglang.srt.server_args.ServerArgs.add_cli_args":
         ("AFTER", hooks.add_cli_args_after, ("parser",)),
+    "sglang.srt.server_args.ServerArgs.__post_init__":
+        ("BEFORE", hooks.post_init_before, ("self",)),
     "sglang.srt.server_args.ServerArgs.from_cli_args":
         ("AFTER", hooks.from_cli_args_after, ("cls", "args")),
     "sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype":

@@ -3,6 +3,7 @@
 Called from the ServerArgs.from_cli_args hook (main process, before anything is spawned, so a bad
 combination fails at the command line) and again in the scheduler before the pool is sized (the
 Engine API builds ServerArgs without from_cli_args). Only plain attribute reads: no SGLang import.
+select_backend, the one option int2 sets for the user, runs at the start of ServerArgs.__post_init__.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from .options import OscarOptionError
 
 INT2 = "int2"
 BACKEND = "oscar_int2"
+BACKEND_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
 
 # (attribute, value that is fine, what to tell the user). Each of these paths moves or reads KV
 # bytes with code that does not know our layout (codes + params + windows + sink table).
@@ -43,16 +45,22 @@ def check_server_args(sa) -> None:
     if (getattr(sa, "dcp_size", 1) or 1) > 1:
         raise OscarOptionError("--kv-cache-dtype int2 does not support decode context parallelism (--dcp-size > 1)")
     check_page_size(sa)
-    if getattr(sa, "max_running_requests", None) is None:
-        raise OscarOptionError(
-            "--kv-cache-dtype int2 needs --max-running-requests: the BF16 recent window is reserved per running "
-            "request inside the KV budget before the token count is computed, so the count must be pinned "
-            "(the resulting capacity is logged at startup)")
-    backends = {getattr(sa, n, None) for n in ("attention_backend", "prefill_attention_backend",
-                                               "decode_attention_backend")} - {None}
-    if backends != {BACKEND}:
-        raise OscarOptionError(
-            f"--kv-cache-dtype int2 is read only by --attention-backend {BACKEND} (got {sorted(backends) or 'auto'})")
+    if getattr(sa, "max_running_requests", None) is None and (getattr(sa, "pp_size", 1) or 1) > 1:
+        raise OscarOptionError("--kv-cache-dtype int2 with --pp-size > 1 needs --max-running-requests: without it "
+                               "each pipeline stage would size its request count from its own layers")
+    backends = {getattr(sa, n, None) for n in BACKEND_FIELDS} - {None}
+    if backends and backends != {BACKEND}:
+        raise OscarOptionError(f"--kv-cache-dtype int2 is read only by --attention-backend {BACKEND} (got "
+                               f"{', '.join(sorted(backends))}); leave the attention backend out and int2 selects it")
+
+
+def select_backend(sa) -> "str | None":
+    """int2 with no attention backend given: --attention-backend oscar_int2, the one backend that reads the int2
+    pool (set before SGLang picks its own default). Returns a message to log when it set it."""
+    if not is_int2(sa) or any(getattr(sa, n, None) is not None for n in BACKEND_FIELDS):
+        return None
+    sa.attention_backend = BACKEND
+    return f"--attention-backend {BACKEND} selected for --kv-cache-dtype int2"
 
 
 def check_page_size(sa) -> None:
