@@ -12,6 +12,8 @@ queries: the attention mass on the needle value's tokens, the mass on the quanti
 KL(exact || method) and the logit error on quantized keys.
 
     python benchmark/accuracy_diagnosis.py --device cuda --samples 30 --out $OUT/diagnosis.json
+    # K at 3 bits funded by V at 1 (2.5 bits/element), on the served bundle:
+    python benchmark/accuracy_diagnosis.py --set bits --bundle served=zoo/<served bundle> --top-heads --out ...
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from sglang_oscar.eval.niah import _greedy_tokens, _truncate, make_samples  # noqa: E402
 from sglang_oscar.eval.simulator import MixedCacheSimulator, quantized_mask  # noqa: E402
 from sglang_oscar.quant.intq import _grouped  # noqa: E402
+from sglang_oscar.quant.kv import SideQuantizer, clip_rows  # noqa: E402
 
 SINK, RECENT = 64, 256
 TASKS = ("niah_single_1", "niah_multikey_1", "niah_multivalue")
@@ -158,6 +161,34 @@ def needle_positions(tok, ids: list[int], values: list[str]) -> list[int]:
 
 
 @dataclasses.dataclass
+class AnyBits(SideQuantizer):
+    """A side quantized at a width the served format does not have (diagnostic, --set bits): 3 bits = 8 uniform
+    levels between the clipped group's min and max; 1 bit = two levels per group, the means of the values below and
+    above the group's mean (a one-step Lloyd fit), stored like (scale, min) in two bf16 values."""
+
+    def fake_transformed(self, xt: torch.Tensor) -> torch.Tensor:
+        if self.bits in (2, 4):
+            return super().fake_transformed(xt)
+        xg = _grouped(clip_rows(xt, self.clip_ratio).float(), self.group)
+        if self.bits == 1:
+            hi_mask = xg >= xg.mean(-1, keepdim=True)
+            cnt_hi = hi_mask.sum(-1, keepdim=True).clamp_min(1)
+            cnt_lo = (~hi_mask).sum(-1, keepdim=True).clamp_min(1)
+            hi = ((xg * hi_mask).sum(-1, keepdim=True) / cnt_hi).to(torch.bfloat16).float()
+            lo = ((xg * ~hi_mask).sum(-1, keepdim=True) / cnt_lo).to(torch.bfloat16).float()
+            out = torch.where(hi_mask, hi, lo)
+        elif self.bits == 3:
+            lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+            scale = ((hi - lo) / 7).to(torch.bfloat16).float()
+            lo = lo.to(torch.bfloat16).float()
+            t = torch.where(scale > 0, (xg - lo) / torch.where(scale > 0, scale, torch.ones_like(scale)), 0 * xg)
+            out = lo + scale * torch.floor(t + 0.5).clamp(0, 7)
+        else:
+            raise ValueError(f"AnyBits: {self.bits} bits")
+        return out.reshape(xt.shape).to(xt.dtype)
+
+
+@dataclasses.dataclass
 class Method:
     name: str
     bundle: str  # None for bf16
@@ -174,7 +205,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--top-heads", type=int, nargs="*", default=[3, 9])
-    ap.add_argument("--set", choices=("methods", "context", "offsets"), default="methods",
+    ap.add_argument("--set", choices=("methods", "context", "offsets", "bits"), default="methods",
                     help="methods: fixes at the 2k calibration; context: calibration window length; offsets: "
                          "2k windows spread over RoPE positions up to 8k")
     ap.add_argument("--bundle", action="append", default=[], help="NAME=PATH: also evaluate this bundle")
@@ -208,6 +239,8 @@ def main(argv=None) -> int:
         variants = {k: variants[k] for k in ("hadamard_clip", "best")}
     if args.set == "offsets":
         variants = {"best_offsets": variants["best"]}
+    if args.set == "bits":  # widths for K and V at one budget, on the served bundle (--bundle served=PATH)
+        variants = {}
     bundles, _ = calibrate_many(model, tok, variants, tokens=args.calib_tokens, seq_len=2048, heldout_tokens=4096,
                                 progress=False, model_id=model_id,
                                 context=8192 if args.set == "offsets" else None)
@@ -226,7 +259,7 @@ def main(argv=None) -> int:
         bundles.update(more)
         print(f"calibrated {len(more)} 8k-window bundles in {time.time() - t1:.0f} s", flush=True)
 
-    def layers(name, k_bits=None):
+    def layers(name, k_bits=None, v_bits=None):
         out = []
         for i in range(L):
             if name == "k4_v2_8k":  # K from the INT4 bundle (its own clip), V from the INT2 one
@@ -235,7 +268,9 @@ def main(argv=None) -> int:
             else:
                 qk, qv = bundles[name].layer_quantizers(i, bits=2)
             if k_bits is not None:
-                qk = dataclasses.replace(qk, bits=k_bits, level_a=1.0)
+                qk = AnyBits(**{**dataclasses.asdict(qk), "bits": k_bits, "level_a": 1.0})
+            if v_bits is not None:
+                qv = AnyBits(**{**dataclasses.asdict(qv), "bits": v_bits, "level_a": 1.0})
             on = lambda x: None if x is None else x.to(args.device)  # noqa: E731
             qk = dataclasses.replace(qk, matrix=on(qk.matrix), mean=on(qk.mean))
             qv = dataclasses.replace(qv, matrix=on(qv.matrix), mean=on(qv.mean))
@@ -276,12 +311,21 @@ def main(argv=None) -> int:
                    Method("int2_best_offsets", "best_offsets", "2.5", {}, diag=True)]
         methods += [Method(f"int2_{n}", n, "2.5", {}) for n in bundles if n != "best_offsets"]
 
+    if args.set == "bits":
+        # bits per element with groups of 64 and two bf16 parameters per group: b + 0.5
+        methods = [Method("bf16", None, "16", {}),
+                   Method("int2_best", "served", "K 2.5 / V 2.5 = 2.5", {}, diag=True),
+                   Method("k3_v1", "served", "K 3.5 / V 1.5 = 2.5", dict(k_bits=3, v_bits=1), diag=True),
+                   Method("k2_v1", "served", "K 2.5 / V 1.5 = 2.0 (diagnostic: V at 1 bit alone)", dict(v_bits=1)),
+                   Method("k3_v2", "served", "K 3.5 / V 2.5 = 3.0 (diagnostic: K at 3 bits alone)", dict(k_bits=3)),
+                   Method("k4_v1", "served", "K 4.5 / V 1.5 = 3.0", dict(k_bits=4, v_bits=1))]
+
     def sim_of(m: Method, recorder=None, exact_k_heads=()):
         if m.bundle is None:
             return None
         kw = dict(m.kw)
-        k_bits = kw.pop("k_bits", None)
-        return ProbeSim(layers(m.bundle, k_bits), recorder=recorder, exact_k_heads=exact_k_heads, **kw)
+        k_bits, v_bits = kw.pop("k_bits", None), kw.pop("v_bits", None)
+        return ProbeSim(layers(m.bundle, k_bits, v_bits), recorder=recorder, exact_k_heads=exact_k_heads, **kw)
 
     report = dict(model=model_id, sink=SINK, recent=RECENT, samples_per_cell=args.samples,
                   methods={m.name: dict(bits=m.bits_note) for m in methods}, cells={}, diag={})

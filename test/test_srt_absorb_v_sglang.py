@@ -285,11 +285,14 @@ def _server_bundle(path, gen):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["qwen2"])
 def test_cpu_server_absorbed_v_equals_runtime_v_rotation(arch, tmp_path):
     """Two oscar_int2 servers on the same tiny model and bundle, S=4 and W=16: one rotates V in the
     write kernel and un-rotates the output (ABSORB=0), the other has T_V folded into the weights
-    (ABSORB=1, the default). An 8-token prompt + 12 tokens stays inside sink + ring (exact), 40- and
+    (ABSORB=1, the default). Qwen2 only: its qkv_proj has a bias, which absorption must rotate too, so it is the
+    architecture with the most to get wrong; every architecture's absorbed block is checked against the runtime
+    rotation above (test_hook_absorption_leaves_block_output_unchanged), and the Qwen3 servers of
+    test_srt_server_sglang.py run absorbed against an unrotated HF reference. An 8-token prompt + 12 tokens stays inside sink + ring (exact), 40- and
     100-token prompts read INT2 history. Absorption only moves where v·T_V is computed (same fp32
     math, other rounding), so the greedy tokens must agree and the logprobs nearly so."""
     import random
