@@ -241,9 +241,11 @@ def main(argv=None) -> int:
         variants = {"best_offsets": variants["best"]}
     if args.set == "bits":  # widths for K and V at one budget, on the served bundle (--bundle served=PATH)
         variants = {}
-    bundles, _ = calibrate_many(model, tok, variants, tokens=args.calib_tokens, seq_len=2048, heldout_tokens=4096,
-                                progress=False, model_id=model_id,
-                                context=8192 if args.set == "offsets" else None)
+    bundles = {}
+    if variants:
+        bundles, _ = calibrate_many(model, tok, variants, tokens=args.calib_tokens, seq_len=2048,
+                                    heldout_tokens=4096, progress=False, model_id=model_id,
+                                    context=8192 if args.set == "offsets" else None)
     for item in args.bundle:
         from sglang_oscar.rotation import load_bundle
 
