@@ -5,10 +5,10 @@
 #   part 2: only when .venv-serve exists, or OSCAR_SETUP_SERVE=1 (CI sets it) asks for it to be built here: the SGLang
 #           tests in it:
 #           (a) test_srt_plugin.py, test_srt_absorb_v_sglang.py and test_srt_backend_graph.py whole (their `slow`
-#               CPU-server tests included), and two of the real CPU-server tests (radix hits, sink rows) to balance
-#               the two streams;
-#           (b) the other real CPU-server tests, `-m slow test/test_srt_server_sglang.py` (chunked prefill, TP=1/2
-#               over gloo, the soak of 500 requests, admission behind a chunked prefill, the eval drivers, page 64).
+#               CPU-server tests included), and four of the real CPU-server tests (radix hits, sink rows, chunked
+#               prefill, page 64) to balance the two streams;
+#           (b) the other real CPU-server tests, `-m slow test/test_srt_server_sglang.py` (TP=1/2 over gloo, the soak
+#               of 500 requests, admission behind a chunked prefill, the eval drivers).
 #   Jobs: (b) runs in the background beside part 1 and then (a) (OSCAR_TEST_JOBS=2, the default). Each CPU server is
 #   one mostly single-threaded Python process (the interpreter runs its kernels), so the two streams use the two cores
 #   of a CI machine. With OSCAR_SETUP_SERVE=1 and no .venv-serve yet, the background stream first builds it
@@ -22,7 +22,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 SERVER=test/test_srt_server_sglang.py
-MOVED=(test_radix_hits_follow_the_window_rules test_sink_rows_taken_by_the_radix_cache_are_read_as_int2)
+MOVED=(test_radix_hits_follow_the_window_rules test_sink_rows_taken_by_the_radix_cache_are_read_as_int2
+       test_chunked_prefill_follows_the_window_rules test_page_size_64_serves_the_tokens_of_page_size_1)
 SGLANG_TESTS=(test/test_srt_plugin.py test/test_srt_absorb_v_sglang.py test/test_srt_backend_graph.py)
 DESELECT=()
 for t in "${MOVED[@]}"; do DESELECT+=(--deselect "$SERVER::$t"); done

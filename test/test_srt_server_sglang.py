@@ -74,7 +74,7 @@ SAME_TOL = 1e-5
 @pytest.fixture(scope="module", autouse=True)  # module scope: runs before the module's server fixtures
 def _only_with_m_slow(request):
     if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("real-server tests (~16 min on 2 cores): select them with -m slow")
+        pytest.skip("real-server tests (~20 min on 2 cores): select them with -m slow")
 
 
 def _make_model(path, **kw):
