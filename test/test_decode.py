@@ -843,7 +843,8 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel, d, monke
     """The decode step's chain as the server runs it on sm_90+: oscar_write_kv(pdl_trigger=True), then
     oscar_decode(follows_write=True), whose history CTAs run while the write does; q_in_write: the write also
     rotates q (q_out) and the history CTAs wait for it before reading q (q_from_write). Same bits as the plain chain
-    (eager, and replays of a captured graph into a poisoned output), and the plain chain matches the oracle on the
+    (eager, and replays of a captured graph into a poisoned output; to rounding where the chained launch runs narrower
+    stages than the plain one), and the plain chain matches the oracle on the
     written cache. The write also stores scratch tokens of a request outside the batch, listed first (4096; 249
     where it rotates q, at most 256 tokens), so that it is still running when the history kernel starts: a window
     CTA that read the new ring / sink row before the write had stored it, or a history CTA of the request whose
@@ -851,7 +852,7 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel, d, monke
     S + 1, L = S, L < S, window edges, ring_start >= L. write_kernel: the Triton write or the CUDA write
     (kernels/write_cuda.py), which triggers its dependents the same way. d 64 (SmolLM2): the window is read by the
     Triton window programs launched after the history kernel, which must see the new row too; d 64 runs the chained
-    launch at 32-token stages, "64w" at 64-token ones (history_cuda.D64_WIDE_AFTER_WRITE 0 / 1; the plain chain
+    launch at 32-token stages, "64w" at 64-token ones (history_cuda.D64_WIDE_AFTER_WRITE past the batch / 1; the plain chain
     has 64-token stages either way)."""
     from sglang_oscar.kernels import history_cuda
     from sglang_oscar.kernels.decode import transform_query
@@ -861,7 +862,7 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel, d, monke
         pytest.skip("programmatic dependent launch needs sm_90")
     wide_after = d == "64w"
     d = 64 if wide_after else d
-    monkeypatch.setattr(history_cuda, "D64_WIDE_AFTER_WRITE", 1 if wide_after else 0)
+    monkeypatch.setattr(history_cuda, "D64_WIDE_AFTER_WRITE", 1 if wide_after else 1 << 20)  # from batch 1 / never
     if d == 64:
         assert history_cuda.block_tokens(64, 4, history_cuda.PDL_AFTER_WRITE, 7) == (64 if wide_after else 32)
     sink, window, hkv = 64, 256, 2
@@ -905,7 +906,11 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel, d, monke
     run_and_check(case, history_kernel="cuda")  # the oracle on the cache as written
     out = torch.full_like(case["q"], float("nan"))
     q_out.fill_(float("nan"))  # rewritten by the write of the chain below before the decode reads it
-    assert torch.equal(chain(True, out), plain)
+    chained = chain(True, out).clone()
+    if d == 64 and not wide_after:  # 32-token stages chained, 64 plain: another summation order, equal to rounding
+        torch.testing.assert_close(chained.float(), plain.float(), rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(chained, plain)
     gr = torch.cuda.CUDAGraph()  # the write and the decode captured together, as in a served decode step
     with torch.cuda.graph(gr):
         chain(True, out)
@@ -914,7 +919,7 @@ def test_cuda_history_after_the_kv_write(gqa, q_in_write, write_kernel, d, monke
         q_out.fill_(float("nan"))
         gr.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, plain)
+        assert torch.equal(out, chained)
 
 
 @requires_cuda
@@ -1135,7 +1140,7 @@ def test_cuda_window_ctas_match_the_oracle(sink, window, lens, ring_starts, monk
 
     case = make_case(lens, hkv=2, gqa=4, d=128, sink=sink, window=window, ring_starts=ring_starts, pool_page=64,
                      seed=sink + window)
-    for ns in (3, 11):
+    for ns in sorted({3, min(11, history_cuda.fold_tiles(sink, window) - 1)}):  # below the fold's tiles
         assert not history_cuda.folds(ns, sink, window)
         run_and_check(case, history_kernel="cuda", num_splits=ns)
     r0 = case["req_pool_indices"][-1]

@@ -108,6 +108,9 @@ def test_fitting_concurrency_and_workloads():
     assert bench_serving.fitting_concurrency(188, 4195942, 32768, 256, 64) == 4195942 // 33024 == 127
     assert bench_serving.fitting_concurrency(188, 4195942, 100000, 256, 64) == 4195942 // 100288
     assert bench_serving.fitting_concurrency(16, 4195942, 2048, 16384, 1) == 16  # R bounds short requests
+    assert bench_serving.concurrencies([], 127) == [127]
+    assert bench_serving.concurrencies(["max", "8", "127"], 127) == [8, 127]  # sorted, max resolved, no repeats
+    assert bench_serving.concurrencies(["200", "max"], 20) == [20, 200]  # 200 > fits: recorded as not fitting
     assert bench_serving.parse_workloads("32768:256, 2048:16384") == [(32768, 256), (2048, 16384)]
     for bad in ("32k:256", "100:0", ""):
         with pytest.raises(SystemExit):
@@ -152,6 +155,9 @@ def test_collect_adds_a_call_and_keeps_the_others(tmp_path):
     assert added and all(r["run"] == "call9" and r["source"] == collect.BENCH_SERVING_SOURCE for r in added)
     path.write_text(json.dumps(doc))
     assert collect.add_bench_serving(path, bench, "call9")["rows"] == doc["rows"]  # adding twice keeps one copy
+    other = dict(bench, rows=[dict(r, mode="fi_bf16") for r in bench["rows"]])  # the next call's mode, same run
+    both = collect.add_bench_serving(path, other, "call9")["rows"]
+    assert both[:len(doc["rows"])] == doc["rows"] and len(both) == len(doc["rows"]) + len(added)
     with pytest.raises(SystemExit, match="holds NVIDIA H200 rows"):
         collect.add_bench_serving(path, dict(bench, device="cpu"), "call9")
     pytest.importorskip("matplotlib")

@@ -109,6 +109,11 @@ def steady_window(details: dict) -> dict:
     return dict(start_s=start, end_s=end, window_s=end - start, tokens=tokens, decode_throughput=tokens / (end - start))
 
 
+def concurrencies(spec: list, fits: int) -> list:
+    """--concurrency values for one workload: numbers as given, "max" as the most that fit; none given: [fits]."""
+    return sorted({fits if c == "max" else int(c) for c in spec}) if spec else [fits]
+
+
 def rows_of(mode: str, model: str, in_len: int, out_len: int, batch: int, result: dict, run: str) -> list:
     """Rows of one benchmark run: bench_serving's result line (with --output-details) -> metrics."""
     win = steady_window(result)
@@ -212,6 +217,24 @@ class Server:
         self.log.close()
 
 
+def client_env(work: Path) -> dict:
+    """The benchmark client's environment. sglang.benchmark.serving imports Hugging Face `datasets` at module level
+    (for datasets this driver does not use); where it is not installed (the GPU machine's runtime bundle), a stand-in
+    package whose load_dataset raises is put on the client's PYTHONPATH, so random-ids runs and any other dataset
+    fails loudly."""
+    import importlib.util
+
+    env = dict(os.environ)
+    if importlib.util.find_spec("datasets") is None:
+        stub = work / "datasets_stub" / "datasets"
+        stub.mkdir(parents=True, exist_ok=True)
+        (stub / "__init__.py").write_text(
+            "def load_dataset(*a, **k):\n"
+            "    raise ImportError('Hugging Face datasets is not installed: pip install datasets')\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(stub.parent), env.get("PYTHONPATH")]))
+    return env
+
+
 def bench(srv: Server, model: Path, in_len: int, out_len: int, c: int, out_file: Path, timeout: float) -> dict:
     """One sglang.benchmark.serving run; its result line with per-request details."""
     out_file.unlink(missing_ok=True)
@@ -220,7 +243,7 @@ def bench(srv: Server, model: Path, in_len: int, out_len: int, c: int, out_file:
            "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--random-range-ratio", "1",
            "--num-prompts", str(c), "--max-concurrency", str(c), "--warmup-requests", "1", "--flush-cache",
            "--output-details", "--output-file", str(out_file), "--disable-tqdm"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=client_env(out_file.parent))
     log = p.stdout + p.stderr
     if p.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"bench_serving rc {p.returncode}: {log[-2500:]}")
@@ -244,7 +267,7 @@ def run_mode(mode: str, args, model: Path, workloads: list, out: Path, deadline:
         for in_len, out_len in workloads:
             fits = fitting_concurrency(res["max_running_requests"], res["max_total_num_tokens"], in_len, out_len,
                                        res["page_size"])
-            for c in (args.concurrency or [fits]):
+            for c in concurrencies(args.concurrency, fits):
                 w = dict(context=in_len, output_len=out_len, batch=c, fits=fits)
                 res["workloads"].append(w)
                 left = deadline - time.time()
@@ -333,7 +356,8 @@ def main() -> None:
     ap.add_argument("--model", default="benchmark/serving/configs/qwen3-8b", help="model directory (config.json)")
     ap.add_argument("--modes", default="int2,fi_bf16,fi_fp8")
     ap.add_argument("--workloads", default="32768:256", help="IN:OUT token counts, comma-separated")
-    ap.add_argument("--concurrency", default="", help="comma-separated concurrencies (default: the largest that fits)")
+    ap.add_argument("--concurrency", default="", help="comma-separated concurrencies, 'max' the largest that fits "
+                    "(default: max)")
     ap.add_argument("--mem-fraction", type=float, default=0.85)
     ap.add_argument("--context-length", type=int, default=131072)
     ap.add_argument("--flags", default="", help="extra SGLang server flags for every mode")
@@ -349,7 +373,10 @@ def main() -> None:
     if bad:
         sys.exit(f"unknown modes {bad}; choose from {list(MODES)}")
     workloads = parse_workloads(args.workloads)
-    args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    args.concurrency = [c.strip() for c in args.concurrency.split(",") if c.strip()]
+    bad = [c for c in args.concurrency if c != "max" and not c.isdigit()]
+    if bad:
+        sys.exit(f"--concurrency: {bad} are not request counts or 'max' (e.g. --concurrency 8,max)")
     src = Path(args.model)
     if not (src / "config.json").is_file():
         sys.exit(f"--model {src}: no config.json")

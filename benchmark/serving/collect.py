@@ -65,12 +65,15 @@ def rows_of(calls) -> tuple:
 
 def add_bench_serving(doc_path: Path, bench: dict, run: str) -> dict:
     """serving_<device>.json (doc_path, if it exists) with a bench_serving.py output's rows added as `run`; rows of
-    the same run and source are replaced (adding a call twice keeps one copy)."""
+    the same run, source and mode are replaced (adding a call twice keeps one copy; modes measured in consecutive
+    calls of one machine can share a run)."""
     doc = json.loads(doc_path.read_text()) if doc_path.exists() else dict(
         device=bench["device"], versions=bench.get("versions"), commits={}, note="", rows=[])
     if doc.get("device") != bench["device"]:
         raise SystemExit(f"{doc_path} holds {doc.get('device')} rows; this output is from {bench['device']}")
-    doc["rows"] = [r for r in doc["rows"] if not (r.get("run") == run and r.get("source") == BENCH_SERVING_SOURCE)]
+    modes = {r["mode"] for r in bench["rows"]}
+    doc["rows"] = [r for r in doc["rows"] if not (r.get("run") == run and r.get("source") == BENCH_SERVING_SOURCE
+                                                  and r["mode"] in modes)]
     doc["rows"] += [dict(r, run=run, source=BENCH_SERVING_SOURCE) for r in bench["rows"]]
     doc.setdefault("commits", {})[run] = bench.get("commit")
     return doc

@@ -27,7 +27,8 @@
 #           recorded with its error.
 # capacity: bench_serving.py: each mode's server at --mem-fraction-static 0.85 with the most concurrent requests it
 #           fits per workload (WORKLOADS, default 32768:256), SGLang's own serving benchmark; steady decode
-#           throughput, TPOT, TTFT, job throughput. MODES defaults to int2,fi_bf16,fi_fp8.
+#           throughput, TPOT, TTFT, job throughput. MODES defaults to int2,fi_bf16,fi_fp8; CONCURRENCY (e.g. 8,max)
+#           sweeps; RUN names the rows' run (modes measured in consecutive calls of one machine share it).
 # Startup timeouts are 360 s: on a fresh machine FlashInfer's JIT compile alone took 145 s (FI BF16's
 # prefill CUDA graphs) and > 120 s (int2's first prefill) in call 16's session, and 240 s was cut.
 # Results: $OUT/*.json, one folder per call; benchmark/serving/collect.py merges the calls into
@@ -80,7 +81,8 @@ case "${1:-}" in
     ;;
   capacity)
     timeout 595 python3 benchmark/serving/bench_serving.py --model $M --workloads "${WORKLOADS:-32768:256}" \
-      --modes "${MODES:-int2,fi_bf16,fi_fp8}" --time-budget 550 --out "$OUT" 2>&1 | filt | tee "$OUT/bench_serving.log"
+      --modes "${MODES:-int2,fi_bf16,fi_fp8}" --concurrency "${CONCURRENCY:-max}" --run "${RUN:-$(date +%Y%m%d-%H%M)}" \
+      --time-budget "${BUDGET:-550}" --out "$OUT" 2>&1 | filt | tee "$OUT/bench_serving.log"
     pack capacity
     ;;
   *) echo "usage: $0 latency|latency2|serve|throughput100k|latency_cuda|batch_decode|capacity"; exit 2 ;;
