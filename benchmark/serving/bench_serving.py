@@ -36,15 +36,15 @@ import math
 import os
 import re
 import shutil
-import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_proc import ServerProcess, free_port  # noqa: E402
 
 MODES = {
     # name: (server flags, environment)
@@ -157,38 +157,16 @@ def model_with_tokenizer(model_dir: Path, work: Path) -> Path:
 
 # ---- servers and runs -----------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServerProcess):
     def __init__(self, mode: str, args, model: Path, log_path: Path):
         flags, env_defaults = MODES[mode]
-        self.port, self.log_path = free_port(), log_path
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--load-format", "dummy",
-               "--mem-fraction-static", str(args.mem_fraction), "--context-length", str(args.context_length),
-               "--host", "127.0.0.1", "--port", str(self.port), *flags, *args.flags.split()]
+        port = free_port()
         env = dict(os.environ, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1")
         for k, v in env_defaults.items():
             env.setdefault(k, v)
-        self.cmd = " ".join(cmd[1:])
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="ignore")
-
-    def wait_ready(self, timeout: float) -> float:
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if "fired up and ready" in self.text():
-                return time.time() - t0
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited during startup (rc {self.proc.returncode})")
-            time.sleep(2)
-        raise RuntimeError(f"server not ready after {timeout:.0f} s")
+        super().__init__(["--model-path", model, "--load-format", "dummy", "--mem-fraction-static", args.mem_fraction,
+                          "--context-length", args.context_length, "--host", "127.0.0.1", "--port", port, *flags,
+                          *args.flags.split()], env, log_path, port)
 
     def info(self) -> dict:
         """max_total_num_tokens, max_running_requests, page_size as the server settled them."""
@@ -206,15 +184,6 @@ class Server:
         if line:
             out["int2_line"] = line.group(1)
         return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(60)
-            except Exception:  # noqa: BLE001
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
 
 
 def client_env(work: Path) -> dict:

@@ -71,10 +71,11 @@ def add_bench_serving(doc_path: Path, bench: dict, run: str) -> dict:
         device=bench["device"], versions=bench.get("versions"), commits={}, note="", rows=[])
     if doc.get("device") != bench["device"]:
         raise SystemExit(f"{doc_path} holds {doc.get('device')} rows; this output is from {bench['device']}")
-    modes = {r["mode"] for r in bench["rows"]}
+    new, _ = rows_of([(run, {"bench_serving_.json": bench})])  # the rows as the merge path labels them
+    modes = {r["mode"] for r in new}
     doc["rows"] = [r for r in doc["rows"] if not (r.get("run") == run and r.get("source") == BENCH_SERVING_SOURCE
                                                   and r["mode"] in modes)]
-    doc["rows"] += [dict(r, run=run, source=BENCH_SERVING_SOURCE) for r in bench["rows"]]
+    doc["rows"] += new
     doc.setdefault("commits", {})[run] = bench.get("commit")
     return doc
 

