@@ -10,6 +10,7 @@
 #   (any later call)         bash benchmark/serving/serving_session.sh latency_cuda
 #   (any later call)         MODES=int2 bash benchmark/serving/serving_session.sh batch_decode (then fi_bf16)
 #   (any later call)         bash benchmark/serving/serving_session.sh capacity
+#   (any later call)         bash benchmark/serving/serving_session.sh capacity_bg, then wait_bg in each next call
 #
 # latency:  bs=1 prefill + decode latency of dummy-weight Qwen3-8B at 8k/32k/64k/100k for int2 and
 #           FlashInfer BF16 (one_batch.py, CUDA graphs, torch-profiler traces of 2 decode steps)
@@ -85,5 +86,25 @@ case "${1:-}" in
       --time-budget "${BUDGET:-550}" --out "$OUT" 2>&1 | filt | tee "$OUT/bench_serving.log"
     pack capacity
     ;;
-  *) echo "usage: $0 latency|latency2|serve|throughput100k|latency_cuda|batch_decode|capacity"; exit 2 ;;
+  capacity_bg)
+    # capacity past one 10-minute call (the 2k / 16k reasoning job: ~11 min of int2 decode alone at capacity): the
+    # driver runs detached (its own process session outlives this call) into $HOME/bg_out, with BUDGET seconds
+    # (default 1500); later calls on the warm machine run `wait_bg` to follow it and bring its files back.
+    rm -rf "$HOME/bg_out"; mkdir -p "$HOME/bg_out"
+    setsid nohup timeout "$(( ${BUDGET:-1500} + 60 ))" python3 benchmark/serving/bench_serving.py --model $M \
+      --workloads "${WORKLOADS:-2048:16384}" --modes "${MODES:-int2,fi_bf16}" --concurrency "${CONCURRENCY:-max}" \
+      --run "${RUN:-$(date +%Y%m%d-%H%M)}" --time-budget "${BUDGET:-1500}" --out "$HOME/bg_out" \
+      > "$HOME/bg_out/bench_serving.log" 2>&1 < /dev/null &
+    echo "started bench_serving in the background (pid $!): follow it with serving_session.sh wait_bg"
+    ;;
+  wait_bg)
+    # follow capacity_bg's run for up to WAIT seconds (default 540), then copy what it wrote so far to $OUT
+    t0=$(date +%s)
+    while pgrep -f "bench_serving.py" > /dev/null && [ $(( $(date +%s) - t0 )) -lt "${WAIT:-540}" ]; do sleep 10; done
+    pgrep -f "bench_serving.py" > /dev/null && echo "still running" || echo "finished"
+    grep -v "^\[" "$HOME/bg_out/bench_serving.log" | tail -20
+    cp "$HOME"/bg_out/*.json "$HOME"/bg_out/*.png "$HOME/bg_out/bench_serving.log" "$OUT"/ 2>/dev/null
+    (cd "$HOME/bg_out" && ls -d logs 2>/dev/null | xargs -r tar czf "$OUT/logs_bg.tgz")
+    ;;
+  *) echo "usage: $0 latency|latency2|serve|throughput100k|latency_cuda|batch_decode|capacity|capacity_bg|wait_bg"; exit 2 ;;
 esac
