@@ -14,6 +14,8 @@ KL(exact || method) and the logit error on quantized keys.
     python benchmark/accuracy_diagnosis.py --device cuda --samples 30 --out $OUT/diagnosis.json
     # K at 3 bits funded by V at 1 (2.5 bits/element), on the served bundle:
     python benchmark/accuracy_diagnosis.py --set bits --bundle served=zoo/<served bundle> --top-heads --out ...
+    # the history rows the prompt's end attends to most kept in BF16 (32 / 64 / 128 per layer and KV head):
+    python benchmark/accuracy_diagnosis.py --set keep --bundle served=zoo/<served bundle> --top-heads --out ...
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from sglang_oscar.eval.niah import _greedy_tokens, _truncate, make_samples  # noqa: E402
 from sglang_oscar.eval.simulator import MixedCacheSimulator, quantized_mask  # noqa: E402
+from sglang_oscar.hf_attention import attention_override, causal_attention  # noqa: E402
 from sglang_oscar.quant.intq import _grouped  # noqa: E402
 from sglang_oscar.quant.kv import SideQuantizer, clip_rows  # noqa: E402
 
@@ -81,11 +84,12 @@ class ProbeSim(MixedCacheSimulator):
         or from the row's actual error ("oracle").
     """
 
-    def __init__(self, layers, *, k_exact=False, v_exact=False, exact_k_heads=(), vc=None, recorder=None):
+    def __init__(self, layers, *, k_exact=False, v_exact=False, exact_k_heads=(), vc=None, recorder=None, keep=None):
         super().__init__(layers, sink=SINK, recent=RECENT, mode="prefill")
         self.k_exact, self.v_exact, self.vc = k_exact, v_exact, vc
         self.exact_k_heads = set(exact_k_heads)
         self.recorder = recorder
+        self.keep = keep  # {layer: bool [Hkv, prompt length]}: history rows read exact (Observer's selection)
 
     def __call__(self, module, query, key, value, scaling=None):
         idx = module.layer_idx
@@ -115,6 +119,11 @@ class ProbeSim(MixedCacheSimulator):
         qt = torch.einsum("bhgtd,hde->bhgte", query.float().reshape(B, Hkv, G, T, D), tq)
         qpos = torch.arange(call_start, S, device=query.device)
         quant = quantized_mask(qpos, S, self.sink, self.recent, torch.full_like(qpos, call_start))
+        if self.keep is not None:  # the selected rows read exact: a per-KV-head mask [1, Hkv, 1, T, S]
+            kept = torch.zeros(Hkv, S, dtype=torch.bool, device=query.device)
+            sel = self.keep[idx][:, :S]
+            kept[:, :sel.shape[1]] = sel
+            quant = (quant[None, :, :] & ~kept[:, None, :])[None, :, None]
         future = torch.arange(S, device=query.device)[None, :] > qpos[:, None]
         se = (qt @ ke.unsqueeze(2).transpose(-1, -2)) * scaling
         sq_raw = (qt @ kq.unsqueeze(2).transpose(-1, -2)) * scaling
@@ -140,6 +149,38 @@ class ProbeSim(MixedCacheSimulator):
                               sq_raw.reshape(Hq, T, S), quant)
         o = torch.einsum("bhgte,hed->bhgtd", out, tinv)
         return o.reshape(B, Hq, T, D).transpose(1, 2).to(query.dtype)
+
+
+class Observer:
+    """An exact attention (for the prompt's prefill) that also selects, per layer and KV head, the `keep` history rows
+    (outside the sink and the prompt's recent window) the prompt's last `obs` queries attend to most: attention summed
+    over the group's query heads and those queries, max-pooled over 7 neighbouring positions so a span is kept whole
+    (SnapKV's selection). A server would run it once at the end of a prefill and keep those rows in BF16."""
+
+    def __init__(self, keeps, obs: int = 32):
+        self.keeps, self.obs, self.sel = sorted(keeps), obs, {k: {} for k in keeps}
+
+    def __call__(self, module, query, key, value, scaling=None):
+        B, Hq, T, D = query.shape
+        Hkv, S = key.shape[1], key.shape[-2]
+        scaling = D ** -0.5 if scaling is None else scaling
+        out = causal_attention(query, key, value, scaling, module.num_key_value_groups)
+        n = min(self.obs, T)
+        q = query[0, :, -n:].float().reshape(Hkv, Hq // Hkv, n, D)
+        s = torch.einsum("hgtd,hsd->hgts", q, key[0].float()) * scaling
+        qpos = torch.arange(S - n, S, device=query.device)
+        s = s.masked_fill(torch.arange(S, device=query.device)[None, :] > qpos[:, None], float("-inf"))
+        score = torch.softmax(s, -1).sum((1, 2))  # [Hkv, S]
+        score = torch.nn.functional.max_pool1d(score[None], 7, stride=1, padding=3)[0]
+        cand = torch.zeros(S, dtype=torch.bool, device=query.device)
+        cand[SINK:max(SINK, S - RECENT)] = True
+        score = score.masked_fill(~cand, float("-inf"))
+        order = score.topk(min(max(self.keeps), int(cand.sum())), -1).indices
+        for k in self.keeps:
+            mask = torch.zeros(Hkv, S, dtype=torch.bool, device=query.device)
+            mask.scatter_(1, order[:, :k], True)
+            self.sel[k][module.layer_idx] = mask
+        return out
 
 
 def needle_positions(tok, ids: list[int], values: list[str]) -> list[int]:
@@ -205,7 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--top-heads", type=int, nargs="*", default=[3, 9])
-    ap.add_argument("--set", choices=("methods", "context", "offsets", "bits"), default="methods",
+    ap.add_argument("--set", choices=("methods", "context", "offsets", "bits", "keep"), default="methods",
                     help="methods: fixes at the 2k calibration; context: calibration window length; offsets: "
                          "2k windows spread over RoPE positions up to 8k")
     ap.add_argument("--bundle", action="append", default=[], help="NAME=PATH: also evaluate this bundle")
@@ -239,7 +280,7 @@ def main(argv=None) -> int:
         variants = {k: variants[k] for k in ("hadamard_clip", "best")}
     if args.set == "offsets":
         variants = {"best_offsets": variants["best"]}
-    if args.set == "bits":  # widths for K and V at one budget, on the served bundle (--bundle served=PATH)
+    if args.set in ("bits", "keep"):  # on the served bundle (--bundle served=PATH)
         variants = {}
     bundles = {}
     if variants:
@@ -322,13 +363,23 @@ def main(argv=None) -> int:
                    Method("k3_v2", "served", "K 3.5 / V 2.5 = 3.0 (diagnostic: K at 3 bits alone)", dict(k_bits=3)),
                    Method("k4_v1", "served", "K 4.5 / V 1.5 = 3.0", dict(k_bits=4, v_bits=1))]
 
+    if args.set == "keep":
+        # the history rows the prompt's end attends to most kept in BF16 (Observer), per layer and KV head; bits at 8k:
+        # 2.5 + k * 16 / 8192 (the sink and window are BF16 in every method)
+        methods = [Method("bf16", None, "16", {}), Method("int2_best", "served", "2.5", {})]
+        methods += [Method(f"int2_best_keep{k}", "served", f"2.5 + {k * 16 / 8192:.3f} (BF16 rows at 8k)",
+                           dict(keep=k)) for k in (32, 64, 128)]
+
     def sim_of(m: Method, recorder=None, exact_k_heads=()):
         if m.bundle is None:
             return None
         kw = dict(m.kw)
         k_bits, v_bits = kw.pop("k_bits", None), kw.pop("v_bits", None)
+        if "keep" in kw:
+            kw["keep"] = observed[kw["keep"]]
         return ProbeSim(layers(m.bundle, k_bits, v_bits), recorder=recorder, exact_k_heads=exact_k_heads, **kw)
 
+    observed = {}  # keep -> the Observer's selection for the current sample
     report = dict(model=model_id, sink=SINK, recent=RECENT, samples_per_cell=args.samples,
                   methods={m.name: dict(bits=m.bits_note) for m in methods}, cells={}, diag={})
     dev = args.device
@@ -352,6 +403,13 @@ def main(argv=None) -> int:
                 continue  # bf16 misses it: nothing to keep
             n_ok += 1
             needle = needle_positions(tok, s.prompt_ids, s.answers)
+            observed.clear()
+            keeps = {m.kw["keep"] for m in mlist if "keep" in m.kw}
+            if keeps:
+                obs = Observer(keeps)
+                with attention_override(model, obs):
+                    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                observed.update(obs.sel)
             sims = {}
             for m in mlist:
                 rec = recs.get(m.name)
