@@ -204,7 +204,8 @@ def client_env(work: Path) -> dict:
     return env
 
 
-def bench(srv: Server, model: Path, in_len: int, out_len: int, c: int, out_file: Path, timeout: float) -> dict:
+def bench(srv: Server, model: Path, in_len: int, out_len: int, c: int, out_file: Path, timeout: float,
+          env: dict) -> dict:
     """One sglang.benchmark.serving run; its result line with per-request details."""
     out_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", BENCH_MODULE, "--backend", "sglang", "--host", "127.0.0.1", "--port", str(srv.port),
@@ -212,7 +213,7 @@ def bench(srv: Server, model: Path, in_len: int, out_len: int, c: int, out_file:
            "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--random-range-ratio", "1",
            "--num-prompts", str(c), "--max-concurrency", str(c), "--warmup-requests", "1", "--flush-cache",
            "--output-details", "--output-file", str(out_file), "--disable-tqdm"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=client_env(out_file.parent))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     log = p.stdout + p.stderr
     if p.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"bench_serving rc {p.returncode}: {log[-2500:]}")
@@ -248,7 +249,7 @@ def run_mode(mode: str, args, model: Path, workloads: list, out: Path, deadline:
                     t = time.time()
                     try:
                         result = bench(srv, model, in_len, out_len, c, log_dir / f"{mode}_{in_len}_{out_len}_{c}.jsonl",
-                                       left - 10)
+                                       left - 10, args.client_env)
                         w["rows"] = rows_of(mode, args.model_name, in_len, out_len, c, result, args.run)
                         w["window"] = steady_window(result)
                         w["errors"] = sum(1 for e in result.get("errors", []) if e)
@@ -362,6 +363,7 @@ def main() -> None:
                                     "--random-range-ratio 1 --num-prompts C --max-concurrency C"),
                runs=[])
     with tempfile.TemporaryDirectory(prefix="bench_serving_") as work:
+        args.client_env = client_env(Path(work))
         model = model_with_tokenizer(src, Path(work))
         for mode in modes:
             run_mode(mode, args, model, workloads, out, deadline, doc)
