@@ -16,6 +16,8 @@ KL(exact || method) and the logit error on quantized keys.
     python benchmark/accuracy_diagnosis.py --set bits --bundle served=zoo/<served bundle> --top-heads --out ...
     # the history rows the prompt's end attends to most kept in BF16 (32 / 64 / 128 per layer and KV head):
     python benchmark/accuracy_diagnosis.py --set keep --bundle served=zoo/<served bundle> --top-heads --out ...
+    # keys quantized per channel over blocks of 64 tokens (KIVI's grouping) instead of per token:
+    python benchmark/accuracy_diagnosis.py --set channel --bundle served=zoo/<served bundle> --top-heads --out ...
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from sglang_oscar.eval.niah import _greedy_tokens, _truncate, make_samples  # noqa: E402
 from sglang_oscar.eval.simulator import MixedCacheSimulator, quantized_mask  # noqa: E402
 from sglang_oscar.hf_attention import attention_override, causal_attention  # noqa: E402
-from sglang_oscar.quant.intq import _grouped  # noqa: E402
+from sglang_oscar.quant.intq import _grouped, dequantize, quantize  # noqa: E402
 from sglang_oscar.quant.kv import SideQuantizer, clip_rows  # noqa: E402
 
 SINK, RECENT = 64, 256
@@ -84,8 +86,12 @@ class ProbeSim(MixedCacheSimulator):
         or from the row's actual error ("oracle").
     """
 
-    def __init__(self, layers, *, k_exact=False, v_exact=False, exact_k_heads=(), vc=None, recorder=None, keep=None):
+    def __init__(self, layers, *, k_exact=False, v_exact=False, exact_k_heads=(), vc=None, recorder=None, keep=None,
+                 k_channel=None, k_blockmean=None, v_fp8=False):
         super().__init__(layers, sink=SINK, recent=RECENT, mode="prefill")
+        self.k_blockmean = k_blockmean  # dict(block, sym): a per-channel block mean plus the per-token INT2 residual
+        self.v_fp8 = v_fp8  # V's (scale, min) stored as float8 e4m3 (2.25 bits per element at groups of 64)
+        self.k_channel = k_channel  # dict(block, clip): keys quantized per channel over blocks of tokens
         self.k_exact, self.v_exact, self.vc = k_exact, v_exact, vc
         self.exact_k_heads = set(exact_k_heads)
         self.recorder = recorder
@@ -107,6 +113,13 @@ class ProbeSim(MixedCacheSimulator):
         tq, tinv = self._matrices(idx, Hkv, query.device)
         st = self._rows(idx, qk, qv, key, value)
         ke, kq, ve, vq = st.ke[:, :, :S], st.kq[:, :, :S], st.ve[:, :, :S], st.vq[:, :, :S]
+        if self.k_channel is not None:
+            kq = channel_quantized(ke, **self.k_channel)
+        if self.k_blockmean is not None:
+            kq = blockmean_quantized(ke, qk, **self.k_blockmean)
+        if self.v_fp8:
+            vq = dequantize(quantize(clip_rows(ve, qv.clip_ratio), qv.bits, qv.group, qv.level_a,
+                                     param_dtype=torch.float8_e4m3fn))
         if self.k_exact:
             kq = ke
         elif self.exact_k_heads:
@@ -149,6 +162,56 @@ class ProbeSim(MixedCacheSimulator):
                               sq_raw.reshape(Hq, T, S), quant)
         o = torch.einsum("bhgte,hed->bhgtd", out, tinv)
         return o.reshape(B, Hq, T, D).transpose(1, 2).to(query.dtype)
+
+
+def channel_quantized(ke: torch.Tensor, block: int = 64, clip: float = 1.0, bits: int = 2) -> torch.Tensor:
+    """Keys [B, H, S, D] quantized per channel over blocks of `block` tokens aligned at position 0 (KIVI's grouping):
+    one bf16 (scale, min) per channel and block, 2**bits uniform levels between the block's min and max shrunk
+    around their midpoint by `clip`. Rows past the last whole block stay exact (they are inside the recent window)."""
+    B, H, S, D = ke.shape
+    n = (S // block) * block
+    out = ke.clone()
+    if n == 0:
+        return out
+    x = ke[:, :, :n].float().reshape(B, H, n // block, block, D)
+    lo, hi = x.amin(3, keepdim=True), x.amax(3, keepdim=True)
+    mid, half = (hi + lo) / 2, (hi - lo) / 2 * clip
+    lo = (mid - half).to(torch.bfloat16).float()
+    top = 2 ** bits - 1
+    scale = (2 * half / top).to(torch.bfloat16).float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    code = torch.floor((x - lo) / safe + 0.5).clamp(0, top)
+    out[:, :, :n] = (lo + scale * code).reshape(B, H, n, D).to(ke.dtype)
+    return out
+
+
+def blockmean_quantized(ke: torch.Tensor, qk: SideQuantizer, block: int = 64, sym: bool = False,
+                        fp8: bool = False) -> torch.Tensor:
+    """Keys [B, H, S, D] as a bf16 per-channel mean of each block of `block` tokens (aligned at position 0) plus the
+    row's residual quantized per token: by the served quantizer (its clip, bf16 (scale, min)), or with `sym` by four
+    levels (+-0.5, +-1.5) x one bf16 scale per row (amax x the clip ratio / 1.5); `fp8`: the served quantizer with its
+    (scale, min) stored as float8 e4m3 (0.25 bits per element at groups of 64 instead of 0.5). The block mean follows what a global
+    K mean cannot: the slow RoPE pairs turning the keys' common part with position."""
+    B, H, S, D = ke.shape
+    n = (S // block) * block
+    out = ke.clone()
+    if n == 0:
+        return out
+    x = ke[:, :, :n].float().reshape(B, H, n // block, block, D)
+    m = x.mean(3, keepdim=True).to(torch.bfloat16).float()
+    r = (x - m).reshape(B, H, n, D)
+    if sym:
+        a = r.abs().amax(-1, keepdim=True) * qk.clip_ratio
+        sc = (a / 1.5).to(torch.bfloat16).float()
+        safe = torch.where(sc > 0, sc, torch.ones_like(sc))
+        rq = (torch.floor(r / safe + 2).clamp(0, 3) - 1.5) * sc
+    elif fp8:
+        rq = dequantize(quantize(clip_rows(r, qk.clip_ratio), qk.bits, qk.group, qk.level_a,
+                                 param_dtype=torch.float8_e4m3fn))
+    else:
+        rq = qk.fake_transformed(r)
+    out[:, :, :n] = (m + rq.reshape(B, H, n // block, block, D)).reshape(B, H, n, D).to(ke.dtype)
+    return out
 
 
 class Observer:
@@ -246,10 +309,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--top-heads", type=int, nargs="*", default=[3, 9])
-    ap.add_argument("--set", choices=("methods", "context", "offsets", "bits", "keep"), default="methods",
+    ap.add_argument("--set", choices=("methods", "context", "offsets", "bits", "keep", "channel"), default="methods",
                     help="methods: fixes at the 2k calibration; context: calibration window length; offsets: "
                          "2k windows spread over RoPE positions up to 8k")
     ap.add_argument("--bundle", action="append", default=[], help="NAME=PATH: also evaluate this bundle")
+    ap.add_argument("--methods", nargs="+", default=None, help="evaluate only these methods of the set (bf16 always)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -280,7 +344,7 @@ def main(argv=None) -> int:
         variants = {k: variants[k] for k in ("hadamard_clip", "best")}
     if args.set == "offsets":
         variants = {"best_offsets": variants["best"]}
-    if args.set in ("bits", "keep"):  # on the served bundle (--bundle served=PATH)
+    if args.set in ("bits", "keep", "channel"):  # on the served bundle (--bundle served=PATH)
         variants = {}
     bundles = {}
     if variants:
@@ -302,7 +366,7 @@ def main(argv=None) -> int:
         bundles.update(more)
         print(f"calibrated {len(more)} 8k-window bundles in {time.time() - t1:.0f} s", flush=True)
 
-    def layers(name, k_bits=None, v_bits=None):
+    def layers(name, k_bits=None, v_bits=None, k_ident=False):
         out = []
         for i in range(L):
             if name == "k4_v2_8k":  # K from the INT4 bundle (its own clip), V from the INT2 one
@@ -310,6 +374,8 @@ def main(argv=None) -> int:
                 qv = bundles["hadamard_clip_8k"].layer_quantizers(i, bits=2)[1]
             else:
                 qk, qv = bundles[name].layer_quantizers(i, bits=2)
+            if k_ident:  # keys in their own basis (post-RoPE channels), no mean
+                qk = dataclasses.replace(qk, matrix=torch.eye(qk.matrix.shape[-1]), mean=None)
             if k_bits is not None:
                 qk = AnyBits(**{**dataclasses.asdict(qk), "bits": k_bits, "level_a": 1.0})
             if v_bits is not None:
@@ -370,14 +436,40 @@ def main(argv=None) -> int:
         methods += [Method(f"int2_best_keep{k}", "served", f"2.5 + {k * 16 / 8192:.3f} (BF16 rows at 8k)",
                            dict(keep=k)) for k in (32, 64, 128)]
 
+    if args.set == "channel":
+        # keys grouped along tokens: per channel over blocks of 64 tokens (KIVI), or a per-channel block mean plus the
+        # per-token INT2 residual ("kbm"); bits = codes + (scale, min) (bf16: 0.5, fp8: 0.25) + block mean (16 / block)
+        methods = [Method("bf16", None, "16", {}), Method("int2_best", "served", "2.5", {}, diag=True),
+                   Method("kchan_served", "served", "2.5 (K per channel over 64 tokens, served basis)",
+                          dict(k_channel=dict(block=64))),
+                   Method("kbm64_fp8", "served", "K 2.5 / V 2.5 = 2.5", dict(k_blockmean=dict(block=64, fp8=True)),
+                          diag=True),
+                   Method("kbm32_fp8_vfp8", "served", "K 2.75 / V 2.25 = 2.5",
+                          dict(k_blockmean=dict(block=32, fp8=True), v_fp8=True), diag=True),
+                   Method("kbm64", "served", "K 2.75 / V 2.5 = 2.625", dict(k_blockmean=dict(block=64))),
+                   Method("k3_v2", "served", "K 3.5 / V 2.5 = 3.0 (reference: K at 3 bits)", dict(k_bits=3)),
+                   Method("kbm32_fp8_vfp8_keep64", "served", "2.5 + 0.125 (64 BF16 rows at 8k)",
+                          dict(k_blockmean=dict(block=32, fp8=True), v_fp8=True, keep=64))]
+        if args.lengths == [2048]:  # keys per channel in their post-RoPE basis (no transform): lost at 2k
+            methods += [Method("kchan_raw", "served", "2.5 (K per channel over 64 tokens, post-RoPE basis)",
+                               dict(k_channel=dict(block=64), k_ident=True)),
+                        Method("kchan_raw_b32", "served", "3.0 (K per channel over 32 tokens, post-RoPE basis)",
+                               dict(k_channel=dict(block=32), k_ident=True))]
+
+    if args.methods:
+        unknown = set(args.methods) - {m.name for m in methods}
+        if unknown:
+            raise SystemExit(f"--methods: {sorted(unknown)} not in --set {args.set} ({', '.join(m.name for m in methods)})")
+        methods = [m for m in methods if m.name == "bf16" or m.name in args.methods]
+
     def sim_of(m: Method, recorder=None, exact_k_heads=()):
         if m.bundle is None:
             return None
         kw = dict(m.kw)
-        k_bits, v_bits = kw.pop("k_bits", None), kw.pop("v_bits", None)
+        k_bits, v_bits, k_ident = kw.pop("k_bits", None), kw.pop("v_bits", None), kw.pop("k_ident", False)
         if "keep" in kw:
             kw["keep"] = observed[kw["keep"]]
-        return ProbeSim(layers(m.bundle, k_bits, v_bits), recorder=recorder, exact_k_heads=exact_k_heads, **kw)
+        return ProbeSim(layers(m.bundle, k_bits, v_bits, k_ident), recorder=recorder, exact_k_heads=exact_k_heads, **kw)
 
     observed = {}  # keep -> the Observer's selection for the current sample
     report = dict(model=model_id, sink=SINK, recent=RECENT, samples_per_cell=args.samples,

@@ -1,0 +1,71 @@
+"""The key quantizers of benchmark/accuracy_diagnosis.py's --set channel (docs/results/accuracy.md, "What was
+tried"): per channel over token blocks, and a per-channel block mean plus the per-token INT2 residual."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmark"))
+diag = pytest.importorskip("accuracy_diagnosis")
+
+from sglang_oscar.quant.kv import SideQuantizer  # noqa: E402
+
+
+def _keys(seed: int, S: int = 333, D: int = 64, H: int = 3) -> torch.Tensor:
+    """Row noise plus a per-channel part that drifts slowly with position (what a turning RoPE pair does)."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(S, dtype=torch.float32)[:, None]
+    freq = torch.rand(H, 1, D, generator=g) * 0.02
+    drift = 4.0 * torch.cos(pos[None] * freq + torch.rand(H, 1, D, generator=g) * 6.28)
+    return (drift + 0.5 * torch.randn(H, S, D, generator=g))[None]
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_channel_quantized_levels_and_error(block):
+    ke = _keys(1)
+    kq = diag.channel_quantized(ke, block=block)
+    n = (ke.shape[2] // block) * block
+    assert torch.equal(kq[:, :, n:], ke[:, :, n:]), "rows past the last whole block must stay exact"
+    x = ke[:, :, :n].reshape(1, 3, n // block, block, 64)
+    q = kq[:, :, :n].reshape(1, 3, n // block, block, 64)
+    # four levels per (block, channel), each within half a step (plus bf16 rounding of scale and min) of its value
+    step = (x.amax(3, keepdim=True) - x.amin(3, keepdim=True)) / 3
+    assert int(max(len(torch.unique(q[0, h, b, :, c])) for h in range(3) for b in range(n // block)
+                   for c in range(0, 64, 7))) <= 4
+    assert bool(((q - x).abs() <= step / 2 + 0.02 * x.abs().amax()).all())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_blockmean_beats_per_token_on_drifting_keys(fp8):
+    ke = _keys(2)
+    qk = SideQuantizer(matrix=torch.eye(64), clip_ratio=1.0)
+    kq = diag.blockmean_quantized(ke, qk, block=64, fp8=fp8)
+    n = (ke.shape[2] // 64) * 64
+    assert torch.equal(kq[:, :, n:], ke[:, :, n:])
+    err_bm = (kq - ke)[:, :, :n].pow(2).mean()
+    err_tok = (qk.fake_transformed(ke) - ke)[:, :, :n].pow(2).mean()
+    assert err_bm < 0.25 * err_tok, (float(err_bm), float(err_tok))
+    if fp8:  # float8 (scale, min) cost little against bf16
+        err_bf16 = (diag.blockmean_quantized(ke, qk, block=64) - ke)[:, :, :n].pow(2).mean()
+        assert err_bm < 1.2 * err_bf16
+
+
+def test_blockmean_of_per_row_noise_is_no_worse():
+    # without a shared drift the block mean removes nothing and the residual is the rows' own: the same error
+    g = torch.Generator().manual_seed(3)
+    ke = torch.randn(1, 2, 256, 64, generator=g)
+    qk = SideQuantizer(matrix=torch.eye(64), clip_ratio=1.0)
+    e_bm = (diag.blockmean_quantized(ke, qk) - ke).pow(2).mean()
+    e_tok = (qk.fake_transformed(ke) - ke).pow(2).mean()
+    assert float(e_bm) == pytest.approx(float(e_tok), rel=0.1)
+
+
+def test_short_rows_are_returned_exact():
+    ke = torch.randn(1, 1, 40, 64)
+    qk = SideQuantizer(matrix=torch.eye(64))
+    assert torch.equal(diag.channel_quantized(ke, block=64), ke)
+    assert torch.equal(diag.blockmean_quantized(ke, qk, block=64), ke)
