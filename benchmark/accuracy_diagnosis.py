@@ -89,9 +89,9 @@ class ProbeSim(MixedCacheSimulator):
     def __init__(self, layers, *, k_exact=False, v_exact=False, exact_k_heads=(), vc=None, recorder=None, keep=None,
                  k_channel=None, k_blockmean=None, v_fp8=False):
         super().__init__(layers, sink=SINK, recent=RECENT, mode="prefill")
-        self.k_blockmean = k_blockmean  # dict(block, sym): a per-channel block mean plus the per-token INT2 residual
+        self.k_blockmean = k_blockmean  # dict(block, fp8): a per-channel block mean plus the per-token INT2 residual
         self.v_fp8 = v_fp8  # V's (scale, min) stored as float8 e4m3 (2.25 bits per element at groups of 64)
-        self.k_channel = k_channel  # dict(block, clip): keys quantized per channel over blocks of tokens
+        self.k_channel = k_channel  # dict(block): keys quantized per channel over blocks of tokens
         self.k_exact, self.v_exact, self.vc = k_exact, v_exact, vc
         self.exact_k_heads = set(exact_k_heads)
         self.recorder = recorder
@@ -118,8 +118,7 @@ class ProbeSim(MixedCacheSimulator):
         if self.k_blockmean is not None:
             kq = blockmean_quantized(ke, qk, **self.k_blockmean)
         if self.v_fp8:
-            vq = dequantize(quantize(clip_rows(ve, qv.clip_ratio), qv.bits, qv.group, qv.level_a,
-                                     param_dtype=torch.float8_e4m3fn))
+            vq = fake_fp8_params(qv, ve)
         if self.k_exact:
             kq = ke
         elif self.exact_k_heads:
@@ -164,53 +163,50 @@ class ProbeSim(MixedCacheSimulator):
         return o.reshape(B, Hq, T, D).transpose(1, 2).to(query.dtype)
 
 
-def channel_quantized(ke: torch.Tensor, block: int = 64, clip: float = 1.0, bits: int = 2) -> torch.Tensor:
-    """Keys [B, H, S, D] quantized per channel over blocks of `block` tokens aligned at position 0 (KIVI's grouping):
-    one bf16 (scale, min) per channel and block, 2**bits uniform levels between the block's min and max shrunk
-    around their midpoint by `clip`. Rows past the last whole block stay exact (they are inside the recent window)."""
+def fake_fp8_params(q: SideQuantizer, xt: torch.Tensor) -> torch.Tensor:
+    """q.fake_transformed with the (scale, min) pairs stored as float8 e4m3 instead of bf16 (0.25 bits per element
+    at groups of 64 instead of 0.5)."""
+    return dequantize(quantize(clip_rows(xt, q.clip_ratio), q.bits, q.group, q.level_a, param_dtype=torch.float8_e4m3fn))
+
+
+def _token_blocks(ke: torch.Tensor, block: int):
+    """(a copy of ke to write into, ke's whole blocks of `block` tokens as fp32 [B, H, nb, block, D], rows in them);
+    None when no block is whole. Blocks are aligned at position 0; the rows past the last whole one stay exact (they
+    are inside the recent window)."""
     B, H, S, D = ke.shape
     n = (S // block) * block
-    out = ke.clone()
     if n == 0:
-        return out
-    x = ke[:, :, :n].float().reshape(B, H, n // block, block, D)
-    lo, hi = x.amin(3, keepdim=True), x.amax(3, keepdim=True)
-    mid, half = (hi + lo) / 2, (hi - lo) / 2 * clip
-    lo = (mid - half).to(torch.bfloat16).float()
-    top = 2 ** bits - 1
-    scale = (2 * half / top).to(torch.bfloat16).float()
+        return None
+    return ke.clone(), ke[:, :, :n].float().reshape(B, H, n // block, block, D), n
+
+
+def channel_quantized(ke: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Keys [B, H, S, D] quantized per channel over blocks of `block` tokens (KIVI's grouping): one bf16 (scale, min)
+    per channel and block, 4 uniform levels between the block's min and max."""
+    blocks = _token_blocks(ke, block)
+    if blocks is None:
+        return ke.clone()
+    out, x, n = blocks
+    lo = x.amin(3, keepdim=True).to(torch.bfloat16).float()
+    scale = ((x.amax(3, keepdim=True) - x.amin(3, keepdim=True)) / 3).to(torch.bfloat16).float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    code = torch.floor((x - lo) / safe + 0.5).clamp(0, top)
-    out[:, :, :n] = (lo + scale * code).reshape(B, H, n, D).to(ke.dtype)
+    code = torch.floor((x - lo) / safe + 0.5).clamp(0, 3)
+    out[:, :, :n] = (lo + scale * code).reshape(out[:, :, :n].shape).to(ke.dtype)
     return out
 
 
-def blockmean_quantized(ke: torch.Tensor, qk: SideQuantizer, block: int = 64, sym: bool = False,
-                        fp8: bool = False) -> torch.Tensor:
-    """Keys [B, H, S, D] as a bf16 per-channel mean of each block of `block` tokens (aligned at position 0) plus the
-    row's residual quantized per token: by the served quantizer (its clip, bf16 (scale, min)), or with `sym` by four
-    levels (+-0.5, +-1.5) x one bf16 scale per row (amax x the clip ratio / 1.5); `fp8`: the served quantizer with its
-    (scale, min) stored as float8 e4m3 (0.25 bits per element at groups of 64 instead of 0.5). The block mean follows what a global
-    K mean cannot: the slow RoPE pairs turning the keys' common part with position."""
-    B, H, S, D = ke.shape
-    n = (S // block) * block
-    out = ke.clone()
-    if n == 0:
-        return out
-    x = ke[:, :, :n].float().reshape(B, H, n // block, block, D)
+def blockmean_quantized(ke: torch.Tensor, qk: SideQuantizer, block: int = 64, fp8: bool = False) -> torch.Tensor:
+    """Keys [B, H, S, D] as a bf16 per-channel mean of each block of `block` tokens plus the row's residual quantized
+    per token by the served quantizer (its clip; (scale, min) in bf16, or float8 with `fp8`). The block mean follows
+    what a global K mean cannot: the slow RoPE pairs turning the keys' common part with position."""
+    blocks = _token_blocks(ke, block)
+    if blocks is None:
+        return ke.clone()
+    out, x, n = blocks
     m = x.mean(3, keepdim=True).to(torch.bfloat16).float()
-    r = (x - m).reshape(B, H, n, D)
-    if sym:
-        a = r.abs().amax(-1, keepdim=True) * qk.clip_ratio
-        sc = (a / 1.5).to(torch.bfloat16).float()
-        safe = torch.where(sc > 0, sc, torch.ones_like(sc))
-        rq = (torch.floor(r / safe + 2).clamp(0, 3) - 1.5) * sc
-    elif fp8:
-        rq = dequantize(quantize(clip_rows(r, qk.clip_ratio), qk.bits, qk.group, qk.level_a,
-                                 param_dtype=torch.float8_e4m3fn))
-    else:
-        rq = qk.fake_transformed(r)
-    out[:, :, :n] = (m + rq.reshape(B, H, n // block, block, D)).reshape(B, H, n, D).to(ke.dtype)
+    r = (x - m).reshape(out[:, :, :n].shape)
+    rq = fake_fp8_params(qk, r) if fp8 else qk.fake_transformed(r)
+    out[:, :, :n] = (m + rq.reshape(x.shape)).reshape(r.shape).to(ke.dtype)
     return out
 
 
