@@ -163,3 +163,39 @@ def test_collect_adds_a_call_and_keeps_the_others(tmp_path):
     pytest.importorskip("matplotlib")
     (png,) = collect.plot_capacity(doc["rows"], tmp_path, "NVIDIA H200")
     assert png.name == "serving_capacity_NVIDIA_H200.png" and png.stat().st_size > 1000
+
+
+def decode_line(running, tokens, rate, stamp="2026-12-03 07:50:00"):
+    return (f"[{stamp}] Decode batch, #running-req: {running}, #token: {tokens}, token usage: 0.50, cuda graph: True, "
+            f"gen throughput (token/s): {rate}, #queue-req: 0")
+
+
+def test_scheduler_rows_bin_the_servers_rate_by_context_per_request():
+    log = "\n".join([
+        decode_line(1, 0, 1.5),  # the warmup request: not the batch
+        decode_line(4, 4 * 2100, 900.0), decode_line(4, 4 * 2500, 800.0), decode_line(4, 4 * 2900, 700.0),
+        decode_line(3, 3 * 3000, 999.0),  # a request finished: not all running
+        decode_line(4, 4 * 3100, 600.0),
+        "[2026-12-03 07:50:01] Prefill batch, #new-seq: 4, #new-token: 8192",
+    ])
+    rows = bench_serving.scheduler_rows(log, "int2", "qwen3-8b", 2048, 16384, 4, "r1")
+    assert [(r["at_context"], r["value"], r["lines"]) for r in rows] == [(2500, 800.0, 3), (3100, 600.0, 1)]
+    assert all(r["metric"] == "scheduler_decode_throughput" and r["batch"] == 4 and r["context"] == 2048
+               and r["unit"] == "tok/s" for r in rows)
+    assert bench_serving.scheduler_rows(log, "int2", "m", 2048, 16384, 8, "r1") == []  # no line at batch 8
+
+
+def test_collect_reads_scheduler_rows_from_server_logs(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "int2.log").write_text("\n".join(decode_line(2, 2 * c, 100.0 - c / 100) for c in (2100, 3100, 4100)))
+    bench = dict(device="NVIDIA H200", commit="abc", run="r1", model="qwen3-8b", rows=[],
+                 runs=[dict(mode="int2", workloads=[dict(context=2048, output_len=16384, batch=2)]),
+                       dict(mode="fi_bf16", workloads=[dict(context=2048, output_len=16384, batch=1)])])
+    out = collect.add_server_logs(bench, logs)
+    assert [r["at_context"] for r in out["rows"]] == [2100, 3100, 4100] and {r["mode"] for r in out["rows"]} == {"int2"}
+    assert len(collect.add_server_logs(out, logs)["rows"]) == 3  # rows already there are not added again
+    pytest.importorskip("matplotlib")
+    rows = out["rows"] + [dict(r, mode="fi_bf16", batch=1, value=r["value"] / 4) for r in out["rows"]]
+    (png,) = collect.plot_scheduler(rows, tmp_path, "NVIDIA H200")
+    assert png.name == "serving_scheduler_NVIDIA_H200.png" and png.stat().st_size > 1000

@@ -11,6 +11,9 @@ concurrency the server holds, min(max_running_requests, tokens // (IN + OUT) in 
   decode_throughput      output tokens produced while every request decodes (after the last first token, before
                          the first completion), per second of that window: the steady decode rate at batch C
   tpot_median, ttft_median, ttft_p99, job_output_throughput (all output tokens / the whole job, prefill included)
+  scheduler_decode_throughput  the server's own generation rate while all C requests run (its "Decode batch" log
+                         lines), per bin of the per-request context (at_context): what the server produced whether
+                         or not the one-process streaming client kept up with it; kept for a run cut short
 
 and writes rows {mode, model, context, output_len, batch, metric, value, unit, run} to
 $OUT/bench_serving_<device>.json after every workload (a call cut short keeps what it measured; a mode or workload
@@ -126,6 +129,30 @@ def rows_of(mode: str, model: str, in_len: int, out_len: int, batch: int, result
                ("job_output_throughput", result.get("output_throughput"), "tok/s"),
                ("completed_requests", result.get("completed"), "requests")]
     return [dict(base, metric=m, value=round(float(v), 4), unit=u) for m, v, u in metrics if v is not None]
+
+
+DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+), #token: (\d+),.*?gen throughput \(token/s\): ([\d.]+)")
+
+
+def scheduler_rows(log_text: str, mode: str, model: str, in_len: int, out_len: int, batch: int, run: str,
+                   bin_tokens: int = 1000) -> list:
+    """What the server generated, from its scheduler's own "Decode batch" lines (one per 40 decode steps): the
+    median "gen throughput" of the lines with all `batch` requests running, one row per bin of the per-request
+    context (#token / #running-req, bins of bin_tokens) with that context as `at_context`. It does not depend on
+    the streaming client keeping up, and a run cut short keeps the bins it reached."""
+    bins: dict = {}
+    for m in DECODE_LINE.finditer(log_text):
+        running, tokens, rate = int(m.group(1)), int(m.group(2)), float(m.group(3))
+        if running == batch and tokens > 0:
+            ctx = tokens / running
+            bins.setdefault(int(ctx // bin_tokens), []).append((ctx, rate))
+    out = []
+    for _, pts in sorted(bins.items()):
+        rates = sorted(r for _, r in pts)
+        out.append(dict(mode=mode, model=model, context=in_len, output_len=out_len, batch=batch, run=run,
+                        metric="scheduler_decode_throughput", value=round(rates[len(rates) // 2], 2), unit="tok/s",
+                        at_context=round(sum(c for c, _ in pts) / len(pts)), lines=len(pts)))
+    return out
 
 
 def write_tokenizer(vocab_size: int, out_dir: Path) -> None:
@@ -256,6 +283,8 @@ def run_mode(mode: str, args, model: Path, workloads: list, out: Path, deadline:
                     except Exception as e:  # noqa: BLE001 - recorded with the workload, never dropped
                         w["error"] = f"{type(e).__name__}: {e}"[-3000:]
                     w["wall_s"] = round(time.time() - t, 1)
+                    w["rows"] = w.get("rows", []) + scheduler_rows(srv.text(), mode, args.model_name, in_len,
+                                                                   out_len, c, args.run)
                 print(mode, json.dumps({k: v for k, v in w.items() if k != "rows"}), flush=True)
                 write(args, doc, out)
     except Exception as e:  # noqa: BLE001 - recorded with the mode, never dropped

@@ -6,7 +6,8 @@
 
 --add adds one call's bench_serving.py output (bench_serving_<device>.json, rows with output_len) to the
 device's existing serving_<device>.json under the run name given, replacing that run's rows from the same source,
-so the committed rows of earlier calls stay:
+so the committed rows of earlier calls stay (--server-logs DIR also reads the servers' logs/<mode>.log for the
+scheduler's own decode rate, where the driver did not record it):
 
     python benchmark/serving/collect.py --add /path/to/call_out --run call3 --out benchmark/results \
         --plots docs/results
@@ -189,6 +190,72 @@ def plot_capacity(rows, out: Path, device: str) -> list:
     return [p]
 
 
+def plot_scheduler(rows, out: Path, device: str) -> list:
+    """serving_scheduler_<device>.png: the servers' own decode rate (scheduler_decode_throughput) against the
+    per-request context, one panel per workload, one line per mode and concurrency (the latest run of each), with
+    int2's rate over each other mode's where both reached a context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sch = [r for r in rows if r["metric"] == "scheduler_decode_throughput"]
+    if not sch:
+        return []
+    latest = {}
+    for r in sch:
+        latest[(r["context"], r["output_len"], r["mode"])] = r["run"]
+    loads = sorted({(c, o) for c, o, _ in latest})
+    fig, axes = plt.subplots(1, len(loads), figsize=(6 * len(loads), 4.2), squeeze=False)
+    for ax, (ctx, n_out) in zip(axes[0], loads):
+        series = {}
+        for (c, o, mode), run in sorted(latest.items()):
+            if (c, o) != (ctx, n_out):
+                continue
+            pts = sorted((r["at_context"], r["value"], r["batch"]) for r in sch
+                         if (r["context"], r["output_len"], r["mode"], r["run"]) == (ctx, n_out, mode, run))
+            series[mode] = {round(a, -3): v for a, v, _ in pts}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3,
+                    label=f"{mode} at {pts[0][2]} requests ({run})")
+        modes = sorted(series, key=lambda m: m != "int2")  # int2's rate over each baseline's
+        for other in modes[1:]:
+            common = sorted(set(series[modes[0]]) & set(series[other]))
+            for a in common[:: max(len(common) // 4, 1)]:
+                ax.annotate(f"{series[modes[0]][a] / series[other][a]:.2f}x", (a, series[modes[0]][a]),
+                            textcoords="offset points", xytext=(0, 6), fontsize=7, ha="center")
+        ax.set(xlabel="context per request (tokens)", ylabel="server decode tok/s (scheduler log)",
+               title=f"{ctx:,} in / {n_out:,} out, {device}")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = out / f"serving_scheduler_{_tag(device)}.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return [p]
+
+
+def add_server_logs(bench: dict, logs: Path) -> dict:
+    """bench with scheduler_decode_throughput rows parsed from its servers' logs (logs/<mode>.log), for an output
+    whose driver did not record them; workloads that already have them are left as they are."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_serving import scheduler_rows
+
+    have = {(r["mode"], r["context"], r["output_len"], r["batch"]) for r in bench["rows"]
+            if r["metric"] == "scheduler_decode_throughput"}
+    for r in bench["runs"]:
+        log = logs / f"{r['mode']}.log"
+        for w in r.get("workloads", []):
+            key = (r["mode"], w["context"], w["output_len"], w["batch"])
+            if key in have or not log.is_file():
+                continue
+            bench["rows"] += scheduler_rows(log.read_text(errors="replace"), r["mode"], bench["model"], w["context"],
+                                            w["output_len"], w["batch"], bench["run"])
+    return bench
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root", type=Path, nargs="?")
@@ -196,6 +263,8 @@ def main() -> None:
     ap.add_argument("--plots", type=Path, default=None)
     ap.add_argument("--add", type=Path, default=None, help="a bench_serving.py output folder (or its JSON) to add")
     ap.add_argument("--run", default=None, help="with --add: the run name of its rows (e.g. call3)")
+    ap.add_argument("--server-logs", type=Path, default=None,
+                    help="with --add: the servers' logs (<mode>.log) to read the scheduler's decode rate from")
     args = ap.parse_args()
     if args.add is not None:
         if not args.run:
@@ -204,12 +273,15 @@ def main() -> None:
         if len(files) != 1:
             raise SystemExit(f"--add {args.add}: expected one bench_serving_<device>.json, found {len(files)}")
         bench = json.loads(files[0].read_text())
+        if args.server_logs is not None:
+            bench = add_server_logs(bench, args.server_logs)
         path = args.out / f"serving_{_tag(bench['device'])}.json"
         doc = add_bench_serving(path, bench, args.run)
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print("wrote", path, len(doc["rows"]), "rows")
         if args.plots:
-            for p in plot_capacity(doc["rows"], args.plots, doc["device"]):
+            for p in plot_capacity(doc["rows"], args.plots, doc["device"]) + plot_scheduler(doc["rows"], args.plots,
+                                                                                          doc["device"]):
                 print("wrote", p)
         return
     if args.root is None:
@@ -226,7 +298,8 @@ def main() -> None:
     (args.out / name).write_text(json.dumps(doc, indent=1) + "\n")
     print("wrote", args.out / name, len(rows), "rows")
     if args.plots:
-        for p in plot(rows, args.plots, device) + plot_capacity(rows, args.plots, device):
+        for p in plot(rows, args.plots, device) + plot_capacity(rows, args.plots, device) + \
+                plot_scheduler(rows, args.plots, device):
             print("wrote", p)
 
 
