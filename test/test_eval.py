@@ -1,6 +1,5 @@
 """eval/: the mixed-cache simulator, perplexity, attention metrics and NIAH (tiny random Llama, CPU)."""
 
-import copy
 
 import pytest
 import torch

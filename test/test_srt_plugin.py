@@ -211,13 +211,48 @@ def test_prepare_server_args_rejects(registered, int2_env, extra, match):
         prepare_server_args(_args("--kv-cache-dtype", "int2", *extra))
 
 
-def test_missing_rotations_fail_at_the_command_line(registered, int2_env):
-    from sglang.srt.server_args import prepare_server_args
+def test_no_rotation_source_serves_the_zoo_bundle_else_hadamard(registered, int2_env, tmp_path, monkeypatch):
+    """`--kv-cache-dtype int2` with no rotation source: the zoo's calibrated bundle for the model (matched by name, at
+    the served group) when the zoo has one, else builtin:hadamard, put in the environment the schedulers inherit and
+    named in one startup line; the group flag re-picks, and a source the user set is never replaced."""
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
 
+    from sglang_oscar import zoo
+
+    logged = []
+    monkeypatch.setattr(hooks.logger, "info", lambda msg, *a: logged.append(msg % a))
     int2_env.delenv(options.ENV_BUNDLE)
-    with pytest.raises(options.OscarStartupError, match="needs rotations"):
-        prepare_server_args(_args("--kv-cache-dtype", "int2", "--max-running-requests", "8", "--attention-backend",
-                                  "oscar_int2"))
+    int2_env.setenv("SGLANG_OSCAR_ZOO", str(tmp_path / "zoo"))
+    base = ("--kv-cache-dtype", "int2", "--max-running-requests", "8")
+    with pytest.raises(options.OscarStartupError, match="neither a directory"):  # a zoo the user named must exist
+        prepare_server_args(_args(*base))
+    other = data_free_bundle("hadamard", 2, 2, 64, 64, 64)
+    other.model_id = "org/another-model"
+    zoo.add(save_bundle(other, tmp_path / "o.safetensors"), tmp_path / "zoo", "another-g64")
+    prepare_server_args(_args(*base))  # no entry for this model: the data-free default, and why
+    assert os.environ[options.ENV_BUNDLE] == "builtin:hadamard" and options.current().bundle_path == "builtin:hadamard"
+    assert any("rotations: data-free Hadamard" in m and Path(_MODEL["path"]).name.lower() in m
+               for m in logged), logged
+
+    b = data_free_bundle("hadamard", TINY["num_hidden_layers"], TINY["num_key_value_heads"], 64, 64, 64)
+    b.model_id = "org/" + Path(_MODEL["path"]).name
+    zoo.add(save_bundle(b, tmp_path / "b.safetensors"), tmp_path / "zoo", "tiny-g64")
+    logged.clear()
+    prepare_server_args(_args(*base))
+    assert os.environ[options.ENV_BUNDLE] == str(tmp_path / "zoo" / "tiny-g64.safetensors")
+    assert any("the zoo's calibrated bundle tiny-g64" in m for m in logged), logged
+    ServerArgs(model_path=_MODEL["path"], device="cpu", kv_cache_dtype="int2")  # the Engine API's path: same choice
+    assert os.environ[options.ENV_BUNDLE] == str(tmp_path / "zoo" / "tiny-g64.safetensors")
+    prepare_server_args(_args(*base, "--kv-cache-quant-group-size", "32"))  # no entry at 32: re-picked
+    assert os.environ[options.ENV_BUNDLE] == "builtin:hadamard"
+    int2_env.setenv(options.ENV_BUNDLE, "builtin:identity")  # the user's choice stays
+    prepare_server_args(_args(*base))
+    assert os.environ[options.ENV_BUNDLE] == "builtin:identity"
+    (tmp_path / "zoo" / "tiny-g64.safetensors").write_bytes(b"x")  # a corrupted zoo file is refused, not skipped
+    int2_env.delenv(options.ENV_BUNDLE)
+    int2_env.delenv(options.ENV_GROUP)  # the group flag's, from the call above
+    with pytest.raises(options.OscarStartupError, match="corrupted"):
+        prepare_server_args(_args(*base))
 
 
 def test_bundle_checked_against_the_model_before_anything_is_loaded(registered, int2_env, tmp_path, monkeypatch):

@@ -742,8 +742,8 @@ def test_eval_drivers_run_against_the_int2_server(tiny_model, tmp_path):
     exactly the prompt tokens the driver built (chat tasks: the messages under the model's chat
     template; ruler: the token ids), in int2 mode (uint8 pool, the plugin's "int2 KV" line).
 
-    The server is the plain command, `--kv-cache-dtype int2` without --attention-backend or
-    --max-running-requests: the plugin selects oscar_int2, sizes R from the KV budget, SGLang's
+    The server is the plain command, `--kv-cache-dtype int2` without --attention-backend,
+    --max-running-requests or a rotation source: the plugin selects oscar_int2 and the rotations, sizes R from the KV budget, SGLang's
     running-request limit is that R, and one line states the capacity."""
     from transformers import AutoTokenizer
 
@@ -752,11 +752,13 @@ def test_eval_drivers_run_against_the_int2_server(tiny_model, tmp_path):
     chat_ok, completion_ok = '"POST /v1/chat/completions HTTP/1.1" 200 OK', '"POST /v1/completions HTTP/1.1" 200 OK'
 
     plain = tuple(f for f in FLAGS if f not in ("--attention-backend", "oscar_int2"))
-    srv = _Server(tiny_model, tmp_path / "eval.log", *plain, env=ENV)
+    # and no rotation source: the server picks one (the tiny model has no zoo bundle: builtin:hadamard, as ENV's)
+    srv = _Server(tiny_model, tmp_path / "eval.log", *plain, env=dict(ENV, **{options.ENV_BUNDLE: ""}))
     try:
         t0 = time.time()
         print(f"\n[eval] server ready in {_start(srv):.0f} s")
         log = srv.text()
+        assert "sglang_oscar: rotations: data-free Hadamard (builtin:hadamard): no calibrated bundle for" in log
         assert f"sglang_oscar: int2 KV: sink={SINK} recent={RECENT}" in log
         assert "KV Cache is allocated. dtype: torch.uint8" in log
         assert "sglang_oscar: --attention-backend oscar_int2 selected for --kv-cache-dtype int2" in log

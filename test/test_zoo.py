@@ -211,3 +211,33 @@ def test_shipped_smollm2_entry_corrupted_copy_fails(tmp_path, capsys):
             x["kv_heads"] = 8
     (z / "index.json").write_text(json.dumps(idx))
     assert "disagrees with its bundle (kv_heads: index 8 vs bundle 3)" in dict(zoo.verify(str(z)))[SMOLLM2_ENTRY]
+
+
+def test_find_for_model_matches_name_and_group(tmp_path):
+    z = tmp_path / "zoo"
+    b16 = data_free_bundle("hadamard", 3, 2, 16, 16, 16)
+    b16.model_id = "Org/Tiny-Model"
+    zoo.add(save_bundle(b16, tmp_path / "g16.safetensors"), z, "tiny-g16")
+    b8 = data_free_bundle("hadamard", 3, 2, 16, 8, 8)
+    b8.model_id = "Org/Tiny-Model"
+    zoo.add(save_bundle(b8, tmp_path / "g8.safetensors"), z, "tiny-g8")
+    assert zoo.model_key("Org/Tiny-Model") == zoo.model_key("/models/tiny-model/") == "tiny-model"
+    entry, path = zoo.find_for_model("/models/tiny-model", 8, str(z))
+    assert entry["name"] == "tiny-g8" and path == z / "tiny-g8.safetensors"
+    assert zoo.find_for_model("Org/Tiny-Model", 16, str(z))[0]["name"] == "tiny-g16"
+    assert zoo.find_for_model("Org/Tiny-Model", 32, str(z)) is None  # no entry at that group
+    assert zoo.find_for_model("Org/Tiny-Model", None, str(z)) is None  # two groups, neither the served 64
+    assert zoo.find_for_model("Org/Other-Model", 8, str(z)) is None
+    (z / "tiny-g8.safetensors").write_bytes(b"x" * entry["size"])  # same size, other bytes
+    with pytest.raises(zoo.ZooError, match="corrupted"):
+        zoo.find_for_model("tiny-model", 8, str(z))
+
+
+def test_server_zoo_is_the_env_else_the_checkout(monkeypatch):
+    monkeypatch.setenv("SGLANG_OSCAR_ZOO", "/some/zoo")
+    assert zoo.server_zoo() == "/some/zoo"
+    monkeypatch.delenv("SGLANG_OSCAR_ZOO")
+    repo_zoo = pathlib.Path(__file__).resolve().parents[1] / "zoo"
+    assert zoo.server_zoo() == str(repo_zoo)
+    entry, path = zoo.find_for_model("HuggingFaceTB/SmolLM2-135M-Instruct", None, zoo.server_zoo())
+    assert entry["name"] == "smollm2-135m-instruct_int2_best_g64" and path == repo_zoo / entry["file"]

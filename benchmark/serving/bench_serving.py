@@ -22,8 +22,8 @@ that fails is recorded with its error, never dropped), and the plot $OUT/serving
 
     python benchmark/serving/bench_serving.py --workloads 32768:256,100000:256 --modes int2,fi_bf16,fi_fp8
 
-Modes: int2 is the served default (`--kv-cache-dtype int2` and nothing else; rotations builtin:hadamard unless
-SGLANG_OSCAR_BUNDLE is set: speed does not depend on the matrix), fi_bf16 / fi_fp8 are FlashInfer with a BF16 /
+Modes: int2 is the served default (`--kv-cache-dtype int2` and nothing else, no environment variable: the server
+picks builtin:hadamard for a model the zoo has no bundle for; speed does not depend on the matrix), fi_bf16 / fi_fp8 are FlashInfer with a BF16 /
 FP8 (e4m3) cache. The model directory needs only config.json: bench_serving needs a tokenizer, so the driver
 writes a synthetic one (a WordLevel vocabulary "t0".."t{V-1}" over the model's vocab_size, whitespace split) into a
 temporary copy of the directory, which servers and benchmark both use; random ids round-trip exactly through it.
@@ -51,7 +51,7 @@ from server_proc import ServerProcess, free_port  # noqa: E402
 
 MODES = {
     # name: (server flags, environment)
-    "int2": (["--kv-cache-dtype", "int2"], {"SGLANG_OSCAR_BUNDLE": "builtin:hadamard"}),
+    "int2": (["--kv-cache-dtype", "int2"], {}),
     "fi_bf16": (["--attention-backend", "flashinfer"], {}),
     "fi_fp8": (["--attention-backend", "flashinfer", "--kv-cache-dtype", "fp8_e4m3"], {}),
     "torch_native": (["--attention-backend", "torch_native"], {}),  # the CPU harness's stock backend (checks the script)
@@ -210,6 +210,9 @@ class Server(ServerProcess):
         line = re.search(r"sglang_oscar: (int2 KV: [\d,]+ tokens .*)", self.text())
         if line:
             out["int2_line"] = line.group(1)
+        rot = re.search(r"sglang_oscar: (rotations: [^\n]*)", self.text())
+        if rot:  # which rotations the server picked
+            out["rotations_line"] = rot.group(1)
         return out
 
 
@@ -387,7 +390,7 @@ def main() -> None:
                date=time.strftime("%Y-%m-%d %H:%M"),
                settings=dict(modes={m: MODES[m] for m in modes}, workloads=args.workloads, mem_fraction_static=
                              args.mem_fraction, context_length=args.context_length, flags=args.flags, weights="dummy",
-                             int2_bundle=os.environ.get("SGLANG_OSCAR_BUNDLE", "builtin:hadamard"),
+                             int2_bundle=os.environ.get("SGLANG_OSCAR_BUNDLE") or "the server's default",
                              client=f"python -m {BENCH_MODULE} --dataset-name random-ids --tokenize-prompt "
                                     "--random-range-ratio 1 --num-prompts C --max-concurrency C"),
                runs=[])

@@ -14,7 +14,9 @@ proves the published file is usable.
 
 The zoo location is a local directory, or `hf:OWNER/REPO` (also a bare OWNER/REPO that is not an
 existing directory) read through huggingface_hub when it is installed and the hub is reachable.
-The default is $SGLANG_OSCAR_ZOO, else ./zoo.
+The default is $SGLANG_OSCAR_ZOO, else ./zoo. A server started with no rotation source looks its
+model up (find_for_model) in $SGLANG_OSCAR_ZOO, else in the zoo of the source checkout the package
+runs from (server_zoo).
 """
 
 from __future__ import annotations
@@ -247,6 +249,44 @@ def get(name: str, out, zoo: Optional[str] = None, model_config=None) -> Path:
     os.replace(tmp, out)
     check_file(out, entry, str(out.parent))  # the copy, too (a full disk truncates silently)
     return out
+
+
+# The zoo a server reads when no rotation source is given: $SGLANG_OSCAR_ZOO, else the one beside this package in
+# a source checkout or editable install (<repo>/zoo; a wheel has none).
+_PACKAGED_ZOO = Path(__file__).resolve().parents[2] / "zoo"
+
+
+def server_zoo() -> Optional[str]:
+    """The zoo a server without a rotation source looks its model up in, or None where there is none."""
+    zoo = os.environ.get("SGLANG_OSCAR_ZOO", "").strip()
+    if zoo:
+        return zoo
+    return str(_PACKAGED_ZOO) if (_PACKAGED_ZOO / INDEX).is_file() else None
+
+
+def model_key(model: str) -> str:
+    """The name a served model and a zoo entry's model_id are matched by: the last path part, lower case
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "/models/smollm2-135m-instruct/" -> "smollm2-135m-instruct")."""
+    return Path(str(model).strip().rstrip("/\\")).name.lower()
+
+
+def find_for_model(model: str, group: Optional[int] = None, zoo: Optional[str] = None) -> Optional[tuple]:
+    """(entry, verified local path) of the zoo's bundle for `model` (model_key match) with K and V groups of `group`
+    (None: the served group 64 if the zoo has it, else the model's only entry), or None where the zoo has none.
+    A checksum mismatch raises ZooError: a corrupted published bundle is never served, nor silently skipped."""
+    from .config import SERVED_GROUP
+
+    src = _source(zoo)
+    key = model_key(model)
+    found = [e for e in _parse_index(src.index_text(), src.label) if model_key(e["model_id"]) == key
+             and e["k_group"] == e["v_group"] and (group is None or e["k_group"] == group)]
+    if group is None and len(found) > 1:
+        found = [e for e in found if e["k_group"] == SERVED_GROUP]
+    if len(found) != 1:
+        return None
+    path = src.fetch(found[0]["file"])
+    check_file(path, found[0], src.label)
+    return found[0], path
 
 
 def verify(zoo: Optional[str] = None, name: Optional[str] = None, model_config=None) -> list[tuple[str, str]]:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import platform
 import subprocess
 import sys
@@ -332,7 +330,6 @@ def format_table(report: dict) -> str:
     ms = report["methods"]
     ppl_keys = sorted({k for m in ms.values() for k in m["ppl"]}, key=int)
     niah_keys = sorted({k for m in ms.values() for k in m.get("niah", {})}, key=int)
-    bf = ms.get("bf16", {}).get("ppl", {})
     head = ["method", "bits"] + [f"PPL@{int(k)//1024}k" for k in ppl_keys] + [f"Δ@{int(k)//1024}k" for k in ppl_keys] \
         + [f"NIAH@{int(k)//1024}k" for k in niah_keys] + ["attn KL"]
     rows = []

@@ -47,7 +47,21 @@ def post_init_before(self):
     msg = select_backend(self)
     if msg:
         logger.info("sglang_oscar: %s", msg)
+    if is_int2(self):
+        # the default rotation source, in the environment the schedulers inherit (the CLI and the Engine API both
+        # pass here; the CLI's group flag, read after this, can change the choice in from_cli_args_after)
+        try:
+            line = options.ensure_rotation_source(getattr(self, "model_path", None), _env_group())
+        except options.OscarOptionError as e:
+            raise options.OscarStartupError(str(e)) from None
+        if line:
+            logger.info("sglang_oscar: %s", line)
     return None
+
+
+def _env_group():
+    group = os.environ.get(options.ENV_GROUP, "").strip()
+    return int(group) if group.isdigit() else None
 
 
 # 2b. ServerArgs.from_cli_args (classmethod), AFTER: carry our flag, check everything before anything is loaded, ---
@@ -70,6 +84,9 @@ def from_cli_args_after(server_args, cls, args):
             options.check_group(group)
             # ServerArgs cannot carry new fields; the env reaches every spawned scheduler process.
             os.environ[options.ENV_GROUP] = str(group)
+            line = options.ensure_rotation_source(getattr(server_args, "model_path", None), group)
+            if line:
+                logger.info("sglang_oscar: %s", line)
         stale = options.removed_env_warning()
         if stale:
             logger.warning("sglang_oscar: %s", stale)
@@ -215,7 +232,6 @@ def build_mha_kv_pool_around(original, self, *, max_total_num_tokens, mha_pool_c
     from sglang.srt.mem_cache import kv_cache_configurator as kvc_mod
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from .int2_setup import setup_for_kvc
     from .pool import OscarKVPool
 
     if quant_method is not None:

@@ -11,7 +11,9 @@ an option: srt/startup_checks.py decode_path.
 Accepted (seed names kept so seed launch scripts work unchanged):
 
     --kv-cache-quant-group-size N      -> SGLANG_OSCAR_KV_QUANT_GROUP_SIZE (ours; the transport)
-    SGLANG_OSCAR_BUNDLE                our safetensors rotation bundle (or builtin:identity|hadamard)
+    SGLANG_OSCAR_BUNDLE                our safetensors rotation bundle (or builtin:identity|hadamard); unset,
+                                       the server picks the zoo's bundle for the model, else builtin:hadamard
+                                       (ensure_rotation_source)
     SGLANG_OSCAR_{K,V}_ROTATION_PATH   the seed's .pt rotations (both or neither)
     SGLANG_OSCAR_{K,V}_CLIP_RATIO      clip quantile in (0, 1]; 0 = the seed's "no clip" (= 1.0)
     SGLANG_OSCAR_ABSORB_V_ROTATION     fold T_V into qkv_proj / o_proj (default on)
@@ -249,6 +251,51 @@ def from_env(env: Optional[Mapping[str, str]] = None, *, group_size: Optional[in
     v_clip = _clip(get(ENV_V_CLIP), ENV_V_CLIP) if get(ENV_V_CLIP) is not None else None
     absorb = _bool(get(ENV_ABSORB_V), ENV_ABSORB_V) if get(ENV_ABSORB_V) is not None else True
     return OscarServeConfig(group_size, sink, recent, window_dtype, scale_dtype, bundle, kp, vp, k_clip, v_clip, absorb)
+
+
+_AUTO_SOURCE: dict = {}  # {"value": what ensure_rotation_source last put in SGLANG_OSCAR_BUNDLE}
+
+
+def rotation_source_given(env: Optional[Mapping[str, str]] = None) -> bool:
+    env = os.environ if env is None else env
+    return any(str(env.get(name, "")).strip() for name in (ENV_BUNDLE, ENV_K_PATH, ENV_V_PATH))
+
+
+def ensure_rotation_source(model_path, group: Optional[int] = None) -> Optional[str]:
+    """With no rotation source set (or only the one this function chose, for another group), choose the default
+    in this process's environment, which the spawned schedulers inherit: the zoo's calibrated bundle for the model
+    (zoo.find_for_model, in zoo.server_zoo()) with K and V groups of `group` (None: the bundle's own), else the
+    data-free builtin:hadamard. Returns the startup line that says which and why, or None when the user set one."""
+    from .. import zoo
+
+    current = os.environ.get(ENV_BUNDLE, "").strip()
+    if rotation_source_given() and not (current and current == _AUTO_SOURCE.get("value")):
+        return None
+    where = zoo.server_zoo()
+    found = None
+    if where is not None and str(model_path or "").strip():
+        try:
+            found = zoo.find_for_model(str(model_path), group, where)
+        except zoo.ZooError as e:
+            raise OscarOptionError(f"no rotation source set, and the zoo it would be read from failed: {e}; set "
+                                   f"{ENV_BUNDLE}=<bundle.safetensors> or builtin:hadamard") from None
+    if found is not None:
+        entry, path = found
+        value = str(path)
+        line = (f"rotations: the zoo's calibrated bundle {entry['name']} for {entry['model_id']} ({where}); "
+                f"{ENV_BUNDLE} overrides it")
+    else:
+        value = "builtin:hadamard"
+        line = (f"rotations: data-free Hadamard (builtin:hadamard): no calibrated bundle for "
+                f"{zoo.model_key(str(model_path or '')) or 'this model'}"
+                f"{'' if group is None else f' at groups of {group}'} in "
+                f"{where or 'a zoo (none found: set SGLANG_OSCAR_ZOO)'}; for long contexts calibrate one "
+                f"(python -m sglang_oscar.calibrate) and set {ENV_BUNDLE}")
+    if current == value:
+        return None
+    os.environ[ENV_BUNDLE] = value
+    _AUTO_SOURCE["value"] = value
+    return line
 
 
 _CURRENT: list = []  # [(the int2 variables' values, config)]: this process's parse
