@@ -113,3 +113,28 @@ def test_group_vs_head_dim():
         c.resolve_group(64)
     with pytest.raises(o.OscarOptionError, match="needs a value"):
         o.pop_group_flag(["--kv-cache-quant-group-size"])
+
+
+def test_default_rotation_source_gives_way_to_the_users(monkeypatch, files, tmp_path):
+    for name in o.ALL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SGLANG_OSCAR_ZOO", str(tmp_path / "no_zoo_here"))
+    with pytest.raises(o.OscarOptionError, match="the zoo it would be read from failed"):
+        o.ensure_rotation_source("org/some-model")
+    monkeypatch.delenv("SGLANG_OSCAR_ZOO")  # the checkout's zoo: no bundle for this model
+    line = o.ensure_rotation_source("org/some-model", 64)
+    assert line.startswith("rotations: data-free Hadamard") and "some-model at groups of 64" in line
+    assert o.from_env().bundle_path == "builtin:hadamard"
+    assert o.ensure_rotation_source("org/some-model", 64) is None  # already chosen: nothing new to say
+    monkeypatch.setenv(o.ENV_K_PATH, files["k.pt"])  # the user's seed pair, set afterwards, wins
+    monkeypatch.setenv(o.ENV_V_PATH, files["v.pt"])
+    assert o.ensure_rotation_source("org/some-model", 64) is None
+    assert o.from_env().rotation_source == "seed"
+    monkeypatch.delenv(o.ENV_K_PATH)
+    monkeypatch.delenv(o.ENV_V_PATH)
+    monkeypatch.setenv(o.ENV_BUNDLE, files["b.safetensors"])  # and so does a bundle
+    assert o.ensure_rotation_source("HuggingFaceTB/SmolLM2-135M-Instruct") is None
+    assert o.from_env().bundle_path == files["b.safetensors"]
+    monkeypatch.delenv(o.ENV_BUNDLE)
+    line = o.ensure_rotation_source("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert "smollm2-135m-instruct_int2_best_g64" in line and o.from_env().bundle_path.endswith("_g64.safetensors")

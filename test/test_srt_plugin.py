@@ -241,10 +241,15 @@ def test_no_rotation_source_serves_the_zoo_bundle_else_hadamard(registered, int2
     prepare_server_args(_args(*base))
     assert os.environ[options.ENV_BUNDLE] == str(tmp_path / "zoo" / "tiny-g64.safetensors")
     assert any("the zoo's calibrated bundle tiny-g64" in m for m in logged), logged
-    ServerArgs(model_path=_MODEL["path"], device="cpu", kv_cache_dtype="int2")  # the Engine API's path: same choice
+    # the Engine API never runs from_cli_args: ServerArgs alone chooses nothing, the schedulers' hooks choose
+    int2_env.delenv(options.ENV_BUNDLE)
+    engine_args = ServerArgs(model_path=_MODEL["path"], device="cpu", kv_cache_dtype="int2")
+    assert options.ENV_BUNDLE not in os.environ
+    hooks.ensure_rotations(engine_args)  # what load_model_after / setup_for_kvc run first in a scheduler
     assert os.environ[options.ENV_BUNDLE] == str(tmp_path / "zoo" / "tiny-g64.safetensors")
     prepare_server_args(_args(*base, "--kv-cache-quant-group-size", "32"))  # no entry at 32: re-picked
     assert os.environ[options.ENV_BUNDLE] == "builtin:hadamard"
+    assert sum("rotations:" in m for m in logged) == 3  # one line per choice: hadamard at 32 was a new one
     int2_env.setenv(options.ENV_BUNDLE, "builtin:identity")  # the user's choice stays
     prepare_server_args(_args(*base))
     assert os.environ[options.ENV_BUNDLE] == "builtin:identity"

@@ -222,12 +222,19 @@ def test_find_for_model_matches_name_and_group(tmp_path):
     b8.model_id = "Org/Tiny-Model"
     zoo.add(save_bundle(b8, tmp_path / "g8.safetensors"), z, "tiny-g8")
     assert zoo.model_key("Org/Tiny-Model") == zoo.model_key("/models/tiny-model/") == "tiny-model"
+    assert zoo.model_key("/hf/hub/models--Org--Tiny-Model/snapshots/0a1b2c") == "tiny-model"
     entry, path = zoo.find_for_model("/models/tiny-model", 8, str(z))
     assert entry["name"] == "tiny-g8" and path == z / "tiny-g8.safetensors"
     assert zoo.find_for_model("Org/Tiny-Model", 16, str(z))[0]["name"] == "tiny-g16"
     assert zoo.find_for_model("Org/Tiny-Model", 32, str(z)) is None  # no entry at that group
     assert zoo.find_for_model("Org/Tiny-Model", None, str(z)) is None  # two groups, neither the served 64
     assert zoo.find_for_model("Org/Other-Model", 8, str(z)) is None
+    local = tmp_path / "Tiny-Model"  # a local directory of the same name: its config must have the entry's shape
+    local.mkdir()
+    _config(local, head_dim=16)
+    assert zoo.find_for_model(str(local), 8, str(z))[0]["name"] == "tiny-g8"
+    _config(local, head_dim=16, num_hidden_layers=4)  # a same-name model of another shape: not its bundle
+    assert zoo.find_for_model(str(local), 8, str(z)) is None
     (z / "tiny-g8.safetensors").write_bytes(b"x" * entry["size"])  # same size, other bytes
     with pytest.raises(zoo.ZooError, match="corrupted"):
         zoo.find_for_model("tiny-model", 8, str(z))

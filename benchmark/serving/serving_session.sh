@@ -87,9 +87,10 @@ case "${1:-}" in
     pack capacity
     ;;
   capacity_bg)
-    # capacity past one 10-minute call (the 2k / 16k reasoning job: ~11 min of int2 decode alone at capacity): the
-    # driver runs detached (its own process session outlives this call) into $HOME/bg_out, with BUDGET seconds
-    # (default 1500); later calls on the warm machine run `wait_bg` to follow it and bring its files back.
+    # capacity past one 10-minute call: the driver runs detached (its own process session outlives this call) into
+    # $HOME/bg_out, with BUDGET seconds (default 1500); later calls on the warm machine run `wait_bg` to follow it and
+    # bring its files back. The 2k / 16k job on H200 (run s51-reason): int2 224 s startup + 758 s, FI BF16 112 s
+    # startup + ~400 s (its server's linear step, extrapolated): int2,fi_bf16 needs BUDGET >= 1550 (1260 cut FI BF16).
     rm -rf "$HOME/bg_out"; mkdir -p "$HOME/bg_out"
     setsid nohup timeout "$(( ${BUDGET:-1500} + 60 ))" python3 benchmark/serving/bench_serving.py --model $M \
       --workloads "${WORKLOADS:-2048:16384}" --modes "${MODES:-int2,fi_bf16}" --concurrency "${CONCURRENCY:-max}" \

@@ -266,20 +266,39 @@ def server_zoo() -> Optional[str]:
 
 def model_key(model: str) -> str:
     """The name a served model and a zoo entry's model_id are matched by: the last path part, lower case
-    ("HuggingFaceTB/SmolLM2-135M-Instruct", "/models/smollm2-135m-instruct/" -> "smollm2-135m-instruct")."""
-    return Path(str(model).strip().rstrip("/\\")).name.lower()
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "/models/smollm2-135m-instruct/" -> "smollm2-135m-instruct"); in a
+    Hugging Face cache path (.../models--ORG--NAME/snapshots/<sha>) the NAME."""
+    parts = Path(str(model).strip().rstrip("/\\")).parts
+    for part in reversed(parts):
+        if part.startswith("models--") and part.count("--") >= 2:
+            return part.split("--", 2)[2].lower()
+    return parts[-1].lower() if parts else ""
+
+
+def _local_shape(model: str) -> Optional[dict]:
+    """(layers, kv_heads, head_dim) of a local model directory's config.json, or None (a hub id, a file)."""
+    cfg = Path(str(model).strip()) / "config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        return model_shape(cfg)
+    except ZooError:
+        return None
 
 
 def find_for_model(model: str, group: Optional[int] = None, zoo: Optional[str] = None) -> Optional[tuple]:
-    """(entry, verified local path) of the zoo's bundle for `model` (model_key match) with K and V groups of `group`
-    (None: the served group 64 if the zoo has it, else the model's only entry), or None where the zoo has none.
-    A checksum mismatch raises ZooError: a corrupted published bundle is never served, nor silently skipped."""
+    """(entry, verified local path) of the zoo's bundle for `model` (model_key match; for a local directory also the
+    same layers, KV heads and head_dim as its config.json) with K and V groups of `group` (None: the served group 64
+    if the zoo has it, else the model's only entry), or None where the zoo has none. A checksum mismatch raises
+    ZooError: a corrupted published bundle is never served, nor silently skipped."""
     from .config import SERVED_GROUP
 
     src = _source(zoo)
     key = model_key(model)
+    shape = _local_shape(model)
     found = [e for e in _parse_index(src.index_text(), src.label) if model_key(e["model_id"]) == key
-             and e["k_group"] == e["v_group"] and (group is None or e["k_group"] == group)]
+             and e["k_group"] == e["v_group"] and (group is None or e["k_group"] == group)
+             and (shape is None or all(e[k] == v for k, v in shape.items()))]
     if group is None and len(found) > 1:
         found = [e for e in found if e["k_group"] == SERVED_GROUP]
     if len(found) != 1:

@@ -47,21 +47,18 @@ def post_init_before(self):
     msg = select_backend(self)
     if msg:
         logger.info("sglang_oscar: %s", msg)
-    if is_int2(self):
-        # the default rotation source, in the environment the schedulers inherit (the CLI and the Engine API both
-        # pass here; the CLI's group flag, read after this, can change the choice in from_cli_args_after)
-        try:
-            line = options.ensure_rotation_source(getattr(self, "model_path", None), _env_group())
-        except options.OscarOptionError as e:
-            raise options.OscarStartupError(str(e)) from None
-        if line:
-            logger.info("sglang_oscar: %s", line)
     return None
 
 
-def _env_group():
+def ensure_rotations(sa) -> None:
+    """The default rotation source (options.ensure_rotation_source) for the model ServerArgs names, at the group
+    the flag put in the environment, logged in one line when it was chosen here. The launcher's from_cli_args hook
+    runs it once for the CLI (the schedulers inherit the result); the scheduler-side hooks run it too, for the Engine
+    API, which never runs from_cli_args (a no-op where the launcher already chose)."""
     group = os.environ.get(options.ENV_GROUP, "").strip()
-    return int(group) if group.isdigit() else None
+    line = options.ensure_rotation_source(getattr(sa, "model_path", None), int(group) if group.isdigit() else None)
+    if line:
+        logger.info("sglang_oscar: %s", line)
 
 
 # 2b. ServerArgs.from_cli_args (classmethod), AFTER: carry our flag, check everything before anything is loaded, ---
@@ -84,13 +81,11 @@ def from_cli_args_after(server_args, cls, args):
             options.check_group(group)
             # ServerArgs cannot carry new fields; the env reaches every spawned scheduler process.
             os.environ[options.ENV_GROUP] = str(group)
-            line = options.ensure_rotation_source(getattr(server_args, "model_path", None), group)
-            if line:
-                logger.info("sglang_oscar: %s", line)
         stale = options.removed_env_warning()
         if stale:
             logger.warning("sglang_oscar: %s", stale)
-        cfg = options.current()  # bad env / missing bundle fails here, in the main process
+        ensure_rotations(server_args)
+        cfg = options.current()  # bad env / a bundle that is not there fails here, in the main process
         check_server_args(server_args)
         msg = adjust_cuda_graphs(server_args)
         if msg:
@@ -293,6 +288,7 @@ def load_model_after(result, self):
     sa = self.server_args
     if not is_int2(sa) or getattr(self, "is_draft_worker", False):
         return None  # draft workers: int2 refuses speculative decoding; never touch a draft model
+    ensure_rotations(sa)  # the Engine API's first int2 hook in a scheduler
     cfg = options.current()
     if not cfg.absorb_v_rotation:
         return None

@@ -157,6 +157,9 @@ def setup_for_kvc(kvc, num_layers: Optional[int] = None) -> Int2Setup:
 
     sa = kvc.server_args
     check_server_args(sa)  # again here: the Engine API never runs the from_cli_args hook
+    from .hooks import ensure_rotations
+
+    ensure_rotations(sa)
     msg = adjust_cuda_graphs(sa)
     if msg:
         logging.getLogger(__name__).info("sglang_oscar: %s", msg)

@@ -269,7 +269,11 @@ def ensure_rotation_source(model_path, group: Optional[int] = None) -> Optional[
     from .. import zoo
 
     current = os.environ.get(ENV_BUNDLE, "").strip()
-    if rotation_source_given() and not (current and current == _AUTO_SOURCE.get("value")):
+    auto = bool(current) and current == _AUTO_SOURCE.get("value")
+    if auto and any(str(os.environ.get(n, "")).strip() for n in (ENV_K_PATH, ENV_V_PATH)):
+        del os.environ[ENV_BUNDLE]  # the user set the seed pair since: our earlier choice gives way
+        return None
+    if rotation_source_given() and not auto:
         return None
     where = zoo.server_zoo()
     found = None
