@@ -18,6 +18,8 @@ KL(exact || method) and the logit error on quantized keys.
     python benchmark/accuracy_diagnosis.py --set keep --bundle served=zoo/<served bundle> --top-heads --out ...
     # keys quantized per channel over blocks of 64 tokens (KIVI's grouping) instead of per token:
     python benchmark/accuracy_diagnosis.py --set channel --bundle served=zoo/<served bundle> --top-heads --out ...
+    # the same methods' perplexity instead (decode semantics, the table's windows: 4 x 8192 tokens, PPL@4k and @8k):
+    python benchmark/accuracy_diagnosis.py --set channel --bundle served=zoo/<served bundle> --ppl 4 --out ...
 """
 
 from __future__ import annotations
@@ -161,6 +163,33 @@ class ProbeSim(MixedCacheSimulator):
                               sq_raw.reshape(Hq, T, S), quant)
         o = torch.einsum("bhgte,hed->bhgtd", out, tinv)
         return o.reshape(B, Hq, T, D).transpose(1, 2).to(query.dtype)
+
+
+class RowSim(MixedCacheSimulator):
+    """The PPL harness's decode semantics (every position reads the INT2 history beyond the windows) with a method's
+    row knobs: how K and V rows are reconstructed (k_blockmean, k_channel, v_fp8, k_exact, v_exact as in ProbeSim)."""
+
+    KNOBS = ("k_blockmean", "k_channel", "v_fp8", "k_exact", "v_exact")
+
+    def __init__(self, layers, *, k_blockmean=None, k_channel=None, v_fp8=False, k_exact=False, v_exact=False):
+        super().__init__(layers, sink=SINK, recent=RECENT, mode="decode")
+        self.k_blockmean, self.k_channel, self.v_fp8 = k_blockmean, k_channel, v_fp8
+        self.k_exact, self.v_exact = k_exact, v_exact
+
+    def _rows(self, idx, qk, qv, key, value):
+        st = super()._rows(idx, qk, qv, key, value)
+        n = st.n
+        if self.k_channel is not None:
+            st.bufs[1][:, :, :n] = channel_quantized(st.ke, **self.k_channel)
+        if self.k_blockmean is not None:
+            st.bufs[1][:, :, :n] = blockmean_quantized(st.ke, qk, **self.k_blockmean)
+        if self.k_exact:
+            st.bufs[1][:, :, :n] = st.ke
+        if self.v_fp8:
+            st.bufs[3][:, :, :n] = fake_fp8_params(qv, st.ve)
+        if self.v_exact:
+            st.bufs[3][:, :, :n] = st.ve
+        return st
 
 
 def fake_fp8_params(q: SideQuantizer, xt: torch.Tensor) -> torch.Tensor:
@@ -310,6 +339,9 @@ def main(argv=None) -> int:
                          "2k windows spread over RoPE positions up to 8k")
     ap.add_argument("--bundle", action="append", default=[], help="NAME=PATH: also evaluate this bundle")
     ap.add_argument("--methods", nargs="+", default=None, help="evaluate only these methods of the set (bf16 always)")
+    ap.add_argument("--ppl", type=int, default=0, metavar="N",
+                    help="perplexity instead of NIAH: N windows of 8192 tokens of the evaluation text, PPL@4k and @8k "
+                         "in decode semantics, paired against bf16 (methods with row knobs only)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -445,7 +477,9 @@ def main(argv=None) -> int:
                    Method("kbm64", "served", "K 2.75 / V 2.5 = 2.625", dict(k_blockmean=dict(block=64))),
                    Method("k3_v2", "served", "K 3.5 / V 2.5 = 3.0 (reference: K at 3 bits)", dict(k_bits=3)),
                    Method("kbm32_fp8_vfp8_keep64", "served", "2.5 + 0.125 (64 BF16 rows at 8k)",
-                          dict(k_blockmean=dict(block=32, fp8=True), v_fp8=True, keep=64))]
+                          dict(k_blockmean=dict(block=32, fp8=True), v_fp8=True, keep=64)),
+                   Method("served_kq_only", "served", "K 2.5 / V 16 (diagnostic)", dict(v_exact=True)),
+                   Method("served_vq_only", "served", "K 16 / V 2.5 (diagnostic)", dict(k_exact=True))]
         if args.lengths == [2048]:  # keys per channel in their post-RoPE basis (no transform): lost at 2k
             methods += [Method("kchan_raw", "served", "2.5 (K per channel over 64 tokens, post-RoPE basis)",
                                dict(k_channel=dict(block=64), k_ident=True)),
@@ -457,6 +491,8 @@ def main(argv=None) -> int:
         if unknown:
             raise SystemExit(f"--methods: {sorted(unknown)} not in --set {args.set} ({', '.join(m.name for m in methods)})")
         methods = [m for m in methods if m.name == "bf16" or m.name in args.methods]
+    if args.ppl:
+        return ppl_impl(args, model, tok, model_id, methods, layers, t0)
 
     def sim_of(m: Method, recorder=None, exact_k_heads=()):
         if m.bundle is None:
@@ -551,6 +587,47 @@ def main(argv=None) -> int:
     report["torch"] = torch.__version__
     args.out.write_text(json.dumps(report))
     print(f"done in {report['seconds']} s -> {args.out}")
+    return 0
+
+
+def ppl_impl(args, model, tok, model_id, methods, layers, t0) -> int:
+    """--ppl: per-window PPL@4k / @8k of each method over the PPL table's windows, and the paired change against bf16
+    (the table's Δ: mean over windows of PPL_method / PPL_bf16 - 1)."""
+    from sglang_oscar.data import eval_text, token_windows
+    from sglang_oscar.eval.ppl import perplexity
+
+    windows = token_windows(tok, eval_text(), 8192, args.ppl)
+    report = dict(model=model_id, sink=SINK, recent=RECENT, windows=len(windows), window_tokens=8192,
+                  methods={m.name: dict(bits=m.bits_note) for m in methods}, ppl={})
+    for m in methods:
+        sim = None
+        if m.bundle is not None:
+            kw = dict(m.kw)
+            k_bits, v_bits, k_ident = kw.pop("k_bits", None), kw.pop("v_bits", None), kw.pop("k_ident", False)
+            other = sorted(set(kw) - set(RowSim.KNOBS))
+            if other:
+                raise SystemExit(f"--ppl: {m.name} uses {other}, which act on one prompt's attention, not on rows")
+            sim = RowSim(layers(m.bundle, k_bits, v_bits, k_ident), **kw)
+        t = time.time()
+        r = perplexity(model, windows, sim=sim, progress=False, prefixes=(4096,))
+        report["ppl"][m.name] = {"4096": r["prefix"][4096]["per_window"], "8192": r["per_window"]}
+        print(f"[ppl] {m.name}: @4k {r['prefix'][4096]['mean']:.3f} @8k {r['mean']:.3f} ({time.time() - t:.0f} s)",
+              flush=True)
+    bf = report["ppl"].get("bf16")
+    if bf is not None:
+        for name, by_len in report["ppl"].items():
+            report["methods"][name]["delta_pct"] = {
+                k: round(100 * sum(a / b - 1 for a, b in zip(v, bf[k])) / len(v), 2) for k, v in by_len.items()}
+            report["methods"][name]["delta_pct_per_window"] = {
+                k: [round(100 * (a / b - 1), 2) for a, b in zip(v, bf[k])] for k, v in by_len.items()}
+    report["seconds"] = round(time.time() - t0, 1)
+    report["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    report["torch"] = torch.__version__
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    for name, m in report["methods"].items():
+        if "delta_pct" in m:
+            print(f"{name:24s} {m['bits']:34s} Δ@4k {m['delta_pct']['4096']:+.2f}%  Δ@8k {m['delta_pct']['8192']:+.2f}%")
     return 0
 
 

@@ -69,3 +69,34 @@ def test_short_rows_are_returned_exact():
     qk = SideQuantizer(matrix=torch.eye(64))
     assert torch.equal(diag.channel_quantized(ke, block=64), ke)
     assert torch.equal(diag.blockmean_quantized(ke, qk, block=64), ke)
+
+
+def test_row_sim_reconstructs_the_rows_its_knobs_name():
+    """--ppl's RowSim: without knobs it is the PPL harness's decode simulator (same NLL); k_exact / v_exact read that
+    side exact, which on a tiny random model moves the NLL toward bf16's; a block-mean K changes it."""
+    from sglang_oscar.eval.ppl import window_nll
+    from sglang_oscar.eval.simulator import MixedCacheSimulator
+    from sglang_oscar.models import tiny_llama
+    from sglang_oscar.quant import hadamard_matrix
+
+    torch.manual_seed(0)
+    model = tiny_llama(num_layers=2, q_heads=4, kv_heads=2, head_dim=64, seed=0)
+    ids = torch.randint(0, 512, (1200,), generator=torch.Generator().manual_seed(1)).tolist()
+    h = hadamard_matrix(64).float()
+    layers = [(SideQuantizer(h, bits=2, group=64, clip_ratio=0.95), SideQuantizer(h, bits=2, group=64))] * 2
+
+    def nll(sim):
+        if sim is None:
+            return window_nll(model, ids)
+        with sim.attach(model):
+            return window_nll(model, ids)
+
+    exact = nll(None)
+    base = nll(MixedCacheSimulator(layers, sink=diag.SINK, recent=diag.RECENT, mode="decode"))
+    assert nll(diag.RowSim(layers)) == pytest.approx(base, abs=1e-6)
+    both = nll(diag.RowSim(layers, k_exact=True, v_exact=True))
+    assert both == pytest.approx(exact, abs=1e-5) and abs(base - exact) > 2e-4
+    k_only, v_only = nll(diag.RowSim(layers, v_exact=True)), nll(diag.RowSim(layers, k_exact=True))
+    assert abs(k_only - exact) < abs(base - exact) and abs(v_only - exact) < abs(base - exact)
+    kbm = nll(diag.RowSim(layers, k_blockmean=dict(block=64, fp8=True)))
+    assert abs(kbm - base) > 1e-5
