@@ -13,8 +13,8 @@
 #   one mostly single-threaded Python process (the interpreter runs its kernels), so the two streams use the two cores
 #   of a CI machine. With OSCAR_SETUP_SERVE=1 and no .venv-serve yet, the background stream first builds it
 #   (scripts/setup_serve.sh, mostly downloads) while part 1 runs; (a) waits for it. (b)'s output is kept in a file and
-#   printed when it ends. OSCAR_TEST_JOBS=1 runs everything in a row. Measured: a fresh clone's `.ci/run` took 28.6 min on
-#   a 2-core machine (both streams ~23 min after .venv; the build ran beside part 1).
+#   printed when it ends. OSCAR_TEST_JOBS=1 runs everything in a row. Measured: a fresh clone's `.ci/run` took 19.9 min on
+#   a 2-core machine with nothing else running (28.6 min beside other CPU jobs; the build ran beside part 1).
 #   OSCAR_TEST_SERVE=0 skips part 2; OSCAR_SOAK_REQUESTS sets the soak's request count;
 #   OSCAR_TEST_TP=2,4,8 adds TP=4/8 (one KV head per rank; ~4 min and ~12 GiB more).
 # Arguments go to part 1's pytest only. Any failure fails the script.
