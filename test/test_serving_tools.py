@@ -199,3 +199,12 @@ def test_collect_reads_scheduler_rows_from_server_logs(tmp_path):
     rows = out["rows"] + [dict(r, mode="fi_bf16", batch=1, value=r["value"] / 4) for r in out["rows"]]
     (png,) = collect.plot_scheduler(rows, tmp_path, "NVIDIA H200")
     assert png.name == "serving_scheduler_NVIDIA_H200.png" and png.stat().st_size > 1000
+
+
+def test_scheduler_mean_is_the_line_weighted_harmonic_mean():
+    rows = [dict(metric="scheduler_decode_throughput", value=100.0, lines=1),
+            dict(metric="scheduler_decode_throughput", value=50.0, lines=2),
+            dict(metric="decode_throughput", value=1e9)]
+    # 3 lines of equal steps: time 1/100 + 2/50 per step-unit -> 3 / 0.05 = 60 tok/s
+    assert bench_serving.scheduler_mean(rows) == pytest.approx(60.0)
+    assert bench_serving.scheduler_mean(rows[2:]) is None

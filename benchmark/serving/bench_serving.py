@@ -13,7 +13,8 @@ concurrency the server holds, min(max_running_requests, tokens // (IN + OUT) in 
   tpot_median, ttft_median, ttft_p99, job_output_throughput (all output tokens / the whole job, prefill included)
   scheduler_decode_throughput  the server's own generation rate while all C requests run (its "Decode batch" log
                          lines), per bin of the per-request context (at_context): what the server produced whether
-                         or not the one-process streaming client kept up with it; kept for a run cut short
+                         or not the one-process streaming client kept up with it; kept for a run cut short;
+                         its mean over the run (scheduler_mean_tok_s) is printed beside the client's figures
 
 and writes rows {mode, model, context, output_len, batch, metric, value, unit, run} to
 $OUT/bench_serving_<device>.json after every workload (a call cut short keeps what it measured; a mode or workload
@@ -155,6 +156,16 @@ def scheduler_rows(log_text: str, mode: str, model: str, in_len: int, out_len: i
     return out
 
 
+def scheduler_mean(rows: list) -> "float | None":
+    """The server's rate over the whole decode from scheduler_rows: each log line covers the same number of steps at
+    the same batch, so the rate over them is the line-weighted harmonic mean. Set against the client's
+    decode_throughput it shows whether the streaming client kept up."""
+    sch = [r for r in rows if r["metric"] == "scheduler_decode_throughput" and r["value"] > 0]
+    if not sch:
+        return None
+    return sum(r["lines"] for r in sch) / sum(r["lines"] / r["value"] for r in sch)
+
+
 def write_tokenizer(vocab_size: int, out_dir: Path) -> None:
     """tokenizer.json + tokenizer_config.json: word "t{i}" is id i, words split on whitespace."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -288,6 +299,9 @@ def run_mode(mode: str, args, model: Path, workloads: list, out: Path, deadline:
                     w["wall_s"] = round(time.time() - t, 1)
                     w["rows"] = w.get("rows", []) + scheduler_rows(srv.text(), mode, args.model_name, in_len,
                                                                    out_len, c, args.run)
+                    mean = scheduler_mean(w["rows"])
+                    if mean is not None:  # printed with the workload: the client's rate beside the server's
+                        w["scheduler_mean_tok_s"] = round(mean, 1)
                 print(mode, json.dumps({k: v for k, v in w.items() if k != "rows"}), flush=True)
                 write(args, doc, out)
     except Exception as e:  # noqa: BLE001 - recorded with the mode, never dropped
