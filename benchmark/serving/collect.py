@@ -152,87 +152,75 @@ def plot(rows, out: Path, device: str) -> list:
     return paths
 
 
-def plot_capacity(rows, out: Path, device: str) -> list:
-    """serving_capacity_<device>.png: steady decode throughput (tok/s) against the concurrency, one panel per
-    workload (IN/OUT), one line per mode, from bench_serving.py rows (the latest run of each workload and mode)."""
+def _workload_panels(rows, name: str, out: Path, device: str, draw, size: tuple) -> list:
+    """serving_<name>_<device>.png: one panel per workload (IN/OUT) of `rows` (one metric), drawn by
+    draw(ax, {mode: (run, the mode's rows of that run)}) with the latest run of each mode, then titled and saved."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    thr = [r for r in rows if r["metric"] == "decode_throughput" and r.get("output_len")]
-    if not thr:
+    if not rows:
         return []
     latest = {}
-    for r in thr:  # rows come in run order: the last run of a (workload, mode) wins
-        latest.setdefault((r["context"], r["output_len"], r["mode"]), {})[r["run"]] = r
+    for r in rows:  # rows come in run order: the last run of a (workload, mode) wins
+        latest[(r["context"], r["output_len"], r["mode"])] = r["run"]
     loads = sorted({(c, o) for c, o, _ in latest})
-    fig, axes = plt.subplots(1, len(loads), figsize=(5 * len(loads), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(loads), figsize=(size[0] * len(loads), size[1]), squeeze=False)
     for ax, (ctx, n_out) in zip(axes[0], loads):
-        for mode in sorted({m for c, o, m in latest if (c, o) == (ctx, n_out)}):
-            by_run = latest[(ctx, n_out, mode)]
-            run = list(by_run)[-1]
-            pts = sorted((r["batch"], r["value"]) for r in thr if (r["context"], r["output_len"], r["mode"],
-                                                                   r["run"]) == (ctx, n_out, mode, run))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{mode} ({run})")
-            for b, v in pts:
-                ax.annotate(f"{v:,.0f}", (b, v), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        ax.set(xlabel="concurrent requests (the most that fit, unless swept)", ylabel="steady decode tok/s",
-               title=f"{ctx:,} in / {n_out:,} out, {device}")
-        ax.set_xlim(left=0)
+        draw(ax, {mode: (run, [r for r in rows if (r["context"], r["output_len"], r["mode"], r["run"])
+                               == (ctx, n_out, mode, run)])
+                  for (c, o, mode), run in sorted(latest.items()) if (c, o) == (ctx, n_out)})
+        ax.set(title=f"{ctx:,} in / {n_out:,} out, {device}")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    p = out / f"serving_capacity_{_tag(device)}.png"
+    p = out / f"serving_{name}_{_tag(device)}.png"
     fig.savefig(p, dpi=110)
     plt.close(fig)
     return [p]
+
+
+def plot_capacity(rows, out: Path, device: str) -> list:
+    """serving_capacity_<device>.png: steady decode throughput (tok/s) against the concurrency, one panel per
+    workload (IN/OUT), one line per mode, from bench_serving.py rows (the latest run of each workload and mode)."""
+
+    def draw(ax, series):
+        for mode, (run, rs) in series.items():
+            pts = sorted((r["batch"], r["value"]) for r in rs)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{mode} ({run})")
+            for b, v in pts:
+                ax.annotate(f"{v:,.0f}", (b, v), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set(xlabel="concurrent requests (the most that fit, unless swept)", ylabel="steady decode tok/s")
+        ax.set_xlim(left=0)
+
+    thr = [r for r in rows if r["metric"] == "decode_throughput" and r.get("output_len")]
+    return _workload_panels(thr, "capacity", out, device, draw, (5, 4))
 
 
 def plot_scheduler(rows, out: Path, device: str) -> list:
     """serving_scheduler_<device>.png: the servers' own decode rate (scheduler_decode_throughput) against the
     per-request context, one panel per workload, one line per mode and concurrency (the latest run of each), with
     int2's rate over each other mode's where both reached a context."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sch = [r for r in rows if r["metric"] == "scheduler_decode_throughput"]
-    if not sch:
-        return []
-    latest = {}
-    for r in sch:
-        latest[(r["context"], r["output_len"], r["mode"])] = r["run"]
-    loads = sorted({(c, o) for c, o, _ in latest})
-    fig, axes = plt.subplots(1, len(loads), figsize=(6 * len(loads), 4.2), squeeze=False)
-    for ax, (ctx, n_out) in zip(axes[0], loads):
-        series = {}
-        for (c, o, mode), run in sorted(latest.items()):
-            if (c, o) != (ctx, n_out):
-                continue
-            pts = sorted((r["at_context"], r["value"], r["batch"]) for r in sch
-                         if (r["context"], r["output_len"], r["mode"], r["run"]) == (ctx, n_out, mode, run))
-            series[mode] = {round(a, -3): v for a, v, _ in pts}
+    def draw(ax, series):
+        by_ctx = {}
+        for mode, (run, rs) in series.items():
+            pts = sorted((r["at_context"], r["value"], r["batch"]) for r in rs)
+            by_ctx[mode] = {round(a, -3): v for a, v, _ in pts}
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3,
                     label=f"{mode} at {pts[0][2]} requests ({run})")
-        modes = sorted(series, key=lambda m: m != "int2")  # int2's rate over each baseline's
+        modes = sorted(by_ctx, key=lambda m: m != "int2")  # int2's rate over each baseline's
         for other in modes[1:]:
-            common = sorted(set(series[modes[0]]) & set(series[other]))
+            common = sorted(set(by_ctx[modes[0]]) & set(by_ctx[other]))
             for a in common[:: max(len(common) // 4, 1)]:
-                ax.annotate(f"{series[modes[0]][a] / series[other][a]:.2f}x", (a, series[modes[0]][a]),
+                ax.annotate(f"{by_ctx[modes[0]][a] / by_ctx[other][a]:.2f}x", (a, by_ctx[modes[0]][a]),
                             textcoords="offset points", xytext=(0, 6), fontsize=7, ha="center")
-        ax.set(xlabel="context per request (tokens)", ylabel="server decode tok/s (scheduler log)",
-               title=f"{ctx:,} in / {n_out:,} out, {device}")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = out / f"serving_scheduler_{_tag(device)}.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return [p]
+        ax.set(xlabel="context per request (tokens)", ylabel="server decode tok/s (scheduler log)")
+
+    sch = [r for r in rows if r["metric"] == "scheduler_decode_throughput"]
+    return _workload_panels(sch, "scheduler", out, device, draw, (6, 4.2))
 
 
 def add_server_logs(bench: dict, logs: Path) -> dict:
