@@ -256,24 +256,21 @@ def from_env(env: Optional[Mapping[str, str]] = None, *, group_size: Optional[in
 _AUTO_SOURCE: dict = {}  # {"value": what ensure_rotation_source last put in SGLANG_OSCAR_BUNDLE}
 
 
-def rotation_source_given(env: Optional[Mapping[str, str]] = None) -> bool:
-    env = os.environ if env is None else env
-    return any(str(env.get(name, "")).strip() for name in (ENV_BUNDLE, ENV_K_PATH, ENV_V_PATH))
-
-
 def ensure_rotation_source(model_path, group: Optional[int] = None) -> Optional[str]:
-    """With no rotation source set (or only the one this function chose, for another group), choose the default
-    in this process's environment, which the spawned schedulers inherit: the zoo's calibrated bundle for the model
-    (zoo.find_for_model, in zoo.server_zoo()) with K and V groups of `group` (None: the bundle's own), else the
-    data-free builtin:hadamard. Returns the startup line that says which and why, or None when the user set one."""
+    """With no rotation source set (or only the one this function chose, for another model or group), choose the
+    default in this process's environment, which the spawned schedulers inherit: the zoo's calibrated bundle for the
+    model (zoo.find_for_model, in zoo.server_zoo()) with K and V groups of `group` (None: the bundle's own), else the
+    data-free builtin:hadamard. Returns the startup line that says which and why, or None when the user set one or
+    the choice is unchanged."""
     from .. import zoo
 
     current = os.environ.get(ENV_BUNDLE, "").strip()
+    seed = any(str(os.environ.get(n, "")).strip() for n in (ENV_K_PATH, ENV_V_PATH))
     auto = bool(current) and current == _AUTO_SOURCE.get("value")
-    if auto and any(str(os.environ.get(n, "")).strip() for n in (ENV_K_PATH, ENV_V_PATH)):
+    if auto and seed:
         del os.environ[ENV_BUNDLE]  # the user set the seed pair since: our earlier choice gives way
         return None
-    if rotation_source_given() and not auto:
+    if (current or seed) and not auto:
         return None
     where = zoo.server_zoo()
     found = None
