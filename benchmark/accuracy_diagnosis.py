@@ -115,21 +115,12 @@ class ProbeSim(MixedCacheSimulator):
         tq, tinv = self._matrices(idx, Hkv, query.device)
         st = self._rows(idx, qk, qv, key, value)
         ke, kq, ve, vq = st.ke[:, :, :S], st.kq[:, :, :S], st.ve[:, :, :S], st.vq[:, :, :S]
-        if self.k_channel is not None:
-            kq = channel_quantized(ke, **self.k_channel)
-        if self.k_blockmean is not None:
-            kq = blockmean_quantized(ke, qk, **self.k_blockmean)
-        if self.v_fp8:
-            vq = fake_fp8_params(qv, ve)
-        if self.k_exact:
-            kq = ke
-        elif self.exact_k_heads:
+        kq, vq = row_knobs(self, qk, qv, ke, kq, ve, vq)
+        if self.exact_k_heads and not self.k_exact:
             kq = kq.clone()
             for (layer, h) in self.exact_k_heads:
                 if layer == idx:
                     kq[:, h] = ke[:, h]
-        if self.v_exact:
-            vq = ve
         qt = torch.einsum("bhgtd,hde->bhgte", query.float().reshape(B, Hkv, G, T, D), tq)
         qpos = torch.arange(call_start, S, device=query.device)
         quant = quantized_mask(qpos, S, self.sink, self.recent, torch.full_like(qpos, call_start))
@@ -165,6 +156,18 @@ class ProbeSim(MixedCacheSimulator):
         return o.reshape(B, Hq, T, D).transpose(1, 2).to(query.dtype)
 
 
+def row_knobs(sim, qk, qv, ke, kq, ve, vq):
+    """(kq, vq): the rows as a simulator's knobs reconstruct them (k_channel, k_blockmean, v_fp8, then k_exact /
+    v_exact read that side exact), from the exact rows ke / ve and the served quantizer's kq / vq."""
+    if sim.k_channel is not None:
+        kq = channel_quantized(ke, **sim.k_channel)
+    if sim.k_blockmean is not None:
+        kq = blockmean_quantized(ke, qk, **sim.k_blockmean)
+    if sim.v_fp8:
+        vq = fake_fp8_params(qv, ve)
+    return (ke if sim.k_exact else kq), (ve if sim.v_exact else vq)
+
+
 class RowSim(MixedCacheSimulator):
     """The PPL harness's decode semantics (every position reads the INT2 history beyond the windows) with a method's
     row knobs: how K and V rows are reconstructed (k_blockmean, k_channel, v_fp8, k_exact, v_exact as in ProbeSim)."""
@@ -178,17 +181,12 @@ class RowSim(MixedCacheSimulator):
 
     def _rows(self, idx, qk, qv, key, value):
         st = super()._rows(idx, qk, qv, key, value)
-        n = st.n
-        if self.k_channel is not None:
-            st.bufs[1][:, :, :n] = channel_quantized(st.ke, **self.k_channel)
-        if self.k_blockmean is not None:
-            st.bufs[1][:, :, :n] = blockmean_quantized(st.ke, qk, **self.k_blockmean)
-        if self.k_exact:
-            st.bufs[1][:, :, :n] = st.ke
-        if self.v_fp8:
-            st.bufs[3][:, :, :n] = fake_fp8_params(qv, st.ve)
-        if self.v_exact:
-            st.bufs[3][:, :, :n] = st.ve
+        k0, v0 = st.kq, st.vq
+        kq, vq = row_knobs(self, qk, qv, st.ke, k0, st.ve, v0)
+        if kq is not k0:
+            st.bufs[1][:, :, :st.n] = kq
+        if vq is not v0:
+            st.bufs[3][:, :, :st.n] = vq
         return st
 
 
@@ -324,6 +322,11 @@ class Method:
     bits_note: str
     kw: dict
     diag: bool = False  # record the per-head arrays
+
+    def parts(self) -> tuple:
+        """(k_bits, v_bits, k_ident): what the layers' quantizers take; and the simulator's knobs (the rest of kw)."""
+        kw = dict(self.kw)
+        return (kw.pop("k_bits", None), kw.pop("v_bits", None), kw.pop("k_ident", False)), kw
 
 
 def main(argv=None) -> int:
@@ -497,11 +500,10 @@ def main(argv=None) -> int:
     def sim_of(m: Method, recorder=None, exact_k_heads=()):
         if m.bundle is None:
             return None
-        kw = dict(m.kw)
-        k_bits, v_bits, k_ident = kw.pop("k_bits", None), kw.pop("v_bits", None), kw.pop("k_ident", False)
+        layer_args, kw = m.parts()
         if "keep" in kw:
             kw["keep"] = observed[kw["keep"]]
-        return ProbeSim(layers(m.bundle, k_bits, v_bits, k_ident), recorder=recorder, exact_k_heads=exact_k_heads, **kw)
+        return ProbeSim(layers(m.bundle, *layer_args), recorder=recorder, exact_k_heads=exact_k_heads, **kw)
 
     observed = {}  # keep -> the Observer's selection for the current sample
     report = dict(model=model_id, sink=SINK, recent=RECENT, samples_per_cell=args.samples,
@@ -602,12 +604,11 @@ def ppl_impl(args, model, tok, model_id, methods, layers, t0) -> int:
     for m in methods:
         sim = None
         if m.bundle is not None:
-            kw = dict(m.kw)
-            k_bits, v_bits, k_ident = kw.pop("k_bits", None), kw.pop("v_bits", None), kw.pop("k_ident", False)
+            layer_args, kw = m.parts()
             other = sorted(set(kw) - set(RowSim.KNOBS))
             if other:
                 raise SystemExit(f"--ppl: {m.name} uses {other}, which act on one prompt's attention, not on rows")
-            sim = RowSim(layers(m.bundle, k_bits, v_bits, k_ident), **kw)
+            sim = RowSim(layers(m.bundle, *layer_args), **kw)
         t = time.time()
         r = perplexity(model, windows, sim=sim, progress=False, prefixes=(4096,))
         report["ppl"][m.name] = {"4096": r["prefix"][4096]["per_window"], "8192": r["per_window"]}
