@@ -208,3 +208,88 @@ def test_scheduler_mean_is_the_line_weighted_harmonic_mean():
     # 3 lines of equal steps: time 1/100 + 2/50 per step-unit -> 3 / 0.05 = 60 tok/s
     assert bench_serving.scheduler_mean(rows) == pytest.approx(60.0)
     assert bench_serving.scheduler_mean(rows[2:]) is None
+
+
+# ---- bench_serving --profile-steps and kernel_table.py on a served trace ---------------------------------------
+
+def test_profile_request_waits_for_the_full_batch(tmp_path):
+    """The watcher ignores log lines from before the workload and lines with fewer requests running, then posts one
+    /start_profile with the steps, prefix, GPU activity and the trace folder, and notes the context it started at."""
+    import http.server
+    import json
+    import threading
+
+    posts = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            posts.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"Start profiling.\n")
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    line = "Decode batch, #running-req: {}, #token: {}, token usage: 0.50, gen throughput (token/s): 100.00\n"
+    log = tmp_path / "srv.log"
+    log.write_text(line.format(4, 4000))  # an earlier workload's batch of 4: before log_from, ignored
+
+    class Srv:
+        port = httpd.server_address[1]
+
+        def text(self):
+            return log.read_text()
+
+    note, done = {}, threading.Event()
+    t = threading.Thread(target=bench_serving.profile_when_full,
+                         args=(Srv(), 4, 3, tmp_path / "tr", "int2_32768_256_4", len(log.read_text()), done, note))
+    t.start()
+    with open(log, "a") as f:
+        f.write(line.format(3, 3000))  # not all 4 running yet
+    t.join(3.0)
+    assert t.is_alive() and not posts
+    with open(log, "a") as f:
+        f.write(line.format(4, 131072 + 8))
+    t.join(10.0)
+    httpd.shutdown()
+    assert not t.is_alive() and len(posts) == 1
+    path, body = posts[0]
+    assert path == "/start_profile" and body["num_steps"] == 3 and body["activities"] == ["GPU"]
+    assert body["profile_prefix"] == "int2_32768_256_4" and body["output_dir"] == str(tmp_path / "tr")
+    assert note == dict(profile_prefix="int2_32768_256_4", profile_steps=3, profile_at_context=32770)
+    done.set()  # a watcher told to stop before the batch fills posts nothing
+    bench_serving.profile_when_full(Srv(), 9, 3, tmp_path / "tr", "x", 0, done, {})
+    assert len(posts) == 1
+
+
+def test_kernel_table_counts_steps_wall_and_idle_of_a_served_trace(tmp_path):
+    """Two steps of two layers: attention, write and GEMM kernels; 40 us of host gap between the steps. Steps come
+    from attention calls / layers; wall = first start to last end; idle = wall - union of the kernels."""
+    import gzip
+    import json
+
+    kernel_table = pytest.importorskip("kernel_table")
+    ev, t = [], 0.0
+    for step in range(2):
+        for layer in range(2):
+            for name, dur in (("cutlass_gemm", 50.0), ("_oscar_write_kernel", 5.0), ("int2_history_kernel", 20.0),
+                              ("_oscar_decode_merge", 5.0)):
+                ev.append(dict(ph="X", cat="kernel", name=name, ts=t, dur=dur))
+                t += dur
+        t += 40.0  # the host's gap before the next step
+    path = tmp_path / "int2_32768_256_4-1.0-TP-0.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(dict(traceEvents=ev), f)
+    row = kernel_table.summarize(path, steps=0, layers=2)
+    assert row["steps"] == 2 and row["attention_calls_per_step"] == 2
+    assert row["wall_ms_per_step"] == pytest.approx((2 * 2 * 80 + 40) / 2 / 1e3)  # the last step's gap is outside
+    assert row["busy_ms_per_step"] == pytest.approx(0.16)
+    assert row["idle_ms_per_step"] == pytest.approx(0.02)
+    assert row["groups_ms_per_step"]["attention: oscar decode"] == pytest.approx(0.05)
+    with pytest.raises(SystemExit, match="whole number"):
+        kernel_table.summarize(path, steps=0, layers=3)
+    with pytest.raises(SystemExit, match="--layers"):
+        kernel_table.summarize(path, steps=0)

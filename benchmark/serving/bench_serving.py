@@ -16,7 +16,11 @@ concurrency the server holds, min(max_running_requests, tokens // (IN + OUT) in 
                          or not the one-process streaming client kept up with it; kept for a run cut short;
                          its mean over the run (scheduler_mean_tok_s) is printed beside the client's figures
 
-and writes rows {mode, model, context, output_len, batch, metric, value, unit, run} to
+--profile-steps N also has the server trace N decode steps (GPU kernels, /start_profile) once all C requests decode,
+into $OUT/logs/traces (benchmark/serving/kernel_table.py makes the per-kernel table); those steps run in the steady
+window, slowed by the profiler.
+
+It writes rows {mode, model, context, output_len, batch, metric, value, unit, run} to
 $OUT/bench_serving_<device>.json after every workload (a call cut short keeps what it measured; a mode or workload
 that fails is recorded with its error, never dropped), and the plot $OUT/serving_capacity_<device>.png.
 `python benchmark/serving/collect.py --add $OUT --run callN` adds the rows to benchmark/results/serving_<device>.json.
@@ -43,6 +47,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -245,16 +250,52 @@ def client_env(work: Path) -> dict:
     return env
 
 
+def profile_when_full(srv: Server, c: int, steps: int, trace_dir: Path, prefix: str, log_from: int,
+                      done: threading.Event, note: dict) -> None:
+    """Wait for the server's first "Decode batch" line (past log_from in its log) with all c requests running, then
+    ask it (POST /start_profile) for a torch-profiler trace of the next `steps` decode steps, GPU kernels only (the
+    least overhead; host time shows as the gaps between steps), written to trace_dir as <prefix>-*.trace.json.gz.
+    Records when and at what context per request in note; gives up when done is set."""
+    while not done.is_set():
+        full = [m for m in DECODE_LINE.finditer(srv.text()[log_from:]) if int(m.group(1)) == c]
+        if full:
+            body = dict(output_dir=str(trace_dir), num_steps=steps, activities=["GPU"], with_stack=False,
+                        record_shapes=False, profile_prefix=prefix)
+            req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/start_profile", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                urllib.request.urlopen(req, timeout=120).read()
+                note.update(profile_prefix=prefix, profile_steps=steps,
+                            profile_at_context=round(int(full[0].group(2)) / c))
+            except Exception as e:  # noqa: BLE001 - recorded with the workload; the benchmark itself goes on
+                note["profile_error"] = f"{type(e).__name__}: {e}"
+            return
+        done.wait(2.0)
+
+
 def bench(srv: Server, model: Path, in_len: int, out_len: int, c: int, out_file: Path, timeout: float,
-          env: dict) -> dict:
-    """One sglang.benchmark.serving run; its result line with per-request details."""
+          env: dict, profile: "dict | None" = None) -> dict:
+    """One sglang.benchmark.serving run; its result line with per-request details. profile (steps, trace_dir,
+    prefix, note): also trace `steps` decode steps once all c requests decode (profile_when_full)."""
     out_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", BENCH_MODULE, "--backend", "sglang", "--host", "127.0.0.1", "--port", str(srv.port),
            "--model", str(model), "--tokenizer", str(model), "--dataset-name", "random-ids", "--tokenize-prompt",
            "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--random-range-ratio", "1",
            "--num-prompts", str(c), "--max-concurrency", str(c), "--warmup-requests", "1", "--flush-cache",
            "--output-details", "--output-file", str(out_file), "--disable-tqdm"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    done, watcher = threading.Event(), None
+    if profile:
+        profile["trace_dir"].mkdir(parents=True, exist_ok=True)
+        watcher = threading.Thread(target=profile_when_full, daemon=True,
+                                   args=(srv, c, profile["steps"], profile["trace_dir"], profile["prefix"],
+                                         len(srv.text()), done, profile["note"]))
+        watcher.start()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    finally:
+        done.set()
+        if watcher:
+            watcher.join(130)
     log = p.stdout + p.stderr
     if p.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"bench_serving rc {p.returncode}: {log[-2500:]}")
@@ -289,8 +330,11 @@ def run_mode(mode: str, args, model: Path, workloads: list, out: Path, deadline:
                 else:
                     t = time.time()
                     try:
+                        prof = None if not args.profile_steps else dict(
+                            steps=args.profile_steps, trace_dir=log_dir / "traces",
+                            prefix=f"{mode}_{in_len}_{out_len}_{c}", note=w)
                         result = bench(srv, model, in_len, out_len, c, log_dir / f"{mode}_{in_len}_{out_len}_{c}.jsonl",
-                                       left - 10, args.client_env)
+                                       left - 10, args.client_env, prof)
                         w["rows"] = rows_of(mode, args.model_name, in_len, out_len, c, result, args.run)
                         w["window"] = steady_window(result)
                         w["errors"] = sum(1 for e in result.get("errors", []) if e)
@@ -380,6 +424,9 @@ def main() -> None:
     ap.add_argument("--time-budget", type=float, default=560, help="seconds for the whole run")
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--min-mode-s", type=float, default=90, help="do not start a mode with less budget left")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="also trace this many decode steps (GPU kernels) once all requests decode, into "
+                         "OUT/logs/traces (summarize with kernel_table.py)")
     ap.add_argument("--run", default=time.strftime("%Y%m%d-%H%M"), help="the rows' run name")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     args = ap.parse_args()

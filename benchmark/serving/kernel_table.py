@@ -2,6 +2,7 @@
 GPU activity only, 2 decode steps per trace): the breakdown the paper gives as its Table 8.
 
     python benchmark/serving/kernel_table.py OUT/traces [--steps 2] [--json table.json]
+    python benchmark/serving/kernel_table.py OUT/logs/traces --steps 0 --layers 36   # bench_serving --profile-steps
 
 Kernels are summed by name, divided by the steps traced, and grouped (attention, KV write, GEMM,
 norm/rope/activation, other). Kernels chained with programmatic dependent launch (PDL: the CUDA
@@ -40,7 +41,8 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def summarize(path: Path, steps: int) -> dict:
+def summarize(path: Path, steps: int = 0, layers: int = 0) -> dict:
+    """steps: decode steps in the trace; 0: attention calls / layers (a served trace's step count is not fixed)."""
     with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -48,15 +50,29 @@ def summarize(path: Path, steps: int) -> dict:
     calls = collections.Counter()
     kernels = sorted(((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events
                       if e.get("ph") == "X" and e.get("cat") == "kernel"))
+    if not kernels:
+        raise SystemExit(f"{path}: no GPU kernel events (was the trace taken with GPU activity?)")
+    spans = attention_spans(kernels)
+    if not steps:
+        if not layers:
+            raise SystemExit(f"{path}: give --steps, or --layers to count steps as attention calls / layers")
+        steps = round(len(spans) / layers)
+        if steps < 1 or len(spans) != steps * layers:
+            raise SystemExit(f"{path}: {len(spans)} attention calls are not a whole number of {layers}-layer steps")
+    # the GPU's timeline from the first kernel's start to the last one's end: per step, what the step took on the
+    # GPU's clock; the part no kernel ran is host time (scheduling, launches) the GPU waited for
+    wall = max(ts + dur for ts, dur, _ in kernels) - kernels[0][0]
     for _, dur, name in kernels:
         by_name[name] += dur
         calls[name] += 1
     groups = collections.Counter()
     for n, us in by_name.items():
         groups[group_of(n)] += us
-    spans = attention_spans(kernels)
+    busy = union_us(kernels)
     return dict(trace=path.name, steps=steps,
-                busy_ms_per_step=round(union_us(kernels) / steps / 1e3, 4),
+                wall_ms_per_step=round(wall / steps / 1e3, 4),
+                busy_ms_per_step=round(busy / steps / 1e3, 4),
+                idle_ms_per_step=round((wall - busy) / steps / 1e3, 4),
                 summed_ms_per_step=round(sum(by_name.values()) / steps / 1e3, 4),
                 attention_calls_per_step=len(spans) / steps,
                 attention_span_us_mean=round(sum(spans) / max(len(spans), 1), 2),
@@ -95,15 +111,19 @@ def attention_spans(kernels: list) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", type=Path, help="a trace file or a folder of *.trace.json.gz")
-    ap.add_argument("--steps", type=int, default=2, help="decode steps in each trace (one_batch.py: 2)")
+    ap.add_argument("--steps", type=int, default=2, help="decode steps in each trace (one_batch.py: 2); 0: from "
+                    "--layers")
+    ap.add_argument("--layers", type=int, default=0, help="the model's layers: steps = attention calls / layers "
+                    "(bench_serving.py --profile-steps traces; Qwen3-8B: 36)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    files = sorted(args.traces.glob("*decode*.trace.json*")) if args.traces.is_dir() else [args.traces]
+    files = sorted(args.traces.glob("*.trace.json*")) if args.traces.is_dir() else [args.traces]
     if not files:
-        raise SystemExit(f"no *decode*.trace.json[.gz] under {args.traces}")
-    tables = [summarize(p, args.steps) for p in files]
+        raise SystemExit(f"no *.trace.json[.gz] under {args.traces}")
+    tables = [summarize(p, args.steps, args.layers) for p in files]
     for t in tables:
-        print(f"\n{t['trace']}: GPU busy {t['busy_ms_per_step']:.3f} ms/step (kernels summed "
+        print(f"\n{t['trace']}: {t['steps']} steps, {t['wall_ms_per_step']:.3f} ms/step on the GPU's clock, busy "
+              f"{t['busy_ms_per_step']:.3f} (idle {t['idle_ms_per_step']:.3f}; kernels summed "
               f"{t['summed_ms_per_step']:.3f}); attention {t['attention_calls_per_step']:.0f} calls/step, "
               f"span {t['attention_span_us_mean']:.1f} us each, {t['attention_span_ms_per_step']:.3f} ms/step")
         for g, ms in t["groups_ms_per_step"].items():

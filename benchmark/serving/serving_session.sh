@@ -89,12 +89,14 @@ case "${1:-}" in
   capacity_bg)
     # capacity past one 10-minute call: the driver runs detached (its own process session outlives this call) into
     # $HOME/bg_out, with BUDGET seconds (default 1500); later calls on the warm machine run `wait_bg` to follow it and
-    # bring its files back. The 2k / 16k job on H200 (run s51-reason): int2 224 s startup + 758 s, FI BF16 112 s
+    # bring its files back (PROFILE_STEPS=N: also a trace of N decode steps per workload once all requests decode,
+    # in logs/traces; benchmark/serving/kernel_table.py summarizes it). The 2k / 16k job on H200 (run s51-reason): int2 224 s startup + 758 s, FI BF16 112 s
     # startup + ~400 s (its server's linear step, extrapolated): int2,fi_bf16 needs BUDGET >= 1550 (1260 cut FI BF16).
     rm -rf "$HOME/bg_out"; mkdir -p "$HOME/bg_out"
     setsid nohup timeout "$(( ${BUDGET:-1500} + 60 ))" python3 benchmark/serving/bench_serving.py --model $M \
       --workloads "${WORKLOADS:-2048:16384}" --modes "${MODES:-int2,fi_bf16}" --concurrency "${CONCURRENCY:-max}" \
-      --run "${RUN:-$(date +%Y%m%d-%H%M)}" --time-budget "${BUDGET:-1500}" --out "$HOME/bg_out" \
+      --run "${RUN:-$(date +%Y%m%d-%H%M)}" --time-budget "${BUDGET:-1500}" --profile-steps "${PROFILE_STEPS:-0}" \
+      --out "$HOME/bg_out" \
       > "$HOME/bg_out/bench_serving.log" 2>&1 < /dev/null &
     echo "started bench_serving in the background (pid $!): follow it with serving_session.sh wait_bg"
     ;;
