@@ -87,6 +87,53 @@ def test_niah_score_excludes_tasks_bf16_fails():
     assert excluded == {"2048": ["niah_multikey_2"], "4096": []}
 
 
+def test_update_adds_niah_cells_to_a_published_report(tmp_path):
+    """--stage update: new cells replace or join the report's, the rest (PPL, other cells) stays; the mean, % of
+    bf16, sample counts, the scored / excluded tasks and multivalue's all-values share are recomputed."""
+    def method(by_task, n):
+        return dict(bits_per_element=2.5, ppl={"8192": 10.0}, ppl_spread={"8192": dict(std=1.0)}, attn_kl=0.1, niah={L: sum(v.values()) / len(v) for L, v in by_task.items()},
+                    niah_by_task=by_task, niah_samples={L: {t: n for t in v} for L, v in by_task.items()})
+
+    report = dict(settings={}, environment={}, methods=dict(
+        bf16=method({"2048": {"niah_single_1": 100.0}, "4096": {"niah_single_1": 96.0}}, 25),
+        int2=method({"2048": {"niah_single_1": 70.0}, "4096": {"niah_single_1": 48.0}}, 25)))
+    mv = lambda per: dict(score=sum(per) / len(per), per_sample=per)  # noqa: E731
+    new = {"bf16": {"4096": {"niah_single_1": mv([100.0] * 3 + [0.0]), "niah_multivalue": mv([100.0, 75.0, 25.0, 0.0])},
+                    "8192": {"niah_multivalue": mv([0.0, 0.0])}},
+           "int2": {"4096": {"niah_single_1": mv([100.0, 100.0, 0.0, 0.0]), "niah_multivalue": mv([100.0, 0, 0, 0])},
+                    "8192": {"niah_multivalue": mv([0.0, 0.0])}}}
+    out = compare.update_niah(json.loads(json.dumps(report)), new, "test run")
+    b, q = out["methods"]["bf16"], out["methods"]["int2"]
+    assert q["ppl"] == {"8192": 10.0} and q["niah_by_task"]["2048"] == {"niah_single_1": 70.0}  # kept
+    assert q["niah_by_task"]["4096"] == {"niah_single_1": 50.0, "niah_multivalue": 25.0}  # replaced and added
+    assert q["niah_samples"]["4096"] == {"niah_single_1": 4, "niah_multivalue": 4} and q["niah_samples"]["2048"] == {
+        "niah_single_1": 25}
+    assert q["niah"]["4096"] == 37.5 and b["niah"]["4096"] == 62.5
+    assert q["niah_pct_of_bf16"]["4096"] == {"niah_single_1": round(100 * 50 / 75, 1), "niah_multivalue": 50.0}
+    assert b["niah_all_values"] == {"4096": {"niah_multivalue": 25.0}, "8192": {"niah_multivalue": 0.0}}
+    assert q["niah_all_values"]["4096"] == {"niah_multivalue": 25.0}
+    # bf16 solves no 8k multivalue sample: the task is listed as excluded and 8k has no mean
+    assert out["settings"]["niah_tasks_excluded_bf16_fails"]["8192"] == ["niah_multivalue"]
+    assert "8192" not in q["niah"] and q["niah_pct_of_bf16"]["8192"] == {}
+    assert out["environment"]["niah_updates"][0]["note"] == "test run"
+    assert "4096:niah_multivalue" in out["environment"]["niah_updates"][0]["cells"]
+    # an updated report updates again: the all-values share of kept cells survives
+    again = compare.update_niah(out, {"bf16": {"2048": {"niah_single_1": mv([100.0])}}}, "again")
+    assert again["methods"]["bf16"]["niah_all_values"]["4096"] == {"niah_multivalue": 25.0}
+    with pytest.raises(SystemExit, match="does not have"):
+        compare.update_niah(out, {"int9": {"2048": {"niah_single_1": mv([0.0])}}}, "x")
+    # the CLI: refuses without --json / --note, rewrites the JSON in place
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    (tmp_path / "niah_new.json").write_text(json.dumps(new))
+    with pytest.raises(SystemExit, match="--note"):
+        compare.main(["--stage", "update", "--json", str(path), "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--json"):
+        compare.main(["--stage", "update", "--out-dir", str(tmp_path), "--note", "n"])
+    assert compare.main(["--stage", "update", "--json", str(path), "--out-dir", str(tmp_path), "--note", "n"]) == 0
+    assert json.loads(path.read_text())["methods"]["int2"]["niah"]["4096"] == 37.5
+
+
 def test_quick_uses_the_shipped_default_bundle(tmp_path):
     from sglang_oscar.rotation import load_bundle
 

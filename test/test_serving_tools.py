@@ -267,7 +267,7 @@ def test_profile_request_waits_for_the_full_batch(tmp_path):
 
 def test_kernel_table_counts_steps_wall_and_idle_of_a_served_trace(tmp_path):
     """Two steps of two layers: attention, write and GEMM kernels; 40 us of host gap between the steps. Steps come
-    from attention calls / layers; wall = first start to last end; idle = wall - union of the kernels."""
+    from the attention kernel's calls / layers; wall = first start to last end; idle = wall - union of the kernels."""
     import gzip
     import json
 
@@ -285,9 +285,13 @@ def test_kernel_table_counts_steps_wall_and_idle_of_a_served_trace(tmp_path):
         json.dump(dict(traceEvents=ev), f)
     row = kernel_table.summarize(path, steps=0, layers=2)
     assert row["steps"] == 2 and row["attention_calls_per_step"] == 2
-    assert row["wall_ms_per_step"] == pytest.approx((2 * 2 * 80 + 40) / 2 / 1e3)  # the last step's gap is outside
+    # step 0's first attention call to step 1's: one step of 2 x 80 us of kernels and the 40 us gap
+    assert row["wall_ms_per_step"] == pytest.approx(0.2)
     assert row["busy_ms_per_step"] == pytest.approx(0.16)
-    assert row["idle_ms_per_step"] == pytest.approx(0.02)
+    assert row["idle_ms_per_step"] == pytest.approx(0.04)
+    given = kernel_table.summarize(path, steps=2)  # without the layer count: first kernel to last, per step
+    assert given["wall_ms_per_step"] == pytest.approx((2 * 2 * 80 + 40) / 2 / 1e3)
+    assert given["idle_ms_per_step"] == pytest.approx(0.02)
     assert row["groups_ms_per_step"]["attention: oscar decode"] == pytest.approx(0.05)
     with pytest.raises(SystemExit, match="whole number"):
         kernel_table.summarize(path, steps=0, layers=3)

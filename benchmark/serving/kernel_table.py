@@ -52,27 +52,40 @@ def summarize(path: Path, steps: int = 0, layers: int = 0) -> dict:
                       if e.get("ph") == "X" and e.get("cat") == "kernel"))
     if not kernels:
         raise SystemExit(f"{path}: no GPU kernel events (was the trace taken with GPU activity?)")
-    spans = attention_spans(kernels)
-    if not steps:
-        if not layers:
-            raise SystemExit(f"{path}: give --steps, or --layers to count steps as attention calls / layers")
-        steps = round(len(spans) / layers)
-        if steps < 1 or len(spans) != steps * layers:
-            raise SystemExit(f"{path}: {len(spans)} attention calls are not a whole number of {layers}-layer steps")
-    # the GPU's timeline from the first kernel's start to the last one's end: per step, what the step took on the
-    # GPU's clock; the part no kernel ran is host time (scheduling, launches) the GPU waited for
-    wall = max(ts + dur for ts, dur, _ in kernels) - kernels[0][0]
     for _, dur, name in kernels:
         by_name[name] += dur
         calls[name] += 1
+    if not steps:
+        if not layers:
+            raise SystemExit(f"{path}: give --steps, or --layers to count steps as attention calls / layers")
+        # the attention kernel that runs once per layer (the others of a call, e.g. a merge, as often or less)
+        n = max((k for name, k in calls.items() if group_of(name).startswith("attention")), default=0)
+        steps = n // layers
+        if steps < 1 or n != steps * layers:
+            raise SystemExit(f"{path}: {n} calls of the attention kernel are not a whole number of {layers}-layer "
+                             "steps")
+    # what a step took on the GPU's clock, and the part of it no kernel ran (host time: scheduling, launches, that
+    # the GPU waited for): with the layer count, between the first layer's attention call of the first and of the
+    # last step (a served trace starts and ends mid-step), per step; else from the first kernel's start to the last
+    # one's end
+    window = [kernels[0][0], max(ts + dur for ts, dur, _ in kernels)]
+    per = steps
+    if layers and steps >= 2:
+        att = max((name for name in calls if group_of(name).startswith("attention")), key=lambda n: calls[n])
+        starts = [ts for ts, _, name in kernels if name == att]
+        window, per = [starts[0], starts[(steps - 1) * layers]], steps - 1
+    inside = [(max(ts, window[0]), min(ts + dur, window[1]) - max(ts, window[0]), n) for ts, dur, n in kernels
+              if ts < window[1] and ts + dur > window[0]]
+    wall, busy_in = window[1] - window[0], union_us(inside)
     groups = collections.Counter()
     for n, us in by_name.items():
         groups[group_of(n)] += us
+    spans = attention_spans(kernels)
     busy = union_us(kernels)
     return dict(trace=path.name, steps=steps,
-                wall_ms_per_step=round(wall / steps / 1e3, 4),
+                wall_ms_per_step=round(wall / per / 1e3, 4),
                 busy_ms_per_step=round(busy / steps / 1e3, 4),
-                idle_ms_per_step=round((wall - busy) / steps / 1e3, 4),
+                idle_ms_per_step=round((wall - busy_in) / per / 1e3, 4),
                 summed_ms_per_step=round(sum(by_name.values()) / steps / 1e3, 4),
                 attention_calls_per_step=len(spans) / steps,
                 attention_span_us_mean=round(sum(spans) / max(len(spans), 1), 2),

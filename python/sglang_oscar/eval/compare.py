@@ -8,6 +8,7 @@ Stages (so the slow ones can run in parallel processes, see scripts/accuracy_smo
     ppl        teacher-forced perplexity (decode semantics) + per-layer attention KL
     niah       RULER-style NIAH (exact single-chunk prefill, INT2 decode), shared prefills
     report     merge into the JSON / markdown / PNG and print the table
+    update     add or replace NIAH cells of a published report JSON from --out-dir's niah*.json (no model)
 PPL at 2k and at 4k come from the same 4k windows: under causal attention the first 2048
 positions of a 4096-token window are exactly a 2048-token window, so one forward gives both.
 """
@@ -261,13 +262,74 @@ def niah_scored_tasks(niah: dict) -> tuple[dict, dict]:
     return scored, excluded
 
 
+def niah_cells(niah: dict) -> dict:
+    """merge_niah's results as the report keeps them: {name: {length: {task: dict(score, n[, all_values])}}};
+    all_values (multivalue tasks): % of samples that returned every value (per-sample score 100), beside the
+    score (string_match_all: the share of the values returned, averaged)."""
+    out: dict = {}
+    for name, by_len in niah.items():
+        for L, by_task in by_len.items():
+            for t, r in by_task.items():
+                c = dict(score=r["score"], n=len(r["per_sample"]))
+                if "multivalue" in t:
+                    c["all_values"] = 100.0 * sum(x >= 100.0 for x in r["per_sample"]) / len(r["per_sample"])
+                out.setdefault(name, {}).setdefault(L, {})[t] = c
+    return out
+
+
+def niah_fields(cells: dict, name: str, scored: dict) -> dict:
+    """One method's NIAH fields of the report from niah_cells of every method: the mean over the tasks bf16 solves
+    per length, per task, sample counts, % of bf16, and multivalue's all-values share."""
+    mine, bfn = cells[name], cells.get("bf16", {})
+    out = dict(niah={L: round(sum(v[t]["score"] for t in scored[L]) / len(scored[L]), 2)
+                     for L, v in mine.items() if scored.get(L)},
+               niah_by_task={L: {t: round(r["score"], 2) for t, r in v.items()} for L, v in mine.items()},
+               niah_samples={L: {t: r["n"] for t, r in v.items()} for L, v in mine.items()},
+               niah_pct_of_bf16={L: {t: round(100.0 * r["score"] / bfn[L][t]["score"], 1) for t, r in v.items()
+                                     if bfn.get(L, {}).get(t, {}).get("score", 0) > 0} for L, v in mine.items()})
+    allv = {L: {t: round(r["all_values"], 2) for t, r in v.items() if "all_values" in r} for L, v in mine.items()}
+    allv = {L: v for L, v in allv.items() if v}
+    if allv:
+        out["niah_all_values"] = allv
+    return out
+
+
+def update_niah(report: dict, niah: dict, note: str) -> dict:
+    """The report with NIAH cells replaced or added from merge_niah results (other cells, PPL and the rest kept):
+    a published table gains tasks or lengths without re-running what it has. Each (method, length, task) in niah
+    replaces the report's cell; every method's NIAH fields and the scored / excluded tasks are recomputed."""
+    cells: dict = {}
+    for name, m in report["methods"].items():
+        for L, by_task in m.get("niah_by_task", {}).items():
+            for t, score in by_task.items():
+                c = dict(score=score, n=m["niah_samples"][L][t])
+                if t in m.get("niah_all_values", {}).get(L, {}):
+                    c["all_values"] = m["niah_all_values"][L][t]
+                cells.setdefault(name, {}).setdefault(L, {})[t] = c
+    unknown = sorted(set(niah) - set(report["methods"]))
+    if unknown:
+        raise SystemExit(f"NIAH results for methods the report does not have: {unknown}")
+    for name, by_len in niah_cells(niah).items():
+        for L, by_task in by_len.items():
+            cells.setdefault(name, {}).setdefault(L, {}).update(by_task)
+    scored, excluded = niah_scored_tasks(cells)
+    for name in cells:
+        report["methods"][name].update(niah_fields(cells, name, scored))
+    report["settings"]["niah_tasks_scored"] = scored
+    report["settings"]["niah_tasks_excluded_bf16_fails"] = excluded
+    report["environment"].setdefault("niah_updates", []).append(
+        dict(commit=_git_commit(), date=time.strftime("%Y-%m-%d"), note=note,
+             cells=sorted(f"{L}:{t}" for by_len in niah.values() for L, by_task in by_len.items() for t in by_task)))
+    return report
+
+
 def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
     from ..data import CALIBRATION_SOURCE, EVAL_SOURCE
     from ..rotation import load_bundle
 
     ppl = json.loads((out_dir / "ppl.json").read_text())
     # NIAH may come from several processes (niah*.json: e.g. one per context length)
-    niah = merge_niah([json.loads(f.read_text()) for f in sorted(out_dir.glob("niah*.json"))])
+    niah = niah_cells(merge_niah([json.loads(f.read_text()) for f in sorted(out_dir.glob("niah*.json"))]))
     scored, excluded = niah_scored_tasks(niah)
     calib = json.loads((out_dir / "calibrate.json").read_text())
     methods = {}
@@ -291,15 +353,7 @@ def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
                 m["ppl_delta_pct"][k] = dict(mean=round(float(d.mean()), 3), std=round(float(d.std(unbiased=False)), 3),
                                              min=round(float(d.min()), 3), max=round(float(d.max()), 3))
         if name in niah and niah[name]:
-            m["niah"] = {L: round(sum(v[t]["score"] for t in scored[L]) / len(scored[L]), 2)
-                         for L, v in niah[name].items() if scored.get(L)}
-            m["niah_by_task"] = {L: {t: round(r["score"], 2) for t, r in v.items()} for L, v in niah[name].items()}
-            m["niah_samples"] = {L: {t: len(r["per_sample"]) for t, r in v.items()} for L, v in niah[name].items()}
-            bfn = niah.get("bf16", {})
-            m["niah_pct_of_bf16"] = {
-                L: {t: round(100.0 * r["score"] / bfn[L][t]["score"], 1) for t, r in v.items()
-                    if bfn.get(L, {}).get(t, {}).get("score", 0) > 0}
-                for L, v in niah[name].items()}
+            m.update(niah_fields(niah, name, scored))
         a = ppl[name]["attn"]
         m["attn_kl"] = a["kl_mean"]
         m["attn_relmse"] = a["relmse_mean"]
@@ -349,8 +403,10 @@ def format_table(report: dict) -> str:
 LEGEND = ("bits: codes + bf16 scale/min per group, averaged over K and V (the BF16 sink + recent window "
           "add to this: bits_per_element_8k_with_windows in the JSON). PPL: teacher-forced, every position "
           "reads the INT2 history (mean ± std over windows); Δ: paired per-window change against bf16. "
-          "NIAH: % of samples whose answer holds every needle value, averaged over the tasks bf16 solves "
-          "(quantized methods: kept bf16's answer, a lower bound of their greedy score). attn KL: mean "
+          "NIAH: % of samples answered (single, multikey) and RULER's string_match_all for multivalue (the "
+          "share of the needle's values returned, averaged; niah_all_values in the JSON: % of samples with "
+          "every value), averaged over the tasks bf16 solves (quantized methods: kept bf16's answer, a lower "
+          "bound of their greedy score). attn KL: mean "
           "KL(exact || quantized) of the attention probabilities.")
 
 
@@ -419,7 +475,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help='"smollm2" (embedded default), a .gguf or an HF directory')
     ap.add_argument("--quick", action="store_true", help="small settings and 5 methods (the README's main job)")
-    ap.add_argument("--stage", default="all", choices=("all", "calibrate", "ppl", "niah", "report"))
+    ap.add_argument("--stage", default="all", choices=("all", "calibrate", "ppl", "niah", "report", "update"))
+    ap.add_argument("--note", default="", help="update: where the new NIAH results come from (kept in the JSON)")
     ap.add_argument("--methods", default=None, help="comma-separated subset of methods")
     ap.add_argument("--out-dir", default=None, help="working directory (bundles, partial results)")
     ap.add_argument("--json", default=None, help="write the report JSON here")
@@ -437,6 +494,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.stage == "update":
+        return update_main(args)
     from ..models import attention_shape, load_model
 
     cfg = settings(args.quick)
@@ -474,23 +533,44 @@ def main(argv=None) -> int:
         elif st == "niah":
             stage_niah(model, tok, specs, cfg, out_dir, progress, tag=args.niah_tag)
         else:
-            report = build_report(specs, cfg, out_dir, model_id)
-            table = format_table(report)
-            print(table)
-            print("legend: " + LEGEND)
-            print(verdict(report))
-            if args.json:
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-            if args.md:
-                Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.md).write_text(table + "\n")
-            if args.plot:
-                plot(report, Path(args.plot))
-            for what, path in (("JSON", args.json), ("table", args.md), ("plot", args.plot)):
-                if path:
-                    print(f"wrote {what}: {path}")
+            write_report(build_report(specs, cfg, out_dir, model_id), args)
         print(f"[{st}] done in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+    return 0
+
+
+def write_report(report: dict, args) -> None:
+    """Print the table, legend and verdict; write the JSON, markdown table and plot where asked."""
+    table = format_table(report)
+    print(table)
+    print("legend: " + LEGEND)
+    print(verdict(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.md:
+        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.md).write_text(table + "\n")
+    if args.plot:
+        plot(report, Path(args.plot))
+    for what, path in (("JSON", args.json), ("table", args.md), ("plot", args.plot)):
+        if path:
+            print(f"wrote {what}: {path}")
+
+
+def update_main(args) -> int:
+    """--stage update: the report in --json gains the NIAH cells of --out-dir's niah*.json (update_niah), in place;
+    no model is loaded."""
+    if not args.json or not Path(args.json).is_file():
+        raise SystemExit("--stage update needs --json: the published report to update (e.g. "
+                         "benchmark/results/accuracy_smollm2.json)")
+    out_dir = Path(args.out_dir or "runs/accuracy")
+    files = sorted(out_dir.glob("niah*.json"))
+    if not files:
+        raise SystemExit(f"--stage update: no niah*.json in {out_dir}")
+    if not args.note:
+        raise SystemExit("--stage update needs --note: where the new NIAH results come from (device, command)")
+    report = json.loads(Path(args.json).read_text())
+    write_report(update_niah(report, merge_niah([json.loads(f.read_text()) for f in files]), args.note), args)
     return 0
 
 
