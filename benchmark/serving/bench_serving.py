@@ -374,12 +374,14 @@ def device_and_versions() -> tuple:
 
 
 def commit() -> str:
+    """OSCAR_COMMIT where given (the device's copy of the tree can carry stale git metadata), else git HEAD."""
+    if os.environ.get("OSCAR_COMMIT"):
+        return os.environ["OSCAR_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or os.environ.get("OSCAR_COMMIT",
-                                                                                                      "unknown")
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001 - the device's copy of the tree may carry no .git
-        return os.environ.get("OSCAR_COMMIT", "unknown")
+        return "unknown"
 
 
 def rows(doc: dict) -> list:
