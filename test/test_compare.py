@@ -120,6 +120,8 @@ def test_update_adds_niah_cells_to_a_published_report(tmp_path):
     # an updated report updates again: the all-values share of kept cells survives
     again = compare.update_niah(out, {"bf16": {"2048": {"niah_single_1": mv([100.0])}}}, "again")
     assert again["methods"]["bf16"]["niah_all_values"]["4096"] == {"niah_multivalue": 25.0}
+    with pytest.raises(SystemExit, match="int2 niah_multikey_1 @ 2048"):  # a new task for bf16 only
+        compare.update_niah(json.loads(json.dumps(out)), {"bf16": {"2048": {"niah_multikey_1": mv([100.0])}}}, "x")
     with pytest.raises(SystemExit, match="does not have"):
         compare.update_niah(out, {"int9": {"2048": {"niah_single_1": mv([0.0])}}}, "x")
     # the CLI: refuses without --json / --note, rewrites the JSON in place

@@ -313,6 +313,11 @@ def update_niah(report: dict, niah: dict, note: str) -> dict:
         for L, by_task in by_len.items():
             cells.setdefault(name, {}).setdefault(L, {}).update(by_task)
     scored, excluded = niah_scored_tasks(cells)
+    missing = [f"{name} {t} @ {L}" for name, by_len in cells.items() for L, v in by_len.items()
+               for t in scored.get(L, []) if t not in v]
+    if missing:
+        raise SystemExit(f"NIAH cells missing after the update (run every method of the report on the new cells): "
+                         f"{', '.join(missing[:6])}")
     for name in cells:
         report["methods"][name].update(niah_fields(cells, name, scored))
     report["settings"]["niah_tasks_scored"] = scored
