@@ -138,3 +138,15 @@ def test_default_rotation_source_gives_way_to_the_users(monkeypatch, files, tmp_
     monkeypatch.delenv(o.ENV_BUNDLE)
     line = o.ensure_rotation_source("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert "smollm2-135m-instruct_int2_best_g64" in line and o.from_env().bundle_path.endswith("_g64.safetensors")
+
+
+def test_env_group_is_the_one_parse_of_the_group_variable():
+    """The launcher's hook (rotation default) and from_env read the group variable through env_group: unset or
+    blank is None, a supported group passes, anything else fails with the variable's name."""
+    assert o.env_group({}) is None and o.env_group({o.ENV_GROUP: " "}) is None
+    assert o.env_group({o.ENV_GROUP: "64"}) == 64
+    with pytest.raises(o.OscarOptionError, match=o.ENV_GROUP):
+        o.env_group({o.ENV_GROUP: "sixty-four"})
+    with pytest.raises(o.OscarOptionError, match="not supported"):
+        o.env_group({o.ENV_GROUP: "48"})
+    assert o.from_env({o.ENV_GROUP: "128", o.ENV_BUNDLE: "builtin:hadamard"}).group_size == 128

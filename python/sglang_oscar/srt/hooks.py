@@ -55,8 +55,7 @@ def ensure_rotations(sa) -> None:
     the flag put in the environment, logged in one line when it was chosen here. The launcher's from_cli_args hook
     runs it once for the CLI (the schedulers inherit the result); the scheduler-side hooks run it too, for the Engine
     API, which never runs from_cli_args (a no-op where the launcher already chose)."""
-    group = os.environ.get(options.ENV_GROUP, "").strip()
-    line = options.ensure_rotation_source(getattr(sa, "model_path", None), int(group) if group.isdigit() else None)
+    line = options.ensure_rotation_source(getattr(sa, "model_path", None), options.env_group())
     if line:
         logger.info("sglang_oscar: %s", line)
 

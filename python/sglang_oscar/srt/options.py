@@ -201,6 +201,17 @@ def _path(text: str, name: str) -> str:
     return p
 
 
+def env_group(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """SGLANG_OSCAR_KV_QUANT_GROUP_SIZE (where the launcher puts the group flag for the schedulers), checked; None
+    when unset."""
+    v = (os.environ if env is None else env).get(ENV_GROUP)
+    if v is None or str(v).strip() == "":
+        return None
+    group = _int(v, ENV_GROUP, minimum=1)
+    check_group(group)
+    return group
+
+
 def from_env(env: Optional[Mapping[str, str]] = None, *, group_size: Optional[int] = None) -> OscarServeConfig:
     """Parse the options; group_size (from the flag) wins over SGLANG_OSCAR_KV_QUANT_GROUP_SIZE."""
     env = os.environ if env is None else env
@@ -209,8 +220,8 @@ def from_env(env: Optional[Mapping[str, str]] = None, *, group_size: Optional[in
         v = env.get(name)
         return None if v is None or str(v).strip() == "" else v
 
-    if group_size is None and get(ENV_GROUP) is not None:
-        group_size = _int(get(ENV_GROUP), ENV_GROUP, minimum=1)
+    if group_size is None:
+        group_size = env_group(env)
     if group_size is not None:
         check_group(group_size)
 
