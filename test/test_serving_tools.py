@@ -5,6 +5,7 @@ synthetic tokenizer and rows; collect.py adding a bench_serving call to a device
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -259,7 +260,9 @@ def test_profile_request_waits_for_the_full_batch(tmp_path):
     path, body = posts[0]
     assert path == "/start_profile" and body["num_steps"] == 3 and body["activities"] == ["GPU"]
     assert body["profile_prefix"] == "int2_32768_256_4" and body["output_dir"] == str(tmp_path / "tr")
+    started = note.pop("profile_started")
     assert note == dict(profile_prefix="int2_32768_256_4", profile_steps=3, profile_at_context=32770)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", started)
     done.set()  # a watcher told to stop before the batch fills posts nothing
     bench_serving.profile_when_full(Srv(), 9, 3, tmp_path / "tr", "x", 0, done, {})
     assert len(posts) == 1

@@ -266,7 +266,8 @@ def profile_when_full(srv: Server, c: int, steps: int, trace_dir: Path, prefix: 
             try:
                 urllib.request.urlopen(req, timeout=120).read()
                 note.update(profile_prefix=prefix, profile_steps=steps,
-                            profile_at_context=round(int(full[0].group(2)) / c))
+                            profile_at_context=round(int(full[0].group(2)) / c),
+                            profile_started=time.strftime("%Y-%m-%d %H:%M:%S"))  # nvidia-smi's clock, the same host
             except Exception as e:  # noqa: BLE001 - recorded with the workload; the benchmark itself goes on
                 note["profile_error"] = f"{type(e).__name__}: {e}"
             return

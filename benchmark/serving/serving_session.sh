@@ -90,9 +90,15 @@ case "${1:-}" in
     # capacity past one 10-minute call: the driver runs detached (its own process session outlives this call) into
     # $HOME/bg_out, with BUDGET seconds (default 1500); later calls on the warm machine run `wait_bg` to follow it and
     # bring its files back (PROFILE_STEPS=N: also a trace of N decode steps per workload once all requests decode,
-    # in logs/traces; benchmark/serving/kernel_table.py summarizes it). The 2k / 16k job on H200 (run s51-reason): int2 224 s startup + 758 s, FI BF16 112 s
-    # startup + ~400 s (its server's linear step, extrapolated): int2,fi_bf16 needs BUDGET >= 1550 (1260 cut FI BF16).
-    rm -rf "$HOME/bg_out"; mkdir -p "$HOME/bg_out"
+    # in logs/traces; benchmark/serving/kernel_table.py summarizes it). SM clock, power and its throttle reasons are
+    # logged every 500 ms beside the run (logs/gpu_clocks.csv): at batch >= 8 the H200 decodes at its power cap.
+    # The 2k / 16k job on H200 (run s51-reason): int2 224 s startup + 758 s, FI BF16 112 s startup + ~400 s (its
+    # server's linear step, extrapolated): int2,fi_bf16 needs BUDGET >= 1550 (1260 cut FI BF16). At 32k (run s52-32k):
+    # int2 264 s startup, C = 64 124 s, C = 130 214 s; FI FP8 76-118 s startup + 125 s.
+    rm -rf "$HOME/bg_out"; mkdir -p "$HOME/bg_out/logs"
+    setsid nohup timeout "$(( ${BUDGET:-1500} + 60 ))" nvidia-smi --format=csv,nounits -lms 500 \
+      --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,clocks_event_reasons.active \
+      > "$HOME/bg_out/logs/gpu_clocks.csv" 2>&1 < /dev/null &
     setsid nohup timeout "$(( ${BUDGET:-1500} + 60 ))" python3 benchmark/serving/bench_serving.py --model $M \
       --workloads "${WORKLOADS:-2048:16384}" --modes "${MODES:-int2,fi_bf16}" --concurrency "${CONCURRENCY:-max}" \
       --run "${RUN:-$(date +%Y%m%d-%H%M)}" --time-budget "${BUDGET:-1500}" --profile-steps "${PROFILE_STEPS:-0}" \
@@ -104,7 +110,7 @@ case "${1:-}" in
     # follow capacity_bg's run for up to WAIT seconds (default 540), then copy what it wrote so far to $OUT
     t0=$(date +%s)
     while pgrep -f "bench_serving.py" > /dev/null && [ $(( $(date +%s) - t0 )) -lt "${WAIT:-540}" ]; do sleep 10; done
-    pgrep -f "bench_serving.py" > /dev/null && echo "still running" || echo "finished"
+    pgrep -f "bench_serving.py" > /dev/null && echo "still running" || { echo "finished"; pkill -f "nvidia-smi --format=csv,nounits -lms 500"; }
     grep -v "^\[" "$HOME/bg_out/bench_serving.log" | tail -20
     cp "$HOME"/bg_out/*.json "$HOME"/bg_out/*.png "$HOME/bg_out/bench_serving.log" "$OUT"/ 2>/dev/null
     (cd "$HOME/bg_out" && ls -d logs 2>/dev/null | xargs -r tar czf "$OUT/logs_bg.tgz")
