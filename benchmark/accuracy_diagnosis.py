@@ -18,6 +18,8 @@ KL(exact || method) and the logit error on quantized keys.
     python benchmark/accuracy_diagnosis.py --set keep --bundle served=zoo/<served bundle> --top-heads --out ...
     # keys quantized per channel over blocks of 64 tokens (KIVI's grouping) instead of per token:
     python benchmark/accuracy_diagnosis.py --set channel --bundle served=zoo/<served bundle> --top-heads --out ...
+    # INT4 keys on the KV heads INT2 keys disturb most on calibration text, float8 (scale, min) paying for them:
+    python benchmark/accuracy_diagnosis.py --set headbits --bundle served=zoo/<served bundle> --top-heads --out ...
     # the same methods' perplexity instead (decode semantics, the table's windows: 4 x 8192 tokens, PPL@4k and @8k):
     python benchmark/accuracy_diagnosis.py --set channel --bundle served=zoo/<served bundle> --ppl 4 --out ...
 """
@@ -89,8 +91,10 @@ class ProbeSim(MixedCacheSimulator):
     """
 
     def __init__(self, layers, *, k_exact=False, v_exact=False, exact_k_heads=(), vc=None, recorder=None, keep=None,
-                 k_channel=None, k_blockmean=None, v_fp8=False):
+                 k_channel=None, k_blockmean=None, v_fp8=False, k_fp8=False, k4_heads=None):
         super().__init__(layers, sink=SINK, recent=RECENT, mode="prefill")
+        self.k_fp8 = k_fp8  # K's (scale, min) stored as float8 e4m3
+        self.k4_heads = k4_heads  # {layer: [kv heads]} whose keys are quantized at 4 bits (per-head bit allocation)
         self.k_blockmean = k_blockmean  # dict(block, fp8): a per-channel block mean plus the per-token INT2 residual
         self.v_fp8 = v_fp8  # V's (scale, min) stored as float8 e4m3 (2.25 bits per element at groups of 64)
         self.k_channel = k_channel  # dict(block): keys quantized per channel over blocks of tokens
@@ -115,7 +119,7 @@ class ProbeSim(MixedCacheSimulator):
         tq, tinv = self._matrices(idx, Hkv, query.device)
         st = self._rows(idx, qk, qv, key, value)
         ke, kq, ve, vq = st.ke[:, :, :S], st.kq[:, :, :S], st.ve[:, :, :S], st.vq[:, :, :S]
-        kq, vq = row_knobs(self, qk, qv, ke, kq, ve, vq)
+        kq, vq = row_knobs(self, qk, qv, ke, kq, ve, vq, idx)
         if self.exact_k_heads and not self.k_exact:
             kq = kq.clone()
             for (layer, h) in self.exact_k_heads:
@@ -156,9 +160,18 @@ class ProbeSim(MixedCacheSimulator):
         return o.reshape(B, Hq, T, D).transpose(1, 2).to(query.dtype)
 
 
-def row_knobs(sim, qk, qv, ke, kq, ve, vq):
-    """(kq, vq): the rows as a simulator's knobs reconstruct them (k_channel, k_blockmean, v_fp8, then k_exact /
-    v_exact read that side exact), from the exact rows ke / ve and the served quantizer's kq / vq."""
+def row_knobs(sim, qk, qv, ke, kq, ve, vq, idx):
+    """(kq, vq): the rows of layer idx as a simulator's knobs reconstruct them (k_fp8, k4_heads, k_channel,
+    k_blockmean, v_fp8, then k_exact / v_exact read that side exact), from the exact rows ke / ve and the served
+    quantizer's kq / vq."""
+    if sim.k_fp8:
+        kq = fake_fp8_params(qk, ke)
+    if sim.k4_heads and sim.k4_heads.get(idx):
+        q4 = dataclasses.replace(qk, bits=4, level_a=1.0, clip_ratio=1.0)  # INT4's fitted clips are ~1 (none)
+        k4 = fake_fp8_params(q4, ke) if sim.k_fp8 else q4.fake_transformed(ke)
+        kq = kq.clone()
+        for h in sim.k4_heads[idx]:
+            kq[:, h] = k4[:, h]
     if sim.k_channel is not None:
         kq = channel_quantized(ke, **sim.k_channel)
     if sim.k_blockmean is not None:
@@ -172,17 +185,19 @@ class RowSim(MixedCacheSimulator):
     """The PPL harness's decode semantics (every position reads the INT2 history beyond the windows) with a method's
     row knobs: how K and V rows are reconstructed (k_blockmean, k_channel, v_fp8, k_exact, v_exact as in ProbeSim)."""
 
-    KNOBS = ("k_blockmean", "k_channel", "v_fp8", "k_exact", "v_exact")
+    KNOBS = ("k_blockmean", "k_channel", "v_fp8", "k_exact", "v_exact", "k_fp8", "k4_heads")
 
-    def __init__(self, layers, *, k_blockmean=None, k_channel=None, v_fp8=False, k_exact=False, v_exact=False):
+    def __init__(self, layers, *, k_blockmean=None, k_channel=None, v_fp8=False, k_exact=False, v_exact=False,
+                 k_fp8=False, k4_heads=None):
         super().__init__(layers, sink=SINK, recent=RECENT, mode="decode")
         self.k_blockmean, self.k_channel, self.v_fp8 = k_blockmean, k_channel, v_fp8
         self.k_exact, self.v_exact = k_exact, v_exact
+        self.k_fp8, self.k4_heads = k_fp8, k4_heads
 
     def _rows(self, idx, qk, qv, key, value):
         st = super()._rows(idx, qk, qv, key, value)
         k0, v0 = st.kq, st.vq
-        kq, vq = row_knobs(self, qk, qv, st.ke, k0, st.ve, v0)
+        kq, vq = row_knobs(self, qk, qv, st.ke, k0, st.ve, v0, idx)
         if kq is not k0:
             st.bufs[1][:, :, :st.n] = kq
         if vq is not v0:
@@ -235,6 +250,26 @@ def blockmean_quantized(ke: torch.Tensor, qk: SideQuantizer, block: int = 64, fp
     rq = fake_fp8_params(qk, r) if fp8 else qk.fake_transformed(r)
     out[:, :, :n] = (m + rq.reshape(x.shape)).reshape(r.shape).to(ke.dtype)
     return out
+
+
+def rank_kv_heads(model, tok, layers, device, windows: int = 2, length: int = 8192, tail: int = 64) -> list:
+    """(layer, KV head) pairs, most damaged first, with their score: the attention KL(exact || INT2) of the served
+    quantizer (layers), summed over the KV head's query heads, for the last `tail` positions of `windows` windows of the
+    calibration text, each read in decode semantics after an exact prefill of the rest. Only calibration text: the
+    NIAH samples that judge the allocation never choose it."""
+    from sglang_oscar.data import calibration_text, token_windows
+
+    cfg = model.config
+    L, Hq, Hkv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+    rec = Recorder(L, Hq)
+    for w in token_windows(tok, calibration_text(), length, windows):
+        pre = model(input_ids=torch.tensor([w[:-tail]], device=device), use_cache=True, logits_to_keep=1)
+        with ProbeSim(layers, recorder=rec).attach(model):
+            model(input_ids=torch.tensor([w[-tail:]], device=device), past_key_values=pre.past_key_values,
+                  use_cache=True)
+    kl = torch.tensor(rec.result()["kl"]).reshape(L, Hkv, Hq // Hkv).sum(-1)
+    order = torch.argsort(kl.flatten(), descending=True).tolist()
+    return [(i // Hkv, i % Hkv, float(kl.flatten()[i])) for i in order]
 
 
 class Observer:
@@ -337,7 +372,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--top-heads", type=int, nargs="*", default=[3, 9])
-    ap.add_argument("--set", choices=("methods", "context", "offsets", "bits", "keep", "channel"), default="methods",
+    ap.add_argument("--set", choices=("methods", "context", "offsets", "bits", "keep", "channel", "headbits"),
+                    default="methods",
                     help="methods: fixes at the 2k calibration; context: calibration window length; offsets: "
                          "2k windows spread over RoPE positions up to 8k")
     ap.add_argument("--bundle", action="append", default=[], help="NAME=PATH: also evaluate this bundle")
@@ -375,7 +411,7 @@ def main(argv=None) -> int:
         variants = {k: variants[k] for k in ("hadamard_clip", "best")}
     if args.set == "offsets":
         variants = {"best_offsets": variants["best"]}
-    if args.set in ("bits", "keep", "channel"):  # on the served bundle (--bundle served=PATH)
+    if args.set in ("bits", "keep", "channel", "headbits"):  # on the served bundle (--bundle served=PATH)
         variants = {}
     bundles = {}
     if variants:
@@ -489,13 +525,42 @@ def main(argv=None) -> int:
                         Method("kchan_raw_b32", "served", "3.0 (K per channel over 32 tokens, post-RoPE basis)",
                                dict(k_channel=dict(block=32), k_ident=True))]
 
+    if args.set == "headbits":
+        # per-head bit allocation at <= 2.5 bits: INT4 keys on the KV heads whose INT2 keys disturb attention most on
+        # calibration text (rank_kv_heads), INT2 keys elsewhere; every (scale, min) in float8 (0.25 bits per element
+        # at groups of 64), which funds the INT4 heads: 2.25 + 2 * n / (layers x KV heads) for K, 2.25 for V
+        ranked = rank_kv_heads(model, tok, layers("served"), args.device)
+        nh = len(ranked)
+        budget = int((2.5 - 2.25) * nh)  # INT4 heads that keep the average at 2.5: (2.25 + 2 n / nh + 2.25) / 2
+        top = {}
+        for layer, h, _ in ranked[:budget]:
+            top.setdefault(layer, []).append(h)
+        gen = torch.Generator().manual_seed(0)
+        rand = {}
+        for i in torch.randperm(nh, generator=gen)[:budget].tolist():
+            rand.setdefault(ranked[i][0], []).append(ranked[i][1])
+        every = {layer: list(range(cfgm.num_key_value_heads)) for layer in range(L)}
+        print(f"INT4 keys on {budget} of {nh} KV heads; most damaged: "
+              + ", ".join(f"L{a}h{b} {kl:.3f}" for a, b, kl in ranked[:8]), flush=True)
+        bits = lambda n: f"K {2.25 + 2 * n / nh:.3f} / V 2.25 = {2.25 + n / nh:.3f}"  # noqa: E731
+        methods = [Method("bf16", None, "16", {}), Method("int2_best", "served", "2.5", {}),
+                   Method("served_fp8", "served", bits(0), dict(k_fp8=True, v_fp8=True)),
+                   Method(f"k4_top{budget}_fp8", "served", bits(budget), dict(k_fp8=True, v_fp8=True, k4_heads=top)),
+                   Method(f"k4_rand{budget}_fp8", "served", bits(budget) + " (control: random heads)",
+                          dict(k_fp8=True, v_fp8=True, k4_heads=rand)),
+                   Method("k4_all_fp8", "served", bits(nh) + " (reference: INT4 keys everywhere)",
+                          dict(k_fp8=True, v_fp8=True, k4_heads=every))]
+        extra_report = dict(heads_ranked=[list(r) for r in ranked], int4_heads=budget)
+    else:
+        extra_report = {}
+
     if args.methods:
         unknown = set(args.methods) - {m.name for m in methods}
         if unknown:
             raise SystemExit(f"--methods: {sorted(unknown)} not in --set {args.set} ({', '.join(m.name for m in methods)})")
         methods = [m for m in methods if m.name == "bf16" or m.name in args.methods]
     if args.ppl:
-        return ppl_impl(args, model, tok, model_id, methods, layers, t0)
+        return ppl_impl(args, model, tok, model_id, methods, layers, t0, extra_report)
 
     def sim_of(m: Method, recorder=None, exact_k_heads=()):
         if m.bundle is None:
@@ -507,7 +572,7 @@ def main(argv=None) -> int:
 
     observed = {}  # keep -> the Observer's selection for the current sample
     report = dict(model=model_id, sink=SINK, recent=RECENT, samples_per_cell=args.samples,
-                  methods={m.name: dict(bits=m.bits_note) for m in methods}, cells={}, diag={})
+                  methods={m.name: dict(bits=m.bits_note) for m in methods}, cells={}, diag={}, **extra_report)
     dev = args.device
 
     def run_cell(length, task, mlist, extra_sims=None):
@@ -592,7 +657,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def ppl_impl(args, model, tok, model_id, methods, layers, t0) -> int:
+def ppl_impl(args, model, tok, model_id, methods, layers, t0, extra_report=None) -> int:
     """--ppl: per-window PPL@4k / @8k of each method over the PPL table's windows, and the paired change against bf16
     (the table's Δ: mean over windows of PPL_method / PPL_bf16 - 1)."""
     from sglang_oscar.data import eval_text, token_windows
@@ -600,7 +665,7 @@ def ppl_impl(args, model, tok, model_id, methods, layers, t0) -> int:
 
     windows = token_windows(tok, eval_text(), 8192, args.ppl)
     report = dict(model=model_id, sink=SINK, recent=RECENT, windows=len(windows), window_tokens=8192,
-                  methods={m.name: dict(bits=m.bits_note) for m in methods}, ppl={})
+                  methods={m.name: dict(bits=m.bits_note) for m in methods}, ppl={}, **(extra_report or {}))
     for m in methods:
         sim = None
         if m.bundle is not None:

@@ -100,3 +100,26 @@ def test_row_sim_reconstructs_the_rows_its_knobs_name():
     assert abs(k_only - exact) < abs(base - exact) and abs(v_only - exact) < abs(base - exact)
     kbm = nll(diag.RowSim(layers, k_blockmean=dict(block=64, fp8=True)))
     assert abs(kbm - base) > 1e-5
+
+
+def test_k4_heads_replace_only_the_named_heads_rows():
+    """--set headbits: k4_heads re-quantizes the named KV heads' keys at 4 bits (no clip), the other heads keep the
+    INT2 rows (float8 parameters with k_fp8), and V is untouched; a 4-bit head is closer to the exact keys."""
+    import types
+
+    from sglang_oscar.quant import hadamard_matrix
+
+    ke = _keys(3)  # [1, 3 heads, S, 64]
+    ve = _keys(4)
+    qk = SideQuantizer(hadamard_matrix(64).float(), bits=2, group=64, clip_ratio=0.9)
+    qv = SideQuantizer(hadamard_matrix(64).float(), bits=2, group=64)
+    kq, vq = qk.fake_transformed(ke), qv.fake_transformed(ve)
+    knobs = dict(k_channel=None, k_blockmean=None, v_fp8=False, k_exact=False, v_exact=False)
+    sim = types.SimpleNamespace(k_fp8=True, k4_heads={5: [1]}, **knobs)
+    k2, v2 = diag.row_knobs(sim, qk, qv, ke, kq, ve, vq, 5)
+    fp8 = diag.fake_fp8_params(qk, ke)
+    assert torch.equal(k2[:, 0], fp8[:, 0]) and torch.equal(k2[:, 2], fp8[:, 2]) and v2 is vq
+    err = lambda a: float((a - ke[:, 1]).pow(2).mean())  # noqa: E731
+    assert err(k2[:, 1]) < 0.1 * err(fp8[:, 1])
+    k_other, _ = diag.row_knobs(sim, qk, qv, ke, kq, ve, vq, 4)  # a layer without 4-bit heads
+    assert torch.equal(k_other, fp8)
