@@ -1,5 +1,6 @@
-"""The key quantizers of benchmark/accuracy_diagnosis.py's --set channel (docs/results/accuracy.md, "What was
-tried"): per channel over token blocks, and a per-channel block mean plus the per-token INT2 residual."""
+"""The key quantizers of benchmark/accuracy_diagnosis.py (docs/results/accuracy.md, "What was tried"): --set channel's
+per channel over token blocks and per-channel block mean plus the per-token INT2 residual, --set headbits' 4-bit keys
+on chosen heads, and RowSim, the --ppl harness's simulator with those knobs."""
 
 from __future__ import annotations
 
