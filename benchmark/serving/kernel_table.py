@@ -55,11 +55,13 @@ def summarize(path: Path, steps: int = 0, layers: int = 0) -> dict:
     for _, dur, name in kernels:
         by_name[name] += dur
         calls[name] += 1
+    # the attention kernel that runs once per layer (the others of a call, e.g. a merge, as often or less)
+    att = max((name for name in calls if group_of(name).startswith("attention")), key=lambda n: calls[n],
+              default=None)
     if not steps:
         if not layers:
             raise SystemExit(f"{path}: give --steps, or --layers to count steps as attention calls / layers")
-        # the attention kernel that runs once per layer (the others of a call, e.g. a merge, as often or less)
-        n = max((k for name, k in calls.items() if group_of(name).startswith("attention")), default=0)
+        n = calls[att] if att is not None else 0
         steps = n // layers
         if steps < 1 or n != steps * layers:
             raise SystemExit(f"{path}: {n} calls of the attention kernel are not a whole number of {layers}-layer "
@@ -70,8 +72,7 @@ def summarize(path: Path, steps: int = 0, layers: int = 0) -> dict:
     # one's end
     window = [kernels[0][0], max(ts + dur for ts, dur, _ in kernels)]
     per = steps
-    if layers and steps >= 2:
-        att = max((name for name in calls if group_of(name).startswith("attention")), key=lambda n: calls[n])
+    if layers and steps >= 2 and att is not None:
         starts = [ts for ts, _, name in kernels if name == att]
         window, per = [starts[0], starts[(steps - 1) * layers]], steps - 1
     inside = [(max(ts, window[0]), min(ts + dur, window[1]) - max(ts, window[0]), n) for ts, dur, n in kernels
