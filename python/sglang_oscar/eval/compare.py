@@ -262,6 +262,11 @@ def niah_scored_tasks(niah: dict) -> tuple[dict, dict]:
     return scored, excluded
 
 
+def read_niah(out_dir: Path) -> dict:
+    """merge_niah of every niah*.json in out_dir (one per NIAH process, e.g. per context length)."""
+    return merge_niah([json.loads(f.read_text()) for f in sorted(out_dir.glob("niah*.json"))])
+
+
 def niah_cells(niah: dict) -> dict:
     """merge_niah's results as the report keeps them: {name: {length: {task: dict(score, n[, all_values])}}};
     all_values (multivalue tasks): % of samples that returned every value (per-sample score 100), beside the
@@ -333,8 +338,7 @@ def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
     from ..rotation import load_bundle
 
     ppl = json.loads((out_dir / "ppl.json").read_text())
-    # NIAH may come from several processes (niah*.json: e.g. one per context length)
-    niah = niah_cells(merge_niah([json.loads(f.read_text()) for f in sorted(out_dir.glob("niah*.json"))]))
+    niah = niah_cells(read_niah(out_dir))
     scored, excluded = niah_scored_tasks(niah)
     calib = json.loads((out_dir / "calibrate.json").read_text())
     methods = {}
@@ -569,13 +573,12 @@ def update_main(args) -> int:
         raise SystemExit("--stage update needs --json: the published report to update (e.g. "
                          "benchmark/results/accuracy_smollm2.json)")
     out_dir = Path(args.out_dir or "runs/accuracy")
-    files = sorted(out_dir.glob("niah*.json"))
-    if not files:
+    if not any(out_dir.glob("niah*.json")):
         raise SystemExit(f"--stage update: no niah*.json in {out_dir}")
     if not args.note:
         raise SystemExit("--stage update needs --note: where the new NIAH results come from (device, command)")
     report = json.loads(Path(args.json).read_text())
-    write_report(update_niah(report, merge_niah([json.loads(f.read_text()) for f in files]), args.note), args)
+    write_report(update_niah(report, read_niah(out_dir), args.note), args)
     return 0
 
 
