@@ -267,9 +267,8 @@ def rank_kv_heads(model, tok, layers, device, windows: int = 2, length: int = 81
         with ProbeSim(layers, recorder=rec).attach(model):
             model(input_ids=torch.tensor([w[-tail:]], device=device), past_key_values=pre.past_key_values,
                   use_cache=True)
-    kl = torch.tensor(rec.result()["kl"]).reshape(L, Hkv, Hq // Hkv).sum(-1)
-    order = torch.argsort(kl.flatten(), descending=True).tolist()
-    return [(i // Hkv, i % Hkv, float(kl.flatten()[i])) for i in order]
+    kl = torch.tensor(rec.result()["kl"]).reshape(L, Hkv, Hq // Hkv).sum(-1).flatten().tolist()
+    return [(i // Hkv, i % Hkv, kl[i]) for i in sorted(range(len(kl)), key=lambda i: -kl[i])]
 
 
 class Observer:
