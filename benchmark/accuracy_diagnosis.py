@@ -539,6 +539,15 @@ def main(argv=None) -> int:
         for i in torch.randperm(nh, generator=gen)[:budget].tolist():
             rand.setdefault(ranked[i][0], []).append(ranked[i][1])
         every = {layer: list(range(cfgm.num_key_value_heads)) for layer in range(L)}
+        # per-layer allocation (one key width per layer, what a layer-specialised kernel serves): every head of the
+        # layers with the most summed KL, as many heads as the budget
+        per_layer = {}
+        for layer, _, kl in ranked:
+            per_layer[layer] = per_layer.get(layer, 0.0) + kl
+        nkv = cfgm.num_key_value_heads
+        top_layers = sorted(per_layer, key=per_layer.get, reverse=True)[: budget // nkv]
+        layer_heads = {layer: list(range(nkv)) for layer in top_layers}
+        nl = len(top_layers) * nkv
         print(f"INT4 keys on {budget} of {nh} KV heads; most damaged: "
               + ", ".join(f"L{a}h{b} {kl:.3f}" for a, b, kl in ranked[:8]), flush=True)
         bits = lambda n: f"K {2.25 + 2 * n / nh:.3f} / V 2.25 = {2.25 + n / nh:.3f}"  # noqa: E731
@@ -547,6 +556,8 @@ def main(argv=None) -> int:
                    Method(f"k4_top{budget}_fp8", "served", bits(budget), dict(k_fp8=True, v_fp8=True, k4_heads=top)),
                    Method(f"k4_rand{budget}_fp8", "served", bits(budget) + " (control: random heads)",
                           dict(k_fp8=True, v_fp8=True, k4_heads=rand)),
+                   Method(f"k4_layers{len(top_layers)}_fp8", "served", bits(nl) + " (one key width per layer)",
+                          dict(k_fp8=True, v_fp8=True, k4_heads=layer_heads)),
                    Method("k4_all_fp8", "served", bits(nh) + " (reference: INT4 keys everywhere)",
                           dict(k_fp8=True, v_fp8=True, k4_heads=every))]
         extra_report = dict(heads_ranked=[list(r) for r in ranked], int4_heads=budget)

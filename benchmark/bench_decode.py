@@ -98,19 +98,20 @@ def bench(fns, graph=True, min_calls=MIN_CALLS_PER_REPLAY):
 # ------------------------------------------------------------------------------------ OSCAR
 
 
-def oscar_bytes(b, hq, hkv, d, ctx):
+def oscar_bytes(b, hq, hkv, d, ctx, k_bits=2):
     hist = max(ctx - SINK - WINDOW, 0)
-    per_tok_head = 2 * (d // 4) + (d // GK) * 4 + (d // GV) * 4  # K+V codes, (scale, min) bf16
+    # K+V codes (+ the high key planes of an INT4-key layer), float8 (scale, min)
+    per_tok_head = (2 + (k_bits == 4)) * (d // 4) + (d // GK) * 2 + (d // GV) * 2
     win = min(ctx, SINK + WINDOW) * d * 2 * 2
     idx = ctx * 4 + SINK * 4  # req_to_token + sink table
     return b * (hkv * (hist * per_tok_head + win) + idx) + 2 * b * hq * d * 2
 
 
-def make_oscar(b, hkv, d, ctx, copies, page=1):
+def make_oscar(b, hkv, d, ctx, copies, page=1, k_bits=2):
     tokens = b * ctx
     cache = LayerCache.empty(tokens * copies, hkv, d, k_group=GK, v_group=GV, num_sink_rows=b * SINK * copies,
-                             max_reqs=b * copies, window=WINDOW, sink=SINK, device="cuda", page=page)
-    for t in (cache.k_codes, cache.v_codes):
+                             max_reqs=b * copies, window=WINDOW, sink=SINK, device="cuda", page=page, k_bits=k_bits)
+    for t in (cache.k_codes, cache.v_codes) + ((cache.k_hi,) if k_bits == 4 else ()):
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device="cuda"))
     for p in (cache.k_params, cache.v_params):
         p[..., 0].copy_(torch.rand(p.shape[:-1], device="cuda") * 0.3 + 0.05)
@@ -255,7 +256,8 @@ def sglang_triton_fns(q, b, hq, hkv, d, ctx, copies):
 # ------------------------------------------------------------------------------------- main
 
 
-IMPL_RE = re.compile(r"oscar(_cuda)?(_page\d+)?|read_same_bytes|copy_same_traffic|flashinfer_(bf16|fp8)|sglang_triton_bf16")
+IMPL_RE = re.compile(r"oscar(_cuda)?(_page\d+)?(_k4)?|read_same_bytes|copy_same_traffic|flashinfer_(bf16|fp8)|"
+                     r"sglang_triton_bf16")
 
 
 def correctness_check():
@@ -299,8 +301,9 @@ def main():
                     "sglang_triton_bf16", help="oscar: the Triton path on a pool of page 1; oscar_pageN: the same on "
                     "pages of N slots (kernels/records.py); oscar_cuda[_pageN]: the CUDA history stage "
                     "(kernels/history_cuda.py), what the server runs with SGLANG_OSCAR_HISTORY_KERNEL=cuda and "
-                    "--page-size 64; read_same_bytes / copy_same_traffic: a streaming read of the bytes of one oscar "
-                    "call / a copy moving them, the ceiling of that size")
+                    "--page-size 64; a _k4 suffix: a layer with INT4 keys (the served format's quarter of the layers); "
+                    "read_same_bytes / copy_same_traffic: a streaming read of the bytes of one oscar "
+                    "call (INT2 keys) / a copy moving them, the ceiling of that size")
     ap.add_argument("--group", type=int, default=64, choices=(32, 64, 128),
                     help="K and V group size of the oscar impls (bytes and layout follow)")
     args = ap.parse_args()
@@ -324,18 +327,19 @@ def main():
                 q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda")
                 for impl in impls:
                     try:
+                        k_bits = 4 if impl.endswith("_k4") else 2
                         if impl.startswith("oscar") or impl in ("read_same_bytes", "copy_same_traffic"):
-                            nbytes = oscar_bytes(b, hq, hkv, d, ctx)  # the ceilings move the oscar call's bytes
+                            nbytes = oscar_bytes(b, hq, hkv, d, ctx, k_bits)  # the ceilings: the INT2 call's bytes
                             if nbytes > MEM_CAP:
                                 continue
                             copies = n_copies(nbytes)
                         if impl.startswith("oscar"):
-                            # oscar[_cuda][_pageN]: the Triton or the CUDA history on a pool in pages of N slots
-                            page = int(impl.rsplit("page", 1)[1]) if "page" in impl else 1
+                            # oscar[_cuda][_pageN][_k4]: the Triton or the CUDA history on a pool in pages of N slots
+                            page = int(impl.removesuffix("_k4").rsplit("page", 1)[1]) if "page" in impl else 1
                             kernel = "cuda" if impl.startswith("oscar_cuda") else "triton"
-                            cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies, page=page)
+                            cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies, page=page, k_bits=k_bits)
                             ms = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, history_kernel=kernel))
-                            cfg = f"{kernel}:page{page}"
+                            cfg = f"{kernel}:page{page}:k{k_bits}"
                             del cache, r2t
                         elif impl == "read_same_bytes":
                             fns, keep = read_fns(nbytes, copies, _num_sms(q.device))

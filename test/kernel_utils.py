@@ -131,3 +131,40 @@ def assert_codes_match(
     assert not bad.any(), f"{what}: {int(bad.sum())} code mismatches are not threshold boundary cases; first at {bad.nonzero()[0].tolist()}: got {got[bad][0].item()}, want {want[bad][0].item()}, t={t_exact[bad][0].item()}"
     frac = diff.float().mean().item()
     assert frac <= max_fraction, f"{what}: {frac:.2e} of the codes differ (boundary cases, but too many)"
+
+
+def e4m3_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of float8 e4m3 numbers at |x| (as fp32): 2^(e − 3) for normals (|x| >= 2^-6), 2^-9 below."""
+    a = x.float().abs().clamp_min(2.0**-6)
+    return torch.exp2(torch.floor(torch.log2(a)) - 3)
+
+
+def assert_within_e4m3_ulp(got: torch.Tensor, want: torch.Tensor, what: str, ulps: int = 1) -> None:
+    """float8 e4m3 (or any float) tensors equal up to `ulps` e4m3 units in the last place (of the larger magnitude)."""
+    g, w = got.float(), want.float()
+    tol = ulps * e4m3_ulp(torch.maximum(g.abs(), w.abs()))
+    bad = ~((g - w).abs() <= tol)
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} values differ by more than {ulps} e4m3 ulp; first at {bad.nonzero()[0].tolist()}: got {g[bad][0].item()}, want {w[bad][0].item()}"
+
+
+def int4_thresholds() -> tuple:
+    """The decision thresholds of INT4 codes on uniform levels 0..15 (INT4 keys): k + 0.5, k = 0..14."""
+    return tuple(k + 0.5 for k in range(15))
+
+
+def threshold_rows(d: int, group: int) -> torch.Tensor:
+    """[4, d] rows for exact INT4 code checks. Every group holds 0 and 15 (scale 1, min 0: t = x exactly) or -3 and 12
+    (min -3), then as many as fit of: 0.5 − 2^-25 (t + 0.5 rounds to 1.0 there: floor(t + 0.5) would say code 1, the
+    count says 0) and its neighbours, the thresholds k + 0.5 themselves (ties: code k + 1) and the fp32 numbers either
+    side of them; the rest of the group is its min. Row 2 is row 0 reversed, row 3 constant (scale 0)."""
+    th = torch.arange(15, dtype=torch.float32) + 0.5
+    vals = torch.cat([torch.tensor([0.5 - 2.0**-25, 0.5 - 2.0**-24, 2.0**-30, 14.999999]), th,
+                      torch.nextafter(th, torch.zeros(15)), torch.nextafter(th, torch.full((15,), 16.0))])
+    rows = []
+    for lo, hi in ((0.0, 15.0), (-3.0, 12.0)):
+        g = torch.cat([torch.tensor([lo, hi]), vals + lo])[:group]
+        reps = -(-d // group)
+        rows.append(torch.cat([torch.cat([g, torch.full((group - g.numel(),), lo)]) for _ in range(reps)])[:d])
+    rows.append(rows[0].flip(0))
+    rows.append(torch.full((d,), 1.25))
+    return torch.stack(rows)

@@ -37,10 +37,10 @@ def test_versions_fall_back_to_head(monkeypatch):
 
 
 def test_impl_names():
-    for name in ("oscar", "oscar_page64", "oscar_cuda", "oscar_cuda_page64", "read_same_bytes", "copy_same_traffic",
-                 "flashinfer_bf16", "flashinfer_fp8", "sglang_triton_bf16"):
+    for name in ("oscar", "oscar_page64", "oscar_cuda", "oscar_cuda_page64", "oscar_cuda_page64_k4", "oscar_k4",
+                 "read_same_bytes", "copy_same_traffic", "flashinfer_bf16", "flashinfer_fp8", "sglang_triton_bf16"):
         assert IMPL_RE.fullmatch(name), name
-    for name in ("oscar_prev", "oscar_cuda_groups4_page64", "flashinfer", "oscar_page"):
+    for name in ("oscar_prev", "oscar_cuda_groups4_page64", "flashinfer", "oscar_page", "oscar_k4_page64"):
         assert not IMPL_RE.fullmatch(name), name
 
 

@@ -46,14 +46,17 @@ def test_report_shape_and_paired_delta(tmp_path):
     rep = compare.build_report(specs, cfg, tmp_path, "tiny")
     assert rep["settings"]["sink"] == 64 and rep["settings"]["recent"] == 256
     m = rep["methods"]["int2_hadamard"]
-    assert m["bits_per_element"] == 2.5 and m["group"] == 64
-    assert rep["methods"]["int4_hadamard"]["bits_per_element"] == 4.5
+    assert m["bits_per_element"] == 2.25 and m["group"] == 64  # float8 (scale, min) per 64
+    assert rep["methods"]["int4_hadamard"]["bits_per_element"] == 4.25
     assert m["ppl"]["2048"] == 16.5 and m["niah"]["2048"] == 50.0
     assert m["niah_samples"] == {"2048": {"niah_single_1": 2, "niah_multikey_2": 2}}
     assert m["niah_pct_of_bf16"] == {"2048": {"niah_single_1": 50.0, "niah_multikey_2": 50.0}}
     assert m["served_default"] and not rep["methods"]["int4_hadamard"]["served_default"]
     # the BF16 sink + recent window (320 of 8192 tokens at 16 bits) count in the whole-cache bits
-    assert abs(m["bits_per_element_8k_with_windows"] - (320 * 16 + 7872 * 2.5) / 8192) < 1e-3
+    assert abs(m["bits_per_element_8k_with_windows"] - (320 * 16 + 7872 * 2.25) / 8192) < 1e-3
+    # the served spec's INT4-key heads: a quarter of the (layer, KV head) pairs -> 2.5 bits at groups of 64
+    assert compare.bits_per_element(all_specs["int2_best"], 30, 3) == pytest.approx(2.25 + 22 / 90)
+    assert compare.bits_per_element(all_specs["int2_best"], 36, 8) == 2.5
     v = compare.verdict(rep)
     assert "int2_hadamard (served default) PPL +10.0%" in v and "MISSED" in v
     assert "NIAH 50% of bf16" in v

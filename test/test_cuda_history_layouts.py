@@ -4,8 +4,9 @@ The GPU tests compare the kernel with the float64 oracle; these tests pin its in
 it (token order sigma, PRMT selectors, plane masks, the lane -> dims map of the in-kernel q fragments, the movmatrix
 hand-over of p to the V dot, the window tiles' swizzle, the integer K dot, the paired tiles) fails in CI without a
 GPU. They emulate one 16-token tile per PTX's fragment definitions of mma.m16n8k16 / m16n8k32 and of
-movmatrix.m8n8.trans, compare the K and V dots with direct products on random codes, and check verbatim the source
-lines each emulation rests on.
+movmatrix.m8n8.trans, compare the K and V dots with direct products on random codes (INT2 keys, and INT4 keys from
+their two quarter-plane buffers), and check verbatim the source lines each emulation rests on; likewise the cache
+format's float8 e4m3 (scale, min) pairs: the decode and the param words' selectors.
 """
 
 from __future__ import annotations
@@ -90,11 +91,12 @@ def history_k_dot(kc, q_regs):
     return acc
 
 
-def check_history_k_dot(acc, kc, qf, head_of_column, scale_tol=None):
+def check_history_k_dot(acc, kc, qf, head_of_column, scale_tol=None, K=None):
     """Lane (g, t)'s accumulator entry e is token sigma(g) + 8 (e >> 1) and column 2t + (e & 1), i.e. that column's
     head; group 0 in units of 2^-24, group 1 of 2^-20 (the kernel's sc1 / 16 and exp2(s' 2^24 - m)). scale_tol: also
-    |error| <= scale_tol . the dot's scale (the group's max |qf| over all heads . the row's code sum)."""
-    K = codes(kc)
+    |error| <= scale_tol . the dot's scale (the group's max |qf| over all heads . the row's code sum). K: the codes
+    [16, 128] (default: the INT2 codes of kc)."""
+    K = codes(kc) if K is None else K
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         for e in range(4):
@@ -459,28 +461,33 @@ def _int8_hi_lo(x, kp):
     return hb - 256 if hb > 127 else hb, lb - 256 if lb > 127 else lb
 
 
-def kernel_int8_q(q, head_of_column, c0):
+def kernel_int8_q(q, head_of_column, c0, k4=False):
     """The production kernel's q for the integer K dot (int2_history_kernel's prologue), in fp32 as the
     kernel rounds it: lane (g, t), register 2p + w holds c0 q 4^-p S_gp of column g's head at dims p*32 + t*8 + 4w +
     0..3 as int8 hi (qhi) and lo (qlo), v = 128 hi + lo, with S_gp = 16256 / (the warp's max |c0 q 4^-p| over plane
-    group gp). Returns (qhi, qlo) as int arrays [32 lanes, 8 registers, 4 bytes] and (iS0, iS1)."""
+    group gp); k4 (INT4 keys): PLANE_F_K4[p] in place of 4^-p. Returns (qhi, qlo) as int arrays [32 lanes, 8
+    registers, 4 bytes] and (iS0, iS1)."""
     xs = np.zeros((32, 4, 8), dtype=np.float32)
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         for p in range(4):
             xs[lane, p] = (q[head_of_column(g), p * 32 + t * 8:p * 32 + t * 8 + 8] * c0).astype(np.float32)
-    return int8_q_of_xs(xs)
+    return int8_q_of_xs(xs, k4)
 
 
-def int8_q_of_xs(xs):
+PLANE_F = (1.0, 0.25, 0.0625, 0.015625)  # int2_history.cu plane_f(false, p) = 4^-p: the INT2 A bytes are c 4^p
+PLANE_F_K4 = (1.0, 1.0, 0.0625, 0.0625)  # plane_f(true, p): the INT4 A bytes (int4_nibbles) are c, c, 16c, 16c
+
+
+def int8_q_of_xs(xs, k4=False):
     """The kernel's int8 q from the lanes' fp32 values xs [32 lanes, 4 planes, n] (n = 8 at D 128, 4 at D 64): the
     warp's max per plane, S_gp = 16256 / max over plane group gp (0 below 1e-30), and per element _int8_hi_lo of
     xs . 4^-p S_gp; register QW p + w (QW = n / 4, the kernel's QW) holds plane p's values 4w .. 4w + 3. Returns qhi,
-    qlo [32, 4 QW, 4] and (iS0, iS1)."""
-    f = [_f32(1.0), _f32(0.25), _f32(0.0625), _f32(0.015625)]
+    qlo [32, 4 QW, 4] and (iS0, iS1). k4: the plane factors PLANE_F_K4 in place of 4^-p."""
+    f = [_f32(x) for x in (PLANE_F_K4 if k4 else PLANE_F)]
     qw = xs.shape[2] // 4
     mq = np.abs(xs).max(axis=(0, 2))  # the warp's max per plane
-    mx0, mx1 = max(mq[0], _f32(0.25) * mq[1]), max(_f32(0.0625) * mq[2], _f32(0.015625) * mq[3])
+    mx0, mx1 = max(mq[0], f[1] * mq[1]), max(f[2] * mq[2], f[3] * mq[3])
     S = [_f32(16256.0) / m if m > _f32(1e-30) else _f32(0.0) for m in (mx0, mx1)]
     qhi, qlo = np.zeros((32, 4 * qw, 4), dtype=np.int64), np.zeros((32, 4 * qw, 4), dtype=np.int64)
     for lane in range(32):
@@ -510,21 +517,41 @@ def imma(acc, a_regs, b_regs):
         acc[lane] += np.array([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]])
 
 
-def integer_k_dot(kc, qhi, qlo):
-    """The D-128 integer K dot of one tile (k_dot_d128): codes kc [16 tokens, 32 bytes]; lane (g, t)'s code bytes
-    8t .. 8t + 7 of tokens sigma(g), sigma(g) + 8, masked per plane p as c 4^p (u8 A), against qhi / qlo[2p], [2p + 1]
-    as B. Returns the s32 accumulators (ih, il) of plane groups 0 (planes 0, 1) and 1 (planes 2, 3)."""
+def int4_nibbles(lo, hi):
+    """int2_history.cu int4_nibbles: a word of INT4 keys' code bytes, lo (k_codes') and hi (k_hi's), as (n02, n13),
+    bytes c_0 | c_2 << 4 and c_1 | c_3 << 4 with c_p = lo_p | hi_p << 2."""
+    m = 0xFFFFFFFF
+    n02 = (lo & 0x33333333) | ((hi << 2) & m & 0xCCCCCCCC)
+    n13 = ((lo >> 2) & 0x33333333) | (hi & 0xCCCCCCCC)
+    return n02, n13
+
+
+def k_plane_words(lo, hi, p):
+    """The A word of plane p (u8 bytes c / PLANE_F[p]) from one code word, as k_dot_d128 / the D-64 K dot mask it:
+    INT2 (hi None): lo & 0x03030303 << 2p (c 4^p); INT4: (n13 if p odd else n02) & 0x0f0f0f0f (p < 2) or 0xf0f0f0f0
+    (c 16)."""
+    if hi is None:
+        return lo & (0x03030303 << (2 * p))
+    n02, n13 = int4_nibbles(lo, hi)
+    return (n13 if p & 1 else n02) & (0x0F0F0F0F if p < 2 else 0xF0F0F0F0)
+
+
+def integer_k_dot(kc, qhi, qlo, kh=None):
+    """The D-128 integer K dot of one tile (k_dot_d128): codes kc [16 tokens, 32 bytes] (kh: the high planes of INT4
+    keys, or None); lane (g, t)'s code words of bytes 8t .. 8t + 3 and 8t + 4 .. 8t + 7 of tokens sigma(g),
+    sigma(g) + 8, masked per plane p (k_plane_words: c 4^p, or INT4 c / PLANE_F_K4[p]) as u8 A, against qhi /
+    qlo[2p], [2p + 1] as B. Returns the s32 accumulators (ih, il) of plane groups 0 (planes 0, 1) and 1 (planes 2,
+    3)."""
     ih = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
     il = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
     for p in range(4):
         a_regs = []
         for lane in range(32):
             g, t = lane >> 2, lane & 3
-            r0, r1 = kc[sigma(g)], kc[sigma(g) + 8]
-            a_regs.append([[(int(r0[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
-                           [(int(r1[8 * t + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
-                           [(int(r0[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)],
-                           [(int(r1[8 * t + 4 + i]) >> (2 * p) & 3) << (2 * p) for i in range(4)]])
+            regs = []
+            for off, row in ((8 * t, sigma(g)), (8 * t, sigma(g) + 8), (8 * t + 4, sigma(g)), (8 * t + 4, sigma(g) + 8)):
+                regs.append(u8s(k_plane_words(word(kc[row], off), None if kh is None else word(kh[row], off), p)))
+            a_regs.append(regs)
         imma(ih[p // 2], a_regs, [[qhi[lane, 2 * p], qhi[lane, 2 * p + 1]] for lane in range(32)])
         imma(il[p // 2], a_regs, [[qlo[lane, 2 * p], qlo[lane, 2 * p + 1]] for lane in range(32)])
     return ih, il
@@ -538,24 +565,28 @@ def test_integer_k_dot_with_the_kernels_int8_q(hc):
     units of 2^-24 after the fp16 path's 1/16), within the 14-bit quantization of q. The source's expressions are
     checked verbatim."""
     src = open(PRODUCTION_SOURCE).read()
-    for line in ("const uint32_t M = 0x03030303u << (2 * p);",
-                 "const uint32_t a0 = kw0.x & M, a1 = kw1.x & M, a2 = kw0.y & M, a3 = kw1.y & M;",
+    for line in ("const uint32_t M = K4 ? (p < 2 ? 0x0f0f0f0fu : 0xf0f0f0f0u) : 0x03030303u << (2 * p);",
+                 "uint2 e0 = kw0, e1 = kw1, f0 = kw0, f1 = kw1;",
+                 "const uint2 u0 = p & 1 ? f0 : e0, u1 = p & 1 ? f1 : e1;",
+                 "const uint32_t a0 = u0.x & M, a1 = u1.x & M, a2 = u0.y & M, a3 = u1.y & M;",
                  "imma16832(p < 2 ? ih0 : ih1, a0, a1, a2, a3, qhi[2 * p], qhi[2 * p + 1]);",
                  "imma16832(p < 2 ? il0 : il1, a0, a1, a2, a3, qlo[2 * p], qlo[2 * p + 1]);",
                  "acc0[e] = (float)(ih0[e] * 128 + il0[e]);",
                  "q_pair(a, qraw[p], 2 * hh + w, qvalid, qrow + d);",
                  "xs[p][4 * hh + 2 * w] = x0;",
                  "for (int i = 0; i < 8; ++i) mq[p] = fmaxf(mq[p], fabsf(xs[p][i]));",
-                 "float mx0 = fmaxf(mq[0], 0.25f * mq[1]), mx1 = fmaxf(0.0625f * mq[2], 0.015625f * mq[3]);",
+                 "float mx0 = fmaxf(mq[0], plane_f(K4, 1) * mq[1]), mx1 = fmaxf(plane_f(K4, 2) * mq[2], "
+                 "plane_f(K4, 3) * mq[3]);",
+                 "const float kp = plane_f(K4, p) * (p < 2 ? S0 : S1);",
                  "const float S0 = mx0 > 1e-30f ? 16256.f / mx0 : 0.f, S1 = mx1 > 1e-30f ? 16256.f / mx1 : 0.f;",
                  "const float hm = fmaf(x, kp * (1.f / 128.f), kRoundMagic);",
                  "const float lm = fmaf(x, kp, fmaf(hm, -128.f, 128.f * kRoundMagic)) + kRoundMagic;",
                  "qhi[(D / 64) * p + w] = pack_s8(hb[0], hb[1], hb[2], hb[3]);",  # 2p + w at D 128
                  "return prmt(prmt(x0, x1, 0x0040), prmt(x2, x3, 0x0040), 0x5410);",
                  "iS0 = mx0 / (16256.f * kTwo24);",
-                 "const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, "
-                 "mn1a = bf_hi(py0);"):
+                 "const float sc0a = k0a.x * iS0, mn0a = k0a.y, sc1a = k1a.x * iS1, mn1a = k1a.y;"):
         assert line in src, line
+    assert "return p == 0 ? 1.f : p == 1 ? (k4 ? 1.f : 0.25f) : p == 2 ? 0.0625f : (k4 ? 0.0625f : 0.015625f);" in src
     rng = np.random.default_rng(40 + hc)
     kc = rng.integers(0, 256, (16, 32))
     q = rng.standard_normal((hc, 128)) * 0.5
@@ -607,7 +638,7 @@ def u8s(w):
     return [(w >> (8 * i)) & 0xFF for i in range(4)]
 
 
-def kernel_int8_q_d64(q, head_of_column, c0):
+def kernel_int8_q_d64(q, head_of_column, c0, k4=False):
     """The D-64 q for the integer K dot, as int2_history_kernel<.., 64> builds it, in fp32 as the kernel rounds it:
     lane (g, t) holds xs[p][i] = c0 q of column g's head at dims p*16 + t*4 + i (load_q4 per plane p, q_pair words
     x, y), and register p (= 2pp + w: plane pair pp, k-half w of its m16n8k32) holds plane p's four values
@@ -620,37 +651,42 @@ def kernel_int8_q_d64(q, head_of_column, c0):
         for p in range(4):
             xs[lane, p] = (q[head_of_column(g), p * 16 + t * 4:p * 16 + t * 4 + 4] * c0).astype(np.float32)
     gs = xs.astype(np.float64)[:, :2].sum((1, 2)), xs.astype(np.float64)[:, 2:].sum((1, 2))
-    return (*int8_q_of_xs(xs), gs)
+    return (*int8_q_of_xs(xs, k4), gs)
 
 
-def history_k_dot_d64(kc, qhi, qlo, m1_shift=2):
+def history_k_dot_d64(kc, qhi, qlo, m1_shift=2, kh=None):
     """The D-64 integer K dot of one tile: codes kc [16 tokens, 16 bytes]; lane (g, t) reads the word of bytes
     4t .. 4t + 3 of tokens sigma(g), sigma(g) + 8 (kx0, kx1); per plane pair pp, M0 = 0x03030303 << 4pp takes plane 2pp
     and M1 = M0 << m1_shift (the kernel's 2: plane 2pp + 1) as u8 A (a0 = kx0 & M0, a1 = kx1 & M0, a2 = kx0 & M1,
-    a3 = kx1 & M1: c 4^p per byte), against B = qhi / qlo[2pp], [2pp + 1]. Returns the s32 accumulators (ih, il) of
-    plane groups 0 and 1."""
+    a3 = kx1 & M1: c 4^p per byte), against B = qhi / qlo[2pp], [2pp + 1]. kh (INT4 keys' high planes): the words
+    int4_nibbles(kx, hx) = (e, f), M0 = M1 = 0x0f0f0f0f << 4pp, a0 = e0 & M0, a2 = f0 & M1 (c, or c 16 at pp 1).
+    Returns the s32 accumulators (ih, il) of plane groups 0 and 1."""
     ih = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
     il = [np.zeros((32, 4), dtype=np.int64) for _ in range(2)]
     for pp in range(2):
-        M0 = 0x03030303 << (4 * pp)
-        M1 = (M0 << m1_shift) & 0xFFFFFFFF  # uint32
+        M0 = (0x0F0F0F0F << (4 * pp)) if kh is not None else 0x03030303 << (4 * pp)
+        M1 = M0 if kh is not None else (M0 << m1_shift) & 0xFFFFFFFF  # uint32
         a_regs = []
         for lane in range(32):
             g, t = lane >> 2, lane & 3
             kx0, kx1 = word(kc[sigma(g)], 4 * t), word(kc[sigma(g) + 8], 4 * t)
-            a_regs.append([u8s(kx0 & M0), u8s(kx1 & M0), u8s(kx0 & M1), u8s(kx1 & M1)])
+            e0, f0, e1, f1 = kx0, kx0, kx1, kx1
+            if kh is not None:
+                (e0, f0), (e1, f1) = (int4_nibbles(kx, word(kh[row], 4 * t))
+                                      for kx, row in ((kx0, sigma(g)), (kx1, sigma(g) + 8)))
+            a_regs.append([u8s(e0 & M0), u8s(e1 & M0), u8s(f0 & M1), u8s(f1 & M1)])
         imma(ih[pp], a_regs, [[qhi[lane, 2 * pp], qhi[lane, 2 * pp + 1]] for lane in range(32)])
         imma(il[pp], a_regs, [[qlo[lane, 2 * pp], qlo[lane, 2 * pp + 1]] for lane in range(32)])
     return ih, il
 
 
-def check_history_k_dot_d64(acc, kc, qf, head_of_column, scale_tol=None):
+def check_history_k_dot_d64(acc, kc, qf, head_of_column, scale_tol=None, K=None):
     """check_history_k_dot at D 64: lane (g, t)'s accumulator entry e is token sigma(g) + 8 (e >> 1) and column
     2t + (e & 1); group 0 = dims 0..31 (planes 0, 1), group 1 = dims 32..63 (planes 2, 3), in the same units as
     check_history_k_dot (2^-24, 2^-20: the caller's group 1 carries 16 iS1, as the D-128 integer test's), so that the
     two checks read alike. scale_tol: |error| <= scale_tol . (the group's max |qf| over all heads . the row's code
-    sum)."""
-    K = codes(kc)  # [16, 64]: dims p*16 + j
+    sum). K: the codes [16, 64] (default: the INT2 codes of kc)."""
+    K = codes(kc) if K is None else K  # [16, 64]: dims p*16 + j
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         for e in range(4):
@@ -817,8 +853,13 @@ def test_d64_layouts_match_the_kernel_source():
                  "const uint32_t kx0 = *reinterpret_cast<const uint32_t*>(kcs + sg * 16 + t * 4);",
                  "const uint32_t kx1 = *reinterpret_cast<const uint32_t*>(kcs + (sg + 8) * 16 + t * 4);",
                  "for (int pp = 0; pp < 2; ++pp) {",
-                 "const uint32_t M0 = 0x03030303u << (4 * pp), M1 = M0 << 2;",
-                 "const uint32_t a0 = kx0 & M0, a1 = kx1 & M0, a2 = kx0 & M1, a3 = kx1 & M1;",
+                 "uint32_t e0 = kx0, e1 = kx1, f0 = kx0, f1 = kx1;",
+                 "const uint8_t* khs = st + SL::kKhOff + j * 16 * 16;",
+                 "int4_nibbles(kx0, *reinterpret_cast<const uint32_t*>(khs + sg * 16 + t * 4), e0, f0);",
+                 "int4_nibbles(kx1, *reinterpret_cast<const uint32_t*>(khs + (sg + 8) * 16 + t * 4), e1, f1);",
+                 "const uint32_t M0 = K4 ? (pp ? 0xf0f0f0f0u : 0x0f0f0f0fu) : 0x03030303u << (4 * pp);",
+                 "const uint32_t M1 = K4 ? M0 : M0 << 2;",
+                 "const uint32_t a0 = e0 & M0, a1 = e1 & M0, a2 = f0 & M1, a3 = f1 & M1;",
                  "imma16832(pp ? ih1 : ih0, a0, a1, a2, a3, qhi[2 * pp], qhi[2 * pp + 1]);",
                  "imma16832(pp ? il1 : il0, a0, a1, a2, a3, qlo[2 * pp], qlo[2 * pp + 1]);",
                  "acc0[e] = (float)(ih0[e] * 128 + il0[e]);",
@@ -862,11 +903,10 @@ def test_d64_layouts_match_the_kernel_source():
                  "qlo[(D / 64) * p + w] = pack_s8(lb[0], lb[1], lb[2], lb[3]);",
                  "const int head0 = HC == 8 ? 2 * t : (2 * t) & 3;",
                  "const int qhead = HC == 8 ? g : (g & 3);",
-                 "const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, "
-                 "mn1a = bf_hi(py0);"):
+                 "const float sc0a = k0a.x * iS0, mn0a = k0a.y, sc1a = k1a.x * iS1, mn1a = k1a.y;"):
         assert line in src, line
     # the D-128 branch keeps its own lines (the blocks above are not the whole kernel)
-    assert "const uint32_t M = 0x03030303u << (2 * p);" not in d64
+    assert "const uint32_t M = K4 ? (p < 2 ? 0x0f0f0f0fu : 0xf0f0f0f0u) : 0x03030303u << (2 * p);" not in d64
 
 
 # ---- paired tiles (int2_history.cu pair_tiles: D 128, HC 4) ----------------------------------------------------------
@@ -880,7 +920,7 @@ def test_d64_layouts_match_the_kernel_source():
 def paired_block(kc, vc, kp, vp, q, c0):
     """One 32-token block through the paired-tile path of the history loop (HC 4, groups of 64). kc / vc: codes
     [32 tokens, 32 bytes] (tile 0 = tokens 0..15, in the stage's order); kp / vp: (scale, min) per token and group
-    [32, 2, 2] (as bf16-exact floats); q [4 heads, 128]; c0 = sm_scale log2 e. Returns out [4, 128] = o / l as the
+    [32, 2, 2] (as e4m3-exact floats, the kernel's fp8x2 decode); q [4 heads, 128]; c0 = sm_scale log2 e. Returns out [4, 128] = o / l as the
     CTA merge of this single warp would store it, lse [4] = m + log2 l (log2 units) as the lanes t < 2 of row g 0
     hand it to the CTA merge, and the (head, dim) outputs each lane parked."""
     head = lambda c: c & 3  # noqa: E731  (HC 4: columns 4..7 repeat heads 0..3)
@@ -963,11 +1003,11 @@ def paired_block(kc, vc, kp, vp, q, c0):
 def test_paired_tiles_block_is_attention_over_its_32_rows(seed):
     rng = np.random.default_rng(70 + seed)
     kc, vc = rng.integers(0, 256, (32, 32)), rng.integers(0, 256, (32, 32))
-    # (scale, min) per token and group, bf16-exact
-    def bf16(x):
-        return torch.from_numpy(x).to(torch.bfloat16).double().numpy()
-    kp = np.stack([bf16(rng.random((32, 2)) * 0.4 + 0.05), bf16(-rng.random((32, 2)) * 0.6)], -1)
-    vp = np.stack([bf16(rng.random((32, 2)) * 0.4 + 0.05), bf16(rng.standard_normal((32, 2)) * 0.3)], -1)
+    # (scale, min) per token and group, e4m3-exact (the cache's params)
+    def e4m3(x):
+        return torch.from_numpy(x).to(torch.float8_e4m3fn).double().numpy()
+    kp = np.stack([e4m3(rng.random((32, 2)) * 0.4 + 0.05), e4m3(-rng.random((32, 2)) * 0.6)], -1)
+    vp = np.stack([e4m3(rng.random((32, 2)) * 0.4 + 0.05), e4m3(rng.standard_normal((32, 2)) * 0.3)], -1)
     q = rng.standard_normal((4, 128)) * (1.5 if seed == 2 else 0.5)  # seed 2: a peaked softmax
     c0 = 1 / math.sqrt(128) * LOG2E
     out, lse, seen = paired_block(kc, vc, kp, vp, q, c0)
@@ -994,13 +1034,15 @@ def test_paired_tiles_match_the_kernel_source():
     for line in ("return d == 128 && hc == 4 && !wide;",
                  "for (int j = 0; j < (kPair ? 1 : kTok / 16); ++j) {",
                  "const int tj = kPair ? gsel : j;",
-                 "k_dot_d128(st + j * 16 * 32, sg, t, qhi, qlo, ih0, il0, ih1, il1);",
-                 "k_dot_d128(st + 16 * 32, sg, t, qhi, qlo, jh0, jl0, jh1, jl1);",
+                 "k_dot_d128<K4>(st + j * 16 * 32, st + SL::kKhOff + j * 16 * 32, sg, t, qhi, qlo, ih0, il0, ih1, "
+                 "il1);",
+                 "k_dot_d128<K4>(st + 16 * 32, st + SL::kKhOff + 16 * 32, sg, t, qhi, qlo, jh0, jl0, jh1, jl1);",
                  "ih0[e] = tj ? jh0[e] : ih0[e]; il0[e] = tj ? jl0[e] : il0[e];",
                  "ih1[e] = tj ? jh1[e] : ih1[e]; il1[e] = tj ? jl1[e] : il1[e];",
-                 "const uint2* kps = reinterpret_cast<const uint2*>(st + SL::kKpOff) + tj * 16;",
+                 "const int ta = tj * 16 + sg;",
+                 "const uint32_t kpa = pword(0, ta), kpb = pword(0, ta + 8);",
                  "const int pa = pos0 + tj * 16 + sg;",
-                 "const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + SL::kVpOff) + tj * 32;",
+                 "const uint32_t vpa = pword(1, ta), vpb = pword(1, ta + 8);",
                  "if (HC == 4 && !kPair) {",
                  "[[maybe_unused]] const uint32_t cmask = g < 4 ? 0xffffffffu : 0u;",
                  "v_dot_d128(st + SL::kVcOff + 4 * g, t, o, b0 & cmask, b1 & cmask, c0 & cmask, c1 & cmask);",
@@ -1014,5 +1056,213 @@ def test_paired_tiles_match_the_kernel_source():
                  "if constexpr (kPair) park(G0 * gsel + i, c, gsel ? lw0 : lv0, gsel ? lw1 : lv1);"):
         assert line in src, line
     # the HC-8 branch's V operands (both groups, every column its own) are the ones the paired tiles use
-    assert "lw0 = fmaf(p0, bf_hi(va1), fmaf(p2, bf_hi(vb1), lw0));" in src
-    assert "c0 = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va1), p1 * bf_lo(va1))));" in src
+    assert "const float2 va0 = fp8x2(vpa), vb0 = fp8x2(vpb), va1 = fp8x2(vpa >> 16), vb1 = fp8x2(vpb >> 16);" in src
+    assert "lw0 = fmaf(p0, va1.y, fmaf(p2, vb1.y, lw0));" in src
+    assert "c0 = movm_trans(h2u(__floats2half2_rn(p0 * va1.x, p1 * va1.x)));" in src
+
+
+# ---- the v2 cache format: INT4 keys (template K4) and float8 e4m3 (scale, min) pairs ---------------------------------
+# INT4 keys arrive as two INT2 quarter-plane buffers (k_codes: code & 3, k_hi: code >> 2; quant/pack.py
+# pack_int4_planes); the K dot turns each code word pair into nibble words (int4_nibbles) and masks them per plane.
+
+
+def int4_rows(rng, rows, d):
+    """Random INT4 key codes [rows, d] and their (lo, hi) quarter-plane bytes [rows, d / 4] (the cache's k_codes,
+    k_hi)."""
+    from sglang_oscar.quant.pack import pack_int4_planes
+
+    c = rng.integers(0, 16, (rows, d))
+    lo, hi = pack_int4_planes(torch.from_numpy(c))
+    return c, lo.numpy().astype(np.int64), hi.numpy().astype(np.int64)
+
+
+def test_int4_nibbles_are_the_codes():
+    """int4_nibbles: byte k of n02 is c_0 | c_2 << 4 and of n13 c_1 | c_3 << 4, with c_p = lo_p | hi_p << 2 the INT4
+    code of plane p in that byte (quant/pack.py unpack_int4_planes), for every byte pair; the plane masks then give
+    c . 16^(p >> 1) <= 240 (fits the u8 A operand; c 4^3 would not)."""
+    src = open(PRODUCTION_SOURCE).read()
+    assert "n02 = (lo & 0x33333333u) | ((hi << 2) & 0xccccccccu);" in src
+    assert "n13 = ((lo >> 2) & 0x33333333u) | (hi & 0xccccccccu);" in src
+    lo_b, hi_b = np.meshgrid(np.arange(256), np.arange(256))
+    for lo_byte, hi_byte in zip(lo_b.ravel()[::7], hi_b.ravel()[::7]):
+        for k in range(4):  # the byte in each position of the word, the others random-ish
+            lo = (int(lo_byte) << (8 * k)) | (0x5A5A5A5A & ~(0xFF << (8 * k)) & 0xFFFFFFFF)
+            hi = (int(hi_byte) << (8 * k)) | (0xA5A5A5A5 & ~(0xFF << (8 * k)) & 0xFFFFFFFF)
+            for p in range(4):
+                c = (int(lo_byte) >> (2 * p) & 3) | (int(hi_byte) >> (2 * p) & 3) << 2
+                a = k_plane_words(lo, hi, p) >> (8 * k) & 0xFF
+                assert a == c * (16 if p >= 2 else 1) <= 240
+                assert a * PLANE_F_K4[p] == c
+
+
+@pytest.mark.parametrize("hc", [4, 8])
+def test_integer_k_dot_int4_keys(hc):
+    """K4 at D 128: the K dot of INT4 codes from their lo / hi planes (k_dot_d128 with khs: int4_nibbles, the K4 plane
+    masks) against the kernel's int8 q with the K4 plane factors is the direct dot of c0 q with the INT4 codes, within
+    the 14-bit quantization of q; a head of much smaller norm shares the warp's scale."""
+    rng = np.random.default_rng(90 + hc)
+    K, kc, kh = int4_rows(rng, 16, 128)
+    q = rng.standard_normal((hc, 128)) * 0.5
+    q[0] *= 0.01
+    head = (lambda c: c) if hc == 8 else (lambda c: c & 3)
+    c0 = 1 / math.sqrt(128) * LOG2E
+    qhi, qlo, (is0, is1) = kernel_int8_q(q, head, c0, k4=True)
+    assert np.abs(qhi).max() <= 127 and np.abs(qlo).max() <= 64
+    ih, il = integer_k_dot(kc, qhi, qlo, kh=kh)
+    acc = [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
+    check_history_k_dot(acc, kc, q * c0, head, scale_tol=2e-4, K=K)
+    with pytest.raises(AssertionError):  # the INT2 q factors on INT4 words: the check sees the plane factors
+        qhi2, qlo2, (j0, j1) = kernel_int8_q(q, head, c0)
+        ih2, il2 = integer_k_dot(kc, qhi2, qlo2, kh=kh)
+        check_history_k_dot([(ih2[0] * 128 + il2[0]) * float(j0), (ih2[1] * 128 + il2[1]) * float(j1) * 16], kc,
+                            q * c0, head, K=K)
+
+
+def test_integer_k_dot_int4_keys_int32_bound():
+    """The int32 bound of int2_history.cu's q comment at its worst case: every INT4 code 15 against a q whose every
+    element is the group's max (|hi| 127 in every byte): hi . 128 + lo stays below 2^28 and the dot is still the
+    direct one."""
+    kc = np.full((16, 32), 0xFF)
+    kh = np.full((16, 32), 0xFF)
+    q = np.ones((4, 128))
+    q[:, 64:] *= 3.0
+    head = lambda c: c & 3  # noqa: E731
+    c0 = 1 / math.sqrt(128) * LOG2E
+    qhi, qlo, (is0, is1) = kernel_int8_q(q, head, c0, k4=True)
+    ih, il = integer_k_dot(kc, qhi, qlo, kh=kh)
+    top = max(np.abs(ih[i] * 128 + il[i]).max() for i in range(2))
+    assert 2 ** 27 < top < 2 ** 28  # group 1: 32 dims x (240 + 240) x 127 x 128
+    acc = [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
+    check_history_k_dot(acc, kc, q * c0, head, K=np.full((16, 128), 15))
+
+
+@pytest.mark.parametrize("hc", [4, 8])
+def test_d64_integer_k_dot_int4_keys(hc):
+    """K4 at D 64: the D-64 K dot's K4 branch (int4_nibbles of kx0 / kx1 with the k_hi words, masks 0x0f0f0f0f / 0xf0f0f0f0
+    for both planes of a pair) against the K4 int8 q is the direct dot with the INT4 codes."""
+    rng = np.random.default_rng(95 + hc)
+    K, kc, kh = int4_rows(rng, 16, 64)
+    q = rng.standard_normal((hc, 64)) * 0.5
+    q[0] *= 0.01
+    head = (lambda c: c) if hc == 8 else (lambda c: c & 3)
+    c0 = 1 / math.sqrt(64) * LOG2E
+    qhi, qlo, (is0, is1), _ = kernel_int8_q_d64(q, head, c0, k4=True)
+    ih, il = history_k_dot_d64(kc, qhi, qlo, kh=kh)
+    assert max(np.abs(ih[i] * 128 + il[i]).max() for i in range(2)) < 2 ** 28
+    acc = [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
+    check_history_k_dot_d64(acc, kc, q * c0, head, scale_tol=2e-4, K=K)
+
+
+def test_k4_copies_and_window_fill_match_the_kernel_source():
+    """The K4 lines beside the dots: the stage keeps the high planes at kKhOff, copied with the low ones from the
+    token's record among k_hi's h4 heads (the CTA's head row kj = k4_index[h]; an INT2 head of the layer, kj -1, has
+    its high planes zero-filled: 0 bytes read, codes lo | 0), and a sink position without a sink row dequantizes its
+    INT4 key code as lo | hi << 2. The hi record is records.py's rule with h4 heads (emulated as pool_record32's)."""
+    src = open(PRODUCTION_SOURCE).read()
+    for line in ("if constexpr (K4) cp_async16(st + SL::kKhOff + tok * 16, a.kh + (size_t)(k ? rh1 : rh0) * 16u, "
+                 "hi_in ? n : 0);",
+                 "const uint32_t hh = 2u * __shfl_sync(0xffffffffu, k < 2 ? rh0 : rh1, tok & 31) + (uint32_t)half;",
+                 "cp_async16(st + SL::kKhOff + tok * 32 + 16 * half, a.kh + (size_t)hh * 16u, hi_in ? n : 0);",
+                 "[[maybe_unused]] const uint32_t rh0 = K4 ? hi_record32(a, s0, max(kj, 0), pmask) : 0u;",
+                 "[[maybe_unused]] const bool hi_in = kj >= 0;",
+                 "[[maybe_unused]] const int kj = K4 ? __ldg(a.k4_index + h) : -1;",
+                 "return (((u >> a.page_log2) * (uint32_t)a.h4 + (uint32_t)j) << a.page_log2) | (u & pmask);",
+                 "static constexpr int kVcOff = TOK * kCode, kKhOff = TOK * 2 * kCode;",
+                 "const int kj = K4 && !kv ? __ldg(a.k4_index + h) : -1;",
+                 "return (float)(hi ? c | ((hi[i] >> (2 * p)) & 3) << 2 : c);"):
+        assert line in src, line
+
+
+def fp8x2_fallback(w):
+    """int2_history.cu fp8x2 before sm_89: byte b of the pair as the fp32 ((b & 0x7f) << 20 | (b & 0x80) << 24) .
+    2^120 (numpy fp32, denormals kept as the kernel keeps them)."""
+    out = []
+    for b in (w & 0xFF, (w >> 8) & 0xFF):
+        bits = np.array([((b & 0x7F) << 20) | ((b & 0x80) << 24)], dtype=np.uint32)
+        out.append(float(bits.view(np.float32)[0] * np.float32(2.0 ** 120)))
+    return out
+
+
+def test_fp8x2_decodes_every_e4m3_byte_exactly():
+    """The (scale, min) decode: the fallback's bit formula equals torch's float8_e4m3fn value for every finite byte
+    (zeros, subnormals 2^-9 .. 2^-6, negatives, +-448), scale in the low byte; sm_89+ uses the exact hardware cvt."""
+    src = open(PRODUCTION_SOURCE).read()
+    assert 'asm("cvt.rn.f16x2.e4m3x2 %0, %1;\\n" : "=r"(h) : "h"((unsigned short)w));' in src
+    assert ("return make_float2(__uint_as_float((b0 & 0x7fu) << 20 | (b0 & 0x80u) << 24) * 0x1p120f,") in src
+    assert "const uint32_t b0 = w & 0xffu, b1 = (w >> 8) & 0xffu;" in src
+    want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    for b in range(256):
+        if b & 0x7F == 0x7F:  # NaN: never written (the writers saturate to +-448)
+            continue
+        sc, mn = fp8x2_fallback(b | (((b * 37) & 0xFF) << 8) | 0xABCD0000)  # the high half is not read
+        assert sc == want[b].item(), b
+        if (b * 37) & 0x7F != 0x7F:
+            assert mn == want[(b * 37) & 0xFF].item(), b
+
+
+def param_words(prm_bytes, records, g_row):
+    """The history loop's param words of `records` (int2_history_kernel issue + pword): the copied 4-byte word (the
+    record's, or with one group per row its record pair's: index r >> g_row), the selector sel_base + (r & 1) .
+    sel_odd of that side, and prmt(word, 0, selector): group 0's pair in the low half, group 1's in the high half
+    (one group: the row's pair in both)."""
+    words = np.frombuffer(prm_bytes, dtype=np.uint32)
+    base, odd = (0x1010, 0x2222) if g_row else (0x3210, 0)
+    return [prmt(int(words[r >> int(g_row)]), 0, base + (r & 1) * odd) for r in records]
+
+
+@pytest.mark.parametrize("g_row", [False, True])
+def test_param_words_pick_the_records_pairs(g_row):
+    """(scale, min) pairs are 2 bytes (two e4m3); a row of two groups has a 4-byte record, a row of one group 2 bytes
+    per record, copied as the aligned word of its record pair and picked by the record's parity through the token's
+    PRMT selector (Stage::kSelOff). Against the params buffer read as [records, groups, 2] bytes: every record's
+    pair(s), odd and even records, the buffer's last record included."""
+    src = open(PRODUCTION_SOURCE).read()
+    for line in ("cp_async4(st + SL::kKpOff + tok * 4, a.kp + (r >> (int)kg_row), n);",
+                 "cp_async4(st + SL::kVpOff + tok * 4, a.vp + (r >> (int)vg_row), n);",
+                 "\"r\"(sel_base + (r & 1u) * sel_odd)",
+                 "[[maybe_unused]] const uint32_t sel_base = (kg_row ? 0x1010u : 0x3210u) | (vg_row ? 0x1010u : "
+                 "0x3210u) << 16;",
+                 "[[maybe_unused]] const uint32_t sel_odd = (kg_row ? 0x2222u : 0u) | (vg_row ? 0x2222u : 0u) << 16;",
+                 "return prmt(w, 0u, reinterpret_cast<const uint16_t*>(st + SL::kSelOff)[2 * tok + v]);",
+                 "const float2 k0a = fp8x2(kpa), k1a = fp8x2(kpa >> 16), k0b = fp8x2(kpb), k1b = fp8x2(kpb >> 16);"):
+        assert line in src, line
+    rng = np.random.default_rng(5 + g_row)
+    n, groups = 64, 1 if g_row else 2
+    prm = rng.integers(0, 256, (n, groups, 2), dtype=np.uint8)
+    recs = list(range(n)) + rng.integers(0, n, 50).tolist()
+    for r, w in zip(recs, param_words(prm.tobytes(), recs, g_row)):
+        pair = lambda grp: int(prm[r, grp, 0]) | int(prm[r, grp, 1]) << 8  # noqa: E731  (scale in the low byte)
+        assert w & 0xFFFF == pair(0) and w >> 16 == pair(0 if g_row else 1), r
+
+
+def test_cuda_history_launch_refuses_bad_k_hi_and_short_params(monkeypatch):
+    """history_cuda.launch, before anything is launched: a k_hi that is not uint8 of k_codes' shape, and a one-group
+    side on a pool of an odd record count whose params end with their buffer (the last record pair's word would reach
+    2 bytes past it); an even count, or 2 bytes of storage past the params, pass those checks (to the library load,
+    stubbed here)."""
+    import dataclasses
+
+    from sglang_oscar.kernels import history_cuda
+    from sglang_oscar.kernels.layout import LayerCache
+
+    class Loaded(Exception):
+        pass
+
+    def load():
+        raise Loaded
+
+    monkeypatch.setattr(history_cuda, "library", load)
+    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    kw = dict(sink=64, window=256, sm_scale=1.0, ns=1, ns_total=4, o_part=None, lse_part=None)
+    cache = LayerCache.empty(6, 1, 128, k_group=64, v_group=64, k_bits=4)
+    cache.k_hi = torch.zeros(6, 1, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="cache.k_hi"):
+        history_cuda.launch(q, cache, None, None, None, None, **kw)
+    odd = LayerCache.empty(5, 1, 128, k_group=128, v_group=64)  # 5 records, K of one group per row
+    with pytest.raises(ValueError, match="k_params of an odd record count"):
+        history_cuda.launch(q, odd, None, None, None, None, **kw)
+    padded = torch.empty(5 * 2 + 2, dtype=odd.k_params.dtype)[:10].view(5, 1, 1, 2)
+    for ok in (LayerCache.empty(6, 1, 128, k_group=128, v_group=128, k_bits=4),
+               dataclasses.replace(odd, k_params=padded)):
+        with pytest.raises(Loaded):
+            history_cuda.launch(q, ok, None, None, None, None, **kw)

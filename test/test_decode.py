@@ -2,12 +2,14 @@
 
 On CPU the kernel runs in the Triton interpreter (TRITON_INTERPRET=1, set before triton is
 imported) with fp32 inputs: ‖o − ref‖/‖ref‖ < 1e-4. On CUDA: bf16 inputs, < 1e-2.
-Caches are random (codes, params, window rows); rows decode must NOT read are NaN, and the
-output is poisoned (NaN) before each call, so a wrong row or an unwritten element fails.
+Caches are random (codes, float8 e4m3 params, window rows; k_bits=4: INT4 keys, a random k_hi
+too); rows decode must NOT read are NaN, and the output is poisoned (NaN) before each call, so a
+wrong row or an unwritten element fails.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -30,10 +32,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     _interp._patch_lang_tensor = _patch_lang_tensor
 
-from sglang_oscar.kernels.decode import default_merge_splits, default_window_splits, oscar_decode
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from sglang_oscar.kernels.decode import default_merge_splits, default_window_splits, e4m3_pair, oscar_decode
 from sglang_oscar.kernels.layout import LayerCache
 from sglang_oscar.quant.attention import dequantize_rows, mixed_decode_reference
-from sglang_oscar.quant.intq import quantize
+from sglang_oscar.quant.intq import round_param, quantize
 from sglang_oscar.quant.pack import pack_int2
 
 CUDA = torch.cuda.is_available()
@@ -43,9 +48,11 @@ PAGE = 16
 
 
 def make_case(lens, *, hkv=2, gqa=2, d=64, gk=64, gv=64, sink=8, window=16, ring_starts=None,
-              dtype=None, device=DEV, seed=0, extra_reqs=1, pool_page=1):
+              dtype=None, device=DEV, seed=0, extra_reqs=1, pool_page=1, k_bits=2, k4_heads=None):
     """A random mixed cache holding len(lens) requests, and the decode inputs. pool_page: the pool's page
-    size (kernels/layout.py; the slot assignment below uses pages of PAGE either way)."""
+    size (kernels/layout.py; the slot assignment below uses pages of PAGE either way). k_bits 4: INT4 keys on the
+    KV heads k4_heads (None: all; random k_hi bytes; key scales a fifth of the INT2 ones, as (max − min)/15 would
+    be)."""
     g = torch.Generator().manual_seed(seed)
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     b = len(lens)
@@ -71,12 +78,12 @@ def make_case(lens, *, hkv=2, gqa=2, d=64, gk=64, gv=64, sink=8, window=16, ring
     num_sink_rows = b * sink + 3
     cache = LayerCache.empty(num_slots, hkv, d, k_group=gk, v_group=gv, num_sink_rows=num_sink_rows,
                              max_reqs=max_reqs, window=window, sink=sink, window_dtype=dtype, device="cpu",
-                             page=pool_page)
+                             page=pool_page, k_bits=k_bits, k4_heads=k4_heads)
     cache.k_codes.copy_(torch.randint(0, 256, cache.k_codes.shape, generator=g, dtype=torch.uint8))
     cache.v_codes.copy_(torch.randint(0, 256, cache.v_codes.shape, generator=g, dtype=torch.uint8))
-    for prm in (cache.k_params, cache.v_params):
-        prm[..., 0] = (torch.rand(prm.shape[:-1], generator=g) * 0.6 + 0.05).to(prm.dtype)
-        prm[..., 1] = (-1.5 * torch.rand(prm.shape[:-1], generator=g) - 0.2).to(prm.dtype)
+    for prm, shrink in ((cache.k_params, 0.2 if k_bits == 4 else 1.0), (cache.v_params, 1.0)):
+        prm[..., 0] = round_param((torch.rand(prm.shape[:-1], generator=g) * 0.6 + 0.05) * shrink)
+        prm[..., 1] = round_param(-1.5 * torch.rand(prm.shape[:-1], generator=g) - 0.2)
     nan = float("nan")
     cache.sink_k.fill_(nan)
     cache.sink_v.fill_(nan)
@@ -96,8 +103,10 @@ def make_case(lens, *, hkv=2, gqa=2, d=64, gk=64, gv=64, sink=8, window=16, ring
             cache.ring_v[r * window + p % window] = torch.randn(hkv, d, generator=g).to(dtype)
     q = (torch.randn(b, hkv * gqa, d, generator=g) * 0.5).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
+    if k_bits == 4:
+        cache.k_hi.copy_(torch.randint(0, 256, cache.k_hi.shape, generator=g, dtype=torch.uint8))
     if device != "cpu":
-        cache = LayerCache(**{**cache.__dict__, **{n: t.to(device) for n, t in cache.buffers().items()}})
+        cache = dataclasses.replace(cache, **{n: t.to(device) for n, t in cache.buffers().items()})
         q, req_to_token, req_idx, seq_lens, ring_start = (
             t.to(device) for t in (q, req_to_token, req_idx, seq_lens, ring_start))
     return dict(q=q, cache=cache, req_to_token=req_to_token, req_pool_indices=req_idx, seq_lens=seq_lens,
@@ -445,7 +454,8 @@ def test_decode_code_formats(d, gk, gv, gqa):
 
 def _ramp_history_scores(case, slow, steep, knee):
     """Raise the K mins with position so that every head's INT2 scores climb by `slow` log2 units per
-    position before `knee` and by `steep` after it (per request), with q > 0 so every head climbs."""
+    position before `knee` and by `steep` after it (per request), with q > 0 so every head climbs (in steps: the
+    mins are float8, 3 mantissa bits)."""
     c = case["cache"]
     case["q"] = case["q"].abs() + 0.5
     rate = (case["q"].double().sum(-1) * case["sm_scale"] * 1.4426950408889634).min().item()  # log2 units per unit of min
@@ -454,7 +464,7 @@ def _ramp_history_scores(case, slow, steep, knee):
         pos = torch.arange(L, dtype=torch.float64, device=c.k_params.device)
         units = slow * pos.clamp(max=knee[i]) + steep * (pos - knee[i]).clamp(min=0)
         slots = case["req_to_token"][r, :L].long()
-        c.k_params[slots, :, :, 1] = (units / rate).to(c.k_params.dtype)[:, None, None]
+        c.k_params[slots, :, :, 1] = round_param(units / rate)[:, None, None]
 
 
 # The online softmax under climbing scores. Request 0's history scores climb 0.1 log2 units per position, then 1 per
@@ -743,16 +753,118 @@ def test_decode_paged_pool(pool_page, d, gqa, block_n):
     run_and_check(case, missing_sink_int2=True, num_splits=2, block_n=block_n)
 
 
-def test_decode_paged_pool_equals_unpaged():
+@pytest.mark.parametrize("k_bits", [2, 4])
+def test_decode_paged_pool_equals_unpaged(k_bits):
     """The same rows in a paged and an unpaged pool give the same output (bit-exact on the interpreter)."""
-    flat = make_case([130, 61], hkv=2, gqa=2, d=64, sink=8, window=16, pool_page=1, seed=5)
-    paged = make_case([130, 61], hkv=2, gqa=2, d=64, sink=8, window=16, pool_page=8, seed=5)
+    flat = make_case([130, 61], hkv=2, gqa=2, d=64, sink=8, window=16, pool_page=1, seed=5, k_bits=k_bits)
+    paged = make_case([130, 61], hkv=2, gqa=2, d=64, sink=8, window=16, pool_page=8, seed=5, k_bits=k_bits)
     slots = torch.arange(flat["cache"].num_slots)
-    for name in ("k_codes", "v_codes", "k_params", "v_params"):
+    for name in flat["cache"].buffers().keys() & {"k_codes", "k_hi", "v_codes", "v_params", "k_params"}:
         paged["cache"].set_rows(name, slots, flat["cache"].rows(name, slots))
     a = oscar_decode(**flat, num_splits=3, block_n=32)
     b = oscar_decode(**paged, num_splits=3, block_n=32)
     assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------- float8 params, INT4 keys
+
+
+@triton.jit
+def _e4m3_pair_kernel(P, S, M, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    scale, mn = e4m3_pair(tl.load(P + offs).to(tl.int32))
+    tl.store(S + offs, scale)
+    tl.store(M + offs, mn)
+
+
+def test_e4m3_pair_decodes_every_param_pair_exactly():
+    """e4m3_pair, the kernels' integer decode of a (scale, min) pair (2^-8 times the values), against torch's float8
+    e4m3 -> fp32 on all 2^16 byte pairs with finite bytes: ±0, subnormals 2^-9..2^-6, ±448, both bytes' signs."""
+    pairs = torch.arange(1 << 16, dtype=torch.int32)
+    b = torch.stack([pairs & 0xFF, pairs >> 8], -1).to(torch.uint8)  # scale byte at the lower address
+    words = b.view(torch.int16).reshape(-1).to(DEV)
+    got_s, got_m = (torch.full((1 << 16,), float("nan"), device=DEV) for _ in "sm")
+    _e4m3_pair_kernel[((1 << 16) // 4096,)](words, got_s, got_m, BLOCK=4096)
+    want = b.view(torch.float8_e4m3fn).float()
+    finite = want.isfinite().all(-1)
+    assert int(finite.sum()) == 254 * 254
+    assert torch.equal(got_s.cpu()[finite] * 256, want[finite, 0])
+    assert torch.equal(got_m.cpu()[finite] * 256, want[finite, 1])
+    assert want[finite].abs().max() == 448 and (want[finite] == 2.0**-9).any()
+
+
+# A layer with INT4-key heads (cache.k4_heads, high planes in cache.k_hi): codes lo | hi << 2 from k_codes and k_hi,
+# uniform levels 0..15, on those heads; the layer's other heads INT2 (uniform levels); values INT2. The history loop's
+# K side takes the subnormal codes (up to 15·2^(2p−24)) whatever the V side does. Shapes: D 64 / 128 / 256, K and V
+# groups 32 / 64 / 128 (param words of 1, 2 and 4 pairs, two int64 words at D 256 G 32), folded (block_n 32 at NP 4)
+# and unfolded tiles, GQA 1-12, pages of 1 and 64, all heads INT4 or some (k_hi holds fewer heads than k_codes: its
+# own records), odd lengths around the window edges and a ring_start inside the window; then sink positions without
+# a sink row, read by the merge as INT4 keys (with the merge's D split over programs).
+@pytest.mark.parametrize("d,gk,gv,gqa,block_n,pool_page,hkv,k4_heads", [
+    (64, 64, 32, 3, 32, 1, 2, None),  # folded
+    (64, 32, 64, 1, 16, 64, 3, (1,)),  # unfolded, GQA 1
+    (128, 64, 64, 4, 32, 64, 2, None),  # the served shape, folded
+    (128, 64, 64, 4, 32, 64, 4, (0, 3)),
+    (128, 128, 32, 2, 16, 1, 3, (0, 2)),  # a K group over all 4 planes: q pre-scaled down to 1/64
+    (128, 32, 128, 8, 32, 64, 3, (2,)),  # NP 8: unfolded
+    (128, 64, 64, 12, 64, 1, 2, None),  # NP 16
+    (256, 32, 64, 5, 32, 64, 2, None),  # D 256: two byte chunks per plane
+    (256, 128, 128, 2, 32, 1, 3, (1, 2)),
+])
+def test_decode_int4_keys(d, gk, gv, gqa, block_n, pool_page, hkv, k4_heads):
+    case = make_case(EDGE_LENS + [300], hkv=hkv, gqa=gqa, d=d, gk=gk, gv=gv, ring_starts=[0] * 6 + [250],
+                     pool_page=pool_page, seed=7 * d + gk + gqa + hkv, k_bits=4, k4_heads=k4_heads)
+    assert case["cache"].k_hi.shape[-3 if pool_page > 1 else -2] == (hkv if k4_heads is None else len(k4_heads))
+    run_and_check(case, num_splits=3, block_n=block_n)
+    case = drop_sink_rows(case, {(1, 0), (3, 2), (5, 7), *((0, p) for p in range(5))})
+    run_and_check(case, missing_sink_int2=True, num_splits=2, block_n=block_n, merge_splits=2)
+
+
+@pytest.mark.parametrize("block_n", [16, 32])  # unfolded, folded
+def test_decode_int4_keys_value_codebook(block_n):
+    """INT4 keys beside a V codebook: the K side in subnormal codes, the V side in the offset form 1 + level/4."""
+    case = make_case([50, 19, 200], hkv=3, gqa=2, d=64, gk=32, gv=64, seed=19, k_bits=4, k4_heads=(0, 2))
+    run_and_check(case, v_level_a=1.2, num_splits=2, block_n=block_n)
+    case = drop_sink_rows(case, {(0, 1), (1, 5), (2, 0)})
+    run_and_check(case, missing_sink_int2=True, v_level_a=1.2, num_splits=2, block_n=block_n)
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_decode_int4_keys_rescale_ramp(block_n):
+    case = make_case([700, 300, 37], hkv=2, gqa=3, d=64, gk=32, gv=64, seed=23, k_bits=4, k4_heads=(1,))
+    _ramp_history_scores(case, slow=0.1, steep=1.0, knee=[150, 10 ** 6, 10 ** 6])
+    run_and_check(case, num_splits=3, block_n=block_n)
+
+
+def test_decode_int4_keys_refuse_a_key_codebook():
+    case = make_case([40], gqa=2, k_bits=4)
+    with pytest.raises(ValueError, match="INT4-key heads .* pass k_level_a=None"):
+        oscar_decode(**case, k_level_a=0.8)
+
+
+def test_decode_refuses_bf16_params():
+    case = make_case([40], gqa=2)
+    case["cache"].v_params = case["cache"].v_params.float().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="v_params must be torch.float8_e4m3fn"):
+        oscar_decode(**case)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("v_codebook", [False, True])
+@pytest.mark.parametrize("gqa,d,gk,gv,pool_page,k4_heads", [
+    (4, 128, 64, 64, 64, None), (4, 128, 64, 64, 64, (1,)), (3, 64, 64, 64, 1, (0,)), (8, 256, 64, 64, 64, None),
+    (12, 128, 64, 64, 64, None), (2, 256, 32, 64, 1, (1,)), (1, 128, 128, 128, 64, None), (16, 64, 32, 64, 64, None),
+    (2, 128, 32, 64, 1, None)])
+def test_gpu_int4_keys_long(gqa, d, gk, gv, pool_page, k4_heads, v_codebook):
+    """INT4-key heads on the GPU's fast path: the inline-PTX INT4 subnormal codes (a wrong lane or bit would be far
+    off) in folded and unfolded tiles, all heads INT4 or one of the two, and the merge's INT4 sink positions."""
+    case = make_case([4000, 1333, 70, 9000], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, sink=64, window=256,
+                     ring_starts=[0, 1200, 0, 8900], pool_page=pool_page, seed=gqa + gk + d, k_bits=4,
+                     k4_heads=k4_heads)
+    kw = dict(v_level_a=1.2) if v_codebook else {}
+    run_and_check(case, tol=1e-2, **kw)
+    case = drop_sink_rows(case, {(0, 3), (2, 0), (2, 63)})
+    run_and_check(case, tol=1e-2, missing_sink_int2=True, **kw)
 
 
 # ---- the CUDA history stage (kernels/history_cuda.py) -------------------------------------------

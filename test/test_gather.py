@@ -1,9 +1,10 @@
 """oscar_gather_prefixes / oscar_gather_prefix (kernels/gather.py) against quant/cache_ops.py:gather_reference.
 
-The cache is filled the way the engine fills it (oscar_write_kv with sink rows for positions < S
-and ring rows for the last W positions), or with random bytes. Tolerance: 1e-6 of the row's max
-(the dequantization min + scale·level is the same fp32 arithmetic; a GPU may fuse it into one
-FMA) plus one ulp for 16-bit outputs. Rows past kv_indptr[-1] keep their poison.
+The cache is filled the way the engine fills it (the write oracle, quant/cache_ops.py:write_reference, with sink
+rows for positions < S and ring rows for the last W positions; float8 (scale, min), INT4 keys on a layer's k4_heads),
+or with random bytes. Tolerance: 1e-6 of the row's max (the dequantization min + scale·level is the same fp32
+arithmetic; a GPU may fuse it into one FMA) plus one ulp for 16-bit outputs. Rows past kv_indptr[-1] keep their
+poison.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import torch
 from kernel_utils import ACT_DTYPE, DEVICE, assert_rows_close, gen, poison_, random_orthogonal, randn, requires_triton
 
-from sglang_oscar.quant.cache_ops import gather_reference
+from sglang_oscar.quant.cache_ops import gather_reference, write_reference
 
 pytestmark = requires_triton
 
@@ -22,22 +23,22 @@ I32 = dict(dtype=torch.int32, device=DEVICE)
 def _kernels():
     from sglang_oscar.kernels.gather import oscar_gather_prefix, oscar_gather_prefixes
     from sglang_oscar.kernels.layout import LayerCache
-    from sglang_oscar.kernels.write import oscar_write_kv
 
-    return LayerCache, oscar_write_kv, oscar_gather_prefixes, oscar_gather_prefix
+    return LayerCache, oscar_gather_prefixes, oscar_gather_prefix
 
 
 def engine_cache(lengths, ring_starts, *, D=64, H=2, gk=32, gv=64, S=4, W=6, ka=1.0, va=1.0, seed=0, drop_sink=(),
-                 page=1):
-    """Write every request's tokens [0, L) like the engine: INT2 always, sink rows for p < S,
-    ring rows for p in [max(ring_start, L − W), L). Returns cache, req_to_token, pool indices."""
-    LayerCache, oscar_write_kv, _, _ = _kernels()
+                 page=1, k4_heads=()):
+    """Write every request's tokens [0, L) like the engine: the quantized form always (INT4 keys on k4_heads), sink
+    rows for p < S, ring rows for p in [max(ring_start, L − W), L). Returns cache, req_to_token, pool indices."""
+    LayerCache, _, _ = _kernels()
     g = gen(seed)
     b = len(lengths)
     max_len = max(max(lengths), 1)
     num_slots = -(-(sum(lengths) + 8) // page) * page
     cache = LayerCache.empty(num_slots, H, D, k_group=gk, v_group=gv, num_sink_rows=S * b, max_reqs=b + 1,
-                             window=W, sink=S, window_dtype=ACT_DTYPE, device=DEVICE, page=page)
+                             window=W, sink=S, window_dtype=ACT_DTYPE, device=DEVICE, page=page,
+                             k_bits=4 if k4_heads else 2, k4_heads=k4_heads)
     for t in cache.buffers().values():
         poison_(t)
     cache.sink_table.fill_(-1)
@@ -66,14 +67,14 @@ def engine_cache(lengths, ring_starts, *, D=64, H=2, gk=32, gv=64, S=4, W=6, ka=
         ks.append(randn(L, H, D, g=g, dtype=ACT_DTYPE))
         vs.append(randn(L, H, D, g=g, dtype=ACT_DTYPE))
     k, v = torch.cat(ks), torch.cat(vs)
-    oscar_write_kv(k, v, torch.cat(slots).to(DEVICE), torch.tensor(sdst, **I32), torch.tensor(rdst, **I32), cache,
-                   k_transform=kmat, k_mean=kmean, v_transform=vmat, k_clip=0.95, k_level_a=ka, v_level_a=va)
+    write_reference(k, v, torch.cat(slots).to(DEVICE), torch.tensor(sdst, **I32), torch.tensor(rdst, **I32), cache,
+                    k_transform=kmat, k_mean=kmean, v_transform=vmat, k_clip=0.95, k_level_a=ka, v_level_a=va)
     return cache, req_to_token.to(DEVICE), pool_idx.to(DEVICE)
 
 
 def check(cache, req_to_token, pool_idx, prefix_lens, ring_starts, ring_ends=None, *, ka=1.0, va=1.0,
           out_dtype=ACT_DTYPE, extra_rows=3, block_n=32):
-    _, _, oscar_gather_prefixes, _ = _kernels()
+    _, oscar_gather_prefixes, _ = _kernels()
     n = sum(prefix_lens)
     out_k = poison_(torch.empty(n + extra_rows, cache.kv_heads, cache.head_dim, dtype=out_dtype, device=DEVICE))
     out_v = poison_(torch.empty_like(out_k))
@@ -167,7 +168,7 @@ def test_gather_matches_write_semantics():
 
 
 def test_gather_single_request_wrapper():
-    _, _, _, oscar_gather_prefix = _kernels()
+    _, _, oscar_gather_prefix = _kernels()
     lengths, ring_starts = [2, 14], [0, 3]
     cache, r2t, idx = engine_cache(lengths, ring_starts, seed=4)
     out_k = poison_(torch.empty(16, cache.kv_heads, cache.head_dim, dtype=ACT_DTYPE, device=DEVICE))
@@ -181,7 +182,7 @@ def test_gather_single_request_wrapper():
 
 def test_gather_random_bytes_no_sink_table():
     """Arbitrary pool contents (all 256 byte values), no sink table: every prefix position below the ring is INT2."""
-    LayerCache, _, _, _ = _kernels()
+    LayerCache, _, _ = _kernels()
     g = gen(5)
     cache = LayerCache.empty(40, 3, 64, k_group=32, v_group=64, num_sink_rows=0, max_reqs=2, window=5, sink=3,
                              window_dtype=ACT_DTYPE, device=DEVICE, with_sink_table=False)
@@ -194,7 +195,7 @@ def test_gather_random_bytes_no_sink_table():
 
 
 def test_gather_errors():
-    _, _, oscar_gather_prefixes, _ = _kernels()
+    _, oscar_gather_prefixes, _ = _kernels()
     cache, r2t, idx = engine_cache([5], [0], seed=6)
     out = torch.empty(5, cache.kv_heads, cache.head_dim, dtype=ACT_DTYPE, device=DEVICE)
     ind = torch.tensor([0, 5], **I32)
@@ -207,3 +208,55 @@ def test_gather_errors():
         oscar_gather_prefixes(cache, r2t, idx, ind, rs.long(), out, out.clone())
     with pytest.raises(ValueError, match="req_to_token"):
         oscar_gather_prefixes(cache, r2t.float(), idx, ind, rs, out, out.clone())
+
+
+# INT4-key heads (pool.k4_heads, high planes in pool.k_hi): codes lo | hi << 2 on uniform levels there, INT2 on the
+# layer's other heads; D 64 / 128 / 256, groups 32 (per-element params at D 256) / 64 / 128, paged and not, all heads
+# or some, a V codebook beside them, missing sink rows (read as INT4), ring_end past the prefix.
+@pytest.mark.parametrize("D,H,gk,gv,page,k4_heads,va", [
+    (64, 2, 32, 64, 1, (0, 1), 1.0),
+    (64, 3, 64, 32, 4, (1,), 1.2),
+    (128, 3, 128, 64, 16, (0, 2), 1.0),
+    (256, 2, 32, 128, 1, (1,), 0.8),
+])
+def test_gather_int4_key_heads(D, H, gk, gv, page, k4_heads, va):
+    lengths, ring_starts = [3, 17, 0, 40, 25], [0, 0, 0, 8, 21]
+    cache, r2t, idx = engine_cache(lengths, ring_starts, D=D, H=H, gk=gk, gv=gv, va=va, seed=D + H + page,
+                                   drop_sink={(1, 2), (4, 0), (3, 1)}, page=page, k4_heads=k4_heads)
+    assert cache.k_hi is not None and cache.k4_heads == k4_heads
+    k, _ = check(cache, r2t, idx, lengths, ring_starts, va=va)
+    check(cache, r2t, idx, [l - 2 if l > 2 else l for l in lengths], ring_starts, ring_ends=lengths, va=va, block_n=16)
+    # the INT4 heads' history really is INT4: codes above 3 there
+    from sglang_oscar.quant.pack import unpack_int4_planes
+
+    slots = r2t[idx[3], :40].long()
+    c = unpack_int4_planes(cache.rows("k_codes", slots)[:, list(k4_heads)], cache.rows("k_hi", slots))
+    assert int(c.max()) > 3
+
+
+def test_gather_int4_random_bytes_every_param_byte():
+    """Random code bytes and random (scale, min) bytes (every finite float8 value: subnormals, ±448) on a paged layer
+    whose KV head 1 has INT4 keys."""
+    LayerCache, _, _ = _kernels()
+    g = gen(9)
+    cache = LayerCache.empty(64, 3, 64, k_group=32, v_group=64, num_sink_rows=0, max_reqs=2, window=5, sink=3,
+                             window_dtype=ACT_DTYPE, device=DEVICE, with_sink_table=False, page=4, k4_heads=(1,))
+    for t in (cache.k_codes, cache.k_hi, cache.v_codes):
+        t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+    for t in (cache.k_params, cache.v_params):
+        b = torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8)
+        b[(b & 0x7F) == 0x7F] = 0x7E  # NaN bytes are never stored (the writes saturate to ±448)
+        t.copy_(b.view(torch.float8_e4m3fn).to(t.device))
+    for t in (cache.ring_k, cache.ring_v):
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    r2t = torch.randperm(64, generator=g).int().view(2, 32).to(DEVICE)
+    check(cache, r2t, torch.tensor([1, 0], device=DEVICE), [32, 7], [0, 2])
+
+
+def test_gather_int4_refuses_a_key_codebook():
+    _, oscar_gather_prefixes, _ = _kernels()
+    cache, r2t, idx = engine_cache([5], [0], seed=6, k4_heads=(0,))
+    out = torch.empty(5, cache.kv_heads, cache.head_dim, dtype=ACT_DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match="INT4-key heads .* k_level_a must be 1"):
+        oscar_gather_prefixes(cache, r2t, idx, torch.tensor([0, 5], **I32), torch.tensor([0], **I32), out,
+                              out.clone(), k_level_a=0.8)

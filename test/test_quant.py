@@ -21,11 +21,14 @@ from sglang_oscar.quant import (
     levels,
     pack_int2,
     pack_int4,
+    pack_int4_planes,
+    round_param,
     permutation_matrix,
     quantize,
     spectral_placement,
     unpack_int2,
     unpack_int4,
+    unpack_int4_planes,
 )
 
 
@@ -110,15 +113,15 @@ def test_quantization_error_within_half_a_step(bits, group):
     x = torch.randn(200, 4, d) * torch.rand(200, 4, 1) * 10
     q = quantize(x, bits=bits, group=group)
     assert q.codes.dtype == torch.uint8 and int(q.codes.max()) <= 2**bits - 1
-    assert q.scale.dtype == torch.bfloat16 and q.scale.shape == (200, 4, d // group)
+    assert q.scale.dtype == torch.float8_e4m3fn and q.scale.shape == (200, 4, d // group)
     xh = dequantize(q)
     s = q.scale.float().repeat_interleave(group, -1)
     m = q.minv.float().repeat_interleave(group, -1)
     err = (x - xh).abs()
-    # Half a step, plus what rounding min/scale to bf16 can move the grid: |Δmin| + 3|Δscale|
-    # (bf16 has 8 significant bits: relative rounding error <= 2^-9).
+    # Half a step, plus what rounding min/scale to e4m3 can move the grid: |Δmin| + qmax|Δscale| (e4m3 has 4
+    # significant bits: relative rounding error <= 2^-4; below 2^-6 the absolute error is <= 2^-10).
     lo = x.view(200, 4, d // group, group).amin(-1).repeat_interleave(group, -1)
-    slack = lo.abs() * 2**-8 + (2**bits - 1) * s * 2**-8 + 1e-6
+    slack = (lo.abs() + (2**bits - 1) * s) * 2**-4 + 2**bits * 2**-10 + 1e-6
     assert (err <= s / 2 + slack).all()
     # min and max of each group are reproduced to that slack too
     assert ((xh - m) >= -1e-6).all()
@@ -174,6 +177,18 @@ def test_pack_unpack_exact_and_layout(d):
     assert p4.shape == (7, 3, d // 2)
     assert torch.equal(unpack_int4(p4), c4)
     assert int(p4[0, 0, 1]) == int(c4[0, 0, 1]) | (int(c4[0, 0, 1 + d // 2]) << 4)
+    lo, hi = pack_int4_planes(c4)  # the served cache's INT4 keys: two INT2 quarter-plane rows
+    assert torch.equal(lo, pack_int2(c4 & 3)) and torch.equal(hi, pack_int2(c4 >> 2))
+    assert torch.equal(unpack_int4_planes(lo, hi), c4)
+
+
+def test_round_param_is_saturating_e4m3():
+    x = torch.tensor([0.0, -0.0, 1.0, 1.0625, 1.1875, 448.0, 460.0, 1e6, -1e6, 2**-9, 2**-10, 3 * 2**-10, -0.3])
+    r = round_param(x).float()
+    assert r.tolist()[:9] == [0.0, 0.0, 1.0, 1.0, 1.25, 448.0, 448.0, 448.0, -448.0]  # ties to even, saturated
+    assert r[9] == 2**-9 and r[10] == 0.0 and r[11] == 2 * 2**-9  # subnormals: ties to even
+    assert abs(float(r[12]) + 0.3) <= 0.3 * 2**-4
+    assert torch.isfinite(r).all()
 
 
 def test_side_quantizer_logits_invariance_with_mean():
@@ -206,12 +221,20 @@ def test_apply_transform_per_head_shape_check():
 
 def test_byte_math():
     f = config.QuantFormat(bits=2, group=64)
-    assert f.bits_per_element == 2.5
-    assert config.QuantFormat(bits=2, group=128).bits_per_element == 2.25
-    assert f.bytes_per_row(64) == 16 + 4
+    assert f.bits_per_element == 2.25  # float8 (scale, min)
+    assert config.QuantFormat(bits=2, group=128).bits_per_element == 2.125
+    assert config.QuantFormat(bits=4, group=64).bits_per_element == 4.25
+    assert f.bytes_per_row(64) == 16 + 2
     layout = config.CacheLayout(k=config.QuantFormat(group=128), v=config.QuantFormat(group=128))
-    # Qwen3-8B: 36 layers, 8 kv heads, D 128 -> BF16 147456 B/token, INT2 g128 = 36*8*2*(32+4)
-    assert layout.quant_bytes_per_token(36, 8, 128) == 36 * 8 * 2 * 36
+    # Qwen3-8B: 36 layers, 8 kv heads, D 128 -> BF16 147456 B/token, INT2 g128 = 36*8*2*(32+2)
+    assert layout.quant_bytes_per_token(36, 8, 128) == 36 * 8 * 2 * 34
+    # the served format: groups of 64, INT4 keys on a quarter of the (layer, KV head) pairs -> 2.5 bits per element
+    served = config.CacheLayout(k4_heads=config.max_k4_heads(36, 8))
+    assert served.k4_heads == 72 and served.bits_per_element(36, 8) == 2.5
+    assert served.quant_bytes_per_token(36, 8, 128) == 36 * 8 * 2 * (32 + 4) + 72 * 32
+    assert config.max_k4_heads(30, 3) == 22 and config.CacheLayout(k4_heads=22).bits_per_element(30, 3) < 2.5
+    with pytest.raises(ValueError):
+        config.CacheLayout(k4_heads=7).bits_per_element(3, 2)
     assert config.CacheLayout.bf16_bytes_per_token(36, 8, 128) == 147456
     with pytest.raises(ValueError, match="larger than head_dim"):
         config.QuantFormat(group=128).bytes_per_row(64)

@@ -6,6 +6,7 @@ model logits under our capture attention vs eager 1e-4.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -194,6 +195,49 @@ def test_fit_save_load_quantize(tiny_stats, tmp_path):
     torch.testing.assert_close(sh.k_transform[:, 0], b2.k_transform[:, 1])
 
 
+def test_int4_key_heads_are_the_most_damaged_and_round_trip(tiny_stats, tmp_path):
+    """choose_k4_heads gives INT4 keys (no clip, uniform levels) to the n (layer, KV head) pairs with the most key
+    damage on the held-out windows; layer_quantizers hands them out per head; save / load / shard keep it. (The tiny
+    windows hold 160 tokens: sink 16 and recent 32 here, so that keys are quantized at all.)"""
+    from sglang_oscar.rotation.clip_calibration import key_damage
+    from sglang_oscar.rotation.fit import choose_k4_heads
+
+    _, _, stats = tiny_stats
+    b = fit_bundle(stats, "hadamard", k_group=32, v_group=64, clip="auto")
+    assert b.k_bits is None and b.k4_count == 0 and b.k4_heads(0) == ()
+    damage = torch.stack([key_damage(stats.heldout_q[i], stats.heldout_k[i], b.layer_quantizers(i)[0],
+                                     scaling=stats.scaling[i], sink=16, recent=32) for i in range(2)])  # [L, Hkv]
+    assert damage.shape == (2, 2) and bool((damage > 0).all())
+    order = sorted(((layer, h) for layer in range(2) for h in range(2)), key=lambda p: -float(damage[p]))
+    assert choose_k4_heads(b, stats, 2, sink=16, recent=32) == order[:2]
+    assert b.k4_count == 2 and all(b.k_bits[p].item() == 4 for p in order[:2])
+    assert b.calibration["key_damage"] == [[round(float(x), 5) for x in d] for d in damage]
+    layer, head = order[0]
+    kq, vq = b.layer_quantizers(layer)
+    assert head in kq.k4_heads and kq.bits == 2 and vq.k4_heads == ()
+    # the quantizer reconstructs that head at INT4 (no clip), the others as before
+    xt = kq.transform(stats.heldout_k[layer][0].transpose(0, 1))  # [T, Hkv, D]
+    rec = kq.fake_transformed(xt)
+    q4 = dataclasses.replace(kq, bits=4, clip_ratio=1.0, level_a=1.0, k4_heads=())
+    q2 = dataclasses.replace(kq, k4_heads=())
+    torch.testing.assert_close(rec[:, head], q4.fake_transformed(xt)[:, head])
+    for h in set(range(2)) - set(kq.k4_heads):
+        torch.testing.assert_close(rec[:, h], q2.fake_transformed(xt)[:, h])
+    # INT4 keys disturb attention far less than the INT2 keys they replace
+    d4 = key_damage(stats.heldout_q[layer], stats.heldout_k[layer], q4, scaling=stats.scaling[layer], sink=16,
+                    recent=32)
+    assert float(d4[head]) < float(damage[layer, head]) / 4
+    b3 = load_bundle(save_bundle(b, tmp_path / "k4.safetensors"))
+    assert b3.k4_count == 2 and b3.k_bits.dtype == torch.int32 and torch.equal(b3.k_bits, b.k_bits)
+    sh = b3.shard(head, head + 1)
+    assert sh.k4_heads(layer) == (0,) and sh.k_bits.shape == (2, 1)
+    # the served share of 2 x 2 heads is one; windows no longer than sink + recent cannot choose; INT4 bundles refuse
+    with pytest.raises(ValueError, match="longer than sink \\+ recent window .* the longest has 160 tokens"):
+        fit_bundle(stats, "hadamard", k_group=32, v_group=64, clip="auto", k4_heads="served")
+    with pytest.raises(ValueError, match="bits 4"):
+        fit_bundle(stats, "hadamard", k_group=32, v_group=64, bits=4, clip="auto", k4_heads=1)
+
+
 @pytest.mark.parametrize("method,composition", [("identity", "u_h"), ("hadamard", "u_h"), ("pca", "u"),
                                                 ("pca", "u_h_p"), ("oscar", "u_h")])
 def test_every_method_orthogonal(tiny_stats, method, composition):
@@ -228,7 +272,7 @@ def test_cli_on_tiny_model(tmp_path, capsys):
     out = tmp_path / "cli.safetensors"
     assert main(["--model", "tiny", "--out", str(out), "--tokens", "512", "--seq-len", "256",
                  "--heldout-tokens", "256", "--text-file", str(text), "--group-k", "32", "--quiet",
-                 "--rho-grid", "1.0", "0.9"]) == 0
+                 "--rho-grid", "1.0", "0.9", "--k4-heads", "0"]) == 0  # windows shorter than sink + recent
     printed = capsys.readouterr().out
     assert "rho_K" in printed and str(out) in printed
     b = load_bundle(out, expect_layers=2)
@@ -238,6 +282,10 @@ def test_cli_on_tiny_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # a text too short for --tokens: one line, exit status 2
         main(["--model", "tiny", "--out", str(out), "--tokens", "100000", "--text-file", str(text), "--quiet"])
     assert e.value.code == 2 and "--tokens 100000" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # the served share of INT4-key heads needs windows past sink + recent
+        main(["--model", "tiny", "--out", str(out), "--tokens", "512", "--seq-len", "256", "--heldout-tokens", "256",
+              "--text-file", str(text), "--quiet"])
+    assert e.value.code == 2 and "--seq-len 256 and --heldout-tokens 256 are too short" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- validation
@@ -298,6 +346,15 @@ def test_validation_errors(tmp_path):
     eye48 = torch.eye(48).expand(2, 1, 48, 48)
     bad("pow2", tensors_={**tensors, "k_transform": eye48, "v_transform": eye48},
         meta_=json.dumps({**meta, "head_dim": 48, "k_group": 16, "v_group": 16}), match="power of two")
+    bad("kbits", tensors_={**tensors, "k_bits": torch.tensor([[2.0, 2.0], [4.0, 3.0]])},
+        match=r"k_bits\[1, 1\] = 3.0")
+    bad("kbits_shape", tensors_={**tensors, "k_bits": torch.tensor([2.0, 4.0])}, match="k_bits has shape")
+    bad("k4_codebook", tensors_={**tensors, "k_bits": torch.tensor([[2.0, 4.0], [2.0, 2.0]]),
+                                 "k_level_a": torch.tensor([0.8, 1.0])},
+        match="layer 0 has INT4-key heads and an INT2 codebook")
+    k4 = load_bundle(save_bundle(data_free_bundle("hadamard", 2, 2, 64, 32, 64, k4_heads=[(1, 0)]),
+                                 tmp_path / "k4.safetensors"))
+    assert k4.k4_count == 1 and k4.k4_heads(0) == () and k4.k4_heads(1) == (0,)
     with pytest.raises(ValueError, match="identity' or 'hadamard"):
         data_free_bundle("oscar", 2, 2, 64, 64, 64)
 

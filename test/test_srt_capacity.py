@@ -6,12 +6,15 @@ from sglang_oscar.srt import capacity as c
 
 QWEN3_8B = c.ModelShape(num_layers=36, kv_heads=8, head_dim=128)
 GIB = 2**30
+SERVED = c.layout_for(64, 256, 64, k4_heads=72)  # groups of 64, INT4 keys on a quarter of the 36 x 8 KV heads
 
 
 def test_cells_qwen3_8b():
-    # per (token, head, side): 32 code bytes + (128/G) x (scale, min) bf16
-    assert c.int2_cell_bytes(QWEN3_8B, c.layout_for(64, 256, 128)) == 36 * 8 * 2 * (32 + 4) + 4
-    assert c.int2_cell_bytes(QWEN3_8B, c.layout_for(64, 256, 64)) == 36 * 8 * 2 * (32 + 8) + 4
+    # per (token, head, side): 32 code bytes + (128/G) x (scale, min) float8, + 32 high-plane key bytes per head on
+    # the INT4-key heads
+    assert c.int2_cell_bytes(QWEN3_8B, c.layout_for(64, 256, 128)) == 36 * 8 * 2 * (32 + 2) + 4
+    assert c.int2_cell_bytes(QWEN3_8B, c.layout_for(64, 256, 64)) == 36 * 8 * 2 * (32 + 4) + 4
+    assert c.int2_cell_bytes(QWEN3_8B, SERVED) == 36 * 8 * 2 * (32 + 4) + 72 * 32 + 4  # 2.5 bits per element
     assert c.bf16_cell_bytes(QWEN3_8B) == 147456
     assert c.bf16_cell_bytes(QWEN3_8B) / c.int2_cell_bytes(QWEN3_8B, c.layout_for(64, 256, 128)) > 7.1
 
@@ -42,19 +45,19 @@ def test_issue_target_6_5x():
     lay = c.layout_for(64, 256, 128)
     r = c.capacity_report(55 * GIB, QWEN3_8B, lay, 64)
     assert r.ratio >= 6.5, r.summary()
-    assert "6.6" in r.summary()
+    assert "7.06x" in r.summary()
     # the window reservation is what limits it: many requests fall below the target
     assert c.capacity_report(55 * GIB, QWEN3_8B, lay, 256).ratio < 6.5
     assert 64 <= c.max_requests_for_ratio(6.5, 55 * GIB, QWEN3_8B, lay) < 256
-    # G=64 costs 2.5 bits/element: its ceiling (6.4x) is under the target whatever the request count
-    assert c.max_requests_for_ratio(6.5, 55 * GIB, QWEN3_8B, c.layout_for(64, 256, 64)) == 0
+    # the served format costs 2.5 bits/element: its ceiling (6.4x) is under the target whatever the request count
+    assert c.max_requests_for_ratio(6.5, 55 * GIB, QWEN3_8B, SERVED) == 0
 
 
 def test_r_sized_from_the_budget_qwen3_8b():
     """No --max-running-requests: R = the most requests whose windows fit in 1/10 of the budget. Qwen3-8B at the
-    served G=64 with 100 GiB (about what 0.85 of an H200 leaves after the weights): 188 requests' windows, and the
+    served format with 100 GiB (about what 0.85 of an H200 leaves after the weights): 188 requests' windows, and the
     tokens left still hold 128 requests of 32k and are 9/10 of the INT2-only pool (5.76x BF16)."""
-    lay = c.layout_for(64, 256, 64)
+    lay = SERVED
     budget = 100 * GIB
     r = c.auto_max_running_requests(budget, QWEN3_8B, lay)
     assert r == 188
@@ -64,9 +67,9 @@ def test_r_sized_from_the_budget_qwen3_8b():
     assert rep.int2_tokens // 32768 == 128
     assert rep.ratio == pytest.approx(0.9 * c.bf16_cell_bytes(QWEN3_8B) / c.int2_cell_bytes(QWEN3_8B, lay), rel=2e-3)
     assert rep.ratio > 5.7
-    # the same share at every group: G=128 gives the same R and 6.4x, G=32 (5.3x ceiling) still serves
+    # the same share at every group: G=128 gives the same R and 6.8x, G=32 still serves
     assert c.auto_max_running_requests(budget, QWEN3_8B, c.layout_for(64, 256, 128)) == 188
-    assert c.capacity_report(budget, QWEN3_8B, c.layout_for(64, 256, 128), 188).ratio > 6.39
+    assert c.capacity_report(budget, QWEN3_8B, c.layout_for(64, 256, 128), 188).ratio > 6.77
     assert c.auto_max_running_requests(budget, QWEN3_8B, c.layout_for(64, 256, 32)) == 188
     # R scales with the budget and stops at SGLang's own smallest default
     assert c.auto_max_running_requests(50 * GIB, QWEN3_8B, lay) == 94
@@ -74,7 +77,7 @@ def test_r_sized_from_the_budget_qwen3_8b():
 
 
 def test_budget_too_small_for_one_request_is_a_clear_error():
-    lay = c.layout_for(64, 256, 64)
+    lay = SERVED
     one = c.fixed_bytes(QWEN3_8B, lay, 1).total  # 0.088 GiB: 2 x 256 ring rows (+ padding request) + 128 sink rows
     assert c.auto_max_running_requests(10 * one, QWEN3_8B, lay) == 1
     with pytest.raises(ValueError, match=r"KV budget is too small for int2: one request's BF16 windows take 0\.088 GiB"
@@ -83,7 +86,7 @@ def test_budget_too_small_for_one_request_is_a_clear_error():
 
 
 def test_startup_line():
-    lay = c.layout_for(64, 256, 64)
+    lay = SERVED
     rep = c.capacity_report(100 * GIB, QWEN3_8B, lay, 188)
     line = c.capacity_line(rep.int2_tokens, rep, 188, 131072, from_budget=True)
     assert line == (f"int2 KV: {rep.int2_tokens:,} tokens (5.8x BF16's {rep.bf16_tokens:,} in the same budget); "

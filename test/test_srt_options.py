@@ -21,14 +21,14 @@ def env(**kw):
 
 def test_defaults_with_bundle(files):
     c = o.from_env(env(BUNDLE=files["b.safetensors"]))
-    assert (c.sink, c.recent, c.window_dtype, c.scale_dtype) == (64, 256, "bfloat16", "bfloat16")
+    assert (c.sink, c.recent, c.window_dtype, c.scale_dtype) == (64, 256, "bfloat16", "float8_e4m3fn")
     assert c.group_size is None and c.absorb_v_rotation and c.k_clip is None
     assert c.rotation_source == "bundle" and c.resolve_group(128) == 64
 
 
 def test_seed_variables(files):
     c = o.from_env(env(K_PATH=files["k.pt"], V_PATH=files["v.pt"], K_CLIP="0.96", V_CLIP="0", ABSORB_V="1",
-                       PREFIX=64, RECENT=256, WINDOWS=1, HP_DTYPE="bf16", SCALE_DTYPE="bfloat16"))
+                       PREFIX=64, RECENT=256, WINDOWS=1, HP_DTYPE="bf16", SCALE_DTYPE="float8_e4m3fn"))
     assert c.rotation_source == "seed" and c.k_clip == 0.96 and c.v_clip == 1.0  # seed's 0 = no clip
 
 
@@ -74,7 +74,8 @@ def test_flag_popped_and_roundtrip(files):
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(SCALE_DTYPE="float32"), "store scale and min as bfloat16"),
+    (dict(SCALE_DTYPE="float32"), "store scale and min as float8 e4m3"),
+    (dict(SCALE_DTYPE="bfloat16"), "store scale and min as float8 e4m3"),
     (dict(GROUP=16), "not supported by the OSCAR kernels"),
     (dict(GROUP=96), "not supported by the OSCAR kernels"),
     (dict(K_CLIP="1.5"), "outside (0, 1]"),

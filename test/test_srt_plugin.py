@@ -359,7 +359,8 @@ def test_pool_sizing_without_max_running_requests_sizes_r_from_the_budget(regist
     monkeypatch.setattr(hooks.logger, "info", lambda msg, *a: logged.append(msg % a))
     assert hooks.resolve_max_num_reqs_after(2048, kvc, got) == reqs  # SGLang's own 2048 -> the windows' R
     (line,) = [m for m in logged if "windows reserved" in m]
-    assert line.startswith(f"sglang_oscar: int2 KV: {got:,} tokens (5.8x BF16's ") and f"R={reqs} requests" in line
+    # builtin:hadamard keys are INT2 on every head (2.25 bits per element; a calibrated bundle's INT4 heads take more)
+    assert line.startswith(f"sglang_oscar: int2 KV: {got:,} tokens (6.4x BF16's ") and f"R={reqs} requests" in line
     assert f"fits {reqs} requests of 4k, {min(reqs, got // 32768)} of 32k" in line and "(context length)" in line
     assert setup_for_kvc(kvc).max_running_requests == reqs  # what the pool build hook allocates rings for
     kvc.ps.world_rank = 1  # other ranks cap the same way and stay quiet
@@ -448,12 +449,51 @@ def test_pool_set_kv_buffer_writes_int2(int2_env):
                     k_clip=r.k_clip, v_clip=r.v_clip, k_level_a=r.k_level_a, v_level_a=r.v_level_a)
     got = pool.layers[1]
     assert r.v_transform is None  # V absorbed (default): the model emits V in the rotated basis
-    torch.testing.assert_close(got.k_params[loc], ref.k_params[loc])
-    torch.testing.assert_close(got.v_params[loc], ref.v_params[loc])
+    torch.testing.assert_close(got.k_params[loc].float(), ref.k_params[loc].float())
+    torch.testing.assert_close(got.v_params[loc].float(), ref.v_params[loc].float())
     assert (got.k_codes[loc] == ref.k_codes[loc]).float().mean() > 0.99
     assert (got.v_codes[loc] == ref.v_codes[loc]).float().mean() > 0.99
     assert bool((pool.layers[0].k_params == 0).all())  # other layer untouched
     assert bool((got.ring_k == 0).all()) and bool((pool.sink_table == -1).all())  # phase 1: no windows here
+
+
+@pytest.mark.parametrize("page", [1, 64])
+def test_pool_with_int4_key_heads(int2_env, tmp_path, page):
+    """A bundle with INT4 keys on some (layer, KV head) pairs: each layer's k_hi holds just its INT4 heads, the bytes
+    equal the capacity model (sized for the rank with the most INT4 heads), and set_kv_buffer stores what the oracle
+    stores."""
+    from sglang_oscar.quant.cache_ops import write_reference
+    from sglang_oscar.rotation import save_bundle
+    from sglang_oscar.rotation.bundle import data_free_bundle
+
+    path = save_bundle(data_free_bundle("hadamard", 2, 2, 64, 64, 64, k4_heads=[(0, 1), (1, 0), (1, 1)]),
+                       tmp_path / "k4.safetensors")
+    int2_env.setenv(options.ENV_BUNDLE, str(path))
+    s = _tiny_setup(int2_env)
+    assert s.plan.k4_heads_max == 3 and s.layout.k4_heads == 3
+    assert s.cell_bytes == 2 * 2 * 2 * (16 + 2) + 3 * 16 + 4  # codes + float8 (scale, min), 3 high planes, sink table
+    size = 128 if page == 64 else 96
+    pool = _pool(s, size=size, page=page)
+    assert [lc.k4_heads for lc in pool.layers] == [(1,), (0, 1)]
+    assert pool.layers[0].k_hi.shape[-3 if page > 1 else 1] == 1 and pool.layers[1].k4_index.tolist() == [0, 1]
+    k, v = pool.get_kv_size_bytes()
+    assert k + v == (size + page) * s.cell_bytes + s.fixed.total
+    assert len(pool._slot_move_pointer_buffers() if page == 1 else []) == (10 if page == 1 else 0)
+    torch.manual_seed(0)
+    kk, vv = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    loc = torch.tensor([3, 9, 10, 40, 96])
+    for layer_id in (0, 1):
+        ref = pool.layers[layer_id].clone()
+        pool.set_kv_buffer(types.SimpleNamespace(layer_id=layer_id), loc, kk.clone(), vv.clone())
+        r = pool.rotations[layer_id]
+        none = torch.full((5,), -1, dtype=torch.int32)
+        write_reference(kk, vv, loc, none, none, ref, k_transform=r.k_transform, k_mean=r.k_mean, v_transform=None,
+                        k_clip=r.k_clip, v_clip=r.v_clip, k_level_a=r.k_level_a, v_level_a=r.v_level_a)
+        got = pool.layers[layer_id]
+        for name in ("k_params", "v_params"):
+            assert torch.equal(got.rows(name, loc).float(), ref.rows(name, loc).float()), name
+        for name in ("k_codes", "k_hi", "v_codes"):
+            assert (got.rows(name, loc) == ref.rows(name, loc)).float().mean() > 0.99, name
 
 
 def test_pool_refuses_paths_that_move_partial_slots(int2_env):
@@ -576,7 +616,8 @@ def test_paged_pool_refuses_slot_indexed_paths(int2_env):
     with pytest.raises(RuntimeError, match="only the oscar_int2 attention backend"):
         pool.get_value_buffer(0)
     flat = _pool(_tiny_setup(int2_env), size=96)  # page 1: SGLang's own tables, as before
-    assert flat.data_ptrs.numel() == 8 and flat.data_strides.tolist() == [2 * 16] * 4 + [2 * 1 * 2 * 2] * 4
+    # codes [slot, 2 heads, 16 B], float8 (scale, min) [slot, 2 heads, 1 group, 2 x 1 B]
+    assert flat.data_ptrs.numel() == 8 and flat.data_strides.tolist() == [2 * 16] * 4 + [2 * 1 * 2 * 1] * 4
 
 
 @pytest.mark.parametrize("page,size,match", [(3, 96, "--page-size 3 is not supported"),

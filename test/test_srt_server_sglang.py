@@ -56,8 +56,12 @@ from test_srt_plugin import _REPO, _Server  # noqa: E402
 pytestmark = pytest.mark.slow
 
 SINK, RECENT = 4, 16
-ENV = {options.ENV_BUNDLE: "builtin:hadamard", options.ENV_HP_DTYPE: "float32", options.ENV_PREFIX: str(SINK),
+# The servers' rotations: Hadamard with INT4 keys on one KV head of each of the tiny models' two layers (the served
+# format's two key widths in one layer, in every test), written to a file per KV-head count by _bundle_files.
+K4_HEADS = ((0, 1), (1, 0))
+ENV = {options.ENV_BUNDLE: "", options.ENV_HP_DTYPE: "float32", options.ENV_PREFIX: str(SINK),
        options.ENV_RECENT: str(RECENT)}
+BUNDLES = {}  # KV heads -> bundle file
 FLAGS = ("--attention-backend", "oscar_int2", "--dtype", "float32", "--kv-cache-dtype", "int2",
          "--context-length", "256")
 # Server vs the HF reference: both fp32, but different kernels (Triton-interpreter decode, torch
@@ -75,6 +79,22 @@ SAME_TOL = 1e-5
 def _only_with_m_slow(request):
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("real-server tests (~20 min on 2 cores): select them with -m slow")
+
+
+def _bundle(kv_heads, layers=2, head_dim=64):
+    from sglang_oscar.rotation.bundle import data_free_bundle
+
+    return data_free_bundle("hadamard", layers, kv_heads, head_dim, head_dim, head_dim, k4_heads=K4_HEADS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bundle_files(tmp_path_factory):
+    from sglang_oscar.rotation import save_bundle
+
+    d = tmp_path_factory.mktemp("bundles")
+    for h in (2, 8):
+        BUNDLES[h] = str(save_bundle(_bundle(h), d / f"hadamard_k4_{h}kv.safetensors"))
+    ENV[options.ENV_BUNDLE] = BUNDLES[2]
 
 
 def _make_model(path, **kw):
@@ -187,13 +207,13 @@ class _ServerRules:
 def _reference(model, *, cached=(), calls, n_new, kv_heads=2, layers=2, head_dim=64, no_sink=False):
     """Greedy ids + logprobs of a request whose prefix rows were written by earlier requests' forward
     calls `cached` (each its own prefill), then runs the forward calls `calls` [(tokens, ring_start)]
-    and n_new decode steps. Same builtin:hadamard bundle as the servers (group 64, no clip)."""
+    and n_new decode steps. Same bundle as the servers (_bundle: Hadamard, group 64, no clip, INT4 keys on
+    K4_HEADS)."""
     from transformers import DynamicCache
 
     from sglang_oscar.eval import simulator
-    from sglang_oscar.rotation.bundle import data_free_bundle
 
-    b = data_free_bundle("hadamard", layers, kv_heads, head_dim, head_dim, head_dim)
+    b = _bundle(kv_heads, layers, head_dim)
     sim = simulator.MixedCacheSimulator([b.layer_quantizers(i) for i in range(layers)], sink=SINK,
                                         recent=RECENT, mode="prefill")
     rules, saved = _ServerRules(no_sink), simulator.quantized_mask
@@ -391,7 +411,7 @@ def _tree_rss_gib(pid):
 
 
 def _run_tp(model, tp, log):
-    env = dict(ENV)
+    env = dict(ENV, **{options.ENV_BUNDLE: BUNDLES[8]})
     if tp > 1:  # sglang-on-cpu.md 2.5 / R.6: no NCCL, and more ranks than NUMA nodes
         env.update(SGLANG_NCCL_SO_PATH="/nonexistent/libnccl.so.2",
                    SGLANG_CPU_OMP_THREADS_BIND="|".join(str(r % max(os.cpu_count() or 1, 1)) for r in range(tp)))
@@ -752,7 +772,7 @@ def test_eval_drivers_run_against_the_int2_server(tiny_model, tmp_path):
     chat_ok, completion_ok = '"POST /v1/chat/completions HTTP/1.1" 200 OK', '"POST /v1/completions HTTP/1.1" 200 OK'
 
     plain = tuple(f for f in FLAGS if f not in ("--attention-backend", "oscar_int2"))
-    # and no rotation source: the server picks one (the tiny model has no zoo bundle: builtin:hadamard, as ENV's)
+    # and no rotation source: the server picks one (the tiny model has no zoo bundle: builtin:hadamard)
     srv = _Server(tiny_model, tmp_path / "eval.log", *plain, env=dict(ENV, **{options.ENV_BUNDLE: ""}))
     try:
         t0 = time.time()

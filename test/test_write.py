@@ -4,8 +4,12 @@ On CPU the kernel runs under TRITON_INTERPRET=1 with fp32 activations and fp32 w
 (plus one bf16-window case); with CUDA the same comparisons run with bf16 activations and windows.
 
 Tolerances: window rows within 1e-5 of the row's max |x'| (plus one bf16 ulp for bf16 buffers);
-scale/min within one bf16 ulp; codes equal except boundary cases (float64 t within 1e-4 of a
-decision threshold, off by one); every slot/row the call must not touch keeps its poison.
+(scale, min) float8 e4m3 values equal, except in rare groups (<= 1 per 1000) where the transform's
+summation order moved (max − min)/qmax or min across an e4m3 rounding boundary, and there within one
+e4m3 ulp (all equal without a transform: x' = x; ±0 compare equal); codes equal except boundary cases (float64 t within
+1e-4 of a decision threshold, off by one); every slot/row the call must not touch keeps its poison.
+Layers with INT4-key heads (LayerCache k4_heads, k_hi) are checked the same way on codes lo | hi << 2 and
+thresholds k + 0.5, their INT4 heads unclipped (the oracle's rule).
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from kernel_utils import (
     ACT_DTYPE,
     DEVICE,
     HAS_CUDA,
+    HAS_TRITON,
     assert_codes_match,
     assert_rows_close,
-    assert_within_bf16_ulp,
+    assert_within_e4m3_ulp,
     gen,
+    int4_thresholds,
     poison_,
     random_invertible,
     random_orthogonal,
@@ -27,11 +33,12 @@ from kernel_utils import (
     requires_cuda,
     requires_triton,
     same_or_both_nan,
+    threshold_rows,
 )
 
-from sglang_oscar.quant.cache_ops import write_reference
+from sglang_oscar.quant.cache_ops import k4_heads, key_hi_rows, write_reference
 from sglang_oscar.quant.clip import clip_rows
-from sglang_oscar.quant.pack import unpack_int2
+from sglang_oscar.quant.pack import unpack_int2, unpack_int4_planes
 
 pytestmark = requires_triton
 
@@ -61,14 +68,14 @@ def t_exact64(x, mat, mean, clip, group, params):
 
 
 def make_case(T, D, H, gk, gv, *, per_head, mean, v_absorbed, seed, window_dtype=ACT_DTYPE, act_dtype=ACT_DTYPE,
-              page=1):
+              page=1, k4=()):
     LayerCache, _, _ = _imports()
     g = gen(seed)
     num_slots, sink_rows, max_reqs, window = T + 5, T + 2, 2, max(T, 4)
     num_slots = -(-num_slots // page) * page
     cache = LayerCache.empty(
         num_slots, H, D, k_group=gk, v_group=gv, num_sink_rows=sink_rows, max_reqs=max_reqs,
-        window=window, sink=64, window_dtype=window_dtype, device=DEVICE, page=page,
+        window=window, sink=64, window_dtype=window_dtype, device=DEVICE, page=page, k4_heads=k4,
     )
     for t in cache.buffers().values():
         poison_(t)
@@ -102,27 +109,39 @@ def run_and_check(cache, k, v, slots, sink_dst, ring_dst, kmat, kmean, vmat, *, 
 
     written = torch.zeros(cache.num_slots, dtype=torch.bool, device=DEVICE)
     written[slots] = True
+    every = torch.arange(cache.num_slots, device=DEVICE)  # [num_slots, H, ...] by slot, any page size (LayerCache.rows)
+    int4_keys = cache.k_hi is not None
+    heads4 = list(k4_heads(cache))  # INT4-key heads: never clipped
     for side, x, mat, mean, clip, a, group in (
         ("k", k, kmat, kmean, k_clip, ka, cache.k_group),
         ("v", v, vmat, None, v_clip, va, cache.v_group),
     ):
-        # [num_slots, H, ...] by slot, whatever the pool's page size (LayerCache.rows)
-        every = torch.arange(cache.num_slots, device=DEVICE)
-        codes, params = cache.rows(f"{side}_codes", every), cache.rows(f"{side}_params", every)
-        rcodes, rparams = ref.rows(f"{side}_codes", every), ref.rows(f"{side}_params", every)
-        # untouched slots keep the poison
-        assert same_or_both_nan(codes[~written], before.rows(f"{side}_codes", every)[~written]).all(), f"{side}: stray code writes"
-        assert same_or_both_nan(params[~written], before.rows(f"{side}_params", every)[~written]).all(), f"{side}: stray param writes"
-        got_p, want_p = params[slots], rparams[slots]
+        names = [f"{side}_codes", f"{side}_params"] + (["k_hi"] if side == "k" and int4_keys else [])
+        for name in names:  # untouched slots keep the poison
+            got, old = cache.rows(name, every), before.rows(name, every)
+            assert same_or_both_nan(got[~written], old[~written]).all(), f"{name}: stray writes"
+        got_p, want_p = cache.rows(f"{side}_params", slots), ref.rows(f"{side}_params", slots)
+        assert got_p.dtype == want_p.dtype == torch.float8_e4m3fn
         assert not got_p.isnan().any(), f"{side}: params not written"
-        assert_within_bf16_ulp(got_p, want_p, f"{side} params")
-        same_group = (got_p == want_p).all(-1)  # [T, H, NG]
+        assert_within_e4m3_ulp(got_p, want_p, f"{side} params")
+        # [T, H, NG]; by value: a row of zeros clipped at 0 may give min -0 in one and +0 in the other (the clip's
+        # max / min of signed zeros), the only byte difference that compares equal
+        same_group = (got_p.float() == want_p.float()).all(-1)
         n_diff = int((~same_group).sum())
-        assert n_diff <= max(1, same_group.numel() // 1000), f"{side}: {n_diff} groups have different params"
+        allowed = 0 if mat is None and mean is None else max(1, same_group.numel() // 1000)  # x' = x: exact
+        assert n_diff <= allowed, f"{side}: {n_diff} groups have different params"
         t64 = t_exact64(x, mat, mean, clip, group, want_p)
-        got_c, want_c = unpack_int2(codes[slots]), unpack_int2(rcodes[slots])
+        if side == "k" and int4_keys:
+            t64[:, heads4] = t_exact64(x, mat, mean, 1.0, group, want_p)[:, heads4]
+            # codes lo | hi << 2 of every head (hi 0 on the INT2 heads); the thresholds of both are k + 0.5 (a = 1)
+            got_c = unpack_int4_planes(cache.rows("k_codes", slots), key_hi_rows(cache, slots))
+            want_c = unpack_int4_planes(ref.rows("k_codes", slots), key_hi_rows(ref, slots))
+            th = int4_thresholds()
+        else:
+            got_c, want_c = unpack_int2(cache.rows(f"{side}_codes", slots)), unpack_int2(ref.rows(f"{side}_codes", slots))
+            th = level_thresholds(a)
         excused = (~same_group).repeat_interleave(group, dim=-1)
-        assert_codes_match(torch.where(excused, want_c, got_c), want_c, t64, level_thresholds(a), f"{side} codes")
+        assert_codes_match(torch.where(excused, want_c, got_c), want_c, t64, th, f"{side} codes")
         # window rows: equal to the transform; rows not asked for keep the poison
         for win, dst in (("sink", sink_dst), ("ring", ring_dst)):
             buf, rbuf, old = (getattr(o, f"{win}_{side}") for o in (cache, ref, before))
@@ -182,6 +201,124 @@ def test_write_decode_tiles(T, D, block_t):
     tokens) against the oracle, with ragged tails, forced also where the default would use dot tiles."""
     case = make_case(T, D, 3, 64, 32, per_head=True, mean=True, v_absorbed=False, seed=300 + T + block_t)
     run_and_check(*case, k_clip=0.9, v_clip=0.95, ka=1.0, va=0.8, block_t=block_t)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from sglang_oscar.kernels.write import _e4m3
+
+    @triton.jit
+    def _e4m3_probe(x_ptr, v_ptr, b_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        val, byte = _e4m3(tl.load(x_ptr + offs))
+        tl.store(v_ptr + offs, val)
+        tl.store(b_ptr + offs, byte)
+
+
+def e4m3_edge_values() -> torch.Tensor:
+    """fp32 values around every float8 e4m3 number: all finite e4m3 values (±0, the subnormals 2^-9..7·2^-9, ±448),
+    the midpoints between neighbours (ties: to even) and the fp32 numbers just either side of them, ties below the
+    smallest subnormal (2^-10) and at the saturation bound (464), beyond ±448 (inf included), fp32 subnormals and
+    random values of both signs from 2^-16 to 2^10."""
+    e = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e = e[~e.isnan()]
+    pos = e[e > 0].unique().sort().values
+    grid = torch.cat([-pos.flip(0), torch.zeros(1), pos]).double()
+    mids = ((grid[1:] + grid[:-1]) / 2).float()  # exact in fp32: e4m3 numbers have 4 significant bits
+    up, down = torch.full_like(mids, float("inf")), torch.full_like(mids, -float("inf"))
+    special = torch.tensor([0.0, -0.0, 2.0**-10, -(2.0**-10), 3 * 2.0**-10, 2.0**-11, 2.0**-6, 2.0**-6 - 2.0**-10,
+                            448.0, -448.0, 449.0, 464.0, -464.0, 480.0, 500.0, -1e6, 3.4e38, float("inf"),
+                            -float("inf"), 1e-45, -1e-45, 1.1754942e-38])
+    g = gen(11)
+    rnd = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-16, 10, (4096,), generator=g).float())
+    return torch.cat([e, mids, torch.nextafter(mids, up), torch.nextafter(mids, down), special, rnd]).float()
+
+
+def test_e4m3_encoder_matches_torch():
+    """write._e4m3 (the params' encoder, bit arithmetic) against the oracle's round_param (torch: clamp to ±448, then
+    float8_e4m3fn round-to-nearest-even): the same byte and the same fp32 value, bit for bit (-0 kept), on
+    e4m3_edge_values."""
+    from sglang_oscar.quant.intq import round_param
+
+    x = e4m3_edge_values()
+    n = triton.next_power_of_2(x.numel())
+    xp = torch.zeros(n)
+    xp[: x.numel()] = x
+    xp = xp.to(DEVICE)
+    val = torch.full((n,), float("nan"), device=DEVICE)
+    byte = torch.full((n,), 0xA5, dtype=torch.uint8, device=DEVICE)
+    _e4m3_probe[(1,)](xp, val, byte, N=n)
+    want = round_param(xp.cpu())
+    bad = byte.cpu() != want.view(torch.uint8)
+    assert not bad.any(), f"{int(bad.sum())} bytes differ, e.g. x={xp.cpu()[bad][:5].tolist()}: {byte.cpu()[bad][:5]} vs {want.view(torch.uint8)[bad][:5]}"
+    assert torch.equal(val.cpu().view(torch.int32), want.float().view(torch.int32))
+
+
+INT4_CASES = [
+    # T, D, H, Gk, Gv, page, block_t, k_clip, v_clip, v_a, INT4-key heads (the others INT2; V always INT2)
+    (1, 64, 2, 32, 64, 1, None, 1.0, 1.0, 1.0, (0, 1)),  # the default one-token program, no clip, every head
+    (5, 64, 3, 64, 32, 64, 4, 0.9, 0.95, 0.7, (1,)),  # small tiles, page 64, one of three heads
+    (33, 64, 2, 64, 64, 1, 16, 1.0, 0.9, 1.0, (1,)),  # dot tiles with a ragged tail
+    (3, 128, 2, 128, 64, 64, 1, 0.95, 1.0, 1.0, (0,)),
+    (7, 128, 3, 32, 32, 1, 8, 1.0, 0.9, 1.2, (0, 2)),
+    (20, 128, 3, 64, 128, 64, 16, 0.9, 1.0, 1.0, (0, 1, 2)),  # clipped INT2 nowhere: k_clip unused
+    (20, 128, 4, 64, 64, 1, 16, 0.9, 1.0, 1.0, (1, 3)),
+    (2, 256, 2, 64, 64, 1, 1, 0.95, 0.95, 1.0, (1,)),
+    (6, 256, 2, 32, 128, 64, 2, 0.9, 1.0, 0.8, (0, 1)),
+    (17, 256, 1, 128, 32, 64, 16, 1.0, 1.0, 1.0, (0,)),
+]
+
+
+@pytest.mark.parametrize("T,D,H,gk,gv,page,block_t,k_clip,v_clip,va,k4", INT4_CASES)
+def test_write_int4_keys_match_oracle(T, D, H, gk, gv, page, block_t, k_clip, v_clip, va, k4):
+    """Layers with INT4-key heads (LayerCache.empty(k4_heads=...): k_hi of those heads only): all, some or one of the
+    KV heads, head_dim 64 / 128 / 256, key groups 32 / 64 / 128, pages of 1 and 64, the one-token programs, the small
+    tiles and the dot tiles, the INT2 heads clipped or not (INT4 heads never), every buffer (k_hi included) poisoned
+    first; codes lo | hi << 2 against the oracle with thresholds k + 0.5."""
+    case = make_case(T, D, H, gk, gv, per_head=T % 2 == 1, mean=True, v_absorbed=D == 256, seed=900 + T + D + gk,
+                     page=page, k4=k4)
+    assert case[0].k4_heads == k4 and case[0].k_hi.shape[:2] == case[0].k_codes.shape[:1] + (len(k4),)
+    run_and_check(*case, k_clip=k_clip, v_clip=v_clip, ka=1.0, va=va, **({"block_t": block_t} if block_t else {}))
+
+
+@pytest.mark.parametrize("d,group,block_t", [(64, 64, 1), (128, 32, 4), (64, 64, 16), (256, 128, 1)])
+def test_write_codes_at_thresholds_are_exact(d, group, block_t):
+    """Identity transforms, no clip (x' = x exactly): keys of an INT4 head and an INT2 head (uniform levels: the INT2
+    thresholds 0.5 / 1.5 / 2.5, capped at 3 where t is far above) and INT2 values of rows at and around every INT4
+    threshold (threshold_rows) equal the oracle's bit for bit, params and codes, on the one-token programs, the
+    small tiles and the dot tiles."""
+    LayerCache, _, oscar_write_kv = _imports()
+    rows = threshold_rows(d, group)
+    t = rows.shape[0] * 5
+    x = rows.repeat(5, 1)[:, None, :].repeat(1, 2, 1).to(DEVICE)  # [T, 2 heads, d]
+    cache = LayerCache.empty(t + 3, 2, d, k_group=group, v_group=group, num_sink_rows=2, max_reqs=1, window=4,
+                             sink=2, device=DEVICE, window_dtype=torch.float32, k4_heads=(1,))
+    for b in cache.buffers().values():
+        poison_(b)
+    ref = cache.clone()
+    slots = torch.randperm(t + 3, generator=gen(d + group))[:t].to(DEVICE)
+    none = torch.full((t,), -1, dtype=torch.int32, device=DEVICE)
+    eye = torch.eye(d, device=DEVICE)
+    write_reference(x, x, slots, none, none, ref, k_transform=eye)
+    oscar_write_kv(x, x, slots, none, none, cache, k_transform=eye, block_t=block_t)
+    for name in ("k_codes", "k_hi", "k_params", "v_codes", "v_params"):
+        got, want = cache.rows(name, slots), ref.rows(name, slots)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    codes = unpack_int4_planes(cache.rows("k_codes", slots[:1]), key_hi_rows(cache, slots[:1]))
+    assert int(codes[:, 1].max()) == 15 and int(codes[:, 0].max()) == 3 and int(codes.min()) == 0
+
+
+def test_write_int4_keys_need_uniform_levels():
+    LayerCache, _, oscar_write_kv = _imports()
+    cache = LayerCache.empty(8, 2, 64, num_sink_rows=2, max_reqs=1, window=4, sink=2, device=DEVICE,
+                             window_dtype=torch.float32, k4_heads=(1,))
+    k = torch.zeros(2, 2, 64, device=DEVICE)
+    none = torch.full((2,), -1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="INT4 keys have uniform levels: k_level_a must be 1"):
+        oscar_write_kv(k, k, torch.arange(2, device=DEVICE), none, none, cache, k_transform=torch.eye(64, device=DEVICE),
+                       k_level_a=0.8)
 
 
 def test_default_block_t_switches_at_the_small_batch_bound():
@@ -418,26 +555,57 @@ def test_write_gpu_rotates_bf16_q(n, gqa):
 # ---- the CUDA write (oscar_write_kv kernel="cuda", kernels/write_cuda.py) ----
 
 CUDA_CASES = [
-    # T, H, Gk, Gv, per_head, mean, v_absorbed, k_clip, v_clip, k_a, v_a, page, dtype
-    (1, 8, 64, 64, True, True, False, 0.95, 0.96, 1.0, 1.0, 64, torch.bfloat16),  # Qwen3-8B, batch 1
-    (1, 1, 128, 128, False, False, True, 0.9, 1.0, 1.0, 1.0, 64, torch.bfloat16),  # GLM-4.7 TP8: one KV head
-    (8, 8, 64, 128, True, False, False, 1.0, 0.92, 0.6, 1.2, 16, torch.bfloat16),  # no K clip, codebook levels
-    (7, 2, 32, 64, False, True, True, 0.96, 0.8, 1.0, 0.7, 1, torch.float16),  # odd batch, page 1, fp16
-    (33, 4, 128, 32, True, True, False, 0.8, 1.0, 1.0, 1.0, 8, torch.bfloat16),  # past one page of 8
-    (64, 8, 64, 64, False, True, False, 0.95, 0.95, 1.0, 1.0, 64, torch.bfloat16),  # large batch
+    # T, H, Gk, Gv, per_head, mean, v_absorbed, k_clip, v_clip, k_a, v_a, page, dtype, INT4-key heads
+    (1, 8, 64, 64, True, True, False, 0.95, 0.96, 1.0, 1.0, 64, torch.bfloat16, ()),  # Qwen3-8B, batch 1
+    (1, 1, 128, 128, False, False, True, 0.9, 1.0, 1.0, 1.0, 64, torch.bfloat16, ()),  # GLM-4.7 TP8: one KV head
+    (8, 8, 64, 128, True, False, False, 1.0, 0.92, 0.6, 1.2, 16, torch.bfloat16, ()),  # no K clip, codebook levels
+    (7, 2, 32, 64, False, True, True, 0.96, 0.8, 1.0, 0.7, 1, torch.float16, ()),  # odd batch, page 1, fp16
+    (33, 4, 128, 32, True, True, False, 0.8, 1.0, 1.0, 1.0, 8, torch.bfloat16, ()),  # past one page of 8
+    (64, 8, 64, 64, False, True, False, 0.95, 0.95, 1.0, 1.0, 64, torch.bfloat16, ()),  # large batch
+    (1, 8, 64, 64, True, True, False, 0.95, 0.96, 1.0, 1.0, 64, torch.bfloat16, (0, 3, 4)),  # INT4 on 3 of 8 heads
+    (5, 2, 32, 128, False, True, True, 0.95, 1.0, 1.0, 0.7, 1, torch.float16, (0, 1)),  # every head, page 1, fp16
+    (9, 4, 128, 32, True, False, False, 0.9, 0.9, 1.0, 1.0, 64, torch.bfloat16, (2,)),  # one head
 ]
 
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,H,gk,gv,per_head,mean,v_abs,k_clip,v_clip,ka,va,page,dtype", CUDA_CASES)
-def test_write_cuda_kernel_matches_oracle(T, H, gk, gv, per_head, mean, v_abs, k_clip, v_clip, ka, va, page, dtype):
+@pytest.mark.parametrize("T,H,gk,gv,per_head,mean,v_abs,k_clip,v_clip,ka,va,page,dtype,k4", CUDA_CASES)
+def test_write_cuda_kernel_matches_oracle(T, H, gk, gv, per_head, mean, v_abs, k_clip, v_clip, ka, va, page, dtype,
+                                          k4):
     """The CUDA write against the oracle with the module's tolerances: batch 1 to 64, 1 / 2 / 4 / 8 KV heads, groups
     32 / 64 / 128 per side, shared and per-head transforms, with and without K's mean and V's transform, clipped and
-    unclipped, codebook levels, pages of 1 / 8 / 16 / 64, bf16 and fp16 rows; every buffer poisoned first."""
+    unclipped, codebook levels, pages of 1 / 8 / 16 / 64, bf16 and fp16 rows, INT2 keys and layers with INT4-key
+    heads (some or all); every buffer poisoned first."""
     case = make_case(T, 128, H, gk, gv, per_head=per_head, mean=mean, v_absorbed=v_abs, seed=300 + T + H,
-                     window_dtype=torch.bfloat16, act_dtype=dtype, page=page)
+                     window_dtype=torch.bfloat16, act_dtype=dtype, page=page, k4=k4)
     run_and_check(*case, k_clip=k_clip, v_clip=v_clip, ka=ka, va=va, kernel="cuda")
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_write_cuda_codes_at_thresholds_are_exact(group):
+    """The CUDA write on threshold_rows, bit for bit against the oracle: K = 0 (bf16) with k_mean = −rows, one row per
+    KV head (INT4 keys on three of the four), and an identity transform, so x' = rows exactly in fp32 (values no bf16 input holds, like 0.5 − 2^-25);
+    V = the rows rounded to bf16, no transform."""
+    LayerCache, _, oscar_write_kv = _imports()
+    rows = threshold_rows(128, group).to(DEVICE)
+    h, t = rows.shape[0], 6
+    cache = LayerCache.empty(16, h, 128, k_group=group, v_group=group, num_sink_rows=2, max_reqs=1, window=4, sink=2,
+                             device=DEVICE, window_dtype=torch.bfloat16, k4_heads=(0, 2, 3), page=16)
+    for b in cache.buffers().values():
+        poison_(b)
+    ref = cache.clone()
+    k = torch.zeros(t, h, 128, dtype=torch.bfloat16, device=DEVICE)
+    v = rows.to(torch.bfloat16)[None].repeat(t, 1, 1)
+    slots = torch.randperm(16, generator=gen(group))[:t].to(DEVICE)
+    none = torch.full((t,), -1, dtype=torch.int32, device=DEVICE)
+    kw = dict(k_transform=torch.eye(128, device=DEVICE), k_mean=(-rows).contiguous())
+    write_reference(k, v, slots, none, none, ref, **kw)
+    oscar_write_kv(k, v, slots, none, none, cache, kernel="cuda", **kw)
+    for name in ("k_codes", "k_hi", "k_params", "v_codes", "v_params"):
+        assert torch.equal(cache.rows(name, slots).view(torch.uint8), ref.rows(name, slots).view(torch.uint8)), name
 
 
 @requires_cuda
@@ -589,8 +757,8 @@ def test_write_cuda_launch_signature_matches_the_source():
 
 
 def test_write_cuda_source_compiles_without_spills(tmp_path):
-    """The CUDA write builds for sm_90 with nvcc (where installed: CI has none and skips), both input types, with no
-    stack or spills and at most 192 registers (the q programs hold a 32 x 4 slice of T_q: 168 with nvcc 13.0; three
+    """The CUDA write builds for sm_90 with nvcc (where installed: CI has none and skips), both input types with INT2
+    and with INT4 keys (four kernels), with no stack or spills and at most 192 registers (the q programs hold a 32 x 4 slice of T_q: 168 with nvcc 13.0; three
     CTAs of 128 threads per SM)."""
     import re
     import subprocess
@@ -605,9 +773,9 @@ def test_write_cuda_source_compiles_without_spills(tmp_path):
                           write_cuda.SOURCE], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", res.stderr)]
-    assert len(regs) == 2 and max(regs) <= 192, res.stderr
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in res.stderr
-    assert len(re.findall(r"0 bytes spill stores, 0 bytes spill loads", res.stderr)) == 2, res.stderr
+    assert len(regs) == 4 and max(regs) <= 192, res.stderr
+    assert len(re.findall(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", res.stderr)) == 4, \
+        res.stderr
 
 
 def test_write_cuda_grid_counts_q_programs_of_four_heads():

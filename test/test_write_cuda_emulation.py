@@ -5,7 +5,9 @@ the decisions the kernel's code makes in the order it makes them: the four warps
 32-row slices (fp32 fused multiply-adds, summed ((p0 + p1) + p2) + p3), the clip threshold as the smallest |x'_j|
 with at most n values strictly above it (each warp's minimum of its candidates, then the minimum over warps), the
 group bounds as minima / maxima of order-preserving integer keys (redux.sync takes integers), the IEEE divisions,
-and the pack of a record as eight 32-bit words from the codes' bytes. A change to one of these steps in the .cu file
+the (scale, min) pair's float8 e4m3 conversion (cvt.rn.satfinite.e4m3x2.f32: saturate to ±448, round to nearest
+even; scale in the low byte) and its exact decode, INT4 keys' code as floor(u + 0.5) corrected below a threshold, and
+the pack of a record as eight 32-bit words from the codes' bytes (INT4 keys: of code & 3 and code >> 2). A change to one of these steps in the .cu file
 should change this mirror too; the mirror's results must match write_reference with test_write.py's tolerances.
 """
 
@@ -13,18 +15,23 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from kernel_utils import assert_codes_match, assert_within_bf16_ulp, gen, random_orthogonal
+from kernel_utils import (assert_codes_match, assert_within_e4m3_ulp, gen, int4_thresholds, random_orthogonal,
+                          threshold_rows)
 
 from sglang_oscar.quant.cache_ops import quantize_side, transform_side
 from sglang_oscar.quant.clip import clip_count, clip_rows
-from sglang_oscar.quant.pack import pack_int2, unpack_int2
+from sglang_oscar.quant.pack import pack_int2, pack_int4_planes, unpack_int2, unpack_int4_planes
 
 D, WARPS = 128, 4
 
 
-def bf16(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> the fp32 value of bf16(x), round to nearest even (__float2bfloat16_rn; torch's CPU cast rounds so)."""
-    return x.to(torch.bfloat16).float()
+def cvt_e4m3x2(scale: torch.Tensor, mn: torch.Tensor) -> tuple:
+    """__nv_cvt_float2_to_fp8x2(make_float2(scale, min), __NV_SATFINITE, __NV_E4M3): the 16-bit pairs (scale in the
+    low byte) and their exact values back (__nv_cvt_fp8x2_to_halfraw2 then fp16 -> fp32). torch's cast rounds to
+    nearest even; saturation is the clamp."""
+    s8, m8 = (x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn) for x in (scale, mn))
+    pair = s8.view(torch.uint8).to(torch.int32) | (m8.view(torch.uint8).to(torch.int32) << 8)
+    return pair, s8.to(torch.float16).float(), m8.to(torch.float16).float()
 
 
 def order_key(f: np.ndarray) -> np.ndarray:
@@ -48,9 +55,11 @@ def fma_rows(xk: torch.Tensor, tk: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def emulate_side(x, mat, mean, clip_n, group, th):
+def emulate_side(x, mat, mean, clip_n, group, th, k4=None):
     """One (token, head, side) program of int2_write.cu on fp32 row x [D]: (x' before the clip, scale, min, codes,
-    record bytes)."""
+    record bytes). k4 None: write_side<TI, false> (INT2, thresholds th); True / False: write_side<TI, true> (a layer with
+    INT4-key heads) for an INT4 head (no clip, qmax 15; the record bytes of k_codes and of k_hi) / an INT2 head (qmax
+    3, the thresholds k + 0.5 by the same floor and correction)."""
     if mat is not None:
         xk = x.float() - (mean.float() if mean is not None else 0.0)
         part = [fma_rows(xk[32 * w:32 * w + 32], mat[32 * w:32 * w + 32]) for w in range(WARPS)]
@@ -58,7 +67,7 @@ def emulate_side(x, mat, mean, clip_n, group, th):
     else:
         xt = x.float().clone()
     window = xt.clone()  # what the sink / ring rows get (rounded to bf16 there)
-    if clip_n > 0:
+    if clip_n > 0 and not k4:
         a = xt.abs()
         above = (a[None, :] > a[:, None]).sum(1)  # thread j: #{i : a_i > a_j}
         cand = torch.where(above <= clip_n, a, torch.full_like(a, float("inf")))
@@ -70,14 +79,26 @@ def emulate_side(x, mat, mean, clip_n, group, th):
                                      for g in range(ng)], dtype=np.float32))
     hi = torch.from_numpy(np.array([from_key(keys[g * group:(g + 1) * group].max(keepdims=True))[0]
                                      for g in range(ng)], dtype=np.float32))
-    scale = bf16((hi - lo) / torch.tensor(3.0))  # fp32 IEEE division, then bf16
-    mn = bf16(lo)
+    qmax = 15.0 if k4 else 3.0
+    _, scale, mn = cvt_e4m3x2((hi - lo) / torch.tensor(qmax), lo)  # fp32 IEEE division, then e4m3
     s, m = scale.repeat_interleave(group), mn.repeat_interleave(group)
     u = torch.where(s > 0, (xt - m) / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xt))
-    codes = sum((u >= t).to(torch.int64) for t in th)
+    if k4 is not None:
+        c = torch.floor(u + 0.5).clamp(0.0, qmax)  # fp32: u + 0.5 rounded as fminf(fmaxf(floorf(u + 0.5f)...))
+        codes = torch.where((c > 0) & (u < c - 0.5), c - 1, c).to(torch.int64)
+    else:
+        codes = sum((u >= t).to(torch.int64) for t in th)
     # the pack: code j in byte j of a 128-byte buffer; word i of the record = w[i] | w[i+8] << 2 | w[i+16] << 4 |
     # w[i+24] << 6 over its little-endian 32-bit words w
     words = codes.to(torch.uint8).numpy().view(np.uint32)
+    if k4:  # the same of the words shifted right by 0 (k_codes) or 2 (k_hi), masked to two bits per byte
+
+        def plane(sh):
+            w = (words >> np.uint32(sh)) & np.uint32(0x03030303)
+            rec = w[:8] | (w[8:16] << 2) | (w[16:24] << 4) | (w[24:32] << 6)
+            return torch.from_numpy(rec.view(np.uint8).copy())
+
+        return window, scale, mn, codes, (plane(0), plane(2))
     rec = words[:8] | (words[8:16] << 2) | (words[16:24] << 4) | (words[24:32] << 6)
     return window, scale, mn, codes, torch.from_numpy(rec.view(np.uint8).copy())
 
@@ -103,16 +124,46 @@ def test_the_word_pack_is_the_quarter_plane_layout():
         assert torch.equal(torch.from_numpy(rec.view(np.uint8).copy()), pack_int2(row))
 
 
+def test_the_int4_word_pack_is_the_two_plane_layout():
+    g = gen(2)
+    codes = torch.randint(0, 16, (50, D), generator=g)
+    for row in codes:
+        words = row.to(torch.uint8).numpy().view(np.uint32)
+        lo, hi = pack_int4_planes(row)
+        for sh, want in ((0, lo), (2, hi)):
+            w = (words >> np.uint32(sh)) & np.uint32(0x03030303)
+            rec = w[:8] | (w[8:16] << 2) | (w[16:24] << 4) | (w[24:32] << 6)
+            assert torch.equal(torch.from_numpy(rec.view(np.uint8).copy()), want)
+
+
+def test_the_param_pair_is_scale_then_min():
+    """The kernel stores the e4m3 pair as one 16-bit word, scale in the low byte: the params buffer's [..., 2] order
+    (scale at the lower address) on a little-endian GPU."""
+    pair, s, m = cvt_e4m3x2(torch.tensor([0.75, 500.0]), torch.tensor([-1.5, -2.0**-9]))
+    buf = torch.tensor(pair.numpy().astype(np.uint16).view(np.uint8)).view(torch.float8_e4m3fn).view(2, 2)
+    assert buf[:, 0].float().tolist() == s.tolist() == [0.75, 448.0]
+    assert buf[:, 1].float().tolist() == m.tolist() == [-1.5, -(2.0**-9)]
+
+
+MIRROR_CASES = [  # group, clip ratio, level a, with a transform, head: None INT2 layer, True / False INT4 / INT2 head
+    (64, 0.95, 1.0, True, None), (128, 0.9, 0.7, True, None), (32, 1.0, 1.2, True, None), (64, 0.9, 1.0, False, None),
+    (64, 1.0, 1.0, True, True), (32, 0.9, 1.0, True, True), (128, 0.95, 1.0, False, True), (64, 0.9, 1.0, True, False),
+    (32, 0.95, 1.0, False, False),
+]
+
+
 def test_the_mirror_matches_the_oracle():
     """Rows with outlier channels, shared transform with a mean (K) and without (V: absorbed, x' = x), groups 32 /
-    64 / 128, clip ratios 0.9 / 0.95 / 1.0 and codebook levels: the mirror's window row to 1e-5 of the row's max, its
-    params within one bf16 ulp (and the same in nearly every group), its codes equal except threshold boundary cases
-    and its record bytes those of pack_int2."""
+    64 / 128, clip ratios 0.9 / 0.95 / 1.0, codebook levels, INT4-key heads (never clipped) and the INT2 heads of
+    their layers (uniform thresholds k + 0.5 counted like the INT4 ones): the mirror's window row to 1e-5 of the
+    row's max, its float8 e4m3 params the oracle's (bit for bit without a transform; with one, at most one group
+    differs, by one e4m3 ulp: the sum's order), its codes equal except threshold boundary cases and its record bytes
+    those of pack_int2 (INT4: pack_int4_planes)."""
     from sglang_oscar.kernels.write import level_thresholds
 
     g = gen(7)
-    for group, rho, a, with_mat in ((64, 0.95, 1.0, True), (128, 0.9, 0.7, True), (32, 1.0, 1.2, True),
-                                    (64, 0.9, 1.0, False)):
+    for group, rho, a, with_mat, k4 in MIRROR_CASES:
+        bits = 4 if k4 else 2
         x = torch.randn(24, D, generator=g) * 2.0
         x[:, 5] *= 8.0
         if not with_mat:
@@ -121,20 +172,22 @@ def test_the_mirror_matches_the_oracle():
             x = x.round()  # integer values: ties everywhere
         mat = random_orthogonal(D, g=g, device="cpu") if with_mat else None
         mean = torch.randn(D, generator=g) if with_mat else None
-        th = level_thresholds(a)
+        th = level_thresholds(a) if bits == 2 else int4_thresholds()
+        if k4:
+            rho = 1.0  # the oracle's INT4 heads are never clipped; the mirror gets the clip count and skips it
         n = clip_count(rho, D)
         ref_xt = transform_side(x, mat, mean)
-        ref = quantize_side(ref_xt, group, rho, a)
-        got = [emulate_side(x[i], mat, mean, n, group, th) for i in range(x.shape[0])]
+        ref = quantize_side(ref_xt, group, rho, a, bits)
+        got = [emulate_side(x[i], mat, mean, clip_count(0.9, D) if k4 else n, group, th, k4) for i in range(x.shape[0])]
         xt = torch.stack([r[0] for r in got])
         scale, mn = torch.stack([r[1] for r in got]), torch.stack([r[2] for r in got])
-        codes, recs = torch.stack([r[3] for r in got]), torch.stack([r[4] for r in got])
+        codes = torch.stack([r[3] for r in got])
         assert ((xt - ref_xt).abs() <= 1e-5 * ref_xt.abs().amax(-1, keepdim=True)).all()
-        params = torch.stack([scale, mn], -1).to(torch.bfloat16)
-        want = torch.stack([ref.scale, ref.minv], -1).to(torch.bfloat16)
-        assert_within_bf16_ulp(params, want, f"G{group} params")
+        params = torch.stack([scale, mn], -1)
+        want = torch.stack([ref.scale, ref.minv], -1).float()
+        assert_within_e4m3_ulp(params, want, f"G{group} params")
         same = (params == want).all(-1)
-        assert int((~same).sum()) <= 1, f"G{group}: {int((~same).sum())} groups differ"
+        assert int((~same).sum()) <= (1 if with_mat else 0), f"G{group}: {int((~same).sum())} groups differ"
         s = want[..., 0].double().repeat_interleave(group, -1)
         m = want[..., 1].double().repeat_interleave(group, -1)
         clipped = clip_rows(transform_side(x.double(), mat.double() if mat is not None else None,
@@ -142,6 +195,23 @@ def test_the_mirror_matches_the_oracle():
         t64 = torch.where(s > 0, (clipped - m) / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
         excused = (~same).repeat_interleave(group, -1)
         assert_codes_match(torch.where(excused, ref.codes.long(), codes), ref.codes.long(), t64, th, f"G{group} codes")
-        assert torch.equal(unpack_int2(recs), codes.to(torch.uint8))
+        if bits == 4:
+            lo, hi = torch.stack([r[4][0] for r in got]), torch.stack([r[4][1] for r in got])
+            assert torch.equal(unpack_int4_planes(lo, hi), codes.to(torch.uint8))
+        else:
+            assert torch.equal(unpack_int2(torch.stack([r[4] for r in got])), codes.to(torch.uint8))
         if not with_mat:
             assert (scale[3] == 0).all() and (codes[3] == 0).all()
+
+
+def test_the_int4_mirror_is_exact_at_the_thresholds():
+    """x' = rows of kernel_utils.threshold_rows exactly (no transform; a clip count given, which INT4 heads skip): the
+    INT4 mirror's codes and params equal the oracle's, the floor's correction included (0.5 − 2^-25: floor(u + 0.5) =
+    1, the count 0)."""
+    for group in (32, 64, 128):
+        x = threshold_rows(D, group)
+        ref = quantize_side(x, group, 1.0, 1.0, 4)
+        got = [emulate_side(row, None, None, 12, group, int4_thresholds(), k4=True) for row in x]
+        assert torch.equal(torch.stack([r[3] for r in got]), ref.codes.long())
+        assert torch.equal(torch.stack([r[1] for r in got]), ref.scale.float())
+        assert torch.equal(torch.stack([r[2] for r in got]), ref.minv.float())

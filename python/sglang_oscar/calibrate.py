@@ -33,6 +33,9 @@ class _ByteTokenizer:
         return {"input_ids": list(text.encode("utf-8"))}
 
 
+K4_CHOICE_MIN_WINDOW = 64 + 256  # sink + recent window of the served cache (fit.choose_k4_heads' defaults)
+
+
 def check_window_sizes(tokens: int, seq_len: int, heldout_tokens: int) -> None:
     if seq_len <= 0 or tokens <= 0 or heldout_tokens < 0:
         raise ValueError("--tokens and --seq-len must be positive and --heldout-tokens >= 0")
@@ -157,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="INT2 codebook parameters a to try jointly with the clip (1.0 = uniform)")
     p.add_argument("--rho-grid", type=float, nargs="+", default=None,
                    help="clip ratios tried by --clip auto (default: 1.0 down to 0.85)")
+    p.add_argument("--k4-heads", type=int, default=None,
+                   help="(layer, KV head) pairs whose keys are stored in INT4, chosen by how much INT2 keys disturb "
+                        "their attention on the held-out windows (default: a quarter of them with --bits 2 and --clip "
+                        "auto, the served 2.5-bit format; 0: INT2 keys everywhere)")
     p.add_argument("--text-file", default=None, help="calibration text (default: stdlib docstrings)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -179,6 +186,15 @@ def main(argv=None) -> int:
         _fail(f"--context must be >= 0 (0: no RoPE offsets), got {args.context}")
     if args.bits != 2 and tuple(args.level_grid) != (1.0,):
         _fail(f"--level-grid applies to --bits 2 only; drop it for --bits {args.bits}")
+    if args.k4_heads is not None and args.k4_heads < 0:
+        _fail(f"--k4-heads must be >= 0, got {args.k4_heads}")
+    if args.k4_heads and (args.bits != 2 or clip != "auto"):
+        _fail("--k4-heads needs --bits 2 and --clip auto (the heads are chosen on the held-out windows)")
+    k4 = args.k4_heads if args.k4_heads is not None else "served" if args.bits == 2 and clip == "auto" else 0
+    if k4 and min(args.seq_len, args.heldout_tokens) <= K4_CHOICE_MIN_WINDOW:
+        _fail(f"INT4-key heads are chosen on held-out windows longer than the BF16 sink + recent window "
+              f"({K4_CHOICE_MIN_WINDOW} tokens); --seq-len {args.seq_len} and --heldout-tokens {args.heldout_tokens} "
+              "are too short: raise them, or pass --k4-heads 0 for INT2 keys everywhere")
     text, source = None, None
     if args.text_file:
         try:
@@ -202,7 +218,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         _fail(str(e))
     variant = dict(method=args.method, composition=args.composition, per_head=args.per_head, center_k=args.center_k,
-                   cs=args.cs, bits=args.bits, clip=clip, level_grid=tuple(args.level_grid), **groups)
+                   cs=args.cs, bits=args.bits, clip=clip, level_grid=tuple(args.level_grid), k4_heads=k4, **groups)
     if args.rho_grid:
         variant["rho_grid"] = tuple(args.rho_grid)
     context = served_context(model, args.context)
@@ -215,10 +231,11 @@ def main(argv=None) -> int:
     bundle = bundles["cli"]
     path = save_bundle(bundle, args.out)
     ortho = bundle_orthogonality(bundle)
-    print(f"{'layer':>5} {'rho_K':>6} {'rho_V':>6} {'a_K':>5} {'a_V':>5} {'ortho_err':>9}")
+    print(f"{'layer':>5} {'rho_K':>6} {'rho_V':>6} {'a_K':>5} {'a_V':>5} {'ortho_err':>9}  INT4-key heads")
     for i in range(bundle.num_layers):
         print(f"{i:>5} {float(bundle.k_clip[i]):6.3f} {float(bundle.v_clip[i]):6.3f} "
-              f"{float(bundle.k_level_a[i]):5.2f} {float(bundle.v_level_a[i]):5.2f} {ortho[i]:9.2e}")
+              f"{float(bundle.k_level_a[i]):5.2f} {float(bundle.v_level_a[i]):5.2f} {ortho[i]:9.2e}  "
+              f"{','.join(map(str, bundle.k4_heads(i))) or '-'}")
     print(f"method={bundle.method} composition={bundle.composition} per_head={bundle.per_head} "
           f"tokens={bundle.calibration.get('tokens')} time={time.time() - t0:.1f}s")
     print(f"wrote {path}")

@@ -11,7 +11,11 @@ import dataclasses
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_GROUPS = (32, 64, 128)
 MAX_GQA = 16  # query heads per KV head the decode kernels hold in one tile
-PARAM_BITS = 16  # scale and min are stored as bf16
+PARAM_BITS = 8  # scale and min are stored as float8 e4m3 (quant/intq.py)
+# The share of (layer, KV head) pairs whose keys the calibration makes INT4 (the ones INT2 keys disturb most,
+# rotation/fit.py:choose_k4_heads): each adds 2 bits per key element, which the float8 (scale, min) pay for at groups
+# of 64 (2.25 bits per element elsewhere): 2.25 + (2 / 4) / 2 = 2.5 bits per element on average over K, V and heads.
+K4_HEAD_SHARE = 4  # at most num_layers * kv_heads // K4_HEAD_SHARE pairs
 
 
 def groups_for(head_dim: int) -> list:
@@ -19,13 +23,13 @@ def groups_for(head_dim: int) -> list:
     return [g for g in SUPPORTED_GROUPS if g <= head_dim]
 
 
-SERVED_GROUP = 64  # 2.5 bits/element: the format whose accuracy and decode speed are published
+SERVED_GROUP = 64  # the format whose accuracy and decode speed are published
 
 
 def default_group(head_dim: int) -> int:
     """The group size when neither the flag nor a calibrated bundle sets one: 64 at every supported head_dim
-    (2.5 bits/element), the one configuration whose accuracy (docs/results/accuracy.md) and decode-kernel table
-    (docs/results/kernels.md) are published; the flag can choose 128 (2.25 bits, more capacity, accuracy not
+    (2.25 bits/element, 2.5 with a quarter of the layers' keys in INT4), the one configuration whose accuracy (docs/results/accuracy.md) and decode-kernel table
+    (docs/results/kernels.md) are published; the flag can choose 128 (2.125 bits, more capacity, accuracy not
     measured). Every supported head_dim has a decode path at this group (kernels/shapes.py)."""
     fits = groups_for(head_dim)
     if head_dim not in SUPPORTED_HEAD_DIMS or not fits:
@@ -87,27 +91,43 @@ def check_groups(head_dim: int, groups: dict) -> None:
             raise ValueError(f"{option} {group} does not fit head_dim {head_dim}: use one of {fits}")
 
 
+def max_k4_heads(num_layers: int, kv_heads: int) -> int:
+    """The most (layer, KV head) pairs with INT4 keys the served format allows (K4_HEAD_SHARE)."""
+    return num_layers * kv_heads // K4_HEAD_SHARE
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """The whole mixed-precision cache: BF16 sink [0, sink), INT2 history, BF16 recent window."""
+    """The whole mixed-precision cache: BF16 sink [0, sink), quantized history, BF16 recent window.
+    k is the key format of most (layer, KV head) pairs; k4_heads of them (on one rank) store INT4 keys instead
+    (same group)."""
 
     sink: int = 64
     recent: int = 256
     k: QuantFormat = QuantFormat()
     v: QuantFormat = QuantFormat()
+    k4_heads: int = 0
 
     def __post_init__(self) -> None:
         if self.sink < 0 or self.recent < 0:
             raise ValueError("sink and recent window sizes must be >= 0")
+        if self.k4_heads < 0:
+            raise ValueError("k4_heads must be >= 0")
 
-    @property
-    def bits_per_element(self) -> float:
-        """Average over K and V of the INT2 history (windows excluded)."""
-        return (self.k.bits_per_element + self.v.bits_per_element) / 2
+    def bits_per_element(self, num_layers: int = 1, kv_heads: int = 1) -> float:
+        """Average over K, V and the num_layers x kv_heads (layer, head) pairs of the quantized history (windows
+        excluded)."""
+        pairs = num_layers * kv_heads
+        if self.k4_heads > pairs:
+            raise ValueError(f"{self.k4_heads} INT4-key heads of {pairs}")
+        k4 = QuantFormat(4, self.k.group).bits_per_element
+        k = (self.k.bits_per_element * (pairs - self.k4_heads) + k4 * self.k4_heads) / pairs
+        return (k + self.v.bits_per_element) / 2
 
     def quant_bytes_per_token(self, num_layers: int, kv_heads: int, head_dim: int) -> int:
         per_head = self.k.bytes_per_row(head_dim) + self.v.bytes_per_row(head_dim)
-        return num_layers * kv_heads * per_head
+        k4_extra = QuantFormat(4, self.k.group).bytes_per_row(head_dim) - self.k.bytes_per_row(head_dim)
+        return num_layers * kv_heads * per_head + self.k4_heads * k4_extra
 
     @staticmethod
     def bf16_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int) -> int:

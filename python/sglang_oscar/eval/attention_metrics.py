@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..hf_attention import attention_override, causal_attention
-from .simulator import _per_head, mixed_attention, quantized_mask, transform_rows
+from .simulator import _per_head, fake_rows, mixed_attention, quantized_mask, transform_rows
 
 
 def scored_positions(length: int, sink: int, recent: int, max_queries: Optional[int]) -> torch.Tensor:
@@ -75,7 +75,7 @@ class _Collector:
             tinv = _per_head(qv.inverse_matrix(), Hkv).to(query.device)
             ke, ve = transform_rows(qk, k), transform_rows(qv, v)
             qt = torch.einsum("bhgtd,hde->bhgte", q, tq)
-            o_t, lp = mixed_attention(qt, ke, ve, qk.fake_transformed(ke), qv.fake_transformed(ve),
+            o_t, lp = mixed_attention(qt, ke, ve, fake_rows(qk, ke), fake_rows(qv, ve),
                                       qpos, quant, scaling, return_logp=True)
             o_m = torch.einsum("bhgte,hed->bhgtd", o_t, tinv)
             # p_ex = 0 only on future keys, where lp is -inf as well: count those terms as 0.

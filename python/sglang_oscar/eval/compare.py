@@ -27,14 +27,14 @@ from typing import Optional
 import torch
 
 from .. import __version__
-from ..config import QuantFormat
+from ..config import CacheLayout, QuantFormat, max_k4_heads
 
 SINK, RECENT = 64, 256
 
 
 def method_specs(head_dim: int) -> dict[str, dict]:
     """name -> dict(variant = fit_bundle kwargs (None: exact bf16), bits, desc, served_default)."""
-    g = min(64, head_dim)  # 2.5 bits/element: the served format (one bf16 scale and min per 64 values)
+    g = min(64, head_dim)  # the served group: one float8 scale and min per 64 values
     S = {}
 
     def add(name, desc, bits=2, served_default=False, **variant):
@@ -48,9 +48,10 @@ def method_specs(head_dim: int) -> dict[str, dict]:
         k_group=g, v_group=g)
     add("int4_hadamard", "INT4, Hadamard (SAW-INT4-style) + per-layer clip", bits=4, method="hadamard", clip="auto",
         k_group=g, v_group=g)
-    add("int2_best", "INT2, served default: balanced K transform + K mean removal, OSCAR V, per-layer clip, "
-        "calibrated on windows of the model's context", served_default=True, method="balanced", center_k=True,
-        clip="auto", k_group=g, v_group=g)
+    add("int2_best", "served default: balanced K transform + K mean removal, OSCAR V, per-layer clip, INT4 keys "
+        "on the quarter of the (layer, KV head) pairs INT2 keys disturb most, INT2 elsewhere, calibrated on windows of "
+        "the model's context", served_default=True, method="balanced", center_k=True, clip="auto", k_group=g,
+        v_group=g, k4_heads="served")
     return S
 
 
@@ -73,20 +74,25 @@ def settings(quick: bool) -> dict:
 NIAH_TASKS = ("niah_single_1", "niah_multikey_1", "niah_multivalue", "niah_multikey_2")
 
 
-def bits_per_element(spec: dict, bundle=None) -> float:
+def bits_per_element(spec: dict, num_layers: int, kv_heads: int) -> float:
+    """Codes + float8 (scale, min) per element, averaged over K, V and the model's (layer, KV head) pairs (the served
+    format's INT4-key heads included)."""
     if spec["variant"] is None:
         return 16.0
     kg, vg = spec["variant"]["k_group"], spec["variant"]["v_group"]
-    return (QuantFormat(spec["bits"], kg).bits_per_element + QuantFormat(spec["bits"], vg).bits_per_element) / 2
+    k4 = spec["variant"].get("k4_heads", 0)
+    k4 = max_k4_heads(num_layers, kv_heads) if k4 == "served" else int(k4)
+    layout = CacheLayout(k=QuantFormat(spec["bits"], kg), v=QuantFormat(spec["bits"], vg), k4_heads=k4)
+    return layout.bits_per_element(num_layers, kv_heads)
 
 
-def bits_with_windows(spec: dict, context: int) -> float:
+def bits_with_windows(spec: dict, context: int, num_layers: int, kv_heads: int) -> float:
     """Bits per element of a whole cache of `context` tokens: the BF16 sink and recent window
     (16 bits) plus the quantized rest (codes and per-group scale/min)."""
     if spec["variant"] is None:
         return 16.0
     exact = min(context, SINK + RECENT)
-    return (16.0 * exact + bits_per_element(spec) * (context - exact)) / context
+    return (16.0 * exact + bits_per_element(spec, num_layers, kv_heads) * (context - exact)) / context
 
 
 def layers_of(bundle, bits: int):
@@ -341,11 +347,14 @@ def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
     niah = niah_cells(read_niah(out_dir))
     scored, excluded = niah_scored_tasks(niah)
     calib = json.loads((out_dir / "calibrate.json").read_text())
+    bundles = sorted((out_dir / "bundles").glob("*.safetensors"))
+    shape = load_bundle(bundles[0]) if bundles else None
+    num_layers, kv_heads = (shape.num_layers, shape.kv_heads) if shape else (1, 1)
     methods = {}
     for name, spec in specs.items():
         m = dict(description=spec["desc"], served_default=spec.get("served_default", False),
-                 bits_per_element=round(bits_per_element(spec), 4),
-                 bits_per_element_8k_with_windows=round(bits_with_windows(spec, 8192), 4),
+                 bits_per_element=round(bits_per_element(spec, num_layers, kv_heads), 4),
+                 bits_per_element_8k_with_windows=round(bits_with_windows(spec, 8192, num_layers, kv_heads), 4),
                  group=None if spec["variant"] is None else spec["variant"]["k_group"], code_bits=spec["bits"])
         p = ppl[name]["ppl"]
         m["ppl"] = {k: round(v["mean"], 4) for k, v in p.items()}
@@ -409,7 +418,7 @@ def format_table(report: dict) -> str:
     return "\n".join([line(head), "|" + "|".join("-" * (x + 2) for x in w) + "|"] + [line(r) for r in rows])
 
 
-LEGEND = ("bits: codes + bf16 scale/min per group, averaged over K and V (the BF16 sink + recent window "
+LEGEND = ("bits: codes + float8 scale/min per group, averaged over K, V and the layers (the BF16 sink + recent window "
           "add to this: bits_per_element_8k_with_windows in the JSON). PPL: teacher-forced, every position "
           "reads the INT2 history (mean ± std over windows); Δ: paired per-window change against bf16. "
           "NIAH: % of samples answered (single, multikey) and RULER's string_match_all for multivalue (the "

@@ -78,6 +78,11 @@ def transform_rows(sq: SideQuantizer, x: torch.Tensor) -> torch.Tensor:
     return sq.transform(x.transpose(1, 2)).transpose(1, 2)
 
 
+def fake_rows(sq: SideQuantizer, xt: torch.Tensor) -> torch.Tensor:
+    """sq.fake_transformed on transformed rows [B, H, S, D] (its per-head widths index the head axis)."""
+    return sq.fake_transformed(xt.transpose(1, 2)).transpose(1, 2)
+
+
 def mixed_attention(
     qt: torch.Tensor,
     ke: torch.Tensor,
@@ -278,7 +283,7 @@ class MixedCacheSimulator:
         if start < S:
             kn = transform_rows(qk, key[:, :, start:])
             vn = transform_rows(qv, value[:, :, start:])
-            parts = (kn, qk.fake_transformed(kn), vn, qv.fake_transformed(vn))
+            parts = (kn, fake_rows(qk, kn), vn, fake_rows(qv, vn))
             if st is None:
                 st = _LayerState(bufs=[p.clone() for p in parts], n=S, last_k=key[:, :, S - 1].clone())
             else:

@@ -1,4 +1,4 @@
-"""OSCAR mixed-precision decode attention: INT2 history + BF16 sink and recent window.
+"""OSCAR mixed-precision decode attention: INT2 (or INT4-key) history + BF16 sink and recent window.
 
 One query token per request. For a request of length L (the current token already written):
 
@@ -45,6 +45,14 @@ _codes_plane_scaled). A codebook's levels enter as 1 + level/4 (_codes_plane). Q
 makes plane p = (byte >> 2p) & 3 the contiguous dims [p·D/4, (p+1)·D/4): four dots over D/4, no
 reshapes.
 
+Cache format (kernels/layout.py). (scale, min) are float8 e4m3 pairs, read as one 2-, 4- or 8-byte word per 1, 2 or 4
+groups (param_words, _param_word) and decoded by integer ops into fp16 bit patterns of 2^-8 times their values
+(e4m3_pair, exact; the 2^8 is folded into constants and the per-program query sums). A layer may hold INT4 keys on
+some KV heads (k4_heads): code lo | hi << 2, lo in k_codes, hi in k_hi (its own records, k4_index[h] its head
+there), uniform levels. Stage 1 and the merge specialise on whether the layer has any (K4, a constexpr): INT2-only
+layers run the code without it; with K4 each history program ORs the k_hi plane into the subnormal codes (up to
+15·2^(2p−24), _codes_plane_scaled4), its hi loads masked off on a head whose keys are INT2.
+
 Folded tiles (default_fold: where NP < 8 and D <= 128): the m16n8 layout pads a [BLOCK_N, 4] tile's N to 8, so
 _int2_split_folded lays the two halves of a block side by side, [BLOCK_N/2, 2·NP], with the K dots
 against blockdiag(q, q): no padded softmax work, 168 registers instead of ~250, 6 CTAs per SM.
@@ -68,6 +76,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..config import MAX_GQA
 from . import history_cuda, write, write_cuda
+from ..quant.intq import PARAM_DTYPE
 from .layout import check_shape
 from .records import pool_record
 from .shapes import window_programs
@@ -75,6 +84,9 @@ from .shapes import window_programs
 LOG2E = 1.4426950408889634
 SUPPORTED_QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_NP = 4  # GQA heads padded to a power of two >= this (the N of the dots)
+# e4m3_pair gives (scale, min) times 2^-8; the kernels undo it with PARAM_SCALE, folded into constants or
+# once-per-program sums where they can
+PARAM_SCALE = tl.constexpr(256.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,6 +150,35 @@ def _codes_plane_scaled(b, P: tl.constexpr, FAST_CVT: tl.constexpr, DT: tl.const
 
 
 @triton.jit
+def _codes_plane_scaled4(lo, hi, P: tl.constexpr, FAST_CVT: tl.constexpr, DT: tl.constexpr):
+    """Plane P of INT4 key codes c = lo | hi << 2 (lo: a k_codes tile, hi: the same bytes of k_hi) as c·2^(2P−24),
+    _codes_plane_scaled's form with codes up to 15: the hi word spread and AND-ed like lo, shifted up two bits and
+    OR-ed in (2 more instructions per 2 codes; ptxas shares the prmt and shl of a word across its planes). At P = 3
+    the code takes bits 6..9 of the halfword: 15·2^6 < 2^10, still an fp16 subnormal, exact."""
+    MASK: tl.constexpr = 0x00030003 << (2 * P)
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t, u;
+            prmt.b32 t, $2, 0, 0x4140;
+            prmt.b32 u, $3, 0, 0x4140;
+            shl.b32 u, u, 2;
+            and.b32 t, t, {MASK};
+            lop3.b32 $0, u, {MASK << 2}, t, 0xEA;
+            prmt.b32 t, $2, 0, 0x4342;
+            prmt.b32 u, $3, 0, 0x4342;
+            shl.b32 u, u, 2;
+            and.b32 t, t, {MASK};
+            lop3.b32 $1, u, {MASK << 2}, t, 0xEA;
+            }}""",
+            constraints="=r,=r,r,r", args=[lo, hi], dtype=tl.float16, is_pure=True, pack=4,
+        )
+    else:
+        c = ((lo >> (2 * P)) & 3) | (((hi >> (2 * P)) & 3) << 2)
+        return (c.to(tl.float32) * (1 << (2 * P)) * 5.9604644775390625e-08).to(DT)
+
+
+@triton.jit
 def _plane_codes(b, P: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, SUB: tl.constexpr,
                  DT: tl.constexpr, FAST_CVT: tl.constexpr):
     """Plane P of a uint8 code tile in the INT2 split's format: code·2^(2P−24) (SUB) or 1 + level/4."""
@@ -148,19 +189,53 @@ def _plane_codes(b, P: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constex
 
 
 @triton.jit
-def _param_word(P32, P64, row, g: tl.constexpr, NG: tl.constexpr, mask):
-    """(scale, min) of group g of each row as fp32 [N] vectors, from one 4- or 8-byte load (0 where ~mask)."""
-    if NG == 1:
-        w = tl.load(P32 + row, mask=mask, other=0)
+def _key_plane(kb, kh, P: tl.constexpr, K_A: tl.constexpr, K_CODEBOOK: tl.constexpr, SUB: tl.constexpr,
+               DT: tl.constexpr, FAST_CVT: tl.constexpr, K4: tl.constexpr):
+    """Plane P of a K code tile kb (and its k_hi tile kh where K4: INT4 keys, always subnormal codes, see
+    _int2_split) as the K dots take it."""
+    if K4:
+        return _codes_plane_scaled4(kb, kh, P, FAST_CVT, DT)
     else:
-        w64 = tl.load(P64 + row * (NG // 2) + g // 2, mask=mask, other=0)
-        if g % 2 == 0:
-            w = w64.to(tl.int32)
-        else:
-            w = (w64 >> 32).to(tl.int32)
-    scale = (w << 16).to(tl.float32, bitcast=True)
-    mn = ((w >> 16) << 16).to(tl.float32, bitcast=True)
+        return _plane_codes(kb, P, K_A, K_CODEBOOK, SUB, DT, FAST_CVT)
+
+
+@triton.jit
+def _f16_bits(x):
+    """The low 16 bits of int32 x as an fp16 bit pattern, in fp32 (exact)."""
+    return x.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e4m3_pair(w):
+    """(scale, min) of the (scale, min) pair in the low 16 bits of int32 w (scale the low byte: the lower address)
+    as fp32, each 2^-8 times its float8 e4m3 value, exactly. An e4m3 byte's sign / 4-bit exponent /
+    3-bit mantissa moved into fp16's sign and the low bits of its exponent and top mantissa bits is the fp16 of
+    2^-8 times it, subnormals included (exponent bias 15 vs 7); integer ops only, so the CPU interpreter (whose fp8
+    casts are not trusted) computes the same bits as the GPU. Callers fold PARAM_SCALE = 2^8 into a constant or a
+    once-per-program term where they can."""
+    scale = _f16_bits(((w & 0x7F) << 7) | ((w & 0x80) << 8))
+    mn = _f16_bits(((w >> 1) & 0x3F80) | (w & 0x8000))
     return scale, mn
+
+
+@triton.jit
+def _k4_head(K4_INDEX, h, K4: tl.constexpr):
+    """K4: KV head h's head in k_hi (layout.py k4_index), -1 where its keys are INT2; 0 (unused) otherwise."""
+    if K4:
+        return tl.load(K4_INDEX + h)
+    else:
+        return 0
+
+
+@triton.jit
+def _param_word(P, row, g: tl.constexpr, NG: tl.constexpr, mask):
+    """(scale, min) of group g of each row [N] as e4m3_pair gives them (2^-8 times their values), from one 2-,
+    4- or 8-byte load: P is the params viewed as words of min(NG, 4) pairs (param_words); 0 where ~mask."""
+    GPW: tl.constexpr = 4 if NG >= 4 else NG
+    w = tl.load(P + row * (NG // GPW) + g // GPW, mask=mask, other=0)
+    if g % GPW != 0:
+        w = w >> (16 * (g % GPW))
+    return e4m3_pair(w.to(tl.int32))
 
 
 @triton.jit
@@ -221,7 +296,8 @@ def _history_end(split, L, ring_start_ptr, SINK: tl.constexpr, WINDOW: tl.conste
 def _query_sub_planes(q_ptr, q_mask, qk_scale, N: tl.constexpr, D: tl.constexpr, GK: tl.constexpr,
                       NGK: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr):
     """The query as the B operands of the K dots, one per sub-plane sp (dims p·D/4 + k·CH + c), scaled by
-    qk_scale in the dot dtype, and the per-group sums [N] of the q that the dots see. q_ptr / q_mask:
+    qk_scale in the dot dtype, and the per-group sums [N] of the q that the dots see, times PARAM_SCALE (the
+    min terms take the mins as _param_word gives them). q_ptr / q_mask:
     the pointer tile of sub-plane 0 (rows: CH dims, or 2·CH for the folded block diagonal) and its mask.
     SUB: all planes of group g share the factor 2^(2 p_g − 24) of its lowest plane p_g, so q of plane p
     is pre-scaled by 4^(p_g − p) (<= 1) and the sums are taken before that scale."""
@@ -241,35 +317,39 @@ def _query_sub_planes(q_ptr, q_mask, qk_scale, N: tl.constexpr, D: tl.constexpr,
             qt = (qt * qk_scale).to(DT)
             qts = qts + [qt]
             qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt.to(tl.float32), 0))
+    for g in tl.static_range(NGK):
+        qsum = _tuple_set(qsum, g, qsum[g] * PARAM_SCALE)
     return qts, qsum
 
 
 @triton.jit
 def _group_scores(d, ks, km, qsum_g, P_G: tl.constexpr, SUB: tl.constexpr):
     """K group g's share of the scores from its dot d = E_g·q: scale and min terms (ks, km broadcast to
-    d's shape; qsum_g [N]); P_G is the group's lowest plane (the subnormal codes' factor 2^(2 P_G − 24))."""
+    d's shape, 2^-8 times their values; qsum_g [N], times PARAM_SCALE); P_G is the group's lowest plane
+    (the subnormal codes' factor 2^(2 P_G − 24))."""
     if SUB:
-        return d * (ks * (1 << (24 - 2 * P_G))) + km * qsum_g[None, :]
+        return d * (ks * ((1 << (24 - 2 * P_G)) * PARAM_SCALE)) + km * qsum_g[None, :]
     else:
-        return d * (4.0 * ks) + (km - 4.0 * ks) * qsum_g[None, :]
+        return d * (ks * (4.0 * PARAM_SCALE)) + (km - 4.0 * ks) * qsum_g[None, :]
 
 
 @triton.jit
 def _value_weights(p, vs, vm, SUB: tl.constexpr, DT: tl.constexpr):
-    """(w, min term) of a V group for the probabilities p: the dots' weights p·scale in the dot dtype,
-    and p·min in fp32 (both with the offset of 1 + code/4 folded in unless SUB)."""
+    """(w, min term) of a V group for the probabilities p (vs, vm: 2^-8 times their values): the dots'
+    weights p·scale in the dot dtype (scaled back first: fp16 would lose small ones), and p·min in fp32, still
+    2^-8 times it (_store_split scales the sums) (both with the offset of 1 + code/4 folded in unless SUB)."""
     if SUB:
-        return (p * vs).to(DT), p * vm
+        return (p * (vs * PARAM_SCALE)).to(DT), p * vm
     else:
-        return (p * (4.0 * vs)).to(DT), p * (vm - 4.0 * vs)
+        return (p * (vs * (4.0 * PARAM_SCALE))).to(DT), p * (vm - 4.0 * vs)
 
 
 @triton.jit
 def _store_split(O_PART, LSE_PART, b, h, split, accs, mins, l_i, m_i,
                  HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GV: tl.constexpr, CH: tl.constexpr,
                  NS_TOTAL: tl.constexpr, NP: tl.constexpr, SUB: tl.constexpr):
-    """Store one INT2 split's partial output oᵀ per sub-plane (with its V group's min term mins[g] [NP],
-    normalised by l_i) and its LSE (log2 domain), for the GQA heads of KV head h."""
+    """Store one INT2 split's partial output oᵀ per sub-plane (with its V group's min term mins[g] [NP], 2^-8
+    times it, normalised by l_i) and its LSE (log2 domain), for the GQA heads of KV head h."""
     D4: tl.constexpr = D // 4
     NCH: tl.constexpr = D4 // CH
     offs_c = tl.arange(0, CH)
@@ -282,7 +362,7 @@ def _store_split(O_PART, LSE_PART, b, h, split, accs, mins, l_i, m_i,
         acc = accs[sp]
         if SUB:
             acc = acc * (1 << (24 - 2 * (sp // NCH)))
-        o = (acc + mins[((sp // NCH) * D4 + (sp % NCH) * CH) // GV][None, :]) * inv_l[None, :]
+        o = (acc + mins[((sp // NCH) * D4 + (sp % NCH) * CH) // GV][None, :] * PARAM_SCALE) * inv_l[None, :]
         tl.store(out_col[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + offs_c[:, None], o, mask=mask_h[None, :])
     lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
     tl.store(LSE_PART + (b * (HKV * GQA) + hq) * NS_TOTAL + split, lse, mask=mask_h)
@@ -290,11 +370,11 @@ def _store_split(O_PART, LSE_PART, b, h, split, accs, mins, l_i, m_i,
 
 @triton.jit
 def _int2_block(
-    KC, KP32, KP64, VC, VP32, VP64, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
+    KC, KH, j4, KP, VC, VP, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
     HKV: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BLOCK_N: tl.constexpr,
     K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
     DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr, CH: tl.constexpr,
-    SUB: tl.constexpr, PAGE: tl.constexpr,
+    SUB: tl.constexpr, PAGE: tl.constexpr, K4: tl.constexpr, H4: tl.constexpr,
 ):
     """BLOCK_N history rows [start, start + BLOCK_N) of one split: scores, online softmax, V dots; rows >= hi are
     masked."""
@@ -310,6 +390,13 @@ def _int2_block(
     vbs = []
     for k in tl.static_range(NCH):
         kbs = kbs + [tl.load(KC + row[:, None] * D4 + (k * CH + offs_c)[None, :], mask=mask_n[:, None], other=0)]
+    khs = kbs  # K4: the k_hi bytes of the rows (0 for an INT2-key head); unused otherwise
+    if K4:
+        khs = []
+        row4 = pool_record(slot, j4, H4, PAGE)
+        mask4 = mask_n & (j4 >= 0)
+        for k in tl.static_range(NCH):
+            khs = khs + [tl.load(KH + row4[:, None] * D4 + (k * CH + offs_c)[None, :], mask=mask4[:, None], other=0)]
     for k in tl.static_range(NCH):
         # V codes as [CH, BLOCK_N] (dims x tokens): already the A operand of the V dots, so Triton
         # stages the bytes once and converts each plane in registers; a [BLOCK_N, CH] load
@@ -319,13 +406,13 @@ def _int2_block(
     # ---- scores sᵀ [N, NP]
     s = tl.zeros(l_t.shape, tl.float32)
     for g in tl.static_range(NGK):
-        ks, km = _param_word(KP32, KP64, row, g, NGK, mask_n)
+        ks, km = _param_word(KP, row, g, NGK, mask_n)
         d = tl.zeros(l_t.shape, tl.float32)
         for sp in tl.static_range(NSP):
             if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
-                e = _plane_codes(kbs[sp % NCH], sp // NCH, K_A, K_CODEBOOK, SUB, DT, FAST_CVT)
+                e = _key_plane(kbs[sp % NCH], khs[sp % NCH], sp // NCH, K_A, K_CODEBOOK, SUB, DT, FAST_CVT, K4)
                 d = tl.dot(e, qts[sp], acc=d)
-        s += _group_scores(d, ks[:, None], km[:, None], qsum[g], (g * GK) // D4, SUB)
+        s += _group_scores(d, ks[:, None], km[:, None], qsum[g], (g * GK) // D4, SUB or K4)
     s = tl.where(mask_n[:, None], s, float("-inf"))
 
     # ---- online softmax over the tokens (log2 domain)
@@ -339,7 +426,7 @@ def _int2_block(
 
     # ---- values oᵀ [CH, NP] per sub-plane
     for g in tl.static_range(NGV):
-        vs, vm = _param_word(VP32, VP64, row, g, NGV, mask_n)
+        vs, vm = _param_word(VP, row, g, NGV, mask_n)
         w, vmp = _value_weights(p, vs[:, None], vm[:, None], SUB, DT)
         accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + vmp)
         for sp in tl.static_range(NSP):
@@ -351,13 +438,14 @@ def _int2_block(
 
 @triton.jit
 def _int2_split(
-    Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
+    Q, KC, KH, K4_INDEX, KP, VC, VP, O_PART, LSE_PART,
     split, b, h, base_hi, hist_hi, r2t, qk_scale,
     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     SINK: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
-    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PAGE: tl.constexpr,
+    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PAGE: tl.constexpr, K4: tl.constexpr,
+    H4: tl.constexpr,
 ):
     """One split of the INT2 history [SINK, hist_hi), transposed: tokens in M, the GQA heads in N
     (padded to NP = next power of two, not 16), so the softmax and the scale / min algebra run on
@@ -372,7 +460,12 @@ def _int2_split(
 
         sᵀ[t, h] = Σ_g ks_tg·2^(24−2p_g)·(Σ_{sp∈g} E_p q'_spᵀ)[t, h] + km_tg·Qsum_g[h]
         oᵀ[d, h] = 2^(24−2p)·Σ_t E_p[t, d]·(vs_tg·p[t, h]) + Σ_t p[t, h]·vm_tg
-    where p_g is the lowest plane of K group g and q'_sp = q_sp·4^(p_g − p) (≤ q: no fp16 overflow)."""
+    where p_g is the lowest plane of K group g and q'_sp = q_sp·4^(p_g − p) (≤ q: no fp16 overflow).
+
+    K4 (a layer with INT4-key heads, layout.py k4_heads: uniform key levels): the K side always takes the subnormal
+    form, codes lo | hi << 2 from k_codes and k_hi (up to 15, the same sums), whatever SUB says for V (a V
+    codebook); KV head h's hi bytes are at k_hi head K4_INDEX[h], none (hi = 0) where that is -1 (an INT2-key head
+    of the layer: its loads masked off)."""
     NSP: tl.constexpr = D // CH  # sub-planes: 4 planes x D/4 / CH byte chunks
     lo, hi = _split_rows(split, base_hi, hist_hi, SINK, NS, BLOCK_N)
 
@@ -384,7 +477,8 @@ def _int2_split(
 
     # qᵀ per sub-plane [CH, NP], and the per-group sums of the rounded q
     qts, qsum = _query_sub_planes(q_col[None, :] + offs_c[:, None], mask_h[None, :], qk_scale, NP, D, GK, NGK,
-                                  CH, SUB, DT)
+                                  CH, SUB or K4, DT)
+    j4 = _k4_head(K4_INDEX, h, K4)
 
     m_i = tl.full([NP], float("-inf"), tl.float32)
     l_t = tl.zeros([BLOCK_N, NP], tl.float32)  # per token lane: reduced once, after the loop
@@ -397,8 +491,8 @@ def _int2_split(
 
     for start in range(lo, hi, BLOCK_N):
         m_i, l_t, accs, accmin = _int2_block(
-            KC, KP32, KP64, VC, VP32, VP64, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
-            HKV, D, GK, GV, BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PAGE,
+            KC, KH, j4, KP, VC, VP, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
+            HKV, D, GK, GV, BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PAGE, K4, H4,
         )
 
     # ---- epilogue: reduce the token lanes, then add the min terms, normalise, store oᵀ
@@ -431,13 +525,14 @@ def _halves_sum(x, NP: tl.constexpr):
 
 @triton.jit
 def _int2_split_folded(
-    Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
+    Q, KC, KH, K4_INDEX, KP, VC, VP, O_PART, LSE_PART,
     split, b, h, L, ring_start_ptr, r2t, qk_scale,
     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
     BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
-    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PAGE: tl.constexpr,
+    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PAGE: tl.constexpr, K4: tl.constexpr,
+    H4: tl.constexpr,
 ):
     """_int2_split with the two halves of each block of BLOCK_N tokens side by side in N ("folded"):
     the score / softmax / min tiles are [BM = BLOCK_N/2, 2·NP] instead of [BLOCK_N, NP]. With NP = 4
@@ -465,7 +560,9 @@ def _int2_split_folded(
 
     # blockdiag(qᵀ, qᵀ) per sub-plane [2·CH, NPF] (the mask keeps one block per column), so the group
     # sums come out per folded column
-    qts, qsum = _query_sub_planes(q_colj[None, :] + cc[:, None], q_mask, qk_scale, NPF, D, GK, NGK, CH, SUB, DT)
+    qts, qsum = _query_sub_planes(q_colj[None, :] + cc[:, None], q_mask, qk_scale, NPF, D, GK, NGK, CH, SUB or K4,
+                                  DT)
+    j4 = _k4_head(K4_INDEX, h, K4)
     # the rows after q's loads: they need seq_lens, q does not (so q's loads are in flight while L arrives)
     base_hi, hist_hi = _history_end(split, L, ring_start_ptr, SINK, WINDOW, NS, BLOCK_N)
     lo, hi = _split_rows(split, base_hi, hist_hi, SINK, NS, BLOCK_N)
@@ -484,8 +581,10 @@ def _int2_split_folded(
         pos_b = pos_a + BM
         mask_a = pos_a < hi
         mask_b = pos_b < hi
-        row_a = pool_record(tl.load(r2t + pos_a, mask=mask_a, other=0).to(tl.int64), h, HKV, PAGE)  # [BM]
-        row_b = pool_record(tl.load(r2t + pos_b, mask=mask_b, other=0).to(tl.int64), h, HKV, PAGE)
+        slot_a = tl.load(r2t + pos_a, mask=mask_a, other=0).to(tl.int64)
+        slot_b = tl.load(r2t + pos_b, mask=mask_b, other=0).to(tl.int64)
+        row_a = pool_record(slot_a, h, HKV, PAGE)  # [BM]
+        row_b = pool_record(slot_b, h, HKV, PAGE)
         pos = start + offs_n
         mask_n = pos < hi
         row = pool_record(tl.load(r2t + pos, mask=mask_n, other=0).to(tl.int64), h, HKV, PAGE)  # [BLOCK_N], for V
@@ -496,22 +595,29 @@ def _int2_split_folded(
         vbs = []
         for k in tl.static_range(NCH):
             kbs = kbs + [tl.load(KC + row_k * D4 + (k * CH + cc)[None, :], mask=mask_k, other=0)]
+        khs = kbs  # K4: the k_hi bytes of the rows (0 for an INT2-key head); unused otherwise
+        if K4:
+            khs = []
+            row4 = _fold_pick(pool_record(slot_a, j4, H4, PAGE), pool_record(slot_b, j4, H4, PAGE), ck)
+            mask4 = mask_k & (j4 >= 0)
+            for k in tl.static_range(NCH):
+                khs = khs + [tl.load(KH + row4 * D4 + (k * CH + cc)[None, :], mask=mask4, other=0)]
         for k in tl.static_range(NCH):
             vbs = vbs + [tl.load(VC + row[None, :] * D4 + (k * CH + offs_c)[:, None], mask=mask_n[None, :], other=0)]
 
         # ---- scores, folded [BM, NPF]
         s = tl.zeros([BM, NPF], tl.float32)
         for g in tl.static_range(NGK):
-            ks_a, km_a = _param_word(KP32, KP64, row_a, g, NGK, mask_a)
-            ks_b, km_b = _param_word(KP32, KP64, row_b, g, NGK, mask_b)
+            ks_a, km_a = _param_word(KP, row_a, g, NGK, mask_a)
+            ks_b, km_b = _param_word(KP, row_b, g, NGK, mask_b)
             d = tl.zeros([BM, NPF], tl.float32)
             for sp in tl.static_range(NSP):
                 if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
-                    e = _plane_codes(kbs[sp % NCH], sp // NCH, K_A, K_CODEBOOK, SUB, DT, FAST_CVT)
+                    e = _key_plane(kbs[sp % NCH], khs[sp % NCH], sp // NCH, K_A, K_CODEBOOK, SUB, DT, FAST_CVT, K4)
                     d = tl.dot(e, qts[sp], acc=d)
             ks = _fold_pick(ks_a, ks_b, jk)
             km = _fold_pick(km_a, km_b, jk)
-            s += _group_scores(d, ks, km, qsum[g], (g * GK) // D4, SUB)
+            s += _group_scores(d, ks, km, qsum[g], (g * GK) // D4, SUB or K4)
         s = tl.where(mask_f, s, float("-inf"))
 
         # ---- online softmax (a head's max over both halves)
@@ -525,8 +631,8 @@ def _int2_split_folded(
 
         # ---- values oᵀ [CH, NP] per sub-plane, w unfolded to [BLOCK_N, NP]
         for g in tl.static_range(NGV):
-            vs_a, vm_a = _param_word(VP32, VP64, row_a, g, NGV, mask_a)
-            vs_b, vm_b = _param_word(VP32, VP64, row_b, g, NGV, mask_b)
+            vs_a, vm_a = _param_word(VP, row_a, g, NGV, mask_a)
+            vs_b, vm_b = _param_word(VP, row_b, g, NGV, mask_b)
             vs = _fold_pick(vs_a, vs_b, jk)
             vm = _fold_pick(vm_a, vm_b, jk)
             wf, vmp = _value_weights(p, vs, vm, SUB, DT)
@@ -610,7 +716,8 @@ def _window_split(
 @triton.jit
 def _oscar_decode_stage1(
     Q,  # [B, Hq, D] transformed, any float dtype
-    KC, KP32, KP64, VC, VP32, VP64,  # codes uint8 [slots, Hkv, D/4]; params as 32/64-bit words
+    KC, KH, K4_INDEX, KP, VC, VP,  # codes uint8 [slots, Hkv, D/4] (KH, K4_INDEX: k_hi, k4_index, read where K4);
+    # params as words (param_words)
     SK, SV, RK, RV,  # sink rows / ring rows [rows, Hkv, D]
     SINK_TABLE,  # int32 [slots]
     REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, RING_START,
@@ -636,6 +743,8 @@ def _oscar_decode_stage1(
     WINDOW_ONLY: tl.constexpr,  # a grid of the SS + RS window programs only (after the CUDA history stage)
     PDL_TRIGGER: tl.constexpr,  # let the merge launch now (its programs wait for this grid's writes)
     PAGE: tl.constexpr,  # pool page size: the record rule of kernels/records.py
+    K4: tl.constexpr,  # the layer has INT4-key heads (k_codes low planes, KH high planes; layout.py k4_heads)
+    H4: tl.constexpr,  # KH's heads
     PDL_WAIT: tl.constexpr = False,  # window programs launched after the CUDA history: exit only after it has
     # (its partials visible), so that the merge's wait on this grid covers both producers
 ):
@@ -656,18 +765,18 @@ def _oscar_decode_stage1(
     if split < NS:
         if FOLD:
             _int2_split_folded(
-                Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
+                Q, KC, KH, K4_INDEX, KP, VC, VP, O_PART, LSE_PART,
                 split, b, h, L, RING_START + r, r2t, qk_scale,
                 HKV, GQA, D, GK, GV, SINK, WINDOW, NS, NS_TOTAL, NP,
-                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PAGE,
+                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PAGE, K4, H4,
             )
         else:
             base_hi, hist_hi = _history_end(split, L, RING_START + r, SINK, WINDOW, NS, BLOCK_N)
             _int2_split(
-                Q, KC, KP32, KP64, VC, VP32, VP64, O_PART, LSE_PART,
+                Q, KC, KH, K4_INDEX, KP, VC, VP, O_PART, LSE_PART,
                 split, b, h, base_hi, hist_hi, r2t, qk_scale,
                 HKV, GQA, D, GK, GV, SINK, NS, NS_TOTAL, NP,
-                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PAGE,
+                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PAGE, K4, H4,
             )
     else:
         recent_lo = tl.maximum(tl.maximum(L - WINDOW, SINK), tl.load(RING_START + r))
@@ -691,41 +800,47 @@ def _oscar_decode_stage1(
 
 
 @triton.jit
-def _dequant_rows(C, P32, row, use, d0, DN: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LEVEL_A: tl.constexpr,
-                  CODEBOOK: tl.constexpr):
-    """Dims [d0, d0 + DN) of the INT2 rows `row` [N] (slot·Hkv + h) as fp32 [N, DN]: min + scale·level[code];
-    0 where ~use."""
+def _dequant_rows(C, H, P16, row, row4, use, use4, d0, DN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                  LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, FOUR: tl.constexpr):
+    """Dims [d0, d0 + DN) of the quantized rows `row` [N] (pool records) as fp32 [N, DN]: min + scale·level[code];
+    0 where ~use. P16: the params as int16 words, one (scale, min) pair each. FOUR: codes lo | hi << 2 (lo from C,
+    hi from H at records row4 where use4, else 0: the keys of a layer with INT4-key heads), uniform levels."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     offs_d = d0 + tl.arange(0, DN)
     m = use[:, None]
+    shift = (2 * (offs_d // D4))[None, :]
     byte = tl.load(C + row[:, None] * D4 + (offs_d % D4)[None, :], mask=m, other=0).to(tl.int32)
-    code = (byte >> (2 * (offs_d // D4))[None, :]) & 3
+    code = (byte >> shift) & 3
+    if FOUR:
+        hi = tl.load(H + row4[:, None] * D4 + (offs_d % D4)[None, :], mask=use4[:, None], other=0).to(tl.int32)
+        code = code | (((hi >> shift) & 3) << 2)
     lvl = code.to(tl.float32)
     if CODEBOOK:
         lvl = tl.where(code == 1, LEVEL_A, tl.where(code == 2, 3.0 - LEVEL_A, lvl))
-    w = tl.load(P32 + row[:, None] * NG + (offs_d // G)[None, :], mask=m, other=0)
-    scale = (w << 16).to(tl.float32, bitcast=True)
-    mn = ((w >> 16) << 16).to(tl.float32, bitcast=True)
-    return tl.where(m, mn + scale * lvl, 0.0)
+    w = tl.load(P16 + row[:, None] * NG + (offs_d // G)[None, :], mask=m, other=0)
+    scale, mn = e4m3_pair(w.to(tl.int32))
+    return tl.where(m, (mn + scale * lvl) * PARAM_SCALE, 0.0)
 
 
 @triton.jit
-def _sink_rows(C, P32, S_ROWS, slot, srow, in_sink, h, d0, DN: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-               G: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, PAGE: tl.constexpr):
+def _sink_rows(C, H, j4, P16, S_ROWS, slot, srow, in_sink, h, d0, DN: tl.constexpr, HKV: tl.constexpr,
+               D: tl.constexpr, G: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, PAGE: tl.constexpr,
+               FOUR: tl.constexpr, H4: tl.constexpr):
     """Dims [d0, d0 + DN) of sink positions' rows as fp32 [N, DN]: the BF16 sink row where srow >= 0, else
-    the INT2 form."""
+    the quantized form (_dequant_rows; FOUR: hi bytes at head j4 of H's H4 heads, none where j4 < 0)."""
     offs_d = d0 + tl.arange(0, DN)
     has = in_sink & (srow >= 0)
+    q = in_sink & (srow < 0)
     x = tl.load(S_ROWS + (srow * HKV + h)[:, None] * D + offs_d[None, :], mask=has[:, None], other=0.0)
-    return x.to(tl.float32) + _dequant_rows(C, P32, pool_record(slot, h, HKV, PAGE), in_sink & (srow < 0), d0, DN, D,
-                                            G, LEVEL_A, CODEBOOK)
+    return x.to(tl.float32) + _dequant_rows(C, H, P16, pool_record(slot, h, HKV, PAGE), pool_record(slot, j4, H4, PAGE),
+                                            q, q & (j4 >= 0), d0, DN, D, G, LEVEL_A, CODEBOOK, FOUR)
 
 
 @triton.jit
 def _oscar_decode_merge(
     O_PART, LSE_PART, OUT,
-    Q, KC, KP32, VC, VP32, SK, SV, SINK_TABLE, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, qk_scale, stride_r2t,
+    Q, KC, KH, K4_INDEX, KP16, VC, VP16, SK, SV, SINK_TABLE, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, qk_scale, stride_r2t,
     HQ: tl.constexpr, GQA: tl.constexpr, HKV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     SINK: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
     V_CODEBOOK: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -733,6 +848,8 @@ def _oscar_decode_merge(
     DC: tl.constexpr,  # output dims per program: program (pid, c) merges dims [c·DC, (c + 1)·DC)
     PDL: tl.constexpr,  # launched as a programmatic dependent of stage 1: wait for its writes here
     PAGE: tl.constexpr,  # pool page size (kernels/records.py), for the sink positions read as INT2
+    K4: tl.constexpr,  # the layer has INT4-key heads (KH: their high planes, K4_INDEX: layout.py k4_index)
+    H4: tl.constexpr,  # KH's heads
 ):
     pid = tl.program_id(0)  # b * Hq + hq
     d0 = tl.program_id(1) * DC
@@ -762,18 +879,21 @@ def _oscar_decode_merge(
         lse = tl.where(sink_part, float("-inf"), lse)
         r2t = REQ_TO_TOKEN + tl.load(REQ_IDX + b).to(tl.int64) * stride_r2t
         q = tl.load(Q + pid * D + offs_k).to(tl.float32) * qk_scale  # scores need all D dims
+        j4 = _k4_head(K4_INDEX, h, K4)
         for start in range(0, n, BLOCK_T):
             pos = start + tl.arange(0, BLOCK_T)
             in_sink = pos < n
             slot = tl.load(r2t + pos, mask=in_sink, other=0).to(tl.int64)
             srow = tl.load(SINK_TABLE + slot, mask=in_sink, other=0).to(tl.int64)
-            k = _sink_rows(KC, KP32, SK, slot, srow, in_sink, h, 0, D, HKV, D, GK, K_A, K_CODEBOOK, PAGE)
+            k = _sink_rows(KC, KH, j4, KP16, SK, slot, srow, in_sink, h, 0, D, HKV, D, GK, K_A, K_CODEBOOK, PAGE,
+                           K4, H4)
             s = tl.where(in_sink, tl.sum(k * q[None, :], 1), float("-inf"))
             m_new = tl.maximum(m_x, tl.max(s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_x - m_safe)
             p = tl.exp2(s - m_safe)
-            v = _sink_rows(VC, VP32, SV, slot, srow, in_sink, h, d0, DC, HKV, D, GV, V_A, V_CODEBOOK, PAGE)
+            v = _sink_rows(VC, VC, 0, VP16, SV, slot, srow, in_sink, h, d0, DC, HKV, D, GV, V_A, V_CODEBOOK, PAGE,
+                           False, 1)
             acc_x = acc_x * alpha + tl.sum(p[:, None] * v, 0)
             l_x = l_x * alpha + tl.sum(p, 0)
             m_x = m_new
@@ -910,6 +1030,14 @@ def default_fold(np_: int, head_dim: int, block_n: int) -> bool:
     """Folded tiles where N is padded (NP < 8) and the folded loop fits FOLD_MAXNREG (D <= FOLD_MAX_HEAD_DIM), with a
     block_n the folded dots take (a multiple of 32)."""
     return np_ < 8 and head_dim <= FOLD_MAX_HEAD_DIM and block_n >= 32 and block_n % 32 == 0
+
+
+def param_words(params: torch.Tensor, ng: int) -> torch.Tensor:
+    """A params buffer (float8 (scale, min) pairs, ng groups per record) viewed as words of min(ng, 4) pairs: int16,
+    int32 or int64, the one load per group (or per 2 or 4 groups) of _param_word; ng 1: one pair per int16 word, as
+    _dequant_rows reads any ng."""
+    per = min(ng, 4)
+    return params.reshape(-1, 2 * per).view({1: torch.int16, 2: torch.int32, 4: torch.int64}[per])
 
 
 def transform_query(q: torch.Tensor, q_transform: Optional[torch.Tensor], kv_heads: int) -> torch.Tensor:
@@ -1107,7 +1235,8 @@ def oscar_decode(
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
 
-    k_level_a / v_level_a: INT2 codebook parameter a (levels 0, a, 3−a, 3); None = uniform.
+    k_level_a / v_level_a: INT2 codebook parameter a (levels 0, a, 3−a, 3); None = uniform (k_level_a must be None on a
+    layer with INT4-key heads, cache.k_hi). The params must be float8 e4m3 (kernels/layout.py).
     plan: the launch decisions (plan_decode) of this call's shape; None: plan_decode(**plan_args) for this call
     (history_kernel, follows_write, q_from_write, write_kernel, num_splits, block_n, sink_splits, ring_splits,
     merge_splits: see there). With follows_write, q must already be transformed (q_transform None) and contiguous: a
@@ -1143,6 +1272,11 @@ def oscar_decode(
     if not req_to_token.is_contiguous() and req_to_token.stride(1) != 1:
         raise ValueError("req_to_token must have unit stride along positions")
     codebook = k_level_a is not None or v_level_a is not None
+    if cache.k_hi is not None and k_level_a is not None:
+        raise ValueError("a layer with INT4-key heads (cache.k_hi) has uniform key levels: pass k_level_a=None")
+    for name, t in (("k_params", cache.k_params), ("v_params", cache.v_params)):
+        if t.dtype != PARAM_DTYPE:
+            raise ValueError(f"{name} must be {PARAM_DTYPE} (the cache format, kernels/layout.py), got {t.dtype}")
     follows = plan.follows_write if plan is not None else plan_args.get("follows_write", False)
     if follows and (q_transform is not None or not q.is_contiguous()):
         raise ValueError("follows_write: transform q (transform_query) and make it contiguous before the KV "
@@ -1179,10 +1313,10 @@ def oscar_decode(
     group = plan.gqa
     block_m = max(16, triton.next_power_of_2(group))
     ngk, ngv = D // gk, D // gv
-    kp32 = cache.k_params.view(torch.int32)
-    vp32 = cache.v_params.view(torch.int32)
-    kp64 = cache.k_params.reshape(-1, 4).view(torch.int64) if ngk % 2 == 0 else kp32
-    vp64 = cache.v_params.reshape(-1, 4).view(torch.int64) if ngv % 2 == 0 else vp32
+    k4 = cache.k_hi is not None
+    # not read unless K4
+    k_hi, k4_index = (cache.k_hi, cache.k4_index) if k4 else (cache.k_codes, cache.sink_table)
+    h4 = cache.k_hi.shape[1] if k4 else 1
     sink_k, sink_v = cache.sink_k, cache.sink_v
     if sink_k.shape[0] == 0:  # no sink rows at all: stage 1 clamps row -1 to 0, which must exist
         sink_k = sink_v = torch.zeros(1, Hkv, D, dtype=sink_k.dtype, device=sink_k.device)
@@ -1200,7 +1334,8 @@ def oscar_decode(
         grid = (B * Hkv, ss + rs if hist_cuda else ns_total)
         wait = plan.pdl and hist_cuda  # window programs after the CUDA history: exit only after it has
         _oscar_decode_stage1[grid](
-            q, cache.k_codes, kp32, kp64, cache.v_codes, vp32, vp64,
+            q, cache.k_codes, k_hi, k4_index, param_words(cache.k_params, ngk), cache.v_codes,
+            param_words(cache.v_params, ngv),
             sink_k, sink_v, cache.ring_k, cache.ring_v, cache.sink_table,
             req_to_token, req_pool_indices, seq_lens, ring_start,
             o_part, lse_part,
@@ -1215,20 +1350,22 @@ def oscar_decode(
             # codes as fp16 subnormals code·2^(2p−24) where the levels are uniform (fewer instructions per code); a
             # codebook's levels are not integers and take the 1 + level/4 form
             NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=not codebook, FOLD=plan.fold,
-            WINDOW_ONLY=hist_cuda, PDL_TRIGGER=plan.pdl, PAGE=cache.page, PDL_WAIT=wait,
+            WINDOW_ONLY=hist_cuda, PDL_TRIGGER=plan.pdl, PAGE=cache.page, K4=k4, H4=h4, PDL_WAIT=wait,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES, **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
             **({"launch_pdl": True} if wait else {}),
         )
     _oscar_decode_merge[(B * Hq, plan.merge_splits)](
         o_part, lse_part, out,
-        q, cache.k_codes, kp32, cache.v_codes, vp32, sink_k, sink_v, cache.sink_table,
+        q, cache.k_codes, k_hi, k4_index, param_words(cache.k_params, 1), cache.v_codes,
+        param_words(cache.v_params, 1),
+        sink_k, sink_v, cache.sink_table,
         req_to_token, req_pool_indices, seq_lens, float(sm_scale) * LOG2E, req_to_token.stride(0),
         HQ=Hq, GQA=group, HKV=Hkv, GK=gk, GV=gv, SINK=sink,
         K_A=float(k_level_a if k_level_a is not None else 1.0),
         V_A=float(v_level_a if v_level_a is not None else 1.0),
         K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None, BLOCK_T=16,
         NS=ns, SS=ss, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, DC=D // plan.merge_splits,
-        PDL=plan.pdl, PAGE=cache.page,
+        PDL=plan.pdl, PAGE=cache.page, K4=k4, H4=h4,
         num_warps=4, **({"launch_pdl": True} if plan.pdl else {}),
     )
     return out

@@ -5,7 +5,11 @@ rows. Position p of a request (pool row r, prefix length L) reads, per KV head:
 
     sink row sink_table[slot]        if p < pool.sink and sink_table[slot] >= 0
     ring row r*W + p % W             elif p >= max(pool.sink, ring_start, ring_end − W)
-    dequantized INT2 form of slot    otherwise: min + scale·level[code] in fp32, then cast
+    dequantized form of slot         otherwise: min + scale·level[code] in fp32, then cast
+
+The quantized form (kernels/layout.py): INT2 codes, and on the INT4-key heads of a layer (pool.k4_heads)
+K codes lo | hi << 2 with lo from k_codes and hi from k_hi (uniform levels 0..15); (scale, min) float8 e4m3
+pairs, decoded exactly by integer ops (decode.e4m3_pair).
 
 with slot = req_to_token[r, p]. ring_end defaults to L; if the rows of the chunk being computed
 ([L, L + extend)) were already written into the ring, pass ring_end = L + extend, because they
@@ -30,45 +34,53 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .decode import PARAM_SCALE, e4m3_pair, param_words
     from .records import pool_record
     from .write import _to_window
 
     @triton.jit
     def _gather_side(
-        out_ptr, stride_on, codes_ptr, params_ptr, sink_ptr, ring_ptr,
+        out_ptr, stride_on, codes_ptr, hi_ptr, j4, params_ptr, sink_ptr, ring_ptr,
         rows, slot, srow, rrow, use_sink, use_ring, use_q, h,
         H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LV1: tl.constexpr, LV2: tl.constexpr,
-        PAGE: tl.constexpr,
+        PAGE: tl.constexpr, FOUR: tl.constexpr, H4: tl.constexpr,
     ):
         # Plane by plane: byte j of a head holds elements j, j+Q, j+2Q, j+3Q (quarter planes), so
         # each code byte is loaded once and plane s is (byte >> 2s) & 3 for the Q elements
-        # [sQ, sQ+Q). When G is a multiple of Q a plane lies in one group: its (scale, min) are one
-        # pair per row, not one per element. Window rows (sink, ring) are few (<= S + W per
-        # request), so their loads run only in blocks that hold one.
+        # [sQ, sQ+Q) (FOUR: that | the same plane of the hi byte << 2, the byte at head j4 of hi_ptr's H4
+        # heads, 0 where j4 < 0: an INT2-key head of a layer with INT4-key heads). When G is a multiple
+        # of Q a plane lies in one group: its (scale, min) are one pair per row, not one per element.
+        # params_ptr: int16 words, one (scale, min) pair each (e4m3_pair: 2^-8 times their values, undone
+        # by PARAM_SCALE, exactly). Window rows (sink, ring) are few (<= S + W per request), so their
+        # loads run only in blocks that hold one.
         Q: tl.constexpr = D // 4
         NG: tl.constexpr = D // G
         offs_j = tl.arange(0, Q)
         qm = use_q[:, None]
         rec = pool_record(slot, h, H, PAGE)  # (slot, head) records (kernels/records.py)
         byte = tl.load(codes_ptr + rec[:, None] * Q + offs_j[None, :], mask=qm, other=0).to(tl.int32)
-        p_row = params_ptr + rec * (NG * 2)
+        hbyte = byte
+        if FOUR:
+            rec4 = pool_record(slot, j4, H4, PAGE)
+            hbyte = tl.load(hi_ptr + rec4[:, None] * Q + offs_j[None, :], mask=qm & (j4 >= 0), other=0).to(tl.int32)
+        p_row = params_ptr + rec * NG
         out_row = out_ptr + rows.to(tl.int64)[:, None] * stride_on + h * D + offs_j[None, :]
         valid = (use_sink | use_ring | use_q)[:, None]
         any_window = tl.max((use_sink | use_ring).to(tl.int32), axis=0) > 0
         for s in tl.static_range(4):
             code = (byte >> (2 * s)) & 3
+            if FOUR:
+                code = code | (((hbyte >> (2 * s)) & 3) << 2)
             lvl = code.to(tl.float32)
             if LV1 != 1.0:
                 lvl = tl.where(code == 1, LV1, tl.where(code == 2, LV2, lvl))
             if G % Q == 0:
-                g = (s * Q) // G
-                scale = tl.load(p_row + g * 2, mask=use_q, other=0.0).to(tl.float32)[:, None]
-                minv = tl.load(p_row + g * 2 + 1, mask=use_q, other=0.0).to(tl.float32)[:, None]
+                scale, minv = e4m3_pair(tl.load(p_row + (s * Q) // G, mask=use_q, other=0).to(tl.int32))
+                scale, minv = scale[:, None], minv[:, None]
             else:
-                pg = p_row[:, None] + ((s * Q + offs_j) // G)[None, :] * 2
-                scale = tl.load(pg, mask=qm, other=0.0).to(tl.float32)
-                minv = tl.load(pg + 1, mask=qm, other=0.0).to(tl.float32)
-            x = minv + scale * lvl
+                pg = p_row[:, None] + ((s * Q + offs_j) // G)[None, :]
+                scale, minv = e4m3_pair(tl.load(pg, mask=qm, other=0).to(tl.int32))
+            x = (minv + scale * lvl) * PARAM_SCALE
             if any_window:
                 col = h * D + s * Q + offs_j[None, :]
                 xs = tl.load(sink_ptr + srow[:, None] * (H * D) + col, mask=use_sink[:, None], other=0.0)
@@ -79,13 +91,14 @@ if HAS_TRITON:
     @triton.jit
     def _oscar_gather_kernel(
         req_to_token_ptr, stride_r2t, req_pool_ptr, indptr_ptr, ring_start_ptr, ring_end_ptr, sink_table_ptr,
-        k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
+        k_codes_ptr, k_hi_ptr, k4_index_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, sink_k_ptr, sink_v_ptr, ring_k_ptr,
+        ring_v_ptr,
         out_k_ptr, stride_okn, out_v_ptr, stride_ovn,
         N, B,
         H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
         S: tl.constexpr, W: tl.constexpr, HAS_RING_END: tl.constexpr, HAS_SINK_TABLE: tl.constexpr,
         K_LV1: tl.constexpr, K_LV2: tl.constexpr, V_LV1: tl.constexpr, V_LV2: tl.constexpr,
-        SEARCH_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+        SEARCH_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, K4: tl.constexpr, H4: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         h = tl.program_id(1)
@@ -122,10 +135,13 @@ if HAS_TRITON:
             use_ring = valid & (pos < 0)
             rrow = rpool
         use_q = valid & (srow < 0) & ~use_ring
-        _gather_side(out_k_ptr, stride_okn, k_codes_ptr, k_params_ptr, sink_k_ptr, ring_k_ptr,
-                     rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GK, K_LV1, K_LV2, PAGE)
-        _gather_side(out_v_ptr, stride_ovn, v_codes_ptr, v_params_ptr, sink_v_ptr, ring_v_ptr,
-                     rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GV, V_LV1, V_LV2, PAGE)
+        j4 = 0
+        if K4:
+            j4 = tl.load(k4_index_ptr + h)  # head h's head in k_hi, -1: INT2 keys
+        _gather_side(out_k_ptr, stride_okn, k_codes_ptr, k_hi_ptr, j4, k_params_ptr, sink_k_ptr, ring_k_ptr,
+                     rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GK, K_LV1, K_LV2, PAGE, K4, H4)
+        _gather_side(out_v_ptr, stride_ovn, v_codes_ptr, v_codes_ptr, 0, v_params_ptr, sink_v_ptr, ring_v_ptr,
+                     rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GV, V_LV1, V_LV2, PAGE, False, 1)
 
 
 def _levels(a: float) -> tuple:
@@ -155,6 +171,7 @@ def oscar_gather_prefixes(
     req_to_token: int32/int64 [max_reqs, max_len] (SGLang's table); req_pool_indices: int [B];
     kv_indptr: int32 [B+1] (kv_indptr[i+1] − kv_indptr[i] = prefix length of request i);
     ring_starts / ring_ends: int32 [B] (see the module docstring). out dtype: bf16/fp16/fp32.
+    k_level_a: 1.0 on a layer with INT4-key heads (uniform key levels).
     """
     if not HAS_TRITON:
         raise RuntimeError("oscar_gather_prefixes needs triton")
@@ -183,6 +200,10 @@ def oscar_gather_prefixes(
                     ("ring_starts", ring_starts)):
         if t.device != dev:
             raise ValueError(f"{name} is on {t.device}, the cache on {dev}")
+    k4 = pool.k_hi is not None
+    if k4 and k_level_a != 1.0:
+        raise ValueError(f"a layer with INT4-key heads (pool.k_hi) has uniform key levels: k_level_a must be 1, "
+                         f"got {k_level_a}")
     n = out_k.shape[0]
     if n == 0 or b == 0:
         return
@@ -193,14 +214,17 @@ def oscar_gather_prefixes(
         req_to_token, req_to_token.stride(0), req_pool_indices, kv_indptr, ring_starts,
         ring_ends if ring_ends is not None else ring_starts,
         pool.sink_table if pool.sink_table is not None else kv_indptr,
-        pool.k_codes, pool.k_params, pool.v_codes, pool.v_params,
+        pool.k_codes, pool.k_hi if k4 else pool.k_codes, pool.k4_index if k4 else kv_indptr,
+        param_words(pool.k_params, 1), pool.v_codes,
+        param_words(pool.v_params, 1),
         pool.sink_k, pool.sink_v, pool.ring_k, pool.ring_v,
         out_k, out_k.stride(0), out_v, out_v.stride(0),
         n, b,
         H=h, D=d, GK=pool.k_group, GV=pool.v_group, S=pool.sink, W=pool.window,
         HAS_RING_END=ring_ends is not None, HAS_SINK_TABLE=pool.sink_table is not None,
         K_LV1=k1, K_LV2=k2, V_LV1=v1, V_LV2=v2,
-        SEARCH_STEPS=max(1, b.bit_length()), BLOCK_N=block_n, PAGE=pool.page, num_warps=4,
+        SEARCH_STEPS=max(1, b.bit_length()), BLOCK_N=block_n, PAGE=pool.page, K4=k4,
+        H4=pool.k_hi.shape[1] if k4 else 1, num_warps=4,
     )
 
 

@@ -1,4 +1,8 @@
-"""The INT2 history stage of oscar_decode in CUDA (kernels/cuda/int2_history.cu): checks, split rule, launch.
+"""The quantized history stage of oscar_decode in CUDA (kernels/cuda/int2_history.cu): checks, split rule, launch.
+
+It reads the cache format of kernels/layout.py: INT2 values, INT2 keys and, on a layer's cache.k4_heads, INT4 keys
+(cache.k_hi; the kernel's INT4 instances run a layer with such heads, the INT2 ones every other layer), and (scale,
+min) pairs of float8 e4m3 on both sides.
 
 oscar_decode(..., history_kernel="cuda") runs this kernel for the history splits [0, NS) (one split per CTA; its
 warps merge in shared memory) and, in the same grid, the BF16 sink and ring rows: in window CTAs after the history
@@ -6,7 +10,8 @@ CTAs, or, where a launch has a split per 16-row window tile, in the first warp o
 Triton merge follows it (PDL). In a served decode step it is itself the PDL dependent of the step's KV write
 (oscar_decode follows_write; PDL_AFTER_WRITE / PDL_AFTER_WRITE_Q below): its history CTAs stream while the write runs.
 What it covers is kernels/shapes.py's rule (D 128 with groups 64 / 128, D 64 with groups 32 / 64, GQA 1-16 with
-above 8 as head groups of 8, uniform levels); at D 64 the Triton window programs read the window after it. Anything
+above 8 as head groups of 8, uniform levels; INT2 keys and INT4 ones on any KV heads); at D 64 the Triton window programs read the window
+after it. Anything
 else raises with the reason. It pays on a pool in pages of 64 (kernels/records.py): on H100 78-93% of copy bandwidth
 at 64k / 128k batch >= 8 for Qwen3-8B / 14B / 32B shapes, against 56-68% for the Triton path (benchmark/NOTES.md).
 
@@ -51,8 +56,9 @@ Q_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the kernel
 
 # oscar_history_launch's C parameters in order (test_decode checks them against the source's signature)
 _i, _p = ctypes.c_int, ctypes.c_void_p
-LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _p, _i, _p, _i,
-                   _p, _p, _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i, _p, _i, _i, _p]
+LAUNCH_ARGTYPES = [_i, _i, _i, _i, _i, _i, _i, _i, _i, _i, _p, _i, ctypes.c_float, _p, _p, _p, _p, _i, _p, _p, _p,
+                   _i, _p, _i, _p, _p, _i, _i, _i, _p, _p, _i, _i, _i, _p, _p, _p, _p, _p, _i, _i, _i, _i, _p, _i,
+                   _p, _i, _i, _p]
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -105,9 +111,10 @@ def library() -> ctypes.CDLL:
 
 def occupancy(heads: int = 4, head_dim: int = 128, wide: bool = False) -> int:
     """Resident CTAs per SM of the kernel with `heads` query heads per CTA column (cta_heads), head_dim and, at D 64,
-    32- or 64-token stages (wide, block_tokens) on the current device; the first call per configuration and device
-    also raises its dynamic shared-memory limit. (D 64 compiles to ~80 registers: 3 CTAs of 8 warps per SM; D 128 to
-    128: 2.)"""
+    32- or 64-token stages (wide, block_tokens) on the current device: the fewest of its instances with INT2 and INT4
+    keys (the split rule is the shape's, whatever the layer's key bits); the first call per configuration and device
+    also raises their dynamic shared-memory limits. (D 64 compiles to ~80 registers: 3 CTAs of 8 warps per SM; D 128
+    to 128: 2.)"""
     lib = _lib if _lib is not None else library()
     if heads not in (4, 8) or head_dim not in HEAD_DIMS or (wide and not wide_built(head_dim, heads)):
         raise ValueError(f"history_kernel='cuda' builds 4 or 8 heads per CTA column, head_dim {HEAD_DIMS} and 64-token "
@@ -268,7 +275,8 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
     [ns + SS, ns + SS + RS) as well (sink_k / sink_v: the cache's sink rows, or a one-row stand-in where it has
     none). fold (folds; window_splits (0, 0)): the history CTAs read the window themselves (no window partials).
     oscar_decode, the caller, has checked the index dtypes and check_supported the shape; this checks only what the
-    kernel adds (the split range, contiguous 1-D inputs, q's alignment).
+    kernel adds (the split range, contiguous 1-D inputs, q's alignment, cache.k_hi's layout, the params' storage).
+    A layer with INT4-key heads (cache.k_hi, cache.k4_heads) runs the kernel's INT4-key instance.
 
     The kernel lets its dependents launch at once (griddepcontrol.launch_dependents); a kernel launched after it
     with PDL must wait for it (griddepcontrol.wait) before it relies on these partials. pdl: launch this kernel
@@ -286,6 +294,28 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         raise ValueError(f"history_kernel='cuda' reads the window in its own grid at head_dim {CUDA_WINDOW_HEAD_DIMS} "
                          f"only; at {head_dim} launch it with window_splits (0, 0) and no fold, and the Triton window "
                          f"programs after it (oscar_decode does)")
+    k_hi = cache.k_hi
+    if k_hi is not None:
+        h4 = len(cache.k4_heads)
+        want = list(cache.k_codes.shape)
+        want[1] = h4  # [slots, H4, D/4] or [slots/P, H4, P, D/4]: the INT4 heads' rows only
+        if k_hi.dtype != torch.uint8 or list(k_hi.shape) != want or not k_hi.is_contiguous() or not h4:
+            raise ValueError(f"history_kernel='cuda' reads cache.k_hi (the high planes of the k4_heads "
+                             f"{cache.k4_heads}) as contiguous uint8 {tuple(want)}, got {k_hi.dtype} "
+                             f"{tuple(k_hi.shape)}")
+        k4_index = cache.k4_index
+        if k4_index.dtype != torch.int32 or k4_index.device != cache.k_codes.device or k4_index.numel() != \
+                cache.kv_heads:
+            raise ValueError(f"history_kernel='cuda' reads cache.k4_index as int32 [{cache.kv_heads}] on the cache's "
+                             f"device, got {k4_index.dtype} {tuple(k4_index.shape)} on {k4_index.device}")
+    for name, prm, group in (("k_params", cache.k_params, cache.k_group), ("v_params", cache.v_params, cache.v_group)):
+        # a row of one group has a 2-byte pair per record, copied as the 4-byte word of its record pair: with an odd
+        # record count the last record's word reaches 2 bytes past the buffer
+        end = (prm.storage_offset() + prm.numel()) * prm.element_size()
+        if group == head_dim and records % 2 and prm.untyped_storage().nbytes() < end + 2:
+            raise ValueError(f"history_kernel='cuda' reads one-group (scale, min) pairs in 4-byte words of two records: "
+                             f"{name} of an odd record count ({records}) needs 2 bytes of storage past its end; use an "
+                             f"even slot count or history_kernel='triton'")
     lib = library()
     b, hq = q.shape[0], q.shape[1]
     hkv = cache.kv_heads
@@ -319,7 +349,9 @@ def launch(q, cache, req_to_token, req_pool_indices, seq_lens, ring_start, *, si
         STAGES, WARPS, heads, head_dim, int(wide), b * hkv, hq // hkv, int(cache.k_group == head_dim),
         int(cache.v_group == head_dim), ns, q.data_ptr(),
         Q_DTYPES[q.dtype], float(sm_scale) * LOG2E,
-        cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), cache.k_params.data_ptr(), cache.v_params.data_ptr(),
+        cache.k_codes.data_ptr(), cache.v_codes.data_ptr(), None if k_hi is None else k_hi.data_ptr(),
+        None if k_hi is None else k4_index.data_ptr(), 0 if k_hi is None else h4,
+        cache.k_params.data_ptr(), cache.v_params.data_ptr(),
         req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
         _INDEX_DTYPES[req_pool_indices.dtype], seq_lens.data_ptr(), ring_start.data_ptr(), hkv, sink, window,
         o_part.data_ptr(), lse_part.data_ptr(), ns_total, int(math.log2(cache.page)), int(pdl), *win, ss, rs,

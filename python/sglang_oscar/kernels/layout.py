@@ -5,14 +5,19 @@ Per layer (Hkv KV heads, head_dim D, group sizes Gk / Gv, page size P):
     k_codes   uint8 [num_slots, Hkv, D/4]        quarter-plane packed INT2 (quant/pack.py), P = 1
               uint8 [num_slots/P, Hkv, P, D/4]   P > 1: slot s is row s % P of page s // P, so the
                                                  rows of one KV head are contiguous within a page
-    k_params  bf16  [num_slots, Hkv, D/Gk, 2]    (scale, min) per group (P > 1: [num_slots/P, Hkv, P, D/Gk, 2])
-    v_codes, v_params                            likewise with Gv
+    k_params  fp8   [num_slots, Hkv, D/Gk, 2]    (scale, min) per group, float8 e4m3 (quant/intq.py)
+                                                 (P > 1: [num_slots/P, Hkv, P, D/Gk, 2])
+    k_hi      uint8 [num_slots, H4, D/4], or None  the KV heads of this layer with INT4 keys (k4_heads, H4 of them):
+                                                 k_codes holds the low two bits of each code, k_hi the high two
+                                                 (quant/pack.py "two planes"); paged [num_slots/P, H4, P, D/4]
+    k4_index  int32 [Hkv]                        head h's row among k_hi's heads, -1 for an INT2-key head
+    v_codes, v_params                            likewise with Gv (values are always INT2)
     sink_k, sink_v  [num_sink_rows, Hkv, D]      transformed rows of positions < sink (window dtype)
     ring_k, ring_v  [max_reqs * window, Hkv, D]  transformed rows of the recent window;
                                                  position p of request r is row r*window + p % window
     sink_table int32 [num_slots]                 pool slot -> sink row, -1 = none
 
-Every slot always holds the INT2 form; sink and ring rows are extra BF16 copies. All buffers
+Every slot always holds the quantized form; sink and ring rows are extra BF16 copies. All buffers
 must be contiguous (the kernels compute offsets from the shapes; the record of (slot, head) is
 kernels/records.py:pool_record). rows() / set_rows() read and write [n, Hkv, ...] by slot in
 either layout (the oracles and tests use them).
@@ -26,8 +31,7 @@ from typing import Optional
 import torch
 
 from ..config import SUPPORTED_GROUPS, SUPPORTED_HEAD_DIMS, check_head_dim
-
-PARAM_DTYPE = torch.bfloat16
+from ..quant.intq import PARAM_DTYPE
 SUPPORTED_PAGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WINDOW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -72,6 +76,20 @@ class LayerCache:
     sink: int = 64
     sink_table: Optional[torch.Tensor] = None
     page: int = 1
+    k_hi: Optional[torch.Tensor] = None
+    k4_heads: tuple = ()  # KV heads with INT4 keys, ascending (k_hi's heads in that order); needs k_hi
+
+    def __post_init__(self) -> None:
+        self.k4_heads = tuple(int(h) for h in self.k4_heads)
+        index = torch.full((self.k_codes.shape[1],), -1, dtype=torch.int32)
+        for j, h in enumerate(self.k4_heads):
+            index[h] = j
+        self.k4_index = index.to(self.k_codes.device)
+
+    @property
+    def has_k4(self) -> bool:
+        """Some KV head of this layer stores INT4 keys (k_hi); the kernels specialise on it."""
+        return self.k_hi is not None
 
     @property
     def num_slots(self) -> int:
@@ -93,7 +111,8 @@ class LayerCache:
         return (slots // self.page, slice(None), slots % self.page)
 
     def rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
-        """Buffer `name` (k_codes, k_params, v_codes, v_params) at `slots`: [n, Hkv, ...], either layout."""
+        """Buffer `name` (k_codes, k_hi, k_params, v_codes, v_params) at `slots`: [n, Hkv, ...] ([n, H4, ...] for k_hi),
+        either layout."""
         t = getattr(self, name)
         return t[self._slot_index(slots, t.device)]
 
@@ -119,15 +138,25 @@ class LayerCache:
         device=None,
         with_sink_table: bool = True,
         page: int = 1,
+        k_bits: int = 2,
+        k4_heads=None,
     ) -> "LayerCache":
-        """Uninitialised buffers (torch.empty) of the right shapes; the sink table is all -1."""
+        """Uninitialised buffers (torch.empty) of the right shapes; the sink table is all -1. k4_heads: the KV heads
+        with INT4 keys (a k_hi buffer of their high planes beside k_codes); k_bits 4 without k4_heads: every head."""
+        if k_bits not in (2, 4):
+            raise ValueError(f"key bits must be 2 or 4, got {k_bits}")
+        if k4_heads is None:
+            k4_heads = range(kv_heads) if k_bits == 4 else ()
+        k4_heads = tuple(sorted({int(x) for x in k4_heads}))
+        if any(not 0 <= x < kv_heads for x in k4_heads):
+            raise ValueError(f"k4_heads {k4_heads} outside the {kv_heads} KV heads")
         check_shape(head_dim, k_group, "K: ")
         check_shape(head_dim, v_group, "V: ")
         check_page(page, num_slots)
         d, h = head_dim, kv_heads
 
-        def codes():
-            return torch.empty(pool_shape(num_slots, h, (d // 4,), page), dtype=torch.uint8, device=device)
+        def codes(heads=h):
+            return torch.empty(pool_shape(num_slots, heads, (d // 4,), page), dtype=torch.uint8, device=device)
 
         def params(g):
             return torch.empty(pool_shape(num_slots, h, (d // g, 2), page), dtype=PARAM_DTYPE, device=device)
@@ -139,11 +168,12 @@ class LayerCache:
         return cls(
             codes(), params(k_group), codes(), params(v_group),
             rows(num_sink_rows), rows(num_sink_rows), rows(max_reqs * window), rows(max_reqs * window),
-            k_group, v_group, window, sink, table, page,
+            k_group, v_group, window, sink, table, page, codes(len(k4_heads)) if k4_heads else None, k4_heads,
         )
 
     def buffers(self) -> dict:
-        names = ("k_codes", "k_params", "v_codes", "v_params", "sink_k", "sink_v", "ring_k", "ring_v", "sink_table")
+        names = ("k_codes", "k_hi", "k_params", "v_codes", "v_params", "sink_k", "sink_v", "ring_k", "ring_v",
+                 "sink_table")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def clone(self) -> "LayerCache":
@@ -162,6 +192,14 @@ class LayerCache:
             "k_params": (pool_shape(n, h, (d // self.k_group, 2), pg), PARAM_DTYPE),
             "v_params": (pool_shape(n, h, (d // self.v_group, 2), pg), PARAM_DTYPE),
         }
+        if self.k_hi is not None:
+            h4 = len(self.k4_heads)
+            if not h4 or list(self.k4_heads) != sorted(set(self.k4_heads)) or not 0 <= self.k4_heads[0] \
+                    or self.k4_heads[-1] >= h:
+                raise ValueError(f"LayerCache.k4_heads {self.k4_heads}: ascending KV heads of [0, {h}) with k_hi")
+            expect["k_hi"] = (pool_shape(n, h4, (d // 4,), pg), torch.uint8)
+        elif self.k4_heads:
+            raise ValueError(f"LayerCache.k4_heads {self.k4_heads} without a k_hi buffer")
         for name, (shape, dtype) in expect.items():
             t = getattr(self, name)
             if tuple(t.shape) != shape or t.dtype != dtype:

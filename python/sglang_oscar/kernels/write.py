@@ -1,4 +1,4 @@
-"""Cache write: transform, window copy, clip, INT2 quantize and pack K and V in one launch.
+"""Cache write: transform, window copy, clip, quantize (INT2, or INT4 keys) and pack K and V in one launch.
 
 For every token t and KV head h, per side (K, V):
 
@@ -6,12 +6,20 @@ For every token t and KV head h, per side (K, V):
     sink_dst[t] >= 0  ->  sink[sink_dst[t], h] = x'   (cast to the sink buffer dtype)
     ring_dst[t] >= 0  ->  ring[ring_dst[t], h] = x'
     c    = clip(x', ±τ)                  τ = (n+1)-th largest |x'| of the row, n = clip_count(ρ, D)
-    per group of G: scale = bf16((max − min)/3), min = bf16(min)
-    t    = (c − min)/scale               with the rounded values, IEEE division
-    code = #{thresholds <= t}            thresholds = midpoints of the levels (0, a, 3−a, 3): in [0, 3]
+    per group of G: scale = e4m3((max − min)/qmax), min = e4m3(min)     float8 e4m3: saturated to ±448, rounded to
+                                         nearest even (quant/intq.py round_param); qmax 3 (INT2) or 15 (INT4 keys)
+    t    = (c − min)/scale               with the rounded values, IEEE division (0 where scale is 0)
+    code = #{thresholds <= t}            INT2: thresholds = midpoints of the levels (0, a, 3−a, 3), code in [0, 3];
+                                         INT4 keys: thresholds k + 0.5, k = 0..14, code in [0, 15]
     codes[slots[t], h] = quarter-plane packed codes, params[slots[t], h] = (scale, min)
+                                         INT4 keys: code & 3 packed into k_codes, code >> 2 into k_hi (quant/pack.py)
+                                         at the head's row j = k4_index[h] of k_hi's heads
 
-The oracle is quant/cache_ops.py:write_reference (SideQuantizer math of quant/kv.py).
+The oracle is quant/cache_ops.py:write_reference (SideQuantizer math of quant/kv.py). INT4 keys are chosen per
+(layer, KV head): the KV heads pool.k4_heads of a layer with pool.k_hi. Such a layer is a compile-time variant of the
+launch (HAS_K4), so layers without INT4 heads run the INT2 code only; in it a head's width is a program-uniform
+runtime value (k4_index[h] >= 0): INT4 heads are never clipped (k_clip is the INT2 heads'), qmax 15; INT2 heads as
+usual, with uniform levels (k_level_a must be 1 in such a layer), so both count thresholds k + 0.5 up to their qmax.
 
 Decode also hands the write the step's queries (q, q_transform, q_out): q_out = q·T_q per KV head, in a third
 program per (token block, head), so that no GEMM runs between the write and the decode (oscar_decode
@@ -84,6 +92,43 @@ if HAS_TRITON:
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _e4m3(x):
+        """fp32 -> (the fp32 value of float8 e4m3 (x), its byte as uint8): saturated to +-448, then rounded to nearest
+        even, as the oracle's x.clamp(-448, 448).to(torch.float8_e4m3fn) and the GPU's cvt.rn.satfinite.e4m3x2.f32.
+
+        Done on the bits because the CPU interpreter's fp8 casts cannot be trusted (and the byte is stored through a
+        uint8 view of the params). |x| >= 2^-6 (e4m3 normals): drop 20 of fp32's 23 mantissa bits, rounding to
+        nearest even (a carry into the exponent is the next binade). |x| < 2^-6: the e4m3 subnormals, multiples n of
+        2^-9 (n in [0, 8]; 8 is 2^-6, whose byte is 8 too): n = mantissa with its implicit bit, shifted right by
+        141 − biased exponent, rounded to nearest even (fp32 subnormals and anything below 2^-10 give 0).
+        """
+        b = x.to(tl.uint32, bitcast=True)
+        sign = b & 0x80000000
+        a = tl.minimum(b & 0x7FFFFFFF, 0x43E00000)  # |x| saturated at 448 (the bits of non-negative floats sort so)
+        r = (a + 0x7FFFF + ((a >> 20) & 1)) & 0xFFF00000  # normals: fp32 bits of the rounded value
+        e = (a >> 23).to(tl.int32)
+        sh = tl.minimum(tl.maximum(141 - e, 21), 31).to(tl.uint32)  # 21..25 for the subnormal range, 31: 0 result
+        mant = (a & 0x7FFFFF) | 0x800000
+        n = (mant + (1 << (sh - 1)) - 1 + ((mant >> sh) & 1)) >> sh  # round(|x| / 2^-9), ties to even
+        normal = a >= 0x3C800000  # 2^-6
+        mag = tl.where(normal, r, (n.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True))  # n · 2^-9 exact
+        byte = tl.where(normal, (r >> 20) - (120 << 3), n) | (sign >> 24)  # exponent bias 127 -> 7, 3 mantissa bits
+        return (mag | sign).to(tl.float32, bitcast=True), byte.to(tl.uint8)
+
+    @triton.jit
+    def _code(t, qmax, UNIFORM: tl.constexpr, TH0: tl.constexpr, TH1: tl.constexpr, TH2: tl.constexpr):
+        """int32 code = #{thresholds <= t}: UNIFORM (the keys of a layer with INT4 heads) thresholds k + 0.5 up to
+        qmax (3 or 15, program-uniform), else the three INT2 thresholds given."""
+        if UNIFORM:
+            c = tl.minimum(tl.maximum(tl.floor(t + 0.5), 0.0), qmax)
+            # t + 0.5 rounds up to the next integer where t lies just below a threshold k + 0.5 (never down: the
+            # integers are exact); k + 0.5 and the comparison are exact, so this is the oracle's count
+            c = tl.where((c > 0.0) & (t < c - 0.5), c - 1.0, c)
+            return c.to(tl.int32)
+        else:
+            return (t >= TH0).to(tl.int32) + (t >= TH1).to(tl.int32) + (t >= TH2).to(tl.int32)
+
+    @triton.jit
     def _to_window(x, ptr):
         """Cast fp32 rows to the element type of `ptr` (rounded to nearest even)."""
         if ptr.dtype.element_ty == tl.bfloat16:
@@ -96,13 +141,16 @@ if HAS_TRITON:
         x_ptr, stride_xt, stride_xh,
         mat_ptr, stride_mh, mean_ptr, stride_meanh,
         slots_ptr, sink_dst_ptr, ring_dst_ptr,
-        codes_ptr, params_ptr, sink_ptr, ring_ptr,
+        codes_ptr, hi_ptr, k4_index_ptr, params_ptr, sink_ptr, ring_ptr,
         T, t0, h,
-        H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+        H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, HAS_K4: tl.constexpr, H4: tl.constexpr,
         HAS_MAT: tl.constexpr, HAS_MEAN: tl.constexpr, CLIP_N: tl.constexpr,
         TH0: tl.constexpr, TH1: tl.constexpr, TH2: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr,
     ):
+        """BLOCK_T tokens of one head of one side. params_ptr: the params as bytes (uint8 view). HAS_K4 (the keys of a
+        layer with INT4 heads): head h is INT4 where k4_index[h] = j >= 0, its code & 3 going to codes_ptr and code >> 2
+        to row j of hi_ptr's H4 heads (else both None)."""
         offs_t = t0 + tl.arange(0, BLOCK_T)
         tmask = offs_t < T
         offs_d = tl.arange(0, D)
@@ -135,6 +183,13 @@ if HAS_TRITON:
         rd = tl.load(ring_dst_ptr + offs_t, mask=tmask, other=-1).to(tl.int64)
         tl.store(ring_ptr + rd[:, None] * (H * D) + row_off, _to_window(xt, ring_ptr), mask=(rd >= 0)[:, None])
 
+        if HAS_K4:
+            j = tl.load(k4_index_ptr + h)  # head h's row among k_hi's heads, -1: INT2 keys
+            is4 = j >= 0
+            qmax = tl.where(is4, 15.0, 3.0)
+        else:
+            qmax = 3.0
+
         # ---- per-row clip at the (CLIP_N+1)-th largest |x'| (ties counted like torch.topk) ----
         if CLIP_N > 0:
             a = tl.abs(xt)
@@ -147,45 +202,55 @@ if HAS_TRITON:
                 tau = tl.where(need > 0, v, tau)
                 need = need - cnt
                 cur = v
+            if HAS_K4:
+                tau = tl.where(is4, float("inf"), tau)  # INT4 heads are never clipped
             xt = tl.minimum(tl.maximum(xt, -tau[:, None]), tau[:, None])
 
-        # ---- per-group asymmetric INT2 ----
+        # ---- per-group asymmetric INT2 / INT4 ----
         NG: tl.constexpr = D // G
         xg = tl.reshape(xt, (BLOCK_T, NG, G))
         lo = tl.min(xg, axis=2)
         hi = tl.max(xg, axis=2)
-        scale_r = _round_bf16(tl.math.div_rn(hi - lo, tl.full(hi.shape, 3.0, tl.float32)))  # stored values, as fp32
-        min_r = _round_bf16(lo)
+        scale_r, scale_b = _e4m3(tl.math.div_rn(hi - lo, tl.zeros(hi.shape, tl.float32) + qmax))  # stored, as fp32
+        min_r, min_b = _e4m3(lo)
         s = scale_r[:, :, None]
         m = min_r[:, :, None]
         pos = s > 0.0
         t = tl.where(pos, tl.math.div_rn(xg - m, tl.where(pos, s, 1.0)), 0.0)
-        code = (t >= TH0).to(tl.int32) + (t >= TH1).to(tl.int32) + (t >= TH2).to(tl.int32)  # in [0, 3]
+        code = _code(t, qmax, HAS_K4, TH0, TH1, TH2)  # in [0, qmax]
 
         slot = tl.load(slots_ptr + offs_t, mask=tmask, other=0).to(tl.int64)
         rec = pool_record(slot, h, H, PAGE)  # [BLOCK_T] (slot, head) records (kernels/records.py)
         offs_g = tl.arange(0, NG)
         p_ptr = params_ptr + rec[:, None] * (NG * 2) + offs_g[None, :] * 2
         pmask = tmask[:, None]
-        tl.store(p_ptr, scale_r.to(tl.bfloat16), mask=pmask)  # exact: already a bf16 value
-        tl.store(p_ptr + 1, min_r.to(tl.bfloat16), mask=pmask)
+        tl.store(p_ptr, scale_b, mask=pmask)
+        tl.store(p_ptr + 1, min_b, mask=pmask)
 
-        # ---- quarter-plane pack: byte j = c[j] | c[j+D/4]<<2 | c[j+D/2]<<4 | c[j+3D/4]<<6 ----
+        # ---- quarter-plane pack: byte j = c[j] | c[j+D/4]<<2 | c[j+D/2]<<4 | c[j+3D/4]<<6 (INT4: of code & 3 and,
+        # into hi_ptr, of code >> 2) ----
         Q: tl.constexpr = D // 4
         c4 = tl.reshape(code, (BLOCK_T, 4, Q))
         shift = (tl.arange(0, 4) * 2)[None, :, None]
-        packed = tl.sum(c4 << shift, axis=1).to(tl.uint8)
         offs_q = tl.arange(0, Q)
-        tl.store(codes_ptr + rec[:, None] * Q + offs_q[None, :], packed, mask=pmask)
+        if HAS_K4:
+            tl.store(codes_ptr + rec[:, None] * Q + offs_q[None, :], tl.sum((c4 & 3) << shift, axis=1).to(tl.uint8),
+                     mask=pmask)
+            rec4 = pool_record(slot, j, H4, PAGE)
+            tl.store(hi_ptr + rec4[:, None] * Q + offs_q[None, :], tl.sum((c4 >> 2) << shift, axis=1).to(tl.uint8),
+                     mask=pmask & is4)
+        else:
+            packed = tl.sum(c4 << shift, axis=1).to(tl.uint8)
+            tl.store(codes_ptr + rec[:, None] * Q + offs_q[None, :], packed, mask=pmask)
 
     @triton.jit
     def _write_row(
         x_ptr, stride_xt, stride_xh,
         mat_ptr, stride_mh, mean_ptr, stride_meanh,
         slots_ptr, sink_dst_ptr, ring_dst_ptr,
-        codes_ptr, params_ptr, sink_ptr, ring_ptr,
+        codes_ptr, hi_ptr, k4_index_ptr, params_ptr, sink_ptr, ring_ptr,
         t, h,
-        H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+        H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, HAS_K4: tl.constexpr, H4: tl.constexpr,
         HAS_MAT: tl.constexpr, HAS_MEAN: tl.constexpr, CLIP_N: tl.constexpr,
         TH0: tl.constexpr, TH1: tl.constexpr, TH2: tl.constexpr,
         BLOCK_K: tl.constexpr, PAGE: tl.constexpr,
@@ -218,6 +283,13 @@ if HAS_TRITON:
         rd = tl.load(ring_dst_ptr + t).to(tl.int64)
         tl.store(ring_ptr + rd * (H * D) + row_off, _to_window(xt, ring_ptr), mask=(offs_n < D) & (rd >= 0))
 
+        if HAS_K4:
+            j = tl.load(k4_index_ptr + h)  # head h's row among k_hi's heads, -1: INT2 keys
+            is4 = j >= 0
+            qmax = tl.where(is4, 15.0, 3.0)
+        else:
+            qmax = 3.0
+
         # ---- clip at tau = min{|x'_j| : #{i : |x'_i| > |x'_j|} <= CLIP_N}: the (CLIP_N+1)-th largest |x'|, ties
         # counted like torch.topk (the value at that rank has at most CLIP_N strictly above it, anything smaller
         # has at least CLIP_N + 1) ----
@@ -225,29 +297,38 @@ if HAS_TRITON:
             a = tl.abs(xt)
             above = tl.sum((a[:, None] > a[None, :]).to(tl.int32), axis=0)
             tau = tl.min(tl.where(above <= CLIP_N, a, float("inf")), axis=0)
+            if HAS_K4:
+                tau = tl.where(is4, float("inf"), tau)  # INT4 heads are never clipped
             xt = tl.minimum(tl.maximum(xt, -tau), tau)
 
-        # ---- per-group asymmetric INT2 (the same arithmetic as _write_side) ----
+        # ---- per-group asymmetric INT2 / INT4 (the same arithmetic as _write_side) ----
         NG: tl.constexpr = D // G
         xg = tl.reshape(xt, (NG, G))
         lo = tl.min(xg, axis=1)
         hi = tl.max(xg, axis=1)
-        scale_r = _round_bf16(tl.math.div_rn(hi - lo, tl.full(hi.shape, 3.0, tl.float32)))
-        min_r = _round_bf16(lo)
+        scale_r, scale_b = _e4m3(tl.math.div_rn(hi - lo, tl.zeros(hi.shape, tl.float32) + qmax))
+        min_r, min_b = _e4m3(lo)
         s = scale_r[:, None]
         m = min_r[:, None]
         pos = s > 0.0
         u = tl.where(pos, tl.math.div_rn(xg - m, tl.where(pos, s, 1.0)), 0.0)
-        code = (u >= TH0).to(tl.int32) + (u >= TH1).to(tl.int32) + (u >= TH2).to(tl.int32)
+        code = _code(u, qmax, HAS_K4, TH0, TH1, TH2)
 
-        rec = pool_record(tl.load(slots_ptr + t).to(tl.int64), h, H, PAGE)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        rec = pool_record(slot, h, H, PAGE)
         p_ptr = params_ptr + rec * (NG * 2) + tl.arange(0, NG) * 2
-        tl.store(p_ptr, scale_r.to(tl.bfloat16))
-        tl.store(p_ptr + 1, min_r.to(tl.bfloat16))
+        tl.store(p_ptr, scale_b)
+        tl.store(p_ptr + 1, min_b)
         Q: tl.constexpr = D // 4
         c4 = tl.reshape(code, (4, Q))
-        packed = tl.sum(c4 << (tl.arange(0, 4) * 2)[:, None], axis=0).to(tl.uint8)
-        tl.store(codes_ptr + rec * Q + tl.arange(0, Q), packed)
+        shift = (tl.arange(0, 4) * 2)[:, None]
+        if HAS_K4:
+            tl.store(codes_ptr + rec * Q + tl.arange(0, Q), tl.sum((c4 & 3) << shift, axis=0).to(tl.uint8))
+            tl.store(hi_ptr + pool_record(slot, j, H4, PAGE) * Q + tl.arange(0, Q),
+                     tl.sum((c4 >> 2) << shift, axis=0).to(tl.uint8), mask=(tl.arange(0, Q) < Q) & is4)
+        else:
+            packed = tl.sum(c4 << shift, axis=0).to(tl.uint8)
+            tl.store(codes_ptr + rec * Q + tl.arange(0, Q), packed)
 
     @triton.jit
     def _rotate_q(
@@ -285,10 +366,10 @@ if HAS_TRITON:
         k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
         kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh, vmat_ptr, stride_vmh,
         slots_ptr, sink_dst_ptr, ring_dst_ptr,
-        k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr,
+        k_codes_ptr, k_hi_ptr, k4_index_ptr, k_params_ptr, v_codes_ptr, v_params_ptr,
         sink_k_ptr, sink_v_ptr, ring_k_ptr, ring_v_ptr,
         T,
-        H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+        H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, HAS_K4: tl.constexpr, H4: tl.constexpr,
         HAS_KMEAN: tl.constexpr, HAS_VMAT: tl.constexpr,
         K_CLIP_N: tl.constexpr, V_CLIP_N: tl.constexpr,
         K_TH0: tl.constexpr, K_TH1: tl.constexpr, K_TH2: tl.constexpr,
@@ -309,26 +390,26 @@ if HAS_TRITON:
         elif BLOCK_T == 1 and tl.program_id(2) == 0:
             _write_row(
                 k_ptr, stride_kt, stride_kh, kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh,
-                slots_ptr, sink_dst_ptr, ring_dst_ptr, k_codes_ptr, k_params_ptr, sink_k_ptr, ring_k_ptr,
-                t0, h, H, D, GK, True, HAS_KMEAN, K_CLIP_N, K_TH0, K_TH1, K_TH2, BLOCK_K, PAGE,
+                slots_ptr, sink_dst_ptr, ring_dst_ptr, k_codes_ptr, k_hi_ptr, k4_index_ptr, k_params_ptr,
+                sink_k_ptr, ring_k_ptr, t0, h, H, D, GK, HAS_K4, H4, True, HAS_KMEAN, K_CLIP_N, K_TH0, K_TH1, K_TH2, BLOCK_K, PAGE,
             )
         elif BLOCK_T == 1:
             _write_row(
                 v_ptr, stride_vt, stride_vh, vmat_ptr, stride_vmh, kmean_ptr, 0,
-                slots_ptr, sink_dst_ptr, ring_dst_ptr, v_codes_ptr, v_params_ptr, sink_v_ptr, ring_v_ptr,
-                t0, h, H, D, GV, HAS_VMAT, False, V_CLIP_N, V_TH0, V_TH1, V_TH2, BLOCK_K, PAGE,
+                slots_ptr, sink_dst_ptr, ring_dst_ptr, v_codes_ptr, None, None, v_params_ptr,
+                sink_v_ptr, ring_v_ptr, t0, h, H, D, GV, False, 0, HAS_VMAT, False, V_CLIP_N, V_TH0, V_TH1, V_TH2, BLOCK_K, PAGE,
             )
         elif tl.program_id(2) == 0:
             _write_side(
                 k_ptr, stride_kt, stride_kh, kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh,
-                slots_ptr, sink_dst_ptr, ring_dst_ptr, k_codes_ptr, k_params_ptr, sink_k_ptr, ring_k_ptr,
-                T, t0, h, H, D, GK, True, HAS_KMEAN, K_CLIP_N, K_TH0, K_TH1, K_TH2, BLOCK_T, BLOCK_K, PRECISION, PAGE,
+                slots_ptr, sink_dst_ptr, ring_dst_ptr, k_codes_ptr, k_hi_ptr, k4_index_ptr, k_params_ptr,
+                sink_k_ptr, ring_k_ptr, T, t0, h, H, D, GK, HAS_K4, H4, True, HAS_KMEAN, K_CLIP_N, K_TH0, K_TH1, K_TH2, BLOCK_T, BLOCK_K, PRECISION, PAGE,
             )
         else:
             _write_side(
                 v_ptr, stride_vt, stride_vh, vmat_ptr, stride_vmh, kmean_ptr, 0,
-                slots_ptr, sink_dst_ptr, ring_dst_ptr, v_codes_ptr, v_params_ptr, sink_v_ptr, ring_v_ptr,
-                T, t0, h, H, D, GV, HAS_VMAT, False, V_CLIP_N, V_TH0, V_TH1, V_TH2, BLOCK_T, BLOCK_K, PRECISION, PAGE,
+                slots_ptr, sink_dst_ptr, ring_dst_ptr, v_codes_ptr, None, None, v_params_ptr,
+                sink_v_ptr, ring_v_ptr, T, t0, h, H, D, GV, False, 0, HAS_VMAT, False, V_CLIP_N, V_TH0, V_TH1, V_TH2, BLOCK_T, BLOCK_K, PRECISION, PAGE,
             )
 
 
@@ -440,9 +521,11 @@ def oscar_write_kv(
     """Write T tokens of one layer into `pool` (in place). See the module docstring.
 
     k, v: [T, Hkv, D] post-RoPE rows (bf16/fp16/fp32; last dim contiguous, any token/head stride).
-    slots: int64 [T] pool slots (INT2 form, always written). sink_dst / ring_dst: int32 [T] rows of
+    slots: int64 [T] pool slots (quantized form, always written). sink_dst / ring_dst: int32 [T] rows of
     the sink / ring buffers, −1 = do not write. k_transform: fp32 [D, D] or [Hkv, D, D]; k_mean: fp32
     [D] or [Hkv, D]; v_transform None = V already in its basis. Clip ratios ρ in (0, 1], ρ = 1 no clip.
+    The KV heads pool.k4_heads store INT4 keys, never clipped (k_clip is the other heads'); a layer with such heads
+    has uniform key levels (k_level_a must be 1). Values are always INT2.
     validate=False skips the (host-only, sync-free) shape checks of the pool for hot loops.
     num_warps None: default_num_warps (8 for the 16-row tiles of decode batches <= MID_BATCH_TOKENS and for the 32-row
     prefill tiles at head_dim 128 in IEEE fp32, else 4; measured, see there).
@@ -500,6 +583,8 @@ def oscar_write_kv(
         kmean, s_kmeanh = _check_mean(k_mean, h, d, dev)
     else:
         kmean, s_kmeanh = kmat, 0  # never read
+    if pool.has_k4 and k_level_a != 1.0:
+        raise ValueError("INT4 keys have uniform levels: k_level_a must be 1 in a layer with INT4-key heads")
     kth, vth = level_thresholds(k_level_a), level_thresholds(v_level_a)
     k_n, v_n = clip_count(k_clip, d), clip_count(v_clip, d)
     if n == 0:
@@ -528,10 +613,13 @@ def oscar_write_kv(
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         kmat, s_kmh, kmean, s_kmeanh, vmat, s_vmh,
         slots, sink_dst, ring_dst,
-        pool.k_codes, pool.k_params, pool.v_codes, pool.v_params,
+        # the params as bytes: the kernel encodes float8 e4m3 itself (_e4m3)
+        pool.k_codes, pool.k_hi, pool.k4_index if pool.has_k4 else None, pool.k_params.view(torch.uint8),
+        pool.v_codes, pool.v_params.view(torch.uint8),
         pool.sink_k, pool.sink_v, pool.ring_k, pool.ring_v,
         n,
-        H=h, D=d, GK=pool.k_group, GV=pool.v_group,
+        H=h, D=d, GK=pool.k_group, GV=pool.v_group, HAS_K4=pool.has_k4,
+        H4=pool.k_hi.shape[1] if pool.has_k4 else 0,
         HAS_KMEAN=k_mean is not None, HAS_VMAT=v_transform is not None,
         K_CLIP_N=k_n, V_CLIP_N=v_n,
         K_TH0=kth[0], K_TH1=kth[1], K_TH2=kth[2], V_TH0=vth[0], V_TH1=vth[1], V_TH2=vth[2],

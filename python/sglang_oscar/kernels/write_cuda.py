@@ -1,7 +1,9 @@
 """The decode-sized KV write in CUDA (kernels/cuda/int2_write.cu): checks, build, launch.
 
-oscar_write_kv(..., kernel="cuda") runs this kernel instead of the Triton one: a CTA per token, KV head and side,
-and with q one per token, KV head and 4 of its query heads (grid below); the same results (the oracle
+oscar_write_kv(..., kernel="cuda") runs this kernel instead of the Triton one, for the same cache format (float8 e4m3
+(scale, min); INT4 keys on the layer's k4_heads, a template parameter of the kernel whether it has any): a CTA per
+token, KV head and side, and with q one per token, KV head and 4 of its query heads (grid below); the same results (the
+oracle
 quant/cache_ops.py:write_reference; test/test_write.py compares both kernels with it on the GPU), the same PDL
 trigger for the decode's history kernel (pdl_trigger). Why: a decode write is one program's dependent chain, and the
 Triton one-token program's was ~4.6 us on H200 for any number of KV heads (benchmark/NOTES.md).
@@ -36,7 +38,7 @@ X_DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # the kernel's x_dtype codes (
 _i, _p, _l, _f = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_float
 # oscar_write_launch's C parameters in order (test_write checks them against the source's signature)
 LAUNCH_ARGTYPES = ([_i, _i, _i, _i, _p, _p, _p, _i]
-                   + [_p, _l, _l, _p, _l, _p, _l, _p, _p, _p, _p, _i, _i, _f, _f, _f]
+                   + [_p, _l, _l, _p, _l, _p, _l, _p, _p, _p, _i, _p, _p, _p, _i, _i, _f, _f, _f]
                    + [_p, _l, _l, _p, _l, _p, _p, _p, _p, _i, _i, _f, _f, _f]
                    + [_p, _l, _l, _p, _l, _i, _p, _i, _i, _p])
 
@@ -123,7 +125,8 @@ def launch(k, v, slots, sink_dst, ring_dst, pool, *, kmat, s_kmh, kmean, s_kmean
         n, h, X_DTYPES[k.dtype], int(math.log2(pool.page)), slots.data_ptr(), sink_dst.data_ptr(),
         ring_dst.data_ptr(), vec,
         k.data_ptr(), k.stride(0), k.stride(1), kmat.data_ptr(), s_kmh, ptr(kmean), s_kmeanh,
-        pool.k_codes.data_ptr(), pool.k_params.data_ptr(), pool.sink_k.data_ptr(), pool.ring_k.data_ptr(),
+        pool.k_codes.data_ptr(), ptr(pool.k_hi), ptr(pool.k4_index if pool.has_k4 else None),
+        pool.k_hi.shape[1] if pool.has_k4 else 0, pool.k_params.data_ptr(), pool.sink_k.data_ptr(), pool.ring_k.data_ptr(),
         pool.k_group, k_clip_n, kth0, kth1, kth2,
         v.data_ptr(), v.stride(0), v.stride(1), ptr(vmat), s_vmh,
         pool.v_codes.data_ptr(), pool.v_params.data_ptr(), pool.sink_v.data_ptr(), pool.ring_v.data_ptr(),

@@ -2,9 +2,9 @@
 
 from .clip import clip_count, clip_rows, clip_threshold
 from .hadamard import block_hadamard_matrix, fwht, hadamard_matrix
-from .intq import PARAM_DTYPE, QuantizedRows, dequantize, fake_quantize, levels, quantize
+from .intq import PARAM_DTYPE, QuantizedRows, round_param, dequantize, fake_quantize, levels, quantize
 from .kv import SideQuantizer, apply_transform
-from .pack import pack, pack_int2, pack_int4, unpack, unpack_int2, unpack_int4
+from .pack import pack, pack_int2, pack_int4, pack_int4_planes, unpack, unpack_int2, unpack_int4, unpack_int4_planes
 from .placement import bit_reversal, group_shares, permutation_matrix, spectral_placement
 
 __all__ = [
@@ -26,10 +26,13 @@ __all__ = [
     "pack",
     "pack_int2",
     "pack_int4",
+    "pack_int4_planes",
     "permutation_matrix",
     "quantize",
+    "round_param",
     "spectral_placement",
     "unpack",
     "unpack_int2",
     "unpack_int4",
+    "unpack_int4_planes",
 ]

@@ -19,19 +19,39 @@ from typing import Optional, Sequence
 import torch
 
 from .intq import levels
-from .pack import unpack_int2
+from .cache_ops import k4_heads, key_hi_rows
+from .pack import unpack_int2, unpack_int4_planes
 
 
-def dequantize_rows(codes: torch.Tensor, params: torch.Tensor, level_a: Optional[float] = None) -> torch.Tensor:
-    """Packed INT2 rows [..., D/4] + (scale, min) [..., D/G, 2] → float64 [..., D]."""
-    c = unpack_int2(codes)
-    d = c.shape[-1]
+def dequantize_rows(codes: torch.Tensor, params: torch.Tensor, level_a: Optional[float] = None,
+                    hi: Optional[torch.Tensor] = None, heads: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Packed INT2 rows [..., H, D/4] + (scale, min) [..., H, D/G, 2] → float64 [..., H, D]; the KV heads in `heads`
+    (default: every head when `hi` is given) are INT4 on uniform levels, lo | hi << 2 with `hi` [..., H, D/4]
+    (cache_ops.key_hi_rows)."""
+    if heads is None:
+        heads = range(codes.shape[-2]) if hi is not None else ()
+    d = codes.shape[-1] * 4
     group = d // params.shape[-2]
     a = 1.0 if level_a is None else float(level_a)
-    lv = levels(2, a, dtype=torch.float64)
-    lv_c = lv[c.long()].reshape(*c.shape[:-1], d // group, group)
-    x = params[..., 1].double().unsqueeze(-1) + params[..., 0].double().unsqueeze(-1) * lv_c
-    return x.reshape(c.shape)
+
+    def rows(c, p, lv):
+        lv_c = lv[c.long()].reshape(*c.shape[:-1], d // group, group)
+        x = p[..., 1].double().unsqueeze(-1) + p[..., 0].double().unsqueeze(-1) * lv_c
+        return x.reshape(c.shape)
+
+    out = rows(unpack_int2(codes), params, levels(2, a, dtype=torch.float64))
+    if heads:
+        h = list(heads)
+        out[..., h, :] = rows(unpack_int4_planes(codes[..., h, :], hi[..., h, :]), params[..., h, :, :],
+                              levels(4, dtype=torch.float64))
+    return out
+
+
+def key_rows(cache, slots, level_a):
+    """Dequantized keys of `slots` (INT2, and INT4 on the layer's k4_heads)."""
+    hi = key_hi_rows(cache, slots)
+    return dequantize_rows(cache.rows("k_codes", slots).cpu(), cache.rows("k_params", slots).cpu(), level_a,
+                           None if hi is None else hi.cpu(), k4_heads(cache))
 
 
 def segments(length: int, ring_start: int, sink: int, window: int):
@@ -59,13 +79,13 @@ def gather_kv(cache, req_to_token, r: int, length: int, ring_start: int, sink: i
         v = torch.empty_like(k)
         k[~missing] = cache.sink_k.cpu()[have].double()
         v[~missing] = cache.sink_v.cpu()[have].double()
-        k[missing] = dequantize_rows(cache.rows("k_codes", s).cpu(), cache.rows("k_params", s).cpu(), k_level_a)
+        k[missing] = key_rows(cache, s, k_level_a)
         v[missing] = dequantize_rows(cache.rows("v_codes", s).cpu(), cache.rows("v_params", s).cpu(), v_level_a)
         ks.append(k)
         vs.append(v)
     if hist_hi > hist_lo:
         s = slots[hist_lo:hist_hi]
-        ks.append(dequantize_rows(cache.rows("k_codes", s).cpu(), cache.rows("k_params", s).cpu(), k_level_a))
+        ks.append(key_rows(cache, s, k_level_a))
         vs.append(dequantize_rows(cache.rows("v_codes", s).cpu(), cache.rows("v_params", s).cpu(), v_level_a))
     if length > recent_lo:
         pos = torch.arange(recent_lo, length)

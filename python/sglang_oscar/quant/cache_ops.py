@@ -13,7 +13,7 @@ import torch
 from .clip import clip_rows
 from .intq import QuantizedRows, dequantize, quantize
 from .kv import apply_transform
-from .pack import pack_int2, unpack_int2
+from .pack import pack_int2, pack_int4_planes, unpack_int2, unpack_int4_planes
 
 
 def transform_side(x: torch.Tensor, matrix: Optional[torch.Tensor], mean: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -25,8 +25,24 @@ def transform_side(x: torch.Tensor, matrix: Optional[torch.Tensor], mean: Option
     return apply_transform(x, matrix, mean)
 
 
-def quantize_side(xt: torch.Tensor, group: int, clip: float, level_a: float) -> QuantizedRows:
-    return quantize(clip_rows(xt, clip), 2, group, level_a)
+def quantize_side(xt: torch.Tensor, group: int, clip: float, level_a: float, bits: int = 2) -> QuantizedRows:
+    return quantize(clip_rows(xt, clip), bits, group, level_a)
+
+
+def k4_heads(cache) -> tuple:
+    """The KV heads of this layer whose keys are INT4 (their high planes in cache.k_hi), else ()."""
+    return tuple(getattr(cache, "k4_heads", ())) if getattr(cache, "k_hi", None) is not None else ()
+
+
+def key_hi_rows(cache, slots: torch.Tensor) -> Optional[torch.Tensor]:
+    """The high key planes of `slots` as [n, Hkv, D/4], zero on INT2-key heads; None for a layer without INT4 keys."""
+    heads = k4_heads(cache)
+    if not heads:
+        return None
+    codes = cache.rows("k_codes", slots)
+    hi = torch.zeros_like(codes)
+    hi[:, list(heads)] = cache.rows("k_hi", slots).to(codes.device)
+    return hi
 
 
 def write_reference(
@@ -45,7 +61,12 @@ def write_reference(
     k_level_a: float = 1.0,
     v_level_a: float = 1.0,
 ) -> None:
-    """What oscar_write_kv does, in place on `cache`: INT2 form at every slot, window rows where dst >= 0."""
+    """What oscar_write_kv does, in place on `cache`: the quantized form at every slot, window rows where dst >= 0.
+    Keys of the heads in cache.k4_heads are INT4, never clipped (k_clip is the INT2 heads'; uniform levels, so
+    k_level_a must be 1 in such a layer), split into k_codes (low planes) and k_hi (high planes)."""
+    heads = list(k4_heads(cache))
+    if heads and k_level_a != 1.0:
+        raise ValueError("INT4 keys have uniform levels: k_level_a must be 1 in a layer with INT4-key heads")
     sides = (
         (k, k_transform, k_mean, cache.k_group, k_clip, k_level_a, "k_codes", "k_params", cache.sink_k, cache.ring_k),
         (v, v_transform, None, cache.v_group, v_clip, v_level_a, "v_codes", "v_params", cache.sink_v, cache.ring_v),
@@ -54,17 +75,33 @@ def write_reference(
     for x, mat, mean, group, clip, a, codes, params, sink, ring in sides:
         xt = transform_side(x, mat, mean)
         q = quantize_side(xt, group, clip, a)
-        cache.set_rows(codes, slots, pack_int2(q.codes))
-        cache.set_rows(params, slots, q.params().to(getattr(cache, params).dtype))
+        packed, pairs = pack_int2(q.codes), q.params()
+        if codes == "k_codes" and heads:
+            q4 = quantize_side(xt[:, heads], group, 1.0, 1.0, bits=4)
+            lo, hi = pack_int4_planes(q4.codes)
+            packed[:, heads] = lo
+            pairs[:, heads] = q4.params()
+            cache.set_rows("k_hi", slots, hi)
+        cache.set_rows(codes, slots, packed)
+        cache.set_rows(params, slots, pairs)
         for dst, buf in ((sink_dst, sink), (ring_dst, ring)):
             sel = dst >= 0
             buf[dst[sel].long()] = xt[sel].to(buf.dtype)
 
 
-def dequantize_slots(codes: torch.Tensor, params: torch.Tensor, group: int, level_a: float) -> torch.Tensor:
-    """fp32 [n, H, D] reconstruction of packed pool rows [n, H, D/4] with params [n, H, D/G, 2]."""
-    q = QuantizedRows(unpack_int2(codes), params[..., 0], params[..., 1], 2, group, level_a)
-    return dequantize(q)
+def dequantize_slots(codes: torch.Tensor, params: torch.Tensor, group: int, level_a: float,
+                     hi: Optional[torch.Tensor] = None, heads: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """fp32 [n, H, D] reconstruction of packed pool rows [n, H, D/4] with params [n, H, D/G, 2]; the KV heads in
+    `heads` (default: every head when `hi` is given) are INT4, lo | hi << 2 with `hi` [n, H, D/4] (key_hi_rows)."""
+    if heads is None:
+        heads = range(codes.shape[-2]) if hi is not None else ()
+    out = dequantize(QuantizedRows(unpack_int2(codes), params[..., 0], params[..., 1], 2, group, level_a))
+    if heads:
+        h = list(heads)
+        p = params[:, h]
+        out[:, h] = dequantize(QuantizedRows(unpack_int4_planes(codes[:, h], hi[:, h]), p[..., 0], p[..., 1], 4,
+                                             group, 1.0))
+    return out
 
 
 def gather_reference(
@@ -94,7 +131,8 @@ def gather_reference(
         r, n, rs = int(r), int(n), int(rs)
         end = n if ring_ends is None else int(ring_ends[i])
         slots = req_to_token[r, :n].long()
-        k = dequantize_slots(cache.rows("k_codes", slots), cache.rows("k_params", slots), cache.k_group, k_level_a)
+        k = dequantize_slots(cache.rows("k_codes", slots), cache.rows("k_params", slots), cache.k_group, k_level_a,
+                             key_hi_rows(cache, slots), k4_heads(cache))
         v = dequantize_slots(cache.rows("v_codes", slots), cache.rows("v_params", slots), cache.v_group, v_level_a)
         k, v = k.to(dtype), v.to(dtype)
         lo = max(s, rs, end - w)

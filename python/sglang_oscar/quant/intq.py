@@ -2,8 +2,8 @@
 
 A row of D values (already rotated and clipped) is cut into D/G contiguous groups. Per group:
 
-    scale = (max − min) / (2^bits − 1)        stored as bf16
-    min   = min                               stored as bf16
+    scale = (max − min) / (2^bits − 1)        stored as float8 e4m3 (round_param)
+    min   = min                               stored as float8 e4m3
     t     = (x − min_s) / scale_s             with the *stored* (rounded) scale and min
     code  = number of thresholds <= t         (round half up, clamped to [0, 2^bits − 1])
     x̂     = min_s + scale_s · level[code]
@@ -22,7 +22,18 @@ import dataclasses
 
 import torch
 
-PARAM_DTYPE = torch.bfloat16
+# (scale, min) storage: float8 e4m3 (1 byte each, 0.25 bits per element at groups of 64). Every e4m3 value is exact
+# in fp16 / bf16 / fp32, so kernels decode it without rounding. Values are saturated to +-448 before rounding.
+PARAM_DTYPE = torch.float8_e4m3fn
+PARAM_MAX = 448.0
+
+
+def round_param(x: torch.Tensor, dtype: torch.dtype = PARAM_DTYPE) -> torch.Tensor:
+    """fp32 -> the stored (scale, min) dtype: float8 e4m3 round-to-nearest-even after saturating to +-PARAM_MAX
+    (what the kernels' satfinite conversion does); other dtypes (bf16 in experiments) a plain cast."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-PARAM_MAX, PARAM_MAX).to(dtype)
+    return x.to(dtype)
 
 
 @dataclasses.dataclass
@@ -66,8 +77,8 @@ def quantize(
     lo = xg.amin(-1)
     hi = xg.amax(-1)
     qmax = 2**bits - 1
-    scale_s = ((hi - lo) / qmax).to(param_dtype)
-    min_s = lo.to(param_dtype)
+    scale_s = round_param((hi - lo) / qmax, param_dtype)
+    min_s = round_param(lo, param_dtype)
     s = scale_s.float().unsqueeze(-1)
     m = min_s.float().unsqueeze(-1)
     # A constant group has scale 0: every code is 0 and x̂ = min exactly.

@@ -44,6 +44,9 @@ class SideQuantizer:
     group: int = 64
     clip_ratio: float = 1.0
     level_a: float = 1.0
+    # KV heads (of x's head axis, -2) stored as INT4 instead: no clip, uniform levels (the served keys' per-head
+    # widths, rotation/fit.py:choose_k4_heads). Only with bits 2.
+    k4_heads: tuple = ()
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         return apply_transform(x, self.matrix, self.mean)
@@ -57,16 +60,22 @@ class SideQuantizer:
         return torch.linalg.inv(self.matrix.double()).float()
 
     def quantize_transformed(self, xt: torch.Tensor) -> QuantizedRows:
+        if self.k4_heads:
+            raise ValueError("a quantizer with INT4 heads has no single QuantizedRows: use fake_transformed")
         return quantize(clip_rows(xt, self.clip_ratio), self.bits, self.group, self.level_a)
 
     def quantize(self, x: torch.Tensor) -> QuantizedRows:
         return self.quantize_transformed(self.transform(x))
 
     def fake_transformed(self, xt: torch.Tensor) -> torch.Tensor:
-        """Dequantized reconstruction of an already transformed row, in the transformed basis."""
-        return dequantize(self.quantize_transformed(xt))
+        """Dequantized reconstruction of already transformed rows [..., H, D], in the transformed basis."""
+        out = dequantize(quantize(clip_rows(xt, self.clip_ratio), self.bits, self.group, self.level_a))
+        if self.k4_heads:
+            h = list(self.k4_heads)
+            out[..., h, :] = dequantize(quantize(xt[..., h, :], 4, self.group))
+        return out
 
     def packed(self, x: torch.Tensor):
-        """What the pool stores: (packed codes uint8, (scale, min) pairs bf16)."""
+        """What the pool stores for an all-INT2 (or all-INT4) quantizer: (packed codes uint8, (scale, min) pairs)."""
         q = self.quantize(x)
         return pack(q.codes, self.bits), q.params()

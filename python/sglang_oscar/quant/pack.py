@@ -5,6 +5,9 @@ INT2, "quarter-plane": byte j (0 <= j < D/4) holds
   so plane p = (byte >> 2p) & 3 is the contiguous slice of dims [p·D/4, (p+1)·D/4). A decode
   kernel extracts one plane with a shift and a mask and runs a dot over D/4 dims, no reshapes.
 INT4, "half-plane": byte j (0 <= j < D/2) holds code[j] in bits 3:0 and code[j + D/2] in bits 7:4.
+INT4 keys of the served cache, "two planes": code = lo + 4·hi, lo = code & 3 and hi = code >> 2 each packed as
+  INT2 quarter-plane rows (k_codes and k_hi): a kernel that reads INT2 rows reads an INT4 row as two of them and
+  forms lo | hi << 2 with the same shifts and masks.
 """
 
 from __future__ import annotations
@@ -46,3 +49,13 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return unpack_int2(packed) if bits == 2 else unpack_int4(packed)
+
+
+def pack_int4_planes(codes: torch.Tensor) -> tuple:
+    """INT4 codes [..., D] -> (lo, hi) quarter-plane packed rows [..., D/4] (the served cache's INT4 keys)."""
+    c = codes.to(torch.uint8)
+    return pack_int2(c & 3), pack_int2(c >> 2)
+
+
+def unpack_int4_planes(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return unpack_int2(lo) | (unpack_int2(hi) << 2)

@@ -66,6 +66,7 @@ class RotationBundle:
     k_mean: Optional[torch.Tensor] = None  # [L, 1 or kv_heads, D]
     k_eigenvalues: Optional[torch.Tensor] = None
     v_eigenvalues: Optional[torch.Tensor] = None
+    k_bits: Optional[torch.Tensor] = None  # [L, kv_heads] key code width per (layer, KV head): 2 or 4; None: all 2
     model_id: str = ""
     method: str = "identity"
     composition: str = "none"
@@ -85,6 +86,17 @@ class RotationBundle:
     @property
     def head_dim(self) -> int:
         return self.k_transform.shape[-1]
+
+    def k4_heads(self, layer: int) -> tuple:
+        """KV heads of `layer` whose keys are INT4 in an INT2 cache (the calibration's choice, fit.choose_k4_heads)."""
+        if self.k_bits is None:
+            return ()
+        return tuple(int(h) for h in (self.k_bits[layer] == 4).nonzero().flatten().tolist())
+
+    @property
+    def k4_count(self) -> int:
+        """(layer, KV head) pairs with INT4 keys."""
+        return 0 if self.k_bits is None else int((self.k_bits == 4).sum())
 
     def metadata(self) -> dict:
         return dict(
@@ -116,7 +128,7 @@ class RotationBundle:
             "k_level_a": self.k_level_a,
             "v_level_a": self.v_level_a,
         }
-        for name in ("k_mean", "k_eigenvalues", "v_eigenvalues"):
+        for name in ("k_mean", "k_eigenvalues", "v_eigenvalues", "k_bits"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return {k: v.detach().float().contiguous().cpu() for k, v in out.items()}
@@ -141,7 +153,8 @@ class RotationBundle:
             mean = mean[0]
         if vt.shape[0] == 1:
             vt = vt[0]
-        kq = SideQuantizer(kt, mean, bits, self.k_group, float(self.k_clip[layer]), ka)
+        kq = SideQuantizer(kt, mean, bits, self.k_group, float(self.k_clip[layer]), ka,
+                           self.k4_heads(layer) if bits == 2 else ())
         vq = SideQuantizer(vt, None, bits, self.v_group, float(self.v_clip[layer]), va)
         return kq, vq
 
@@ -160,6 +173,7 @@ class RotationBundle:
                 return t  # one transform per layer: every rank uses the same one
             return t[:, kv_start:kv_end].clone()
 
+        k_bits = None if self.k_bits is None else self.k_bits[:, kv_start:kv_end].clone()
         return dataclasses.replace(
             self,
             kv_heads=kv_end - kv_start,
@@ -168,6 +182,7 @@ class RotationBundle:
             k_mean=cut(self.k_mean),
             k_eigenvalues=cut(self.k_eigenvalues),
             v_eigenvalues=cut(self.v_eigenvalues),
+            k_bits=k_bits,
         )
 
 
@@ -211,6 +226,21 @@ def validate_bundle(b: RotationBundle, where: str = "rotation bundle") -> None:
         if bad.any():
             i = int(bad.nonzero()[0])
             _fail(where, f"{name}[{i}] = {float(t[i])} is outside (0, 1.5) (INT2 codebook 0, a, 3−a, 3)")
+    if b.k_bits is not None:
+        if tuple(b.k_bits.shape) != (L, b.kv_heads) or not b.kv_heads:
+            _fail(where, f"k_bits has shape {tuple(b.k_bits.shape)}, expected [{L}, {b.kv_heads}] (layers x KV heads)")
+        kb = b.k_bits.double()
+        bad = ~((kb == 2) | (kb == 4))
+        if bad.any():
+            i = bad.nonzero()[0].tolist()
+            _fail(where, f"k_bits[{i[0]}, {i[1]}] = {float(kb[i[0], i[1]])}: key code widths are 2 or 4")
+        if b.bits != 2:
+            _fail(where, f"k_bits chooses INT4-key heads of an INT2 cache, but bits is {b.bits}")
+        coded = (kb == 4).any(1) & (b.k_level_a.double() != 1.0)
+        if coded.any():
+            i = int(coded.nonzero()[0])
+            _fail(where, f"layer {i} has INT4-key heads and an INT2 codebook (k_level_a {float(b.k_level_a[i])}); "
+                  "INT4 levels are uniform: k_level_a must be 1 in such a layer")
     if b.k_mean is not None and (b.k_mean.dim() != 3 or b.k_mean.shape[0] != L or b.k_mean.shape[2] != d
                                  or b.k_mean.shape[1] not in {1, hk, b.kv_heads}):
         _fail(where, f"k_mean has shape {tuple(b.k_mean.shape)}, expected [{L}, 1 or {max(hk, b.kv_heads)}, {d}]")
@@ -304,6 +334,7 @@ def load_bundle(path, *, expect_layers=None, expect_kv_heads=None, expect_head_d
         k_mean=tensors.get("k_mean"),
         k_eigenvalues=tensors.get("k_eigenvalues"),
         v_eigenvalues=tensors.get("v_eigenvalues"),
+        k_bits=None if "k_bits" not in tensors else tensors["k_bits"].round().to(torch.int32),
         model_id=str(meta.get("model_id", "")),
         method=str(meta.get("method", "")),
         composition=str(meta.get("composition", "")),
@@ -325,8 +356,10 @@ def load_bundle(path, *, expect_layers=None, expect_kv_heads=None, expect_head_d
 
 
 def data_free_bundle(method: str, num_layers: int, kv_heads: int, head_dim: int, k_group: int, v_group: int,
-                     clip=None, bits: int = 2) -> RotationBundle:
-    """identity (T = I) or hadamard (T = H, QuaRot-style) for every layer; clip = None or (ρ_K, ρ_V)."""
+                     clip=None, bits: int = 2, k4_heads=()) -> RotationBundle:
+    """identity (T = I) or hadamard (T = H, QuaRot-style) for every layer; clip = None or (ρ_K, ρ_V).
+    k4_heads: (layer, KV head) pairs whose keys are INT4 — without data nothing says which need it, so the builtin
+    sources leave it empty; tests and the dummy-weight benchmarks of the served format name them."""
     if method == "identity":
         m = torch.eye(head_dim, dtype=torch.float32)
     elif method == "hadamard":
@@ -339,6 +372,10 @@ def data_free_bundle(method: str, num_layers: int, kv_heads: int, head_dim: int,
     ones = torch.ones(num_layers)
     b = RotationBundle(t, t.clone(), ones * rk, ones * rv, ones.clone(), ones.clone(), k_group, v_group, bits,
                        kv_heads, method=method, composition="none", calibration={"source": "none", "tokens": 0})
+    if k4_heads:
+        b.k_bits = torch.full((num_layers, kv_heads), 2, dtype=torch.int32)
+        for layer, head in k4_heads:
+            b.k_bits[layer, head] = 4
     return b.validate(f"{method} bundle")
 
 

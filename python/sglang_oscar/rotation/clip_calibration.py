@@ -173,3 +173,35 @@ def calibrate_layer_clip(
     ek, ev = (num_k / den)[cls], (num_v / den)[cls]
     bk, bv = int(torch.argmin(ek)), int(torch.argmin(ev))  # first minimum = mildest clip
     return ClipChoice(cands[bk][0], cands[bk][1], cands[bv][0], cands[bv][1], ek.view(shape), ev.view(shape), cands)
+
+
+def key_damage(qs: Sequence[torch.Tensor], ks: Sequence[torch.Tensor], k_quant: SideQuantizer, *, scaling: float,
+               sink: int = 64, recent: int = 256, tail: int = 64) -> torch.Tensor:
+    """How much each KV head's quantized keys disturb attention: KL(exact || quantized keys) of the last `tail` query
+    positions of each held-out window, summed over the head's query heads and averaged over positions, in decode
+    semantics (a query at i reads keys [sink, i − recent] quantized with k_quant, the rest exact; values do not
+    enter). qs/ks: per window q [Hq, T, D], k [Hkv, T, D]. Returns float64 [Hkv]: what the calibration ranks
+    (layer, KV head) pairs by to choose the ones whose keys it stores in INT4 (fit.choose_k4_heads)."""
+    total, count = None, 0
+    for q, k in zip(qs, ks):
+        q, k = q.float(), k.float()
+        hkv, t, _ = k.shape
+        g = q.shape[0] // hkv
+        n = min(tail, t)
+        qpos = torch.arange(t - n, t)
+        krec = _reconstructions(k, k_quant, [(k_quant.clip_ratio, k_quant.level_a)], sink)[0]  # [Hkv, T, D]
+        keys = torch.arange(t)
+        exact_zone = (keys[None, :] < sink) | (keys[None, :] > qpos[:, None] - recent)  # [n, T]
+        mask = torch.zeros(n, t).masked_fill(keys[None, :] > qpos[:, None], float("-inf"))
+        qg = q[:, qpos].view(hkv, g, n, -1)
+        s_exact = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2)) * scaling + mask  # [Hkv, g, n, T]
+        s_quant = torch.matmul(qg, krec.unsqueeze(1).transpose(-1, -2)) * scaling + mask
+        ref = torch.log_softmax(s_exact, -1)
+        approx = torch.log_softmax(torch.where(exact_zone, s_exact, s_quant), -1)
+        kl = (ref.exp() * (ref - approx)).nan_to_num(0.0).sum(-1)  # [Hkv, g, n]
+        per_head = kl.sum(dim=(1, 2), dtype=torch.float64)
+        total = per_head if total is None else total + per_head
+        count += n
+    if total is None:
+        return torch.zeros(ks[0].shape[0] if ks else 0, dtype=torch.float64)
+    return total / max(count, 1)

@@ -30,11 +30,12 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..config import max_k4_heads
 from ..quant.hadamard import block_hadamard_matrix, hadamard_matrix
 from ..quant.placement import permutation_matrix, spectral_placement
 from .bundle import RotationBundle, orthogonality_error
 from .capture import CalibrationStats
-from .clip_calibration import DEFAULT_RHO_GRID, calibrate_layer_clip
+from .clip_calibration import DEFAULT_RHO_GRID, calibrate_layer_clip, key_damage
 
 METHODS = ("identity", "hadamard", "pca", "oscar", "balanced")
 COMPOSITIONS = ("u", "u_h", "u_h_p", "u_p_hg")
@@ -119,6 +120,7 @@ def fit_bundle(
     progress: bool = False,
     clip_queries: int = 256,
     v_method: Optional[str] = None,
+    k4_heads=0,
 ) -> RotationBundle:
     """Fit transforms (and clip ratios) for every layer; see the module docstring for methods.
 
@@ -127,6 +129,9 @@ def fit_bundle(
     clip_queries: query positions sampled per held-out window for "auto" (cost is linear in it).
     v_method: fit V with another method than K ("identity", "hadamard", "pca", "oscar"); default:
     the V side of `method` (balanced uses oscar's V).
+    k4_heads: how many (layer, KV head) pairs get INT4 keys (choose_k4_heads, on the held-out windows): a count, or
+    "served" for config.max_k4_heads(L, H), the served format's share (2.5 bits per element at groups of 64); 0 = INT2
+    keys only.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -204,7 +209,42 @@ def fit_bundle(
     if v_method != method:
         bundle.calibration["v_method"] = v_method  # which V target was used
     _apply_clip(bundle, stats, clip, level_grid, rho_grid, progress, clip_queries)
+    if k4_heads == "served":
+        k4_heads = max_k4_heads(L, H)
+    if k4_heads and bits != 2:
+        raise ValueError(f"k4_heads gives INT4 keys to heads of an INT2 cache; this bundle has bits {bits}")
+    if k4_heads:
+        choose_k4_heads(bundle, stats, k4_heads, progress=progress)
     return bundle.validate("fitted bundle")
+
+
+def choose_k4_heads(bundle: RotationBundle, stats: CalibrationStats, n: int, *, progress: bool = False,
+                    sink: int = 64, recent: int = 256) -> list:
+    """Store the keys of the n (layer, KV head) pairs whose INT2 keys disturb attention most
+    (clip_calibration.key_damage on the held-out windows, with the layer's calibrated clip; the served sink and
+    recent window exact) in INT4 (bundle.k_bits 4: no clip, uniform levels). Returns the pairs, most damaged first;
+    the scores go to bundle.calibration["key_damage"] ([L][Hkv])."""
+    L, H = bundle.num_layers, bundle.kv_heads
+    if not 0 <= n <= L * H:
+        raise ValueError(f"{n} INT4-key heads of {L} layers x {H} KV heads")
+    longest = max((k.shape[1] for ks in stats.heldout_k for k in ks), default=0)
+    if longest <= sink + recent:
+        raise ValueError(f"choosing INT4-key heads needs held-out windows longer than sink + recent window "
+                         f"({sink} + {recent}: no key is quantized before that); the longest has {longest} tokens")
+    damage = []
+    for layer in tqdm(range(L), desc="key damage", disable=not progress, unit="layer"):
+        kq, _ = bundle.layer_quantizers(layer)
+        damage.append(key_damage(stats.heldout_q[layer], stats.heldout_k[layer], kq, scaling=stats.scaling[layer],
+                                 sink=sink, recent=recent))
+    flat = torch.stack(damage).flatten()
+    top = [(int(i) // H, int(i) % H) for i in torch.argsort(flat, descending=True, stable=True)[:n]]
+    bundle.k_bits = torch.full((L, H), 2, dtype=torch.int32)
+    for layer, head in top:
+        bundle.k_bits[layer, head] = 4
+        bundle.k_level_a[layer] = 1.0  # INT4 levels are uniform; a layer with INT4 heads keeps no INT2 codebook
+    bundle.calibration["key_damage"] = [[round(float(x), 5) for x in d] for d in damage]
+    bundle.calibration["k4_heads"] = [list(p) for p in top]
+    return top
 
 
 def _apply_clip(bundle: RotationBundle, stats: CalibrationStats, clip, level_grid, rho_grid, progress,

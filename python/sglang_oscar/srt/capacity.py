@@ -5,7 +5,8 @@ SGLang 0.5.17 turns a byte budget into a token count as
 DefaultPoolConfigurator.calculate_pool_sizes), then decides max_running_requests from that count.
 Our pool has a per-token part and a fixed part:
 
-    per token (cell):  INT2 codes + (scale, min) of K and V, every layer     2 + 32/G bits/element
+    per token (cell):  INT2 codes + float8 (scale, min) of K and V, every    2 + 16/G bits/element
+                       layer, + the high key planes of INT4-key heads       + 2 on those heads' keys
                        + one int32 sink_table entry (one table shared by all layers)
     fixed:             BF16 ring   (R + 1) x W rows   (+1: req_to_token row 0 is the padding request
                                                        of CUDA-graph batches; its ring rows are scratch)
@@ -57,8 +58,9 @@ class ModelShape:
         return self.kv_heads // self.tp_size
 
 
-def layout_for(sink: int, recent: int, k_group: int, v_group: Optional[int] = None) -> CacheLayout:
-    return CacheLayout(sink, recent, QuantFormat(2, k_group), QuantFormat(2, v_group or k_group))
+def layout_for(sink: int, recent: int, k_group: int, v_group: Optional[int] = None, k4_heads: int = 0) -> CacheLayout:
+    """k4_heads: (layer, KV head) pairs with INT4 keys on one rank (the most of any rank: every rank sizes the same)."""
+    return CacheLayout(sink, recent, QuantFormat(2, k_group), QuantFormat(2, v_group or k_group), k4_heads)
 
 
 def int2_cell_bytes(shape: ModelShape, layout: CacheLayout) -> int:

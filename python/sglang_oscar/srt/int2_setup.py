@@ -141,7 +141,11 @@ def build_setup(cfg: OscarServeConfig, info: ModelInfo, *, tp_rank: int, num_lay
     if shape.kv_heads_per_rank != plan.kv_heads_local:
         raise OscarOptionError(f"KV heads per rank disagree: capacity {shape.kv_heads_per_rank}, "
                                f"rotation shard {plan.kv_heads_local}")
-    layout = capacity.layout_for(cfg.sink, cfg.recent, plan.k_group, plan.v_group)
+    if plan.k4_heads_max and num_layers != plan.bundle.num_layers:
+        raise OscarOptionError(f"this rank holds {num_layers} of the model's {plan.bundle.num_layers} layers "
+                               "(pipeline parallelism) and the rotation bundle stores INT4 keys on some heads: the "
+                               "pool size per stage is not worked out for that; serve without pipeline parallelism")
+    layout = capacity.layout_for(cfg.sink, cfg.recent, plan.k_group, plan.v_group, plan.k4_heads_max)
     if num_sink_rows is None and max_running_requests is not None:
         num_sink_rows = capacity.default_sink_rows(max_running_requests, cfg.sink)
     return Int2Setup(cfg, plan, shape, layout, max_running_requests, num_sink_rows)

@@ -87,7 +87,7 @@ class OscarServeConfig:
     sink: int = DEFAULT_SINK
     recent: int = DEFAULT_RECENT
     window_dtype: str = "bfloat16"
-    scale_dtype: str = "bfloat16"
+    scale_dtype: str = "float8_e4m3fn"
     bundle_path: Optional[str] = None
     k_rotation_path: Optional[str] = None
     v_rotation_path: Optional[str] = None
@@ -130,7 +130,8 @@ class OscarServeConfig:
 def check_group(group: int, head_dim: Optional[int] = None) -> None:
     if group not in SUPPORTED_GROUPS:
         raise OscarOptionError(f"{GROUP_FLAG} {group} is not supported by the OSCAR kernels; use one of "
-                               f"{SUPPORTED_GROUPS} (bits/element: 32 -> 3.0, 64 -> 2.5, 128 -> 2.25)")
+                               f"{SUPPORTED_GROUPS} (bits/element: 32 -> 2.5, 64 -> 2.25, 128 -> 2.125, plus 0.5 on "
+                               "average for a calibrated bundle's INT4-key heads)")
     if head_dim is not None and group > head_dim:
         raise OscarOptionError(f"{GROUP_FLAG} {group} is larger than the model's head_dim {head_dim}; "
                                f"use a group size <= {head_dim}")
@@ -233,11 +234,12 @@ def from_env(env: Optional[Mapping[str, str]] = None, *, group_size: Optional[in
     recent = _int(get(ENV_RECENT), ENV_RECENT, 1) if get(ENV_RECENT) is not None else DEFAULT_RECENT
 
     window_dtype = _dtype(get(ENV_HP_DTYPE), ENV_HP_DTYPE) if get(ENV_HP_DTYPE) is not None else "bfloat16"
-    scale_dtype = _dtype(get(ENV_SCALE_DTYPE), ENV_SCALE_DTYPE) if get(ENV_SCALE_DTYPE) is not None else "bfloat16"
-    if scale_dtype != "bfloat16":
-        raise OscarOptionError(f"{ENV_SCALE_DTYPE}={get(ENV_SCALE_DTYPE)} is not supported: the OSCAR kernels "
-                               "store scale and min as bfloat16 (2.25 bits/element at G=128; the seed's float32 "
-                               "would be 2.5); unset it or set bfloat16")
+    scale_dtype = "float8_e4m3fn"
+    given = get(ENV_SCALE_DTYPE)
+    if given is not None and str(given).strip().lower() not in ("float8_e4m3fn", "float8", "fp8", "e4m3"):
+        raise OscarOptionError(f"{ENV_SCALE_DTYPE}={given} is not supported: the OSCAR kernels store scale and min as "
+                               "float8 e4m3 (2.25 bits/element at G=64; the seed's float32 would be 3.0); unset it or "
+                               "set float8_e4m3fn")
 
     bundle = get(ENV_BUNDLE)
     kp, vp = get(ENV_K_PATH), get(ENV_V_PATH)

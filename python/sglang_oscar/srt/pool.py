@@ -1,6 +1,7 @@
 """OscarKVPool: SGLang 0.5.17's MHATokenToKVPool with the OSCAR INT2 layout behind it.
 
-Per local layer one `kernels/layout.py:LayerCache` (INT2 codes + bf16 (scale, min) per slot, BF16
+Per local layer one `kernels/layout.py:LayerCache` (INT2 codes + float8 (scale, min) per slot, plus the high
+key planes on the layers the bundle gives INT4 keys, BF16
 sink rows, BF16 recent ring); one int32 sink table (slot -> sink row, -1 = none) shared by all
 layers, because whether a position has a sink row is a property of the slot, not of the layer;
 one ring_start int32 [R + 1] (row 0 = req_to_token's padding request). Memory matches
@@ -147,19 +148,22 @@ class OscarKVPool(MHATokenToKVPool):
             self.sink_row_free = torch.ones(s.num_sink_rows + 1, dtype=torch.bool, device=self.device)
             self.ring_start = torch.zeros(ring_reqs, dtype=torch.int32, device=self.device)
             self.layers = []
-            for _ in range(self.layer_num):
+            for i in range(self.layer_num):
                 lc = LayerCache.empty(slots, self.head_num, self.head_dim, k_group=s.plan.k_group,
                                       v_group=s.plan.v_group, num_sink_rows=s.num_sink_rows, max_reqs=ring_reqs,
                                       window=s.cfg.recent, sink=s.cfg.sink, window_dtype=self.window_dtype,
-                                      device=self.device, with_sink_table=False, page=page)
+                                      device=self.device, with_sink_table=False, page=page,
+                                      k4_heads=s.plan.bundle.k4_heads(self.start_layer + i))
                 for t in lc.buffers().values():
                     t.zero_()  # deterministic scratch slot 0 / ring row 0, like SGLang's zeros
                 lc.sink_table = self.sink_table  # one table for all layers
                 lc.validate()
                 self.layers.append(lc)
         if self.layers:
-            logger.info("sglang_oscar: int2 pool: %d slots in pages of %d per layer (codes %s, params %s)", slots,
-                        page, tuple(self.layers[0].k_codes.shape), tuple(self.layers[0].k_params.shape))
+            k4 = sum(len(lc.k4_heads) for lc in self.layers)
+            logger.info("sglang_oscar: int2 pool: %d slots in pages of %d per layer (codes %s, params %s); INT4 keys "
+                        "on %d of %d (layer, KV head) pairs", slots, page, tuple(self.layers[0].k_codes.shape),
+                        tuple(self.layers[0].k_params.shape), k4, self.layer_num * self.head_num)
         # k_buffer / v_buffer: the packed codes, [slots, Hkv, D/4] at page 1 and [pages, Hkv, P, D/4] else.
         # SGLang's generic code sees them (descs, memory accounting, the paths listed further down).
         self.k_buffer = [lc.k_codes for lc in self.layers]
@@ -186,7 +190,7 @@ class OscarKVPool(MHATokenToKVPool):
         if self.page_size != 1:
             raise _RefusedSlotTable(self.page_size).error("slot moves")
         return [*self.k_buffer, *self.v_buffer, *(lc.k_params for lc in self.layers),
-                *(lc.v_params for lc in self.layers)]
+                *(lc.v_params for lc in self.layers), *(lc.k_hi for lc in self.layers if lc.k_hi is not None)]
 
     def layer_cache(self, layer_id: int) -> LayerCache:
         return self.layers[layer_id - self.start_layer]
@@ -204,7 +208,8 @@ class OscarKVPool(MHATokenToKVPool):
         def nbytes(ts):
             return sum(t.numel() * t.element_size() for t in ts)
 
-        k = nbytes([t for lc in self.layers for t in (lc.k_codes, lc.k_params, lc.sink_k, lc.ring_k)])
+        k = nbytes([t for lc in self.layers for t in (lc.k_codes, lc.k_hi, lc.k_params, lc.sink_k, lc.ring_k)
+                    if t is not None])
         v = nbytes([t for lc in self.layers for t in (lc.v_codes, lc.v_params, lc.sink_v, lc.ring_v)])
         return k + nbytes([self.sink_table, self.ring_start]), v
 

@@ -107,6 +107,9 @@ class StartupPlan:
     v_group: int
     kv_start: int
     kv_end: int
+    # (layer, KV head) pairs with INT4 keys on the rank that has the most: every rank sizes its pool for that many,
+    # so all ranks hold the same token count (SGLang sizes one count for every rank)
+    k4_heads_max: int = 0
 
     @property
     def kv_heads_local(self) -> int:
@@ -149,7 +152,9 @@ def plan_rank(cfg: OscarServeConfig, model: ModelInfo, tp_rank: int = 0,
         over["v_clip"] = torch.full_like(shard.v_clip, cfg.v_clip)
     if over:
         shard = dataclasses.replace(shard, **over)
-    return StartupPlan(shard, b.k_group, b.v_group, start, end)
+    k4_max = max((b.shard(*kv_head_range(r, model.tp_size, model.kv_heads)).k4_count if b.kv_heads else b.k4_count)
+                 for r in range(model.tp_size))
+    return StartupPlan(shard, b.k_group, b.v_group, start, end, k4_max)
 
 
 # The GPU generation the CUDA history stage is built and measured for (H100 / H200).

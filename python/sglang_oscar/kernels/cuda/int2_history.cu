@@ -1,13 +1,20 @@
-// The INT2 history splits of OSCAR decode attention and, in the same grid, its BF16 sink and ring rows, hand-written
-// (kernels/history_cuda.py builds, checks and launches it; kernels/decode.py runs the LSE merge after it).
+// The quantized history splits of OSCAR decode attention and, in the same grid, its BF16 sink and ring rows,
+// hand-written (kernels/history_cuda.py builds, checks and launches it; kernels/decode.py runs the LSE merge after it).
 //
 // Why CUDA for this one stage: the Triton history loop is issue-bound; this loop spends ~0.7x of its instructions and,
 // on a paged pool (kernels/records.py, pages of 64), reads at 86-101% of a streaming read of its bytes at batch >= 8
 // on H100 (benchmark/NOTES.md "A hand-written history loop").
 //
+// Cache format (kernels/layout.py): INT2 codes in quarter planes, (scale, min) pairs of float8 e4m3 bytes (scale at the
+// lower address; decoded exactly, fp8x2 below); some KV heads of a layer may have INT4 keys (template K4: Args.kh, the
+// high two bits of each code in a second quarter-plane buffer of those heads only, code = lo | hi << 2 on uniform
+// levels 0..15; values are always INT2). Layers without INT4 heads run the INT2 instances (K4 false), which hold no
+// INT4 code; in a K4 instance a CTA's KV head is INT4 or INT2 (Args.k4_index, CTA-uniform): an INT2 head's high planes
+// are zero-filled (cp.async of 0 bytes, nothing read), and its codes lo | 0 << 2 on the same uniform levels.
 // Shapes: D 128 with K and V groups of 64 or 128 each, or D 64 (template D; SmolLM2) with groups of 32 or 64: a row
-// has two groups (one (scale, min) pair per half row) or one (a group of the whole row: its pair is copied into the
-// first half of the 8-byte stage slot and serves both halves), uniform levels, GQA 1-8 per CTA
+// has two groups (one (scale, min) pair per half row: a record's 4 bytes) or one (a group of the whole row: 2 bytes
+// per record, copied as the 4-byte word of its record pair and picked by the record's parity, Stage::kSelOff; it
+// serves both halves), uniform levels, GQA 1-8 per CTA
 // column (history_cuda.py; GQA 9-16, GLM-4.x's 12, as head groups of 8). A warp's tile has 8 columns; HC (template)
 // is the number of query heads per CTA column:
 //   HC 4 (GQA <= 4): columns 0..3 are heads 0..3 with V group 0's scales, columns 4..7 repeat them with group 1's,
@@ -60,14 +67,19 @@ namespace {
 
 // tokens per pipeline stage of a warp (the D-64 WIDE instances: kWideTok)
 constexpr int kTok = 32;
-// A stage of TOK tokens at head_dim D: K codes D/4 + V codes D/4 + K params 8 + V params 8 bytes per token
-// (80 at D 128, 48 at D 64), in four arrays.
-template <int D, int TOK = kTok> struct Stage {
+// A stage of TOK tokens at head_dim D: K codes D/4 + V codes D/4 (+ K4: the K codes' high planes D/4) + K params 4
+// + V params 4 + selectors 4 bytes per token (76 / 108 at D 128, 44 / 60 at D 64), in five or six arrays. The
+// selectors (kSelOff, written by the instances with a side of one group per row, !TWO_G) are the PRMT selectors of
+// the token's K (low half) and V (high half) param words: 0x3210 for a record's own word (two groups), 0x1010 / 0x3232
+// for the lower / upper half of a record pair's word (one group: 2 bytes per record, the half of the record's parity),
+// repeated so that both halves of the word hold the row's pair.
+template <int D, int TOK = kTok, bool K4 = false> struct Stage {
   static constexpr int kCode = D / 4;  // code bytes per token and side
-  static constexpr int kBytes = TOK * (2 * kCode + 16);
-  static constexpr int kVcOff = TOK * kCode, kKpOff = TOK * 2 * kCode, kVpOff = kKpOff + TOK * 8;
+  static constexpr int kVcOff = TOK * kCode, kKhOff = TOK * 2 * kCode;
+  static constexpr int kKpOff = TOK * (K4 ? 3 : 2) * kCode, kVpOff = kKpOff + TOK * 4, kSelOff = kVpOff + TOK * 4;
+  static constexpr int kBytes = kSelOff + TOK * 4;
 };
-constexpr int kStageBytes = Stage<128>::kBytes;
+template <bool K4> constexpr int kStageBytes = Stage<128, kTok, K4>::kBytes;
 // WIDE (template; D 64 only, history_cuda.block_tokens): 64-token stages with the block's four tiles unrolled, so
 // that the compiler overlaps one tile's K dot with the previous one's softmax and V dot, and the per-block code
 // (slots, records, copies) is paid once per 64 tokens.
@@ -94,16 +106,18 @@ __host__ __device__ constexpr int tile_unroll(int d, bool wide) {
 // the Triton window programs after it (history_cuda.fuses_window).
 // a warp's shared memory: its NSTAGE stages, and at D 128 at least the one K and one V tile of 16 BF16 rows (8 KB)
 // that a window CTA's warp reads (window_cta)
+template <bool K4>
 constexpr int warp_smem(int nstage, int d = 128, bool wide = false) {
-  return d == 64 ? nstage * (wide ? Stage<64, kWideTok>::kBytes : Stage<64>::kBytes)
-                 : nstage * kStageBytes > 8192 ? nstage * kStageBytes : 8192;
+  return d == 64 ? nstage * (wide ? Stage<64, kWideTok, K4>::kBytes : Stage<64, kTok, K4>::kBytes)
+                 : nstage * kStageBytes<K4> > 8192 ? nstage * kStageBytes<K4> : 8192;
 }
 // a CTA's shared memory: its warps', and with the window folded (Args.fold_tiles) 8 KB past the warps' stages for
-// warp 0's window tile (inside the warps' 8 KB each at 2 stages of 32 tokens: no more than without)
+// warp 0's window tile (inside the warps' 8 KB each at 2 stages of 32 tokens, INT4 keys too: no more than without)
+template <bool K4>
 constexpr int cta_smem(int nstage, int warps, bool fold, int d = 128, bool wide = false) {
-  return d == 64 ? warps * warp_smem(nstage, 64, wide)
-         : fold && warps * nstage * kStageBytes + 8192 > warps * warp_smem(nstage)
-             ? warps * nstage * kStageBytes + 8192 : warps * warp_smem(nstage);
+  return d == 64 ? warps * warp_smem<K4>(nstage, 64, wide)
+         : fold && warps * nstage * kStageBytes<K4> + 8192 > warps * warp_smem<K4>(nstage)
+             ? warps * nstage * kStageBytes<K4> + 8192 : warps * warp_smem<K4>(nstage);
 }
 constexpr float kTwo24 = 16777216.0f;
 constexpr float kLazy = 8.0f;            // log2 units a score may pass the running max without a rescale
@@ -130,9 +144,6 @@ __device__ __forceinline__ void grid_dependency_wait() {
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int n) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int n) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int n) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
@@ -191,15 +202,32 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 __device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+// The (scale, min) pair of float8 e4m3 bytes in the low 16 bits of w (scale in the low byte) as fp32, exactly (every
+// e4m3 value is an fp16 value): one cvt to f16x2 on sm_89+; before that from the bits, byte b as the fp32
+// ((b & 0x7f) << 20 | (b & 0x80) << 24) . 2^120 (the exponent rebased from 7 to 127, subnormals included: no ftz).
+__device__ __forceinline__ float2 fp8x2(uint32_t w) {
+#if __CUDA_ARCH__ >= 890
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"((unsigned short)w));
+  return __half22float2(*reinterpret_cast<__half2*>(&h));
+#else
+  const uint32_t b0 = w & 0xffu, b1 = (w >> 8) & 0xffu;
+  return make_float2(__uint_as_float((b0 & 0x7fu) << 20 | (b0 & 0x80u) << 24) * 0x1p120f,
+                     __uint_as_float((b1 & 0x7fu) << 20 | (b1 & 0x80u) << 24) * 0x1p120f);
+#endif
+}
 
 struct Args {
   const void* q;        // [B, Hq, 128] (transformed), bf16 / fp16 / fp32 (q_dtype 0 / 1 / 2)
   int q_dtype;
   float c0;             // sm_scale * log2(e)
-  const uint8_t* kc;    // [slots, Hkv, 32]
+  const uint8_t* kc;    // [records, D/4] (records: kernels/records.py), K4: the K codes' low two bits
   const uint8_t* vc;
-  const uint2* kp;      // [slots, Hkv] (sc0, mn0, sc1, mn1) bf16
-  const uint2* vp;
+  const uint8_t* kh;    // K4: [hi records, D/4], the INT4 heads' K codes' high two bits (cache.k_hi); else null
+  const int* k4_index;  // K4: [Hkv] head h's row among k_hi's h4 heads (hi record: pool_record with h4), -1: INT2
+  int h4;
+  const uint32_t* kp;   // [records] (sc0, mn0, sc1, mn1) e4m3 (two groups per row), or [records / 2] the (sc, mn) of
+  const uint32_t* vp;   // two records (kg_row / vg_row: one group per row)
   const int* r2t;
   const void* req_idx;  // [B] int32, or int64 when req_idx_64 (SGLang's req_pool_indices: no per-call cast)
   const int* seq_lens;  // [B]
@@ -249,6 +277,11 @@ __device__ __forceinline__ long long pool_record(const Args& a, Slot s, int h, i
 __device__ __forceinline__ uint32_t pool_record32(const Args& a, int s, int h, uint32_t pmask) {
   const uint32_t u = (uint32_t)s;
   return (((u >> a.page_log2) * (uint32_t)a.hkv + (uint32_t)h) << a.page_log2) | (u & pmask);
+}
+// The record of (slot s, INT4 head row j) in k_hi (its h4 heads instead of Hkv).
+__device__ __forceinline__ uint32_t hi_record32(const Args& a, int s, int j, uint32_t pmask) {
+  const uint32_t u = (uint32_t)s;
+  return (((u >> a.page_log2) * (uint32_t)a.h4 + (uint32_t)j) << a.page_log2) | (u & pmask);
 }
 
 // element i of q (dtype code q_dtype) as fp32
@@ -377,25 +410,34 @@ __device__ __forceinline__ void merge_column(const Args& a, uint8_t* smem, int c
 // quarter warp, chunks 4j + t) and the V reads (rows 2t, chunks 2g + s) are then free of bank conflicts
 __device__ __forceinline__ int swz(int r) { return ((r & 1) << 2) ^ ((r >> 1) & 1) ^ (((r >> 2) & 1) << 2); }
 
-// Dims 8ch .. 8ch + 7 of the K and V rows of pool slot `slot`, head h, dequantized from their INT2 records
-// (min + scale . code, the oracle's form) as BF16 into the tile chunk at dst (K) and dst + 4096 (V): a sink
-// position without a sink row. Codes: byte j of a record holds dims j + 32p in bits 2p, 2p + 1 (kernels/layout.py).
+// Dims 8ch .. 8ch + 7 of the K and V rows of pool slot `slot`, head h, dequantized from their records (min + scale .
+// code, the oracle's form) as BF16 into the tile chunk at dst (K) and dst + 4096 (V): a sink position without a sink
+// row. Codes: byte j of a record holds dims j + 32p in bits 2p, 2p + 1 (kernels/layout.py); K4: the K code is that
+// of kc | that of kh << 2.
+template <bool K4>
 __device__ __forceinline__ void store_int2_chunk(const Args& a, uint32_t dst, long long slot, int h, int ch) {
   const long long rec = pool_record(a, slot, h, (1 << a.page_log2) - 1);
   const int p = ch >> 2, j0 = (ch & 3) * 8;
 #pragma unroll
   for (int kv = 0; kv < 2; ++kv) {
     const uint8_t* codes = (kv ? a.vc : a.kc) + rec * 32 + j0;
+    const int kj = K4 && !kv ? __ldg(a.k4_index + h) : -1;  // an INT2 head of a K4 layer: no high planes
+    const uint8_t* hi = kj >= 0 ? a.kh + (((slot >> a.page_log2) * a.h4 + kj) * (1ll << a.page_log2) +
+                                          (slot & ((1 << a.page_log2) - 1))) * 32 + j0 : nullptr;
     const bool g_row = kv ? a.vg_row : a.kg_row;
-    // the (scale, min) word of this chunk's group: one per row at G = 128, two at G = 64 (dims 0..63, 64..127)
-    const uint32_t* prm = reinterpret_cast<const uint32_t*>(kv ? (const void*)a.vp : (const void*)a.kp);
-    const uint32_t w = g_row ? prm[rec] : prm[rec * 2 + (ch >> 3)];
-    const float sc = bf_lo(w), mn = bf_hi(w);
+    // the (scale, min) pair of this chunk's group: one per row at G = 128, two at G = 64 (dims 0..63, 64..127)
+    const uint16_t* prm = reinterpret_cast<const uint16_t*>(kv ? a.vp : a.kp);
+    const float2 sm = fp8x2(g_row ? prm[rec] : prm[rec * 2 + (ch >> 3)]);
+    const float sc = sm.x, mn = sm.y;
+    auto code = [&](int i) {
+      const int c = (codes[i] >> (2 * p)) & 3;
+      return (float)(hi ? c | ((hi[i] >> (2 * p)) & 3) << 2 : c);
+    };
     uint32_t out[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float x0 = fmaf(sc, (float)((codes[2 * i] >> (2 * p)) & 3), mn);
-      const float x1 = fmaf(sc, (float)((codes[2 * i + 1] >> (2 * p)) & 3), mn);
+      const float x0 = fmaf(sc, code(2 * i), mn);
+      const float x1 = fmaf(sc, code(2 * i + 1), mn);
       __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
       out[i] = *reinterpret_cast<uint32_t*>(&v);
     }
@@ -444,6 +486,7 @@ __device__ __forceinline__ int window_row(const Args& a, const WinTile& w, int r
 }
 
 // The tile's K and V rows of KV head h into the warp's 8 KB at st (K tile, V tile 4 KB on), one cp.async group.
+template <bool K4>
 __device__ __forceinline__ void window_issue(const Args& a, const WinTile& w, int row, int h, uint32_t st,
                                              int lane) {
   const __nv_bfloat16* kbase = w.is_sink ? a.sk : a.rk;
@@ -467,7 +510,7 @@ __device__ __forceinline__ void window_issue(const Args& a, const WinTile& w, in
     for (int i = 0; i < 8; ++i) {
       const int c = lane + 32 * i, r = c >> 4, ch = c & 15;
       const int rr = __shfl_sync(0xffffffffu, row, r);
-      if (rr <= -2) store_int2_chunk(a, st + r * 256 + ((ch ^ swz(r)) << 4), -2 - (long long)rr, h, ch);
+      if (rr <= -2) store_int2_chunk<K4>(a, st + r * 256 + ((ch ^ swz(r)) << 4), -2 - (long long)rr, h, ch);
     }
   }
 }
@@ -592,7 +635,7 @@ __device__ __forceinline__ void window_park(float* ow, float* ml, const float (&
 //     16g + 2mt + 1 (one 32-bit word of a row), P^T from the score accumulator with two movmatrix.trans.
 // Columns 4..7 repeat heads 0..3 (as in the history loop); lanes t < 2 own the stored ones. Scores, p and the
 // running max are in log2 units (c0 = sm_scale log2 e), as in the history warps, so the CTA merges both alike.
-template <int HC>
+template <int HC, bool K4>
 __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, int b, int h, int hq_base, int nh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -622,7 +665,7 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
     const WinTile w = window_tile(a, is_sink, k0 + tile, L, ring_lo);
     if (w.first >= w.range_hi) break;  // uniform per warp
     const int row = window_row(a, w, req, lane);
-    window_issue(a, w, row, h, st, lane);
+    window_issue<K4>(a, w, row, h, st, lane);
     cp_wait<0>();
     window_compute(w, row, st, sts, qw, o, m0, m1, l0, l1);
   }
@@ -637,18 +680,44 @@ __device__ __forceinline__ void window_cta(const Args& a, uint8_t* smem, int j, 
   if (a.fused_merge) merge_column<HC>(a, smem, blockIdx.x, hq_base, nh);
 }
 
+// INT4 keys (K4): the code bytes of one word, lo (kc's) and hi (kh's), as two words of 4-bit codes c_p = lo_p | hi_p << 2
+// per byte: n02 = c_0 | c_2 << 4 (planes 0, 2), n13 = c_1 | c_3 << 4 (planes 1, 3): a shift and a select (LOP3) each.
+// Plane p is then n & 0x0f0f0f0f (p < 2: c) or n & 0xf0f0f0f0 (p >= 2: c 16), one AND per word and plane as INT2's
+// c 4^p (which at p = 3 would not fit a byte with c up to 15: 15 . 16 = 240 does), against q scaled by the plane
+// factors (1, 1, 1/16, 1/16) (plane_f) in place of INT2's 4^-p.
+__device__ __forceinline__ void int4_nibbles(uint32_t lo, uint32_t hi, uint32_t& n02, uint32_t& n13) {
+  n02 = (lo & 0x33333333u) | ((hi << 2) & 0xccccccccu);
+  n13 = ((lo >> 2) & 0x33333333u) | (hi & 0xccccccccu);
+}
+// q's factor at plane p for the integer K dot (the codes' A bytes are c / plane_f: INT2 c 4^p, K4 above)
+__host__ __device__ constexpr float plane_f(bool k4, int p) {
+  return p == 0 ? 1.f : p == 1 ? (k4 ? 1.f : 0.25f) : p == 2 ? 0.0625f : (k4 ? 0.0625f : 0.015625f);
+}
+
 // The K dot of one 16-token D-128 tile: the lane's code bytes 8t .. 8t + 7 of tokens sg, sg + 8 (the
-// tile's rows g, g + 8) at kcs, masked per plane p as c 4^p (A, u8: k 4t.. and 16 + 4t.., matching qhi / qlo) against
-// q's int8 hi and lo; plane group 0 (planes 0, 1: dims 0..63) into ih0 / il0, group 1 into ih1 / il1 (added to them).
-__device__ __forceinline__ void k_dot_d128(const uint8_t* kcs, int sg, int t, const uint32_t (&qhi)[8],
-                                           const uint32_t (&qlo)[8], int (&ih0)[4], int (&il0)[4], int (&ih1)[4],
-                                           int (&il1)[4]) {
+// tile's rows g, g + 8) at kcs (K4: and at khs), masked per plane p as c 4^p (K4: c / plane_f) (A, u8: k 4t.. and
+// 16 + 4t.., matching qhi / qlo) against q's int8 hi and lo; plane group 0 (planes 0, 1: dims 0..63) into ih0 / il0,
+// group 1 into ih1 / il1 (added to them).
+template <bool K4>
+__device__ __forceinline__ void k_dot_d128(const uint8_t* kcs, const uint8_t* khs, int sg, int t,
+                                           const uint32_t (&qhi)[8], const uint32_t (&qlo)[8], int (&ih0)[4],
+                                           int (&il0)[4], int (&ih1)[4], int (&il1)[4]) {
   const uint2 kw0 = *reinterpret_cast<const uint2*>(kcs + sg * 32 + t * 8);
   const uint2 kw1 = *reinterpret_cast<const uint2*>(kcs + (sg + 8) * 32 + t * 8);
+  uint2 e0 = kw0, e1 = kw1, f0 = kw0, f1 = kw1;  // the words planes 0, 2 (e) and 1, 3 (f) are masked from
+  if constexpr (K4) {
+    const uint2 hw0 = *reinterpret_cast<const uint2*>(khs + sg * 32 + t * 8);
+    const uint2 hw1 = *reinterpret_cast<const uint2*>(khs + (sg + 8) * 32 + t * 8);
+    int4_nibbles(kw0.x, hw0.x, e0.x, f0.x);
+    int4_nibbles(kw0.y, hw0.y, e0.y, f0.y);
+    int4_nibbles(kw1.x, hw1.x, e1.x, f1.x);
+    int4_nibbles(kw1.y, hw1.y, e1.y, f1.y);
+  }
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
-    const uint32_t M = 0x03030303u << (2 * p);
-    const uint32_t a0 = kw0.x & M, a1 = kw1.x & M, a2 = kw0.y & M, a3 = kw1.y & M;
+    const uint32_t M = K4 ? (p < 2 ? 0x0f0f0f0fu : 0xf0f0f0f0u) : 0x03030303u << (2 * p);
+    const uint2 u0 = p & 1 ? f0 : e0, u1 = p & 1 ? f1 : e1;
+    const uint32_t a0 = u0.x & M, a1 = u1.x & M, a2 = u0.y & M, a3 = u1.y & M;
     imma16832(p < 2 ? ih0 : ih1, a0, a1, a2, a3, qhi[2 * p], qhi[2 * p + 1]);
     imma16832(p < 2 ? il0 : il1, a0, a1, a2, a3, qlo[2 * p], qlo[2 * p + 1]);
   }
@@ -688,12 +757,14 @@ __device__ __forceinline__ void v_dot_d128(const uint8_t* vcs, int t, float (&o)
 // (<= 80 registers; without, nvcc 13.0 gave the 64-token ones 81-82: 2 CTAs per SM). The D-128 HC-8 instances keep no
 // minimum (0): they land at 128 on their own, and an explicit 1 gave 152-159 registers (test_cuda_history_sass.py
 // holds every instance to its budget).
-template <int NSTAGE, int HC, bool TWO_G, int D, bool WIDE>
+// K4: the layer's keys are INT4 (Args.kh: their high planes, copied beside the low ones; int4_nibbles, plane_f); the
+// INT2 instances (K4 false) compile without any of it.
+template <int NSTAGE, int HC, bool TWO_G, int D, bool WIDE, bool K4>
 __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_history_kernel(Args a) {
   static_assert(D == 128 || D == 64, "head_dim 128 or 64");
   static_assert(!WIDE || D == 64, "64-token stages (WIDE) at D 64 only");
   constexpr int kTok = WIDE ? kWideTok : ::kTok;  // tokens per stage of this instance
-  using SL = Stage<D, kTok>;
+  using SL = Stage<D, kTok, K4>;
   constexpr int kSB = SL::kBytes, NMT = D / 16;  // stage bytes, V m-tiles
   constexpr int kTileUnroll = tile_unroll(D, WIDE);
   constexpr bool kPair = pair_tiles(D, HC, WIDE);  // the block's two tiles share one softmax
@@ -704,8 +775,13 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3, gsel = t >> 1;
   const bool kg_row = !TWO_G && a.kg_row, vg_row = !TWO_G && a.vg_row;
+  // a token's param selectors (Stage::kSelOff): sel_base + (record & 1) . sel_odd
+  [[maybe_unused]] const uint32_t sel_base = (kg_row ? 0x1010u : 0x3210u) | (vg_row ? 0x1010u : 0x3210u) << 16;
+  [[maybe_unused]] const uint32_t sel_odd = (kg_row ? 0x2222u : 0u) | (vg_row ? 0x2222u : 0u) << 16;
   const int bh = blockIdx.x / a.hgroups, hg = blockIdx.x - bh * a.hgroups, b = bh / a.hkv, h = bh - b * a.hkv;
   const int hq_base = b * a.hkv * a.gqa + h * a.gqa + hg * HC;  // query head of local head 0 of this group
+  // K4: this CTA's KV head's row among k_hi's heads, -1 for an INT2 head (its high planes zero-filled: n 0 below)
+  [[maybe_unused]] const int kj = K4 ? __ldg(a.k4_index + h) : -1;
   const int nh = min(HC, a.gqa - hg * HC);                        // valid local heads of this group
   const int nwin = a.nwin_sink + a.nwin_ring, ns_hist = (int)gridDim.y - nwin;
   // this CTA's history split (< 0: window CTA wj; win_last is always 1: the window CTAs follow the history CTAs)
@@ -721,7 +797,7 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the window programs / merge may launch now
 #endif
   if (split < 0) {  // uniform per CTA (D 64: never; history_cuda launches no window CTAs there)
-    if constexpr (D == 128) window_cta<HC>(a, smem, wj, b, h, hq_base, nh);
+    if constexpr (D == 128) window_cta<HC, K4>(a, smem, wj, b, h, hq_base, nh);
     return;
   }
 
@@ -777,6 +853,10 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
       // each lane's token's record, once (its params' copies use it; the codes' copies take it by shuffle)
       const uint32_t r0 = pool_record32(a, s0, h, pmask);
       const uint32_t r1 = kTok == 64 ? pool_record32(a, s1, h, pmask) : 0u;
+      // K4: the records of the same tokens in k_hi (an INT2 head: record 0, never read)
+      [[maybe_unused]] const uint32_t rh0 = K4 ? hi_record32(a, s0, max(kj, 0), pmask) : 0u;
+      [[maybe_unused]] const uint32_t rh1 = K4 && kTok == 64 ? hi_record32(a, s1, max(kj, 0), pmask) : 0u;
+      [[maybe_unused]] const bool hi_in = kj >= 0;
       if constexpr (D == 64) {
         // codes: a token's 16-byte row per lane (lane i: token i + 32k)
 #pragma unroll
@@ -786,6 +866,7 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
           const uint32_t r = k ? r1 : r0;
           cp_async16(st + tok * 16, a.kc + (size_t)r * 16u, n);
           cp_async16(st + SL::kVcOff + tok * 16, a.vc + (size_t)r * 16u, n);
+          if constexpr (K4) cp_async16(st + SL::kKhOff + tok * 16, a.kh + (size_t)(k ? rh1 : rh0) * 16u, hi_in ? n : 0);
         }
       } else {
         // codes: lanes 2i, 2i+1 copy the two 16-byte halves of token i (+16k), so that one instruction
@@ -797,17 +878,25 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
           const int n = tok < rem ? 16 : 0;
           cp_async16(st + tok * 32 + 16 * half, a.kc + (size_t)hrec * 16u, n);
           cp_async16(st + SL::kVcOff + tok * 32 + 16 * half, a.vc + (size_t)hrec * 16u, n);
+          if constexpr (K4) {
+            const uint32_t hh = 2u * __shfl_sync(0xffffffffu, k < 2 ? rh0 : rh1, tok & 31) + (uint32_t)half;
+            cp_async16(st + SL::kKhOff + tok * 32 + 16 * half, a.kh + (size_t)hh * 16u, hi_in ? n : 0);
+          }
         }
       }
+      // params: the record's 4-byte word, or with one group per row the word of its record pair (2 bytes each; the
+      // token's selectors, Stage::kSelOff, pick the half)
 #pragma unroll
       for (int k = 0; k < kTok / 32; ++k) {
         const int tok = lane + 32 * k;
-        const bool in = tok < rem;
+        const int n = tok < rem ? 4 : 0;
         const uint32_t r = k ? r1 : r0;
-        if (kg_row) cp_async4(st + SL::kKpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.kp) + r, in ? 4 : 0);
-        else cp_async8(st + SL::kKpOff + tok * 8, a.kp + r, in ? 8 : 0);
-        if (vg_row) cp_async4(st + SL::kVpOff + tok * 8, reinterpret_cast<const uint32_t*>(a.vp) + r, in ? 4 : 0);
-        else cp_async8(st + SL::kVpOff + tok * 8, a.vp + r, in ? 8 : 0);
+        cp_async4(st + SL::kKpOff + tok * 4, a.kp + (r >> (int)kg_row), n);
+        cp_async4(st + SL::kVpOff + tok * 4, a.vp + (r >> (int)vg_row), n);
+        if constexpr (!TWO_G) {
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(st + SL::kSelOff + tok * 4), "r"(sel_base + (r & 1u) * sel_odd)
+                       : "memory");
+        }
       }
     }
     cp_commit();  // an empty group past the end keeps the wait count uniform
@@ -865,7 +954,7 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
       grid_dependency_wait();
       wrow = window_row(a, wt, req, lane);
     }
-    window_issue(a, wt, wrow, h, wst, lane);
+    window_issue<K4>(a, wt, wrow, h, wst, lane);
   }
 
   if (a.pdl == kPdlAfterWriteQ) {  // q' is the write's output
@@ -937,6 +1026,9 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
   // lane's bytes 8t + 4w .. + 3 of plane p, whose masked codes are c 4^p) as int8, scaled per plane group gp by
   // S_gp = 16256 / max |c0 q 4^-p| over the warp: v = x S = 128 hi + lo (hi in [-127, 127], lo in [-64, 64]).
   // iS_gp = 2^-24 / S_gp puts the dot in the fp16 path's units (2^-24 log2), so the score math is unchanged.
+  // K4: the same with 4^-p replaced by plane_f(true, p) = 1, 1, 1/16, 1/16 (the INT4 codes' A bytes c, c, 16c, 16c).
+  // int32 bound: a group's 64 dims (two planes of 32) of A bytes <= 240 (K4 planes 2, 3; INT2: 3 . 64 = 192) against
+  // |hi| <= 127 give |ih| <= 32 . (240 + 240) . 127 < 2^21, so |ih . 128 + il| < 2^28.
   // D 64: register p (= 2pp + w: plane pair pp, k-half w of its m16n8k32) holds plane p's dims p*16 + t*4 + 0..3
   uint32_t qhi[D / 16], qlo[D / 16];
   float iS0, iS1;
@@ -956,7 +1048,7 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
         for (int i = 0; i < 8; ++i) mq[p] = fmaxf(mq[p], fabsf(xs[p][i]));
       }
     }
-    float mx0 = fmaxf(mq[0], 0.25f * mq[1]), mx1 = fmaxf(0.0625f * mq[2], 0.015625f * mq[3]);
+    float mx0 = fmaxf(mq[0], plane_f(K4, 1) * mq[1]), mx1 = fmaxf(plane_f(K4, 2) * mq[2], plane_f(K4, 3) * mq[3]);
 #pragma unroll
     for (int x = 1; x < 32; x <<= 1) {
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
@@ -969,7 +1061,7 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
     iS1 = mx1 / (16256.f * kTwo24);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      const float kp = (p == 0 ? 1.f : p == 1 ? 0.25f : p == 2 ? 0.0625f : 0.015625f) * (p < 2 ? S0 : S1);
+      const float kp = plane_f(K4, p) * (p < 2 ? S0 : S1);
 #pragma unroll
       for (int w = 0; w < D / 64; ++w) {
         uint32_t hb[4], lb[4];
@@ -1003,15 +1095,23 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
       float acc0[4], acc1[4];
       if constexpr (D == 64) {
         // the lane's code bytes 4t .. 4t + 3 of tokens sg, sg + 8 (dims 4t + i + 16p), masked for planes 2pp and
-        // 2pp + 1: A's k 4t.. and 16 + 4t.. of one m16n8k32 (c 4^p in each byte, u8), against qhi / qlo[2pp], [2pp + 1]
+        // 2pp + 1: A's k 4t.. and 16 + 4t.. of one m16n8k32 (c 4^p in each byte, u8; K4: c / plane_f from the
+        // int4_nibbles words), against qhi / qlo[2pp], [2pp + 1]
         const uint8_t* kcs = st + j * 16 * 16;
         const uint32_t kx0 = *reinterpret_cast<const uint32_t*>(kcs + sg * 16 + t * 4);
         const uint32_t kx1 = *reinterpret_cast<const uint32_t*>(kcs + (sg + 8) * 16 + t * 4);
+        uint32_t e0 = kx0, e1 = kx1, f0 = kx0, f1 = kx1;  // the words planes 2pp (e) and 2pp + 1 (f) are masked from
+        if constexpr (K4) {
+          const uint8_t* khs = st + SL::kKhOff + j * 16 * 16;
+          int4_nibbles(kx0, *reinterpret_cast<const uint32_t*>(khs + sg * 16 + t * 4), e0, f0);
+          int4_nibbles(kx1, *reinterpret_cast<const uint32_t*>(khs + (sg + 8) * 16 + t * 4), e1, f1);
+        }
         int ih0[4] = {0, 0, 0, 0}, il0[4] = {0, 0, 0, 0}, ih1[4] = {0, 0, 0, 0}, il1[4] = {0, 0, 0, 0};
 #pragma unroll
         for (int pp = 0; pp < 2; ++pp) {
-          const uint32_t M0 = 0x03030303u << (4 * pp), M1 = M0 << 2;
-          const uint32_t a0 = kx0 & M0, a1 = kx1 & M0, a2 = kx0 & M1, a3 = kx1 & M1;
+          const uint32_t M0 = K4 ? (pp ? 0xf0f0f0f0u : 0x0f0f0f0fu) : 0x03030303u << (4 * pp);
+          const uint32_t M1 = K4 ? M0 : M0 << 2;
+          const uint32_t a0 = e0 & M0, a1 = e1 & M0, a2 = f0 & M1, a3 = f1 & M1;
           imma16832(pp ? ih1 : ih0, a0, a1, a2, a3, qhi[2 * pp], qhi[2 * pp + 1]);
           imma16832(pp ? il1 : il0, a0, a1, a2, a3, qlo[2 * pp], qlo[2 * pp + 1]);
         }
@@ -1024,10 +1124,10 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
       // hi and lo of each plane group in their own accumulators (k_dot_d128); paired tiles (kPair): both tiles' dots,
       // and this lane keeps tile tj's (a select in place of the other tile's combine)
       int ih0[4] = {0, 0, 0, 0}, il0[4] = {0, 0, 0, 0}, ih1[4] = {0, 0, 0, 0}, il1[4] = {0, 0, 0, 0};
-      k_dot_d128(st + j * 16 * 32, sg, t, qhi, qlo, ih0, il0, ih1, il1);
+      k_dot_d128<K4>(st + j * 16 * 32, st + SL::kKhOff + j * 16 * 32, sg, t, qhi, qlo, ih0, il0, ih1, il1);
       if constexpr (kPair) {
         int jh0[4] = {0, 0, 0, 0}, jl0[4] = {0, 0, 0, 0}, jh1[4] = {0, 0, 0, 0}, jl1[4] = {0, 0, 0, 0};
-        k_dot_d128(st + 16 * 32, sg, t, qhi, qlo, jh0, jl0, jh1, jl1);
+        k_dot_d128<K4>(st + 16 * 32, st + SL::kKhOff + 16 * 32, sg, t, qhi, qlo, jh0, jl0, jh1, jl1);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           ih0[e] = tj ? jh0[e] : ih0[e]; il0[e] = tj ? jl0[e] : il0[e];
@@ -1040,11 +1140,19 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
         acc1[e] = (float)(ih1[e] * 128 + il1[e]);
       }
       }
-      const uint2* kps = reinterpret_cast<const uint2*>(st + SL::kKpOff) + tj * 16;
-      const uint2 pr0 = kps[sg], pr1 = kps[sg + 8];
-      const uint32_t py0 = kg_row ? pr0.x : pr0.y, py1 = kg_row ? pr1.x : pr1.y;  // dims 64..127's pair
-      const float sc0a = bf_lo(pr0.x) * iS0, mn0a = bf_hi(pr0.x), sc1a = bf_lo(py0) * iS1, mn1a = bf_hi(py0);
-      const float sc0b = bf_lo(pr1.x) * iS0, mn0b = bf_hi(pr1.x), sc1b = bf_lo(py1) * iS1, mn1b = bf_hi(py1);
+      // the (scale, min) pairs of this lane's tokens ta, ta + 8 of the stage (tile tj's rows sg, sg + 8)
+      const int ta = tj * 16 + sg;
+      // token tok's pairs of side v (0 K, 1 V): group 0's in the low half, group 1's (dims D/2 ..) in the high half;
+      // a row of one group has its pair in both (its selector, Stage::kSelOff)
+      auto pword = [&](int v, int tok) -> uint32_t {
+        const uint32_t w = reinterpret_cast<const uint32_t*>(st + (v ? SL::kVpOff : SL::kKpOff))[tok];
+        if constexpr (TWO_G) return w;
+        return prmt(w, 0u, reinterpret_cast<const uint16_t*>(st + SL::kSelOff)[2 * tok + v]);
+      };
+      const uint32_t kpa = pword(0, ta), kpb = pword(0, ta + 8);
+      const float2 k0a = fp8x2(kpa), k1a = fp8x2(kpa >> 16), k0b = fp8x2(kpb), k1b = fp8x2(kpb >> 16);
+      const float sc0a = k0a.x * iS0, mn0a = k0a.y, sc1a = k1a.x * iS1, mn1a = k1a.y;
+      const float sc0b = k0b.x * iS0, mn0b = k0b.y, sc1b = k1b.x * iS1, mn1b = k1b.y;
       float s[4];
       s[0] = fmaf(mn1a, q10, fmaf(mn0a, q00, fmaf(acc1[0], sc1a, acc0[0] * sc0a)));
       s[1] = fmaf(mn1a, q11, fmaf(mn0a, q01, fmaf(acc1[1], sc1a, acc0[1] * sc0a)));
@@ -1075,14 +1183,13 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
       const float p0 = ex2(fmaf(s[0], kTwo24, -m0)), p1 = ex2(fmaf(s[1], kTwo24, -m1));
       const float p2 = ex2(fmaf(s[2], kTwo24, -m0)), p3 = ex2(fmaf(s[3], kTwo24, -m1));
       l0 += p0 + p2; l1 += p1 + p3;
-      const uint32_t* vps = reinterpret_cast<const uint32_t*>(st + SL::kVpOff) + tj * 32;
       // the V dot's B operands: m-tiles 0..3 (V group 0) take b, 4..7 (group 1) c (D 64: 0..1 and 2..3)
       uint32_t b0, b1, c0, c1;
       if (HC == 4 && !kPair) {
         // columns 0..3 carry p.scale of V group 0, columns 4..7 of group 1: one operand pair serves both groups
-        const int vsel = vg_row ? 0 : gsel;  // this lane's V group pair
-        const uint32_t vr0 = vps[sg * 2 + vsel], vr1 = vps[(sg + 8) * 2 + vsel];
-        const float vsa = bf_lo(vr0), vma = bf_hi(vr0), vsb = bf_lo(vr1), vmb = bf_hi(vr1);
+        // (this lane's group gsel)
+        const float2 vra = fp8x2(pword(1, ta) >> 16 * gsel), vrb = fp8x2(pword(1, ta + 8) >> 16 * gsel);
+        const float vsa = vra.x, vma = vra.y, vsb = vrb.x, vmb = vrb.y;
         lv0 = fmaf(p0, vma, fmaf(p2, vmb, lv0));
         lv1 = fmaf(p1, vma, fmaf(p3, vmb, lv1));
         b0 = c0 = movm_trans(h2u(__floats2half2_rn(p0 * vsa, p1 * vsa)));
@@ -1090,16 +1197,16 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
       } else {
         // eight heads in eight columns (HC 8, or paired tiles: columns 0..3 tile 0's, 4..7 tile 1's): p.scale of
         // group 0 for m-tiles 0..3, of group 1 for 4..7 (the same word at G = 128)
-        const uint32_t va0 = vps[sg * 2], vb0 = vps[(sg + 8) * 2];
-        const uint32_t va1 = vg_row ? va0 : vps[sg * 2 + 1], vb1 = vg_row ? vb0 : vps[(sg + 8) * 2 + 1];
-        lv0 = fmaf(p0, bf_hi(va0), fmaf(p2, bf_hi(vb0), lv0));
-        lv1 = fmaf(p1, bf_hi(va0), fmaf(p3, bf_hi(vb0), lv1));
-        lw0 = fmaf(p0, bf_hi(va1), fmaf(p2, bf_hi(vb1), lw0));
-        lw1 = fmaf(p1, bf_hi(va1), fmaf(p3, bf_hi(vb1), lw1));
-        b0 = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va0), p1 * bf_lo(va0))));
-        b1 = movm_trans(h2u(__floats2half2_rn(p2 * bf_lo(vb0), p3 * bf_lo(vb0))));
-        c0 = movm_trans(h2u(__floats2half2_rn(p0 * bf_lo(va1), p1 * bf_lo(va1))));
-        c1 = movm_trans(h2u(__floats2half2_rn(p2 * bf_lo(vb1), p3 * bf_lo(vb1))));
+        const uint32_t vpa = pword(1, ta), vpb = pword(1, ta + 8);
+        const float2 va0 = fp8x2(vpa), vb0 = fp8x2(vpb), va1 = fp8x2(vpa >> 16), vb1 = fp8x2(vpb >> 16);
+        lv0 = fmaf(p0, va0.y, fmaf(p2, vb0.y, lv0));
+        lv1 = fmaf(p1, va0.y, fmaf(p3, vb0.y, lv1));
+        lw0 = fmaf(p0, va1.y, fmaf(p2, vb1.y, lw0));
+        lw1 = fmaf(p1, va1.y, fmaf(p3, vb1.y, lw1));
+        b0 = movm_trans(h2u(__floats2half2_rn(p0 * va0.x, p1 * va0.x)));
+        b1 = movm_trans(h2u(__floats2half2_rn(p2 * vb0.x, p3 * vb0.x)));
+        c0 = movm_trans(h2u(__floats2half2_rn(p0 * va1.x, p1 * va1.x)));
+        c1 = movm_trans(h2u(__floats2half2_rn(p2 * vb1.x, p3 * vb1.x)));
       }
       if constexpr (D == 64) {
         // the lane's two code bytes 2g, 2g + 1 (dims 16p + 2g, + 1) of tokens t, t + 4, t + 8, t + 12: byte 0 is
@@ -1203,39 +1310,59 @@ __global__ void __launch_bounds__(256, pair_tiles(D, HC, WIDE) ? 2 : 0) int2_his
 
 template <int NSTAGE, int HC, int D, bool WIDE>
 int launch(const Args& a, int bh, int warps, int grid_y, int pdl, cudaStream_t stream) {
+  const bool k4 = a.kh != nullptr, two_g = !(a.kg_row || a.vg_row);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(bh, grid_y);
   cfg.blockDim = dim3(warps * 32);
-  cfg.dynamicSmemBytes = cta_smem(NSTAGE, warps, a.fold_tiles > 0, D, WIDE);
+  cfg.dynamicSmemBytes = k4 ? cta_smem<true>(NSTAGE, warps, a.fold_tiles > 0, D, WIDE)
+                            : cta_smem<false>(NSTAGE, warps, a.fold_tiles > 0, D, WIDE);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the window programs run
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, a.kg_row || a.vg_row ? int2_history_kernel<NSTAGE, HC, false, D, WIDE>
-                                                           : int2_history_kernel<NSTAGE, HC, true, D, WIDE>, a);
+  return (int)cudaLaunchKernelEx(&cfg, k4 ? (two_g ? int2_history_kernel<NSTAGE, HC, true, D, WIDE, true>
+                                                   : int2_history_kernel<NSTAGE, HC, false, D, WIDE, true>)
+                                         : two_g ? int2_history_kernel<NSTAGE, HC, true, D, WIDE, false>
+                                                 : int2_history_kernel<NSTAGE, HC, false, D, WIDE, false>, a);
 }
 
-template <int NSTAGE, int HC, int D, bool WIDE>
-int prepare(int) {  // the dynamic shared-memory limit, once, before any graph capture
+template <int NSTAGE, int HC, int D, bool WIDE, bool TWO_G, bool K4>
+int prepare_one() {
   // set for the largest CTA (8 warps), not the one asked for: the attribute belongs to the template instance, so
   // a smaller later configuration would lower it under an earlier larger one (cudaErrorInvalidValue at launch)
-  const int smem = cta_smem(NSTAGE, 8, true, D, WIDE);
-  const int rc = (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, true, D, WIDE>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  return rc ? rc : (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, false, D, WIDE>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  return (int)cudaFuncSetAttribute(int2_history_kernel<NSTAGE, HC, TWO_G, D, WIDE, K4>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, cta_smem<K4>(NSTAGE, 8, true, D, WIDE));
 }
 
 template <int NSTAGE, int HC, int D, bool WIDE>
-int occupancy(int warps) {  // the fewer of the two group instances' (both 128 registers: test_cuda_history_sass.py)
-  int n = 0, n128 = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC, true, D, WIDE>, warps * 32,
-                                                warps * warp_smem(NSTAGE, D, WIDE));
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n128, int2_history_kernel<NSTAGE, HC, false, D, WIDE>, warps * 32,
-                                                warps * warp_smem(NSTAGE, D, WIDE));
-  return n < n128 ? n : n128;
+int prepare(int) {  // the dynamic shared-memory limits of the four instances, once, before any graph capture
+  int rc = prepare_one<NSTAGE, HC, D, WIDE, true, false>();
+  if (!rc) rc = prepare_one<NSTAGE, HC, D, WIDE, false, false>();
+  if (!rc) rc = prepare_one<NSTAGE, HC, D, WIDE, true, true>();
+  return rc ? rc : prepare_one<NSTAGE, HC, D, WIDE, false, true>();
+}
+
+template <int NSTAGE, int HC, int D, bool WIDE, bool TWO_G, bool K4>
+int occupancy_one(int warps) {
+  int n = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, int2_history_kernel<NSTAGE, HC, TWO_G, D, WIDE, K4>, warps * 32,
+                                                warps * warp_smem<K4>(NSTAGE, D, WIDE));
+  return n;
+}
+
+// the fewest of the four instances' (groups per row, INT2 / INT4 keys): the split rule takes one count per shape
+// (history_cuda.occupancy), and the instances are built to the same registers (128 at D 128, 80 at D 64)
+template <int NSTAGE, int HC, int D, bool WIDE>
+int occupancy(int warps) {
+  const int n[4] = {occupancy_one<NSTAGE, HC, D, WIDE, true, false>(warps),
+                    occupancy_one<NSTAGE, HC, D, WIDE, false, false>(warps),
+                    occupancy_one<NSTAGE, HC, D, WIDE, true, true>(warps),
+                    occupancy_one<NSTAGE, HC, D, WIDE, false, true>(warps)};
+  int m = n[0];
+  for (int i = 1; i < 4; ++i) m = n[i] < m ? n[i] : m;
+  return m;
 }
 
 }  // namespace
@@ -1263,9 +1390,11 @@ int oscar_history_occupancy(int nstage, int warps, int hc, int head_dim, int wid
   DISPATCH(nstage, hc, head_dim, wide, occupancy, warps)
 }
 
+// kh: the K codes' high planes of a layer's INT4-key heads (cache.k_hi, h4 heads; k4_index [Hkv]: head h's row among
+// them, -1 for an INT2 head), or null (a layer of INT2 keys)
 int oscar_history_launch(int nstage, int warps, int hc, int head_dim, int wide, int bh, int gqa, int kg_row, int vg_row, int grid_y, const void* q,
                          int q_dtype, float c0, const void* kc,
-                         const void* vc, const void* kp, const void* vp, const int* r2t, int r2t_stride,
+                         const void* vc, const void* kh, const int* k4_index, int h4, const void* kp, const void* vp, const int* r2t, int r2t_stride,
                          const void* req_idx, int req_idx_64, const int* seq_lens, const int* ring_start, int hkv,
                          int sink, int window, float* o_part, float* lse_part, int ns_total, int page_log2, int pdl,
                          const void* sk, const void* sv, const void* rk, const void* rv, const int* sink_table,
@@ -1273,8 +1402,8 @@ int oscar_history_launch(int nstage, int warps, int hc, int head_dim, int wide, 
   // grid_y: history splits; the window CTAs (nwin_sink + nwin_ring rows of the grid) after them (win_last 1);
   // a KV head's query heads in ceil(gqa / hc) CTA columns (head groups)
   const int hgroups = (gqa + hc - 1) / hc;
-  Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint2*)kp,
-         (const uint2*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
+  Args a{q, q_dtype, c0, (const uint8_t*)kc, (const uint8_t*)vc, (const uint8_t*)kh, k4_index, h4, (const uint32_t*)kp,
+         (const uint32_t*)vp, r2t, req_idx, seq_lens, ring_start, o_part, lse_part, r2t_stride, hkv, sink, window,
          grid_y * warps, ns_total, page_log2, req_idx_64, pdl, gqa, hgroups, kg_row, vg_row,
          (const __nv_bfloat16*)sk, (const __nv_bfloat16*)sv, (const __nv_bfloat16*)rk, (const __nv_bfloat16*)rv,
          sink_table, nwin_sink, nwin_ring, win_tiles, win_last, out, out_dtype, counters, fused_merge, fold_tiles};

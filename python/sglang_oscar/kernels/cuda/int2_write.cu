@@ -1,6 +1,6 @@
 // The decode-sized KV write of OSCAR in CUDA: per (token, KV head, side) one CTA of 128 threads transforms the row,
-// copies it into the BF16 sink / ring rows where asked, clips it, quantizes it to INT2 per group and packs it into
-// the pool; with q, more CTAs per (token, KV head) rotate that token's query heads (q . T_q), 4 heads each.
+// copies it into the BF16 sink / ring rows where asked, clips it, quantizes it per group (INT2, or INT4 keys on the
+// layer's k4_heads) and packs it into the pool; with q, more CTAs per (token, KV head) rotate that token's query heads (q . T_q), 4 heads each.
 // kernels/write_cuda.py builds, checks and launches it; kernels/write.py (oscar_write_kv kernel="cuda") calls it.
 // The oracle is quant/cache_ops.py:write_reference, the math that of kernels/write.py's module docstring.
 //
@@ -17,13 +17,20 @@
 //
 // Arithmetic, as the Triton kernel and the oracle: x' in fp32 (IEEE products; the sum's order differs); the window
 // rows x' rounded to nearest even; the clip threshold tau = min{|x'_j| : #{i : |x'_i| > |x'_j|} <= n} (the
-// (n+1)-th largest |x'| with ties as torch.topk); per group scale = bf16_rn((max - min) / 3) (IEEE division),
-// min = bf16_rn(min), t = (c - min) / scale (IEEE division; 0 where scale is 0), code = #{thresholds <= t};
-// byte b of a record = c[b] | c[b+32] << 2 | c[b+64] << 4 | c[b+96] << 6 (quarter planes, quant/pack.py).
+// (n+1)-th largest |x'| with ties as torch.topk); per group scale = e4m3((max - min) / qmax) (IEEE division; qmax 3,
+// INT4 keys 15), min = e4m3(min), float8 e4m3 saturated to +-448 and rounded to nearest even (cvt.rn.satfinite, the
+// oracle's round_param), t = (c - min) / scale with the stored values (IEEE division; 0 where scale is 0),
+// code = #{thresholds <= t} (INT4: k + 0.5, k = 0..14); byte b of a record = c[b] | c[b+32] << 2 | c[b+64] << 4 |
+// c[b+96] << 6 (quarter planes, quant/pack.py), for INT4 keys of c & 3 into k_codes and of c >> 2 into k_hi (the
+// head's row k4_index[h] of k_hi's heads). INT4 keys are chosen per (layer, KV head): a layer with INT4 heads runs the
+// kernel's kHasK4 instance (layers without run the INT2 code only), where a head's width is CTA-uniform: INT4 heads
+// are never clipped and have qmax 15; the INT2 heads of such a layer have uniform levels (k_level_a 1), so both count
+// thresholds k + 0.5 up to their qmax.
 // q programs: fp32 products of q and T_q (bf16 x bf16 products are exact in fp32, so this is transform_query's GEMM up
 // to the order of its fp32 sums), rounded to q's dtype.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -40,8 +47,11 @@ struct Side {             // K (blockIdx.z 0) or V (1)
   long long stride_mh;
   const float* mean;      // [D] or [Hkv, D] fp32, nullptr: none
   long long stride_meanh;
-  uint32_t* codes;        // the pool's packed codes (D / 4 bytes per record)
-  uint32_t* params;       // (scale, min) bf16 pairs, one 32-bit word per group
+  uint32_t* codes;        // the pool's packed codes (D / 4 bytes per record); INT4 keys: their low two bits
+  uint32_t* hi;           // INT4 keys: the high two bits of the codes (the pool's k_hi, h4 heads), else nullptr
+  const int* k4_index;    // [Hkv]: head h's row among k_hi's heads, -1 for an INT2 head (nullptr without k_hi)
+  int h4;
+  uint16_t* params;       // (scale, min) float8 e4m3 pairs, one 16-bit word per group (scale in the low byte)
   __nv_bfloat16* sink;    // [rows, Hkv, D]
   __nv_bfloat16* ring;
   int group, clip_n;
@@ -115,12 +125,14 @@ struct Smem {
   uint32_t code[kD / 4];   // code j in byte j (little endian: word j / 4, byte j % 4)
 };
 
-template <typename TI>
+template <typename TI, bool kHasK4>
 __device__ void write_side(const Args& a, const Side& s, Smem& sm, int t, int h) {
   const int tid = threadIdx.x, w = tid >> 5, l = tid & 31;
-  // the indices first: nothing below depends on them until the stores
+  // the indices first: nothing below depends on them until the stores (j: the head's row of k_hi, else -1)
   const long long slot = a.slots[t];
   const int sink_row = a.sink_dst[t], ring_row = a.ring_dst[t];
+  const int j = kHasK4 ? s.k4_index[h] : -1;
+  const bool is4 = kHasK4 && j >= 0;  // CTA-uniform
   const TI* xrow = static_cast<const TI*>(s.x) + t * s.stride_t + h * s.stride_h;
 
   float xt;  // x'_tid
@@ -156,8 +168,9 @@ __device__ void write_side(const Args& a, const Side& s, Smem& sm, int t, int h)
   if (sink_row >= 0) s.sink[((long long)sink_row * a.hkv + h) * kD + tid] = xb;
   if (ring_row >= 0) s.ring[((long long)ring_row * a.hkv + h) * kD + tid] = xb;
 
-  // clip at the (n + 1)-th largest |x'|: count the row's values above each, keep the smallest with <= n above
-  if (s.clip_n > 0) {
+  // clip at the (n + 1)-th largest |x'|: count the row's values above each, keep the smallest with <= n above (INT4
+  // heads are never clipped)
+  if (s.clip_n > 0 && !is4) {
     const float ax = fabsf(xt);
     sm.absx[tid] = ax;
     __syncthreads();
@@ -189,20 +202,39 @@ __device__ void write_side(const Args& a, const Side& s, Smem& sm, int t, int h)
     for (int i = 1; i < wpg; ++i) { kmin = min(kmin, sm.bound[w0 + i][0]); kmax = max(kmax, sm.bound[w0 + i][1]); }
   }
   const float lo = from_key(kmin), hi = from_key(kmax);
-  const __nv_bfloat16 scale_b = __float2bfloat16_rn(__fdiv_rn(hi - lo, 3.0f)), min_b = __float2bfloat16_rn(lo);
-  const float scale = __bfloat162float(scale_b), mn = __bfloat162float(min_b);
+  const float qmax = is4 ? 15.f : 3.f;
+  // (scale, min) -> e4m3 (scale in the low byte: the lower address), then their exact values back through fp16
+  const __nv_fp8x2_storage_t pair =
+      __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(hi - lo, qmax), lo), __NV_SATFINITE, __NV_E4M3);
+  const float2 stored = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+  const float scale = stored.x, mn = stored.y;
   const float u = scale > 0.f ? __fdiv_rn(xt - mn, scale) : 0.f;
-  const uint32_t code = (u >= s.th0) + (u >= s.th1) + (u >= s.th2);
+  uint32_t code;
+  if constexpr (kHasK4) {
+    // #{k + 0.5 <= u, k < qmax}: u + 0.5 rounds up to the next integer where u lies just below a threshold (never
+    // down: the integers are exact); c - 0.5 and the comparison are exact, so the correction makes it the count
+    float c = fminf(fmaxf(floorf(u + 0.5f), 0.f), qmax);
+    if (c > 0.f && u < c - 0.5f) c -= 1.f;
+    code = (uint32_t)c;
+  } else {
+    code = (u >= s.th0) + (u >= s.th1) + (u >= s.th2);
+  }
 
   const long long rec = pool_record(slot, h, a.hkv, a.page_log2);
-  if (tid % s.group == 0) {
-    const int ng = kD / s.group;
-    s.params[rec * ng + tid / s.group] =
-        (uint32_t)__bfloat16_as_ushort(scale_b) | ((uint32_t)__bfloat16_as_ushort(min_b) << 16);
-  }
+  if (tid % s.group == 0) s.params[rec * (kD / s.group) + tid / s.group] = pair;
   reinterpret_cast<uint8_t*>(sm.code)[tid] = (uint8_t)code;
   __syncthreads();
-  if (tid < 8) {  // word i of the record: bytes 4i..4i+3, each c[b] | c[b+32] << 2 | c[b+64] << 4 | c[b+96] << 6
+  // word i of the record: bytes 4i..4i+3, each c[b] | c[b+32] << 2 | c[b+64] << 4 | c[b+96] << 6
+  if constexpr (kHasK4) {
+    if (tid < (is4 ? 16 : 8)) {  // threads 0-7: the words of c & 3 (k_codes); 8-15, INT4 heads: of c >> 2 (k_hi)
+      const int i = tid & 7, sh = (tid >> 3) * 2;
+      const uint32_t m = 0x03030303u;  // two bits of each byte
+      const uint32_t word = ((sm.code[i] >> sh) & m) | (((sm.code[i + 8] >> sh) & m) << 2) |
+                            (((sm.code[i + 16] >> sh) & m) << 4) | (((sm.code[i + 24] >> sh) & m) << 6);
+      if (tid < 8) s.codes[rec * (kD / 16) + i] = word;
+      else s.hi[pool_record(slot, j, s.h4, a.page_log2) * (kD / 16) + i] = word;
+    }
+  } else if (tid < 8) {
     const uint32_t word = sm.code[tid] | (sm.code[tid + 8] << 2) | (sm.code[tid + 16] << 4) | (sm.code[tid + 24] << 6);
     s.codes[rec * (kD / 16) + tid] = word;
   }
@@ -260,7 +292,8 @@ __device__ void rotate_q(const Args& a, QSmem& sm, int t, int h, int r0) {
     out[r * kD] = from_f<TI>(((sm.part[r][0][tid] + sm.part[r][1][tid]) + sm.part[r][2][tid]) + sm.part[r][3][tid]);
 }
 
-template <typename TI>
+// kHasK4: the layer has INT4-key heads (the pool's k_hi; the K side, z 0); V is always INT2
+template <typename TI, bool kHasK4>
 __global__ void __launch_bounds__(kThreads) int2_write_kernel(Args a) {
 #if __CUDA_ARCH__ >= 900
   if (a.pdl_trigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the decode may launch
@@ -271,7 +304,12 @@ __global__ void __launch_bounds__(kThreads) int2_write_kernel(Args a) {
     rotate_q<TI>(a, qs, t, h, (z - 2) * kQHeads);
   } else {
     __shared__ Smem sm;
-    write_side<TI>(a, a.side[z], sm, t, h);
+    if constexpr (kHasK4) {
+      if (z == 0) write_side<TI, true>(a, a.side[0], sm, t, h);
+      else write_side<TI, false>(a, a.side[1], sm, t, h);
+    } else {
+      write_side<TI, false>(a, a.side[z], sm, t, h);
+    }
   }
 }
 
@@ -285,18 +323,25 @@ extern "C" {
 // start there until the write CTA has ended, so the block scheduler put two history CTAs on other SMs: GLM-4.7 TP8
 // at batch 1, 5 write CTAs, 5 SMs with two history CTAs and 5 with none, the call's last CTA 3.7 us late at 128k.
 int oscar_write_prepare() {
-  const int rc = (int)cudaFuncSetAttribute(int2_write_kernel<__nv_bfloat16>,
-                                           cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-  return rc ? rc : (int)cudaFuncSetAttribute(int2_write_kernel<__half>, cudaFuncAttributePreferredSharedMemoryCarveout,
+  const void* kernels[] = {(const void*)int2_write_kernel<__nv_bfloat16, false>,
+                           (const void*)int2_write_kernel<__half, false>,
+                           (const void*)int2_write_kernel<__nv_bfloat16, true>,
+                           (const void*)int2_write_kernel<__half, true>};
+  for (const void* k : kernels) {
+    const int rc = (int)cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
                                              cudaSharedmemCarveoutMaxShared);
+    if (rc) return rc;
+  }
+  return 0;
 }
 
-// x_dtype 0: bf16 k / v / q, 1: fp16. Returns a cudaError_t code (0: launched).
+// x_dtype 0: bf16 k / v / q, 1: fp16. k_hi nullptr: INT2 keys; else the high planes of the k4_heads heads with INT4
+// keys, k4_index [Hkv] each head's row there (-1: INT2). Returns a cudaError_t code (0: launched).
 int oscar_write_launch(int num_tokens, int hkv, int x_dtype, int page_log2, const long long* slots,
                        const int* sink_dst, const int* ring_dst, int vec,
                        const void* k, long long k_stride_t, long long k_stride_h, const float* kmat,
                        long long kmat_stride_h, const float* kmean, long long kmean_stride_h, void* k_codes,
-                       void* k_params, void* sink_k, void* ring_k, int k_group, int k_clip_n, float k_th0,
+                       void* k_hi, const int* k4_index, int k4_heads, void* k_params, void* sink_k, void* ring_k, int k_group, int k_clip_n, float k_th0,
                        float k_th1, float k_th2,
                        const void* v, long long v_stride_t, long long v_stride_h, const float* vmat,
                        long long vmat_stride_h, void* v_codes, void* v_params, void* sink_v, void* ring_v, int v_group,
@@ -305,10 +350,10 @@ int oscar_write_launch(int num_tokens, int hkv, int x_dtype, int page_log2, cons
                        long long tq_stride_h, int tq_fp32, void* q_out, int gqa, int pdl_trigger, void* stream) {
   Args a{};
   a.side[0] = Side{k, k_stride_t, k_stride_h, kmat, kmat_stride_h, kmean, kmean_stride_h, (uint32_t*)k_codes,
-                   (uint32_t*)k_params, (__nv_bfloat16*)sink_k, (__nv_bfloat16*)ring_k, k_group, k_clip_n,
+                   (uint32_t*)k_hi, k4_index, k4_heads, (uint16_t*)k_params, (__nv_bfloat16*)sink_k, (__nv_bfloat16*)ring_k, k_group, k_clip_n,
                    k_th0, k_th1, k_th2};
   a.side[1] = Side{v, v_stride_t, v_stride_h, vmat, vmat_stride_h, nullptr, 0, (uint32_t*)v_codes,
-                   (uint32_t*)v_params, (__nv_bfloat16*)sink_v, (__nv_bfloat16*)ring_v, v_group, v_clip_n,
+                   nullptr, nullptr, 0, (uint16_t*)v_params, (__nv_bfloat16*)sink_v, (__nv_bfloat16*)ring_v, v_group, v_clip_n,
                    v_th0, v_th1, v_th2};
   a.slots = slots; a.sink_dst = sink_dst; a.ring_dst = ring_dst;
   a.hkv = hkv; a.page_log2 = page_log2; a.vec = vec;
@@ -318,8 +363,11 @@ int oscar_write_launch(int num_tokens, int hkv, int x_dtype, int page_log2, cons
   cfg.gridDim = dim3(num_tokens, hkv, 2 + (q != nullptr ? (gqa + kQHeads - 1) / kQHeads : 0));  // write_cuda.grid
   cfg.blockDim = dim3(kThreads);
   cfg.stream = (cudaStream_t)stream;
-  return (int)(x_dtype == 0 ? cudaLaunchKernelEx(&cfg, int2_write_kernel<__nv_bfloat16>, a)
-                            : cudaLaunchKernelEx(&cfg, int2_write_kernel<__half>, a));
+  if (k_hi != nullptr)
+    return (int)(x_dtype == 0 ? cudaLaunchKernelEx(&cfg, int2_write_kernel<__nv_bfloat16, true>, a)
+                              : cudaLaunchKernelEx(&cfg, int2_write_kernel<__half, true>, a));
+  return (int)(x_dtype == 0 ? cudaLaunchKernelEx(&cfg, int2_write_kernel<__nv_bfloat16, false>, a)
+                            : cudaLaunchKernelEx(&cfg, int2_write_kernel<__half, false>, a));
 }
 
 }  // extern "C"
