@@ -125,10 +125,11 @@ def _request(srv, method, path, body=None, timeout=600):
 
 
 def _generate(srv, ids, n, **extra):
-    """Greedy ids, their logprobs and meta_info."""
+    """Greedy ids, their logprobs and meta_info: n tokens, past the random model's end-of-text token too (the
+    references do not stop there)."""
     out = _request(srv, "POST", "/generate", {"input_ids": ids, "return_logprob": True,
                                               "sampling_params": {"max_new_tokens": n, "temperature": 0,
-                                                                  **extra}})
+                                                                  "ignore_eos": True, **extra}})
     return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
 
 
