@@ -86,14 +86,6 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(a)) - 7)
 
 
-def assert_within_bf16_ulp(got: torch.Tensor, want: torch.Tensor, what: str, ulps: int = 1) -> None:
-    """bf16 tensors equal up to `ulps` units in the last place (of the larger magnitude)."""
-    g, w = got.float(), want.float()
-    tol = ulps * bf16_ulp(torch.maximum(g.abs(), w.abs()))
-    bad = ~((g - w).abs() <= tol)
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} values differ by more than {ulps} bf16 ulp; first at {bad.nonzero()[0].tolist()}: got {g[bad][0].item()}, want {w[bad][0].item()}"
-
-
 def assert_rows_close(got: torch.Tensor, want: torch.Tensor, what: str, rel: float) -> None:
     """|got − want| <= rel · max|want row| (+ one unit in the last place of got's dtype when it is 16-bit)."""
     g, w = got.float(), want.float()

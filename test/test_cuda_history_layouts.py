@@ -109,6 +109,12 @@ def check_history_k_dot(acc, kc, qf, head_of_column, scale_tol=None, K=None):
                     assert abs(acc[grp][lane, e] * unit - want) <= scale_tol * scale
 
 
+def group_acc(ih, il, is0, is1):
+    """The integer K dot's two group sums (hi . 128 + lo, each times its warp scale) in the fp16 path's units, as
+    check_history_k_dot takes them: group 0 in 2^-24, group 1 in 2^-20, so group 1 carries 16 iS1."""
+    return [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
+
+
 def p_operands(P, vs, head_of_column, group_of_lane):
     """The V dot's B operand pair: p.vscale from the K accumulator layout (lane (g, t): tokens sigma(g), sigma(g) + 8,
     columns 2t, 2t + 1) through movmatrix.trans, with the V scale of group group_of_lane(t)."""
@@ -600,7 +606,7 @@ def test_integer_k_dot_with_the_kernels_int8_q(hc):
     ih, il = integer_k_dot(kc, qhi, qlo)
     assert max(np.abs(ih[i] * 128 + il[i]).max() for i in range(2)) < 2 ** 31
     # in the fp16 path's units: group 0 2^-24, group 1 2^-20 (check_history_k_dot), so group 1 carries 16 iS1
-    acc = [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
+    acc = group_acc(ih, il, is0, is1)
     # and tighter than that check's tolerance: the error of 14-bit q against the float64 dot, relative to the dot's
     # scale (max |q| . sum |codes|) per group
     check_history_k_dot(acc, kc, q * c0, head, scale_tol=2e-4)
@@ -750,7 +756,7 @@ def test_d64_integer_k_dot_with_the_kernels_int8_q(hc):
 
     def acc_of(ih, il):  # group 1 in the fp16 path's units of 2^-20 (check_history_k_dot_d64), as the D-128 test
         assert max(np.abs(ih[i] * 128 + il[i]).max() for i in range(2)) < 2 ** 31
-        return [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
+        return group_acc(ih, il, is0, is1)
 
     check_history_k_dot_d64(acc_of(*history_k_dot_d64(kc, qhi, qlo)), kc, q * c0, head, scale_tol=2e-4)
     with pytest.raises(AssertionError):  # the mutated mask: the check catches it
@@ -1109,7 +1115,7 @@ def test_integer_k_dot_int4_keys(hc):
     qhi, qlo, (is0, is1) = kernel_int8_q(q, head, c0, k4=True)
     assert np.abs(qhi).max() <= 127 and np.abs(qlo).max() <= 64
     ih, il = integer_k_dot(kc, qhi, qlo, kh=kh)
-    acc = [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
+    acc = group_acc(ih, il, is0, is1)
     check_history_k_dot(acc, kc, q * c0, head, scale_tol=2e-4, K=K)
     with pytest.raises(AssertionError):  # the INT2 q factors on INT4 words: the check sees the plane factors
         qhi2, qlo2, (j0, j1) = kernel_int8_q(q, head, c0)
@@ -1132,7 +1138,7 @@ def test_integer_k_dot_int4_keys_int32_bound():
     ih, il = integer_k_dot(kc, qhi, qlo, kh=kh)
     top = max(np.abs(ih[i] * 128 + il[i]).max() for i in range(2))
     assert 2 ** 27 < top < 2 ** 28  # group 1: 32 dims x (240 + 240) x 127 x 128
-    acc = [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
+    acc = group_acc(ih, il, is0, is1)
     check_history_k_dot(acc, kc, q * c0, head, K=np.full((16, 128), 15))
 
 
@@ -1149,7 +1155,7 @@ def test_d64_integer_k_dot_int4_keys(hc):
     qhi, qlo, (is0, is1), _ = kernel_int8_q_d64(q, head, c0, k4=True)
     ih, il = history_k_dot_d64(kc, qhi, qlo, kh=kh)
     assert max(np.abs(ih[i] * 128 + il[i]).max() for i in range(2)) < 2 ** 28
-    acc = [(ih[0] * 128 + il[0]) * float(is0), (ih[1] * 128 + il[1]) * float(is1) * 16]
+    acc = group_acc(ih, il, is0, is1)
     check_history_k_dot_d64(acc, kc, q * c0, head, scale_tol=2e-4, K=K)
 
 

@@ -41,6 +41,20 @@ def test_bundle_file_checked_against_model(tmp_path):
         s.plan_rank(cfg(bundle_path=str(p), group_size=128), QWEN3)
 
 
+def test_every_rank_is_sized_for_the_rank_with_the_most_int4_key_heads(tmp_path):
+    """INT4 keys on (layer, KV head) (0, 1), (1, 2), (2, 6), (3, 1): heads 0-3 hold 3 of them at TP 2, heads 4-7 one;
+    both ranks' plans carry 3, and their bundle shards their own heads' widths; with one KV head per rank (TP 16) the
+    most is 2 (head 1)."""
+    pairs = [(0, 1), (1, 2), (2, 6), (3, 1)]
+    p = save_bundle(data_free_bundle("hadamard", 4, 8, 128, 64, 64, k4_heads=pairs), tmp_path / "k4.safetensors")
+    tp2 = [s.plan_rank(cfg(bundle_path=str(p)), dataclasses.replace(QWEN3, tp_size=2), tp_rank=r) for r in (0, 1)]
+    assert [pl.k4_heads_max for pl in tp2] == [3, 3]
+    assert [pl.bundle.k4_count for pl in tp2] == [3, 1] and tp2[1].bundle.k4_heads(2) == (2,)
+    tp16 = dataclasses.replace(QWEN3, num_heads=64, tp_size=16)
+    assert s.plan_rank(cfg(bundle_path=str(p)), tp16, tp_rank=0).k4_heads_max == 2
+    assert s.plan_rank(cfg(), QWEN3).k4_heads_max == 0  # builtin: INT2 keys everywhere
+
+
 def test_seed_files(tmp_path):
     h = data_free_bundle("hadamard", 4, 1, 128, 128, 128).k_transform[:, 0]
     for side in ("k", "v"):

@@ -23,7 +23,7 @@ from .config import check_groups
 from .models import ModelError, attention_shape, model_attention_shape
 from .rotation.bundle import save_bundle
 from .rotation.capture import capture_statistics
-from .rotation.fit import COMPOSITIONS, METHODS, bundle_orthogonality, fit_bundle
+from .rotation.fit import COMPOSITIONS, K4_RECENT, K4_SINK, METHODS, bundle_orthogonality, fit_bundle
 
 
 class _ByteTokenizer:
@@ -33,7 +33,7 @@ class _ByteTokenizer:
         return {"input_ids": list(text.encode("utf-8"))}
 
 
-K4_CHOICE_MIN_WINDOW = 64 + 256  # sink + recent window of the served cache (fit.choose_k4_heads' defaults)
+K4_CHOICE_MIN_WINDOW = K4_SINK + K4_RECENT  # no key is quantized before that (fit.choose_k4_heads)
 
 
 def check_window_sizes(tokens: int, seq_len: int, heldout_tokens: int) -> None:

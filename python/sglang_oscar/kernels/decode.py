@@ -78,7 +78,7 @@ from ..config import MAX_GQA
 from . import history_cuda, write, write_cuda
 from ..quant.intq import PARAM_DTYPE
 from .layout import check_shape
-from .records import pool_record
+from .records import k4_row, pool_record
 from .shapes import window_programs
 
 LOG2E = 1.4426950408889634
@@ -216,15 +216,6 @@ def e4m3_pair(w):
     scale = _f16_bits(((w & 0x7F) << 7) | ((w & 0x80) << 8))
     mn = _f16_bits(((w >> 1) & 0x3F80) | (w & 0x8000))
     return scale, mn
-
-
-@triton.jit
-def _k4_head(K4_INDEX, h, K4: tl.constexpr):
-    """K4: KV head h's head in k_hi (layout.py k4_index), -1 where its keys are INT2; 0 (unused) otherwise."""
-    if K4:
-        return tl.load(K4_INDEX + h)
-    else:
-        return 0
 
 
 @triton.jit
@@ -478,7 +469,7 @@ def _int2_split(
     # qᵀ per sub-plane [CH, NP], and the per-group sums of the rounded q
     qts, qsum = _query_sub_planes(q_col[None, :] + offs_c[:, None], mask_h[None, :], qk_scale, NP, D, GK, NGK,
                                   CH, SUB or K4, DT)
-    j4 = _k4_head(K4_INDEX, h, K4)
+    j4 = k4_row(K4_INDEX, h, K4)
 
     m_i = tl.full([NP], float("-inf"), tl.float32)
     l_t = tl.zeros([BLOCK_N, NP], tl.float32)  # per token lane: reduced once, after the loop
@@ -562,7 +553,7 @@ def _int2_split_folded(
     # sums come out per folded column
     qts, qsum = _query_sub_planes(q_colj[None, :] + cc[:, None], q_mask, qk_scale, NPF, D, GK, NGK, CH, SUB or K4,
                                   DT)
-    j4 = _k4_head(K4_INDEX, h, K4)
+    j4 = k4_row(K4_INDEX, h, K4)
     # the rows after q's loads: they need seq_lens, q does not (so q's loads are in flight while L arrives)
     base_hi, hist_hi = _history_end(split, L, ring_start_ptr, SINK, WINDOW, NS, BLOCK_N)
     lo, hi = _split_rows(split, base_hi, hist_hi, SINK, NS, BLOCK_N)
@@ -879,7 +870,7 @@ def _oscar_decode_merge(
         lse = tl.where(sink_part, float("-inf"), lse)
         r2t = REQ_TO_TOKEN + tl.load(REQ_IDX + b).to(tl.int64) * stride_r2t
         q = tl.load(Q + pid * D + offs_k).to(tl.float32) * qk_scale  # scores need all D dims
-        j4 = _k4_head(K4_INDEX, h, K4)
+        j4 = k4_row(K4_INDEX, h, K4)
         for start in range(0, n, BLOCK_T):
             pos = start + tl.arange(0, BLOCK_T)
             in_sink = pos < n

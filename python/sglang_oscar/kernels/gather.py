@@ -35,7 +35,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .decode import PARAM_SCALE, e4m3_pair, param_words
-    from .records import pool_record
+    from .records import k4_row, pool_record
     from .write import _to_window
 
     @triton.jit
@@ -135,9 +135,7 @@ if HAS_TRITON:
             use_ring = valid & (pos < 0)
             rrow = rpool
         use_q = valid & (srow < 0) & ~use_ring
-        j4 = 0
-        if K4:
-            j4 = tl.load(k4_index_ptr + h)  # head h's head in k_hi, -1: INT2 keys
+        j4 = k4_row(k4_index_ptr, h, K4)  # head h's row among k_hi's heads, -1: INT2 keys
         _gather_side(out_k_ptr, stride_okn, k_codes_ptr, k_hi_ptr, j4, k_params_ptr, sink_k_ptr, ring_k_ptr,
                      rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GK, K_LV1, K_LV2, PAGE, K4, H4)
         _gather_side(out_v_ptr, stride_ovn, v_codes_ptr, v_codes_ptr, 0, v_params_ptr, sink_v_ptr, ring_v_ptr,

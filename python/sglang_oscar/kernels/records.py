@@ -18,6 +18,16 @@ import triton.language as tl
 
 
 @triton.jit
+def k4_row(k4_index, h, K4: tl.constexpr):
+    """K4 (the layer has INT4-key heads): KV head h's row among k_hi's heads (kernels/layout.py k4_index), -1 where
+    its keys are INT2; -1 without K4 (no head has INT4 keys). Address it with pool_record(slot, row, H4, PAGE)."""
+    if K4:
+        return tl.load(k4_index + h)
+    else:
+        return -1
+
+
+@triton.jit
 def pool_record(slot, h, H: tl.constexpr, PAGE: tl.constexpr):
     """Record index of (slot, KV head h); multiply by the record's size (D/4 code bytes, D/G param pairs)."""
     if PAGE == 1:

@@ -60,7 +60,7 @@ try:
 
     from triton.language.extra.cuda import gdc_launch_dependents
 
-    from .records import pool_record
+    from .records import k4_row, pool_record
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised only without triton
@@ -114,6 +114,16 @@ if HAS_TRITON:
         mag = tl.where(normal, r, (n.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True))  # n · 2^-9 exact
         byte = tl.where(normal, (r >> 20) - (120 << 3), n) | (sign >> 24)  # exponent bias 127 -> 7, 3 mantissa bits
         return (mag | sign).to(tl.float32, bitcast=True), byte.to(tl.uint8)
+
+    @triton.jit
+    def _key_width(k4_index_ptr, h, HAS_K4: tl.constexpr):
+        """(j, qmax) of KV head h's codes on this side: j its row among k_hi's heads (records.k4_row: -1 for INT2
+        keys, and on every head without HAS_K4), qmax 15 for INT4 keys, else 3."""
+        j = k4_row(k4_index_ptr, h, HAS_K4)
+        if HAS_K4:
+            return j, tl.where(j >= 0, 15.0, 3.0)
+        else:
+            return j, 3.0
 
     @triton.jit
     def _code(t, qmax, UNIFORM: tl.constexpr, TH0: tl.constexpr, TH1: tl.constexpr, TH2: tl.constexpr):
@@ -183,12 +193,7 @@ if HAS_TRITON:
         rd = tl.load(ring_dst_ptr + offs_t, mask=tmask, other=-1).to(tl.int64)
         tl.store(ring_ptr + rd[:, None] * (H * D) + row_off, _to_window(xt, ring_ptr), mask=(rd >= 0)[:, None])
 
-        if HAS_K4:
-            j = tl.load(k4_index_ptr + h)  # head h's row among k_hi's heads, -1: INT2 keys
-            is4 = j >= 0
-            qmax = tl.where(is4, 15.0, 3.0)
-        else:
-            qmax = 3.0
+        j, qmax = _key_width(k4_index_ptr, h, HAS_K4)
 
         # ---- per-row clip at the (CLIP_N+1)-th largest |x'| (ties counted like torch.topk) ----
         if CLIP_N > 0:
@@ -203,7 +208,7 @@ if HAS_TRITON:
                 need = need - cnt
                 cur = v
             if HAS_K4:
-                tau = tl.where(is4, float("inf"), tau)  # INT4 heads are never clipped
+                tau = tl.where(j >= 0, float("inf"), tau)  # INT4 heads are never clipped
             xt = tl.minimum(tl.maximum(xt, -tau[:, None]), tau[:, None])
 
         # ---- per-group asymmetric INT2 / INT4 ----
@@ -238,7 +243,7 @@ if HAS_TRITON:
                      mask=pmask)
             rec4 = pool_record(slot, j, H4, PAGE)
             tl.store(hi_ptr + rec4[:, None] * Q + offs_q[None, :], tl.sum((c4 >> 2) << shift, axis=1).to(tl.uint8),
-                     mask=pmask & is4)
+                     mask=pmask & (j >= 0))
         else:
             packed = tl.sum(c4 << shift, axis=1).to(tl.uint8)
             tl.store(codes_ptr + rec[:, None] * Q + offs_q[None, :], packed, mask=pmask)
@@ -283,12 +288,7 @@ if HAS_TRITON:
         rd = tl.load(ring_dst_ptr + t).to(tl.int64)
         tl.store(ring_ptr + rd * (H * D) + row_off, _to_window(xt, ring_ptr), mask=(offs_n < D) & (rd >= 0))
 
-        if HAS_K4:
-            j = tl.load(k4_index_ptr + h)  # head h's row among k_hi's heads, -1: INT2 keys
-            is4 = j >= 0
-            qmax = tl.where(is4, 15.0, 3.0)
-        else:
-            qmax = 3.0
+        j, qmax = _key_width(k4_index_ptr, h, HAS_K4)
 
         # ---- clip at tau = min{|x'_j| : #{i : |x'_i| > |x'_j|} <= CLIP_N}: the (CLIP_N+1)-th largest |x'|, ties
         # counted like torch.topk (the value at that rank has at most CLIP_N strictly above it, anything smaller
@@ -298,7 +298,7 @@ if HAS_TRITON:
             above = tl.sum((a[:, None] > a[None, :]).to(tl.int32), axis=0)
             tau = tl.min(tl.where(above <= CLIP_N, a, float("inf")), axis=0)
             if HAS_K4:
-                tau = tl.where(is4, float("inf"), tau)  # INT4 heads are never clipped
+                tau = tl.where(j >= 0, float("inf"), tau)  # INT4 heads are never clipped
             xt = tl.minimum(tl.maximum(xt, -tau), tau)
 
         # ---- per-group asymmetric INT2 / INT4 (the same arithmetic as _write_side) ----
@@ -325,7 +325,7 @@ if HAS_TRITON:
         if HAS_K4:
             tl.store(codes_ptr + rec * Q + tl.arange(0, Q), tl.sum((c4 & 3) << shift, axis=0).to(tl.uint8))
             tl.store(hi_ptr + pool_record(slot, j, H4, PAGE) * Q + tl.arange(0, Q),
-                     tl.sum((c4 >> 2) << shift, axis=0).to(tl.uint8), mask=(tl.arange(0, Q) < Q) & is4)
+                     tl.sum((c4 >> 2) << shift, axis=0).to(tl.uint8), mask=(tl.arange(0, Q) < Q) & (j >= 0))
         else:
             packed = tl.sum(c4 << shift, axis=0).to(tl.uint8)
             tl.store(codes_ptr + rec * Q + tl.arange(0, Q), packed)

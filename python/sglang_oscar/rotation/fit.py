@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..config import max_k4_heads
+from ..config import CacheLayout, max_k4_heads
 from ..quant.hadamard import block_hadamard_matrix, hadamard_matrix
 from ..quant.placement import permutation_matrix, spectral_placement
 from .bundle import RotationBundle, orthogonality_error
@@ -218,8 +218,12 @@ def fit_bundle(
     return bundle.validate("fitted bundle")
 
 
+# the served cache's exact windows, which choose_k4_heads scores key damage around (calibrate checks windows against it)
+K4_SINK, K4_RECENT = CacheLayout().sink, CacheLayout().recent
+
+
 def choose_k4_heads(bundle: RotationBundle, stats: CalibrationStats, n: int, *, progress: bool = False,
-                    sink: int = 64, recent: int = 256) -> list:
+                    sink: int = K4_SINK, recent: int = K4_RECENT) -> list:
     """Store the keys of the n (layer, KV head) pairs whose INT2 keys disturb attention most
     (clip_calibration.key_damage on the held-out windows, with the layer's calibrated clip; the served sink and
     recent window exact) in INT4 (bundle.k_bits 4: no clip, uniform levels). Returns the pairs, most damaged first;

@@ -152,8 +152,9 @@ def plan_rank(cfg: OscarServeConfig, model: ModelInfo, tp_rank: int = 0,
         over["v_clip"] = torch.full_like(shard.v_clip, cfg.v_clip)
     if over:
         shard = dataclasses.replace(shard, **over)
-    k4_max = max((b.shard(*kv_head_range(r, model.tp_size, model.kv_heads)).k4_count if b.kv_heads else b.k4_count)
-                 for r in range(model.tp_size))
+    k4 = None if b.k_bits is None else b.k_bits == 4  # k_bits needs the bundle's KV heads (validate_bundle)
+    k4_max = 0 if k4 is None else max(int(k4[:, slice(*kv_head_range(r, model.tp_size, model.kv_heads))].sum())
+                                      for r in range(model.tp_size))
     return StartupPlan(shard, b.k_group, b.v_group, start, end, k4_max)
 
 
