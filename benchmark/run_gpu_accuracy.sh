@@ -9,8 +9,10 @@
 #   call 2 (carry .acc/p2):               bash benchmark/run_gpu_accuracy.sh part .acc/p2
 #   call 3 (carry .acc/p3, runs/acc_full): bash benchmark/run_gpu_accuracy.sh run
 # Calls 2 and 3 must follow while the machine is warm (files outside the checkout stay 30 s).
-# STEPS: what `run` measures, in order (default "8192 4096 ppl 2048"); a step is ppl, LEN or LEN:TASK[+TASK]
-# (e.g. "8192:niah_multivalue 4096 2048"); STEP_TIMEOUT (600 s) bounds each.
+# STEPS: what `run` measures, in order (default "8192 4096 ppl 2048"); a step is ppl, LEN, LEN:TASK[+TASK] or
+# LEN:TASK:FIRST:N (e.g. "8192:niah_multivalue:0:25 8192:niah_multivalue:25:25 4096 2048"); STEP_TIMEOUT (600 s)
+# bounds each, and a step cut short returns the samples it finished (its JSON is rewritten after every sample). A call
+# returns at most 8 files: at most 6 NIAH steps per call.
 # `run` checks the GGUF's checksum, then writes niah_*.json, ppl.json and a log under $OUT; the
 # report is built here: copy them into runs/acc_full and run `--stage report` (see accuracy.md).
 set -euo pipefail
@@ -41,23 +43,28 @@ run)
     export PYTHONPATH=/tmp/oscar-site:$PWD/python SGLANG_OSCAR_SMOLLM2_GGUF=$GG/SmolLM2-135M-Instruct.Q4_1.gguf
     export PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-    # the longest contexts first, so a run cut short still has them; PPL (4 x 8k windows) before 2k
-    for step in ${STEPS:-8192 4096 ppl 2048}; do
+    step_run() {  # one step of STEPS: ppl, LEN, LEN:TASK[+TASK...] (a subset of the NIAH tasks at that length), or
+        # LEN:TASK:FIRST:N (samples FIRST .. FIRST+N-1 of that cell; the report merges the parts)
+        local step=$1 len tasks="" tag
         if [ "$step" = ppl ]; then
             python3 -m sglang_oscar.eval.compare --stage ppl --device cuda --out-dir runs/acc_full \
                 --methods "$METHODS" --quiet 2>&1 | grep -v -i "warn\|de-quantizing\|Loading weights" \
                 | tee -a "$OUT/run.log"
             cp runs/acc_full/ppl.json "$OUT/"
-        else
-            # LEN or LEN:TASK[+TASK...] (a subset of the NIAH tasks at that length, e.g. 8192:niah_multivalue)
-            len=${step%%:*}; tasks=""; tag="_$len"
-            if [ "$step" != "$len" ]; then tasks="--niah-tasks ${step#*:}"; tasks=${tasks//+/,}; tag="_${len}_${step#*:}"; tag=${tag//+/_}; fi
-            timeout "${STEP_TIMEOUT:-600}" python3 -m sglang_oscar.eval.compare --stage niah --device cuda --out-dir runs/acc_full \
-                --methods "$METHODS" --niah-lengths "$len" $tasks --niah-tag "$tag" --quiet 2>&1 \
-                | grep -v -i "warn\|de-quantizing\|Loading weights" | tee -a "$OUT/run.log" || true
-            cp "runs/acc_full/niah$tag.json" "$OUT/" || true
+            return
         fi
-    done
+        local tk first n part=""
+        IFS=: read -r len tk first n <<< "$step"
+        tag="_$len"
+        if [ -n "$tk" ]; then tasks="--niah-tasks ${tk//+/,}"; tag="${tag}_${tk//+/_}"; fi
+        if [ -n "$first" ]; then part="--niah-first $first --niah-per-task $n"; tag="${tag}_from$first"; fi
+        timeout "${STEP_TIMEOUT:-600}" python3 -m sglang_oscar.eval.compare --stage niah --device cuda --out-dir runs/acc_full \
+            --methods "$METHODS" --niah-lengths "$len" $tasks $part --niah-tag "$tag" --quiet 2>&1 \
+            | grep -v -i "warn\|de-quantizing\|Loading weights" | tee -a "$OUT/run.log" || true
+        cp "runs/acc_full/niah$tag.json" "$OUT/" || true
+    }
+    # the longest contexts first, so a run cut short still has them; PPL (4 x 8k windows) before 2k
+    for step in ${STEPS:-8192 4096 ppl 2048}; do step_run "$step"; done
     ;;
 *)
     echo "usage: bash benchmark/run_gpu_accuracy.sh pack | part DIR | run" >&2; exit 2

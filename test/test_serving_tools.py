@@ -300,3 +300,31 @@ def test_kernel_table_counts_steps_wall_and_idle_of_a_served_trace(tmp_path):
         kernel_table.summarize(path, steps=0, layers=3)
     with pytest.raises(SystemExit, match="--layers"):
         kernel_table.summarize(path, steps=0)
+
+
+def test_served_bundle_has_the_served_formats_int4_share(tmp_path, monkeypatch):
+    """The speed benchmarks' dummy-weight int2 servers get the served format (INT4 keys on a quarter of the pairs,
+    every rank its share), not the INT2-only builtin; a user's $SGLANG_OSCAR_BUNDLE wins."""
+    served_bundle = pytest.importorskip("served_bundle")
+    from sglang_oscar.config import max_k4_heads
+    from sglang_oscar.rotation.bundle import load_bundle
+
+    for layers, heads in ((36, 8), (30, 3), (5, 2), (92, 8)):
+        pairs = served_bundle.k4_pairs(layers, heads)
+        assert len(pairs) == len(set(pairs)) == max_k4_heads(layers, heads)
+        assert all(0 <= layer < layers and 0 <= h < heads for layer, h in pairs)
+    for heads in (8, 4):
+        by_head = [h for _, h in served_bundle.k4_pairs(36, heads)]
+        for tp in (2, 4, 8)[: 2 + (heads == 8)]:  # KV heads split into tp contiguous blocks: equal counts per rank
+            counts = [sum(r * heads // tp <= h < (r + 1) * heads // tp for h in by_head) for r in range(tp)]
+            assert len(set(counts)) == 1, (heads, tp, counts)
+    cfg = os.path.join(os.path.dirname(__file__), "..", "benchmark", "serving", "configs", "qwen3-8b")
+    monkeypatch.delenv("SGLANG_OSCAR_BUNDLE", raising=False)
+    path, label = served_bundle.int2_bundle(cfg, tmp_path)
+    b = load_bundle(path, expect_layers=36, expect_kv_heads=8, expect_head_dim=128)
+    assert int((b.k_bits == 4).sum()) == 72 and set(b.k_bits.unique().tolist()) == {2, 4}
+    assert b.k_group == b.v_group == 64 and "INT4" in label
+    monkeypatch.setenv("SGLANG_OSCAR_BUNDLE", "builtin:hadamard")
+    assert served_bundle.int2_bundle(cfg, tmp_path) == ("builtin:hadamard", "builtin:hadamard")
+    with pytest.raises(SystemExit, match="config.json"):
+        served_bundle.write_served_bundle(tmp_path / "nowhere", tmp_path / "x.safetensors")

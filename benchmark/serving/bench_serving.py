@@ -27,8 +27,9 @@ that fails is recorded with its error, never dropped), and the plot $OUT/serving
 
     python benchmark/serving/bench_serving.py --workloads 32768:256,100000:256 --modes int2,fi_bf16,fi_fp8
 
-Modes: int2 is the served default (`--kv-cache-dtype int2` and nothing else, no environment variable: the server
-picks builtin:hadamard for a model the zoo has no bundle for; speed does not depend on the matrix), fi_bf16 / fi_fp8 are FlashInfer with a BF16 /
+Modes: int2 is the served default (`--kv-cache-dtype int2` and no other flag), its dummy-weight model given the served
+format's bundle without calibration (served_bundle.py: INT4 keys on a quarter of the (layer, KV head) pairs, as a
+calibrated bundle has; $SGLANG_OSCAR_BUNDLE overrides it), fi_bf16 / fi_fp8 are FlashInfer with a BF16 /
 FP8 (e4m3) cache. The model directory needs only config.json: bench_serving needs a tokenizer, so the driver
 writes a synthetic one (a WordLevel vocabulary "t0".."t{V-1}" over the model's vocab_size, whitespace split) into a
 temporary copy of the directory, which servers and benchmark both use; random ids round-trip exactly through it.
@@ -54,6 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from server_proc import ServerProcess, free_port  # noqa: E402
+from served_bundle import int2_bundle  # noqa: E402
 
 MODES = {
     # name: (server flags, environment)
@@ -207,6 +209,8 @@ class Server(ServerProcess):
         env = dict(os.environ, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1")
         for k, v in env_defaults.items():
             env.setdefault(k, v)
+        if "int2" in flags:
+            env["SGLANG_OSCAR_BUNDLE"] = args.int2_bundle
         super().__init__(["--model-path", model, "--load-format", "dummy", "--mem-fraction-static", args.mem_fraction,
                           "--context-length", args.context_length, "--host", "127.0.0.1", "--port", port, *flags,
                           *args.flags.split()], env, log_path, port)
@@ -454,13 +458,14 @@ def main() -> None:
                date=time.strftime("%Y-%m-%d %H:%M"),
                settings=dict(modes={m: MODES[m] for m in modes}, workloads=args.workloads, mem_fraction_static=
                              args.mem_fraction, context_length=args.context_length, flags=args.flags, weights="dummy",
-                             int2_bundle=os.environ.get("SGLANG_OSCAR_BUNDLE") or "the server's default",
                              client=f"python -m {BENCH_MODULE} --dataset-name random-ids --tokenize-prompt "
                                     "--random-range-ratio 1 --num-prompts C --max-concurrency C"),
                runs=[])
     with tempfile.TemporaryDirectory(prefix="bench_serving_") as work:
         args.client_env = client_env(Path(work))
         model = model_with_tokenizer(src, Path(work))
+        if "int2" in modes:
+            args.int2_bundle, doc["settings"]["int2_bundle"] = int2_bundle(src, work)
         for mode in modes:
             run_mode(mode, args, model, workloads, out, deadline, doc)
     write(args, doc, out)

@@ -28,15 +28,19 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from served_bundle import int2_bundle  # noqa: E402
 
 _INT2 = ["--max-running-requests", "16"]
 MODES = {
     # name: (attention backend, kv-cache dtype, extra flags, extra env)
     # int2: the served default (groups of 64, 2.5 bits/element; on Hopper the server itself picks pages of 64 and
     # the CUDA history stage and logs the choice), R = 16 requests' windows reserved; rotations from
-    # $SGLANG_OSCAR_BUNDLE (default here builtin:hadamard: speed does not depend on the matrix)
+    # $SGLANG_OSCAR_BUNDLE, by default the served format's INT4-key share without calibration (served_bundle.py)
     "int2": ("oscar_int2", "int2", _INT2, {}),
     # the general path: --page-size 1 (the Triton history stage), for comparison
     "int2_page1": ("oscar_int2", "int2", [*_INT2, "--page-size", "1"], {}),
@@ -105,7 +109,7 @@ def run_mode(mode: str, args, contexts: list, graphs: bool, log_dir: Path) -> li
         cmd += ["--profile", "--profile-stage", "decode", "--profile-activities", "GPU", "--profile-steps", "2",
                 "--profile-prefix", tag]
     if kv == "int2":
-        env.setdefault("SGLANG_OSCAR_BUNDLE", "builtin:hadamard")
+        env["SGLANG_OSCAR_BUNDLE"] = args.int2_bundle
     t = time.time()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -154,6 +158,7 @@ def main() -> None:
         sys.exit(f"unknown modes {bad}; choose from {list(MODES)}")
     graph_modes = modes if args.graph_modes is None else [m for m in args.graph_modes.split(",") if m]
     eager = [m for m in args.eager.split(",") if m]
+    args.int2_bundle, args.int2_bundle_label = int2_bundle(args.model, tempfile.mkdtemp(prefix="oscar_bundle_"))
     out = Path(args.out)
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -189,7 +194,7 @@ def write(args, device: str, runs: list, out: Path) -> None:
         versions = dict(torch=torch.__version__, error=str(e))
     doc = dict(device=device, versions=versions, commit=args.commit, date=time.strftime("%Y-%m-%d %H:%M"),
                settings=dict(flags=args.flags, int2_flags=args.int2_flags, batch=args.batch, graph_max_bs=args.graph_max_bs, profile=args.profile, output_len=args.output_len, mem_fraction_static=args.mem_fraction,
-                             weights="dummy", int2_bundle=os.environ.get("SGLANG_OSCAR_BUNDLE", "builtin:hadamard"),
+                             weights="dummy", int2_bundle=args.int2_bundle_label,
                              int2_absorb_v=os.environ.get("SGLANG_OSCAR_ABSORB_V_ROTATION", "default")),
                rows=rows, runs=runs)
     name = "one_batch_" + re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_") + ".json"

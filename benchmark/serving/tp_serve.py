@@ -32,6 +32,7 @@ import random
 import re
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -39,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from server_proc import ServerProcess  # noqa: E402
+from served_bundle import int2_bundle  # noqa: E402
 
 MODES = {
     # name: (attention backend or None, kv-cache dtype, extra flags). int2 is the served command, nothing else: the
@@ -188,7 +190,7 @@ class Server(ServerProcess):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1",
                    NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
         if kv == "int2":
-            env.setdefault("SGLANG_OSCAR_BUNDLE", "builtin:hadamard")
+            env["SGLANG_OSCAR_BUNDLE"] = args.int2_bundles[model][0]
             for kv_pair in args.int2_env:
                 k, v = kv_pair.split("=", 1)
                 env[k] = v
@@ -363,7 +365,7 @@ def write(args, results: list, out: Path) -> None:
                settings=dict(tp=args.tp, flags=args.flags, mem_fraction_static=args.mem_fraction, weights="dummy",
                              graph_max_bs=args.graph_max_bs, int2_flags=args.int2_flags, throughput=args.throughput, decode_tokens=args.decode_tokens, int2_env=args.int2_env,
                              batch_decode=args.batch_decode,
-                             int2_bundle=os.environ.get("SGLANG_OSCAR_BUNDLE", "builtin:hadamard"),
+                             int2_bundle=args.int2_bundle_label,
                              decode_latency="median inter-chunk gap of a streamed request whose prompt is a "
                                             "prefix-cache hit (HTTP streaming included, same for every mode)"),
                greedy_vs_bf16=compare_greedy(results), rows=rows, runs=results)
@@ -408,6 +410,9 @@ def main() -> None:
     args.batch_decode = [parse_spec(x) for x in args.batch_decode.split(",") if x]
     if any(n is None for _, _, n in args.batch_decode):
         sys.exit("--batch-decode: give the batch, INxOUT@N, e.g. 32768x256@8")
+    bundle_dir = tempfile.mkdtemp(prefix="oscar_bundle_")
+    args.int2_bundles = {m: int2_bundle(m, bundle_dir) for m in filter(None, [args.model, args.fallback_model])}
+    args.int2_bundle_label = args.int2_bundles[args.model][1]
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:

@@ -198,13 +198,18 @@ def stage_niah(model, tok, specs, cfg, out_dir: Path, progress: bool, tag: str =
             t = time.time()
             first = cfg.get("niah_first", 0)
             samples = make_samples(tok, task, length, cfg["niah_per_task"], seed=length, first=first)
-            out = score_niah(model, tok, samples, sims, progress=progress)
-            for name in specs:
-                res[name].setdefault(str(length), {})[task] = dict(out[name], first=first)
+
+            def save(out, length=length, task=task, first=first):
+                # after every sample, so a run cut short keeps the samples it finished
+                for name in specs:
+                    res[name].setdefault(str(length), {})[task] = dict(out[name], first=first)
+                tmp = out_dir / f".niah{tag}.json.tmp"  # renamed into place: a kill mid-write leaves the last file
+                tmp.write_text(json.dumps(res, indent=1, default=_jsonable))
+                tmp.replace(out_dir / f"niah{tag}.json")
+
+            out = score_niah(model, tok, samples, sims, progress=progress, on_sample=save)
             print(f"[niah] {task} @ {length}: " + " ".join(f"{n}={out[n]['score']:.0f}" for n in specs)
                   + f" ({time.time() - t:.0f} s)", flush=True)
-            # after every task, so a run cut short keeps what it finished
-            (out_dir / f"niah{tag}.json").write_text(json.dumps(res, indent=1, default=_jsonable))
 
 
 def _jsonable(x):

@@ -35,7 +35,7 @@ import inspect
 import dataclasses
 import random
 import re
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -250,13 +250,15 @@ def _truncate(cache, length: int) -> None:
         raise RuntimeError(f"cache crop to {length} left {cache.get_seq_length()} positions")
 
 
-def _greedy_tokens(model, tokenizer, first: int, cache, max_new_tokens: int, n_answers: int = 1) -> list[int]:
+def _greedy_tokens(model, tokenizer, first: int, cache, max_new_tokens: int, n_answers: int = 1,
+                   prefix: Sequence[int] = ()) -> list[int]:
     """Greedy continuation from `first` (already chosen), EOS dropped; stops at EOS, a newline, or
     once n_answers 7-digit numbers are complete (a non-digit follows the last: more tokens cannot
-    change the score)."""
+    change the score). `prefix`: answer tokens already in `cache` before `first` (they count towards
+    max_new_tokens and the stopping rule, and lead the returned answer)."""
     eos = tokenizer.eos_token_id
     eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
-    toks = [first]
+    toks = [*prefix, first]
     while (len(toks) < max_new_tokens and toks[-1] not in eos and "\n" not in (text := tokenizer.decode(toks))
            and not _answer_done(text, n_answers)):
         nxt, cache = _step(model, toks[-1], cache)
@@ -264,10 +266,14 @@ def _greedy_tokens(model, tokenizer, first: int, cache, max_new_tokens: int, n_a
     return [t for t in toks if t not in eos]
 
 
+def _answer_text(tokenizer, toks: list[int]) -> str:
+    """What an answer scores on: its first line."""
+    return tokenizer.decode(toks, skip_special_tokens=True).split("\n")[0]
+
+
 def _greedy(model, tokenizer, first: int, cache, max_new_tokens: int, n_answers: int = 1) -> str:
     """The greedy answer's first line (see _greedy_tokens)."""
-    toks = _greedy_tokens(model, tokenizer, first, cache, max_new_tokens, n_answers)
-    return tokenizer.decode(toks, skip_special_tokens=True).split("\n")[0]
+    return _answer_text(tokenizer, _greedy_tokens(model, tokenizer, first, cache, max_new_tokens, n_answers))
 
 
 @contextlib.contextmanager
@@ -338,21 +344,23 @@ def _last_digit_index(tokenizer, toks: list[int]) -> int:
 
 @torch.no_grad()
 def score_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, Optional[MixedCacheSimulator]],
-               max_new_tokens: int = 12, progress: bool = True) -> dict:
-    """NIAH under each method, scored against the exact model's own greedy answer (server semantics).
+               max_new_tokens: int = 12, progress: bool = True, on_sample=None) -> dict:
+    """NIAH under each method: each method's own greedy answer (server semantics), as run_niah, in
+    fewer model calls.
 
     Per sample: the prompt is prefilled once with the exact model (a one-chunk server prefill reads
     exact K/V, so the first answer token is the same for every method) and the exact model decodes
     its greedy answer (its score is the bf16 score). Each quantized method then reads that answer
     teacher-forced in one call, its queries seeing the INT2 history beyond the sink and recent
     windows. It *keeps* the sample when its argmax equals the exact answer at every position up to
-    the answer's last digit: its greedy decode would then write the same answer, so it scores what
-    bf16 scores. Otherwise it scores 0, a lower bound of its greedy score (a diverged answer could
-    still hold a number by chance). One forward per method instead of one per token, and the
-    share of bf16's answers kept is exactly "% of bf16" on those samples.
+    the answer's last digit: its greedy decode writes the same answer and scores what bf16 scores.
+    Otherwise it greedily decodes on from its first differing token (the answer's rows stay in the
+    BF16 window, as in a served decode), and that answer is scored: a method that writes the
+    needle's values in another order or after another separator is not counted as a miss.
 
     Returns {name: dict(score, per_sample, kept, predictions, diverged_at)}; diverged_at is the
-    answer position of the first differing token (None when kept)."""
+    answer position of the first differing token (None when kept). on_sample(result so far) runs
+    after every sample (a long run cut short keeps the samples it finished)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     dev = next(model.parameters()).device
@@ -364,29 +372,37 @@ def score_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, O
         first = int(shared.logits[0, -1].argmax())
         ref = _greedy_tokens(model, tokenizer, first, shared.past_key_values, max_new_tokens * n_ans, n_ans)
         _truncate(shared.past_key_values, len(s.prompt_ids))
-        text = tokenizer.decode(ref, skip_special_tokens=True).split("\n")[0]
+        text = _answer_text(tokenizer, ref)
         ref_score = string_match_all(text, s.answers)
         last = _last_digit_index(tokenizer, ref)
+        n0 = len(s.prompt_ids)
         for name, sim in methods.items():
             r = res[name]
-            if sim is None or last < 1:  # exact, or nothing after the first (exact) token to check
-                kept, at = True, None
-            else:
-                if last > sim.recent:
+            kept, at, own = True, None, text
+            if sim is not None and last >= 1:  # else exact, or nothing after the first (exact) token to check
+                if max(last, max_new_tokens * n_ans) > sim.recent:
                     # the answer's own rows must stay in the BF16 window, as in a real decode
-                    raise ValueError(f"an answer of {last + 1} tokens does not fit the recent window of "
-                                     f"{sim.recent}; lower max_new_tokens")
+                    raise ValueError(f"an answer of up to {max(last + 1, max_new_tokens * n_ans)} tokens does not "
+                                     f"fit the recent window of {sim.recent}; lower max_new_tokens")
                 inp = torch.tensor([ref[:last]], device=dev)
                 with _with_mode(sim, model, "prefill"):
                     out = model(input_ids=inp, past_key_values=shared.past_key_values, use_cache=True)
-                _truncate(shared.past_key_values, len(s.prompt_ids))
-                pred = out.logits[0].argmax(-1).tolist()
-                diff = [j for j in range(last) if pred[j] != ref[j + 1]]
-                kept, at = (not diff), (diff[0] + 1 if diff else None)
+                    pred = out.logits[0].argmax(-1).tolist()
+                    diff = [j for j in range(last) if pred[j] != ref[j + 1]]
+                    if diff:
+                        # its own answer: ref[:at], then its token at `at` and its greedy decode from there
+                        kept, at = False, diff[0] + 1
+                        _truncate(shared.past_key_values, n0 + at)
+                        own = _answer_text(tokenizer, _greedy_tokens(
+                            model, tokenizer, pred[at - 1], shared.past_key_values, max_new_tokens * n_ans, n_ans,
+                            prefix=ref[:at]))
+                _truncate(shared.past_key_values, n0)
             r["kept"].append(kept)
             r["diverged_at"].append(at)
-            r["per_sample"].append(ref_score if kept else 0.0)
-            r["predictions"].append(text if kept else tokenizer.decode(ref[:at] + [pred[at - 1]]))
-    for r in res.values():
-        r["score"] = sum(r["per_sample"]) / len(r["per_sample"]) if r["per_sample"] else 0.0
+            r["per_sample"].append(ref_score if kept else string_match_all(own, s.answers))
+            r["predictions"].append(own)
+        for r in res.values():
+            r["score"] = sum(r["per_sample"]) / len(r["per_sample"])
+        if on_sample is not None:
+            on_sample(res)
     return res

@@ -1,0 +1,104 @@
+"""NIAH cells scored on each method's own greedy answer (eval/niah.score_niah), from niah*.json files that cover
+parts of a cell (GPU and CPU runs of sample ranges), as the section `niah_exact_greedy` of the accuracy JSON and a
+markdown table.
+
+Per (task, length, method): the samples it ran, its score and bf16's score on exactly those samples, and the ratio.
+Ranges of one (method, task, length) must not overlap.
+
+    python benchmark/niah_exact_summary.py runs/acc_exact --json benchmark/results/accuracy_smollm2.json \
+        --note "device, commit, command"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+
+def per_sample(files: list[Path]) -> dict:
+    """{(method, length, task): {sample index: score}} over every file."""
+    out: dict = {}
+    for f in files:
+        for name, by_len in json.loads(f.read_text()).items():
+            for L, by_task in by_len.items():
+                for task, r in by_task.items():
+                    cell = out.setdefault((name, L, task), {})
+                    for i, s in enumerate(r["per_sample"], start=r.get("first", 0)):
+                        if i in cell:
+                            raise SystemExit(f"{f}: sample {i} of {name} {task} @ {L} is in two files")
+                        cell[i] = s
+    return out
+
+
+def summarise(cells: dict) -> dict:
+    """{task: {length: {method: dict(n, score, bf16_score, pct_of_bf16, diff_se)}}}; bf16 on the method's own samples;
+    diff_se: the standard error of the paired per-sample difference (method - bf16, points), the cell's spread."""
+    out: dict = {}
+    for (name, L, task), by_i in sorted(cells.items(), key=lambda kv: (kv[0][2], int(kv[0][1]), kv[0][0])):
+        bf = cells.get(("bf16", L, task), {})
+        idx = sorted(by_i)
+        missing = [i for i in idx if i not in bf]
+        if missing:
+            raise SystemExit(f"{name} {task} @ {L}: bf16 did not run samples {missing[:5]}")
+        score = sum(by_i[i] for i in idx) / len(idx)
+        bscore = sum(bf[i] for i in idx) / len(idx)
+        diffs = [by_i[i] - bf[i] for i in idx]
+        se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+        out.setdefault(task, {}).setdefault(L, {})[name] = dict(
+            n=len(idx), score=round(score, 2), bf16_score=round(bscore, 2),
+            pct_of_bf16=round(100.0 * score / bscore, 1) if bscore > 0 else None,
+            diff_se=None if se is None else round(se, 2))
+    return out
+
+
+def markdown(summary: dict, methods: list[str]) -> str:
+    lines = ["| task | length | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    for task, by_len in summary.items():
+        for L, by_m in sorted(by_len.items(), key=lambda kv: int(kv[0])):
+            row = []
+            for m in methods:
+                c = by_m.get(m)
+                if c is None:
+                    row.append("not run")
+                elif m == "bf16":
+                    row.append(f"{c['score']:.0f} (n={c['n']})")
+                else:
+                    pct = "n/a" if c["pct_of_bf16"] is None else f"{c['pct_of_bf16']:.0f}%"
+                    se = "" if c["diff_se"] is None else f" ±{c['diff_se']:.0f}"
+                    row.append(f"{c['score']:.0f} vs {c['bf16_score']:.0f}{se}: {pct} (n={c['n']})")
+            lines.append(f"| {task} | {int(L) // 1024}k | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", type=Path, help="folder of niah*.json")
+    ap.add_argument("--json", type=Path, default=None, help="accuracy JSON to add the section niah_exact_greedy to")
+    ap.add_argument("--note", default="", help="where the runs come from (kept in the JSON)")
+    args = ap.parse_args(argv)
+    files = sorted(args.dir.glob("niah*.json"))
+    if not files:
+        raise SystemExit(f"no niah*.json in {args.dir}")
+    summary = summarise(per_sample(files))
+    methods = sorted({m for by_len in summary.values() for by_m in by_len.values() for m in by_m},
+                     key=lambda m: (m != "bf16", m))
+    print(markdown(summary, methods))
+    if args.json is not None:
+        if not args.note:
+            raise SystemExit("--json needs --note: where the runs come from (device, commit, command)")
+        report = json.loads(args.json.read_text())
+        report["niah_exact_greedy"] = dict(
+            scorer="each method's own greedy answer (eval/niah.score_niah: bf16's answer teacher-forced, "
+                   "then the method's greedy decode from its first differing token), string_match_all",
+            date=time.strftime("%Y-%m-%d"), note=args.note, files=[f.name for f in files], cells=summary)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote section niah_exact_greedy of {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
