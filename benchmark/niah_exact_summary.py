@@ -18,20 +18,18 @@ import statistics
 import time
 from pathlib import Path
 
+from sglang_oscar.eval.compare import merge_niah
+
 
 def per_sample(files: list[Path]) -> dict:
-    """{(method, length, task): {sample index: score}} over every file."""
-    out: dict = {}
-    for f in files:
-        for name, by_len in json.loads(f.read_text()).items():
-            for L, by_task in by_len.items():
-                for task, r in by_task.items():
-                    cell = out.setdefault((name, L, task), {})
-                    for i, s in enumerate(r["per_sample"], start=r.get("first", 0)):
-                        if i in cell:
-                            raise SystemExit(f"{f}: sample {i} of {name} {task} @ {L} is in two files")
-                        cell[i] = s
-    return out
+    """{(method, length, task): {sample index: score}} over every file (eval/compare.merge_niah: ranges joined,
+    overlaps refused)."""
+    try:
+        niah = merge_niah([json.loads(f.read_text()) for f in files])
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return {(name, L, task): dict(zip(r["samples"], r["per_sample"]))
+            for name, by_len in niah.items() for L, by_task in by_len.items() for task, r in by_task.items()}
 
 
 def summarise(cells: dict) -> dict:

@@ -75,7 +75,9 @@ def test_merge_niah_joins_disjoint_sample_ranges_and_rejects_overlap():
     merged = compare.merge_niah([b, a])  # order of files does not matter, sample index does
     r = merged["m"]["2048"]["niah_single_1"]
     assert r["per_sample"] == [100.0, 100.0, 0.0, 0.0] and r["predictions"] == ["1", "2", "3", "4"]
-    assert r["score"] == 50.0
+    assert r["score"] == 50.0 and r["samples"] == [0, 1, 2, 3]
+    gap = {"m": {"2048": {"niah_single_1": dict(score=0.0, per_sample=[0.0], predictions=["9"], first=7)}}}
+    assert compare.merge_niah([a, gap])["m"]["2048"]["niah_single_1"]["samples"] == [0, 1, 7]
     c = {"m": {"2048": {"niah_single_1": dict(score=0.0, per_sample=[0.0], predictions=["x"], first=1)}}}
     with pytest.raises(ValueError, match="overlap"):
         compare.merge_niah([a, c])
@@ -152,3 +154,38 @@ def test_quick_uses_the_shipped_default_bundle(tmp_path):
     assert compare.shipped_bundle("int2_best", "smollm2", quick=False) is None
     assert compare.shipped_bundle("int2_best", "other.gguf", quick=True) is None
     assert compare.shipped_bundle("int2_naive", "smollm2", quick=True) is None
+
+
+def test_niah_exact_summary_pairs_bf16_on_the_methods_own_samples(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "niah_exact_summary", Path(__file__).parent.parent / "benchmark" / "niah_exact_summary.py")
+    summary_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary_mod)
+    cell = lambda ps, first: {"niah_multivalue": dict(score=0.0, per_sample=ps, first=first)}  # noqa: E731
+    (tmp_path / "niah_a.json").write_text(json.dumps({"bf16": {"4096": cell([100.0, 50.0, 100.0, 0.0], 0)},
+                                                      "q": {"4096": cell([50.0], 1)}}))
+    (tmp_path / "niah_b.json").write_text(json.dumps({"q": {"4096": cell([100.0], 3)}}))
+    files = sorted(tmp_path.glob("niah*.json"))
+    s = summary_mod.summarise(summary_mod.per_sample(files))["niah_multivalue"]["4096"]
+    assert s["q"]["n"] == 2 and s["q"]["score"] == 75.0
+    assert s["q"]["bf16_score"] == 25.0 and s["q"]["pct_of_bf16"] == 300.0  # bf16 on samples 1 and 3 only
+    assert s["q"]["diff_se"] == 50.0  # diffs 0 and +100: stdev 70.71 / sqrt(2)
+    (tmp_path / "niah_c.json").write_text(json.dumps({"q": {"4096": cell([0.0], 1)}}))
+    with pytest.raises(SystemExit, match="overlap"):
+        summary_mod.per_sample(sorted(tmp_path.glob("niah*.json")))
+
+
+def test_bad_niah_task_and_missing_ppl_text_fail_before_the_model_loads(tmp_path, monkeypatch):
+    def no_model(*a, **k):
+        raise AssertionError("the model must not load for a bad argument")
+
+    from sglang_oscar import models
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    with pytest.raises(SystemExit, match="unknown NIAH tasks"):
+        compare.main(["--stage", "niah", "--out-dir", str(tmp_path), "--niah-tasks", "niah_essay"])
+    with pytest.raises(SystemExit, match="no such file"):
+        compare.main(["--stage", "ppl", "--out-dir", str(tmp_path), "--ppl-text", str(tmp_path / "missing.txt")])

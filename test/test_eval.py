@@ -1,5 +1,6 @@
 """eval/: the mixed-cache simulator, perplexity, attention metrics and NIAH (tiny random Llama, CPU)."""
 
+import re
 
 import pytest
 import torch
@@ -296,7 +297,7 @@ def test_niah_real_tokenizer_lengths():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    for task in ("niah_single_1", "niah_multikey_2"):
+    for task in ("niah_single_1", "niah_multikey_2", "niah_essay_single"):
         for chat in (False, True):
             for x in make_samples(tok, task, 4096, 2, seed=1, chat=chat):
                 assert abs(len(x.prompt_ids) - 4064) <= 0.02 * 4096, (task, chat, len(x.prompt_ids))
@@ -321,6 +322,35 @@ def test_niah_multikey_1_and_multivalue_samples():
     # the single-needle task is unchanged by the new tasks (same samples for the same seed)
     a = make_samples(tok, "niah_single_1", 1500, 2, seed=9)
     assert a[0].answers[0] in tok.decode(a[0].prompt_ids) and len(a[0].answers) == 1
+
+
+def test_niah_unseen_formats_prose_haystack_and_other_needle():
+    from sglang_oscar.data import eval_text
+    from sglang_oscar.eval.niah import UNSEEN_TASKS
+
+    tok = ByteTokenizer()
+    flat = " ".join(eval_text().split())
+    for task in UNSEEN_TASKS:
+        multi = task == "niah_essay_multivalue"
+        s = make_samples(tok, task, 1500, 3, seed=4)
+        for x in s:
+            text = tok.decode(x.prompt_ids)
+            assert len(x.answers) == (4 if multi else 1) and len(set(x.answers)) == len(x.answers)
+            assert all(len(v) == 7 and v.isdigit() for v in x.answers)
+            assert all(f"The access code for the {x.query} room is {v}." in text for v in x.answers)
+            assert "special magic" not in text and "The grass is green." not in text
+            assert text.endswith(f"The access codes for the {x.query} room are" if multi
+                                 else f"The access code for the {x.query} room is")
+            # the haystack is the Language Reference's own prose: a stretch of it between the header and the needles
+            body = text.split("\n")[1]
+            pieces = re.split(r"The access code for the \w+ room is \d{7}\.", body)
+            stretch = next(p for p in pieces if len(p) > 200)[:150].strip()
+            assert stretch in flat
+            gap = 1500 - 32 * len(x.answers) - len(x.prompt_ids)
+            assert 0 <= gap <= 400  # at most about one unit of the haystack short of the target
+        # samples start at different places of the text, deterministically
+        assert len({tok.decode(x.prompt_ids)[200:300] for x in s}) == 3
+        assert [x.prompt_ids for x in make_samples(tok, task, 1500, 3, seed=4)] == [x.prompt_ids for x in s]
 
 
 class DigitTokenizer(ByteTokenizer):

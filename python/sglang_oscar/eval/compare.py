@@ -28,6 +28,7 @@ import torch
 
 from .. import __version__
 from ..config import CacheLayout, QuantFormat, max_k4_heads
+from .niah import ALL_TASKS, UNSEEN_TASKS
 
 SINK, RECENT = 64, 256
 
@@ -160,12 +161,13 @@ def _sims(specs, bundles, mode):
 
 
 def stage_ppl(model, tok, specs, cfg, out_dir: Path, progress: bool) -> None:
-    from ..data import eval_text, token_windows
+    from ..data import EVAL_SOURCE, eval_text, token_windows
     from .attention_metrics import attention_errors
     from .ppl import perplexity
 
     bundles = _bundles(out_dir, [n for n in specs if specs[n]["variant"] is not None])
-    text = eval_text()
+    source = cfg.get("ppl_text")
+    text = eval_text() if source is None else Path(source).read_text(encoding="utf-8")
     windows = token_windows(tok, text, cfg["ppl_len"], cfg["ppl_windows"])
     sims = _sims(specs, bundles, "decode")
     prefixes = tuple(n for n in (2048, 4096) if n < cfg["ppl_len"])
@@ -176,7 +178,7 @@ def stage_ppl(model, tok, specs, cfg, out_dir: Path, progress: bool) -> None:
         entry = {str(cfg["ppl_len"]): {k: v for k, v in r.items() if k != "prefix"}}
         for n in prefixes:
             entry[str(n)] = r["prefix"][n]
-        res[name] = dict(ppl=entry, seconds=time.time() - t)
+        res[name] = dict(ppl=entry, seconds=time.time() - t, text=EVAL_SOURCE if source is None else Path(source).name)
         print(f"[ppl] {name}: " + " ".join(f"@{k}={v['mean']:.3f}" for k, v in entry.items())
               + f" ({time.time() - t:.0f} s)", flush=True)
     kl_windows = token_windows(tok, text, cfg["kl_len"], cfg["kl_windows"], offset=cfg["ppl_len"] // 2)
@@ -232,7 +234,7 @@ def merge_niah(parts: list[dict]) -> dict:
 
     Each result covers samples first..first+n-1 (first absent: 0, files older than the field).
     Ranges of one (method, length, task) must not overlap; they are joined in index order and the
-    score is recomputed over all of them."""
+    score is recomputed over all of them; `samples` holds each per_sample entry's sample index."""
     runs: dict = {}
     for part in parts:
         for name, by_len in part.items():
@@ -251,7 +253,8 @@ def merge_niah(parts: list[dict]) -> dict:
         niah.setdefault(name, {}).setdefault(L, {})[task] = dict(
             score=sum(per_sample) / len(per_sample), per_sample=per_sample,
             kept=[x for r in rs for x in r.get("kept", [])],
-            predictions=[x for r in rs for x in r.get("predictions", [])], first=rs[0].get("first", 0))
+            predictions=[x for r in rs for x in r.get("predictions", [])], first=rs[0].get("first", 0),
+            samples=[r.get("first", 0) + i for r in rs for i in range(len(r["per_sample"]))])
     return niah
 
 
@@ -507,7 +510,11 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="write the PNG plot here")
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
     ap.add_argument("--niah-lengths", default=None, help="comma-separated context lengths (niah stage)")
-    ap.add_argument("--niah-tasks", default=None, help=f"comma-separated subset of {NIAH_TASKS}")
+    ap.add_argument("--ppl-text", default=None,
+                    help="ppl stage: a UTF-8 text file to score instead of the Language Reference (text no fit has seen); "
+                         "needs ppl windows x 8192 tokens")
+    ap.add_argument("--niah-tasks", default=None,
+                    help=f"comma-separated NIAH tasks (default {NIAH_TASKS}; formats no fit has seen: {UNSEEN_TASKS})")
     ap.add_argument("--niah-per-task", type=int, default=None, help="samples per task and length")
     ap.add_argument("--niah-first", type=int, default=0,
                     help="index of the first NIAH sample (extend an earlier run with disjoint samples)")
@@ -526,12 +533,16 @@ def main(argv=None) -> int:
         cfg["niah_lengths"] = [int(x) for x in args.niah_lengths.split(",")]
     if args.niah_tasks:
         cfg["niah_tasks"] = args.niah_tasks.split(",")
-        bad = [t for t in cfg["niah_tasks"] if t not in NIAH_TASKS]
+        bad = [t for t in cfg["niah_tasks"] if t not in ALL_TASKS]
         if bad:
-            raise SystemExit(f"unknown NIAH tasks {bad}; choose from {NIAH_TASKS}")
+            raise SystemExit(f"unknown NIAH tasks {bad}; choose from {ALL_TASKS}")
     if args.niah_per_task:
         cfg["niah_per_task"] = args.niah_per_task
     cfg["niah_first"] = args.niah_first
+    if args.ppl_text is not None:
+        if not Path(args.ppl_text).is_file():
+            raise SystemExit(f"--ppl-text {args.ppl_text}: no such file (a UTF-8 text file to score perplexity on)")
+        cfg["ppl_text"] = args.ppl_text
     out_dir = Path(args.out_dir or ("runs/accuracy_quick" if args.quick else "runs/accuracy"))
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.quick:  # the README's main job leaves a file and a plot a user can open

@@ -13,6 +13,15 @@ Tasks
                   line); the query asks for one of them. Hundreds of distinct keys are needed at
                   8k tokens, so in this task every key is a pair of words, "word-word".
 
+Formats for checking that a result generalises (UNSEEN_TASKS: no calibration, selection or tuning
+uses them): prose haystack and another needle, question and answer prefix.
+  niah_essay_single      haystack: consecutive sentences of the Python Language Reference
+                         (data.eval_text, whitespace collapsed) from a random start; needle "The
+                         access code for the {key} room is {value}." (value: 7 digits); the query
+                         asks for the access code.
+  niah_essay_multivalue  the same haystack, 4 needles of one key with different codes; the answer
+                         must contain every code.
+
 Prompt (RULER's template), then the answer prefix, so the model only has to write the number:
   "Some special magic numbers are hidden ... afterwards.\n{context}\nWhat is the special magic
    number for {query} mentioned in the provided text?" + " The special magic number for {query}
@@ -43,6 +52,8 @@ from tqdm.auto import tqdm
 from .simulator import MixedCacheSimulator
 
 TASKS = ("niah_single_1", "niah_multikey_1", "niah_multivalue", "niah_multikey_2")
+UNSEEN_TASKS = ("niah_essay_single", "niah_essay_multivalue")
+ALL_TASKS = TASKS + UNSEEN_TASKS
 DISTRACTORS = 3  # niah_multikey_1: needles of other keys
 VALUES = 4  # niah_multivalue: numbers of the one key
 GENERATION_RESERVE = 32
@@ -57,6 +68,29 @@ TEMPLATE = (
 ANSWER_PREFIX = " The special magic number for {query} mentioned in the provided text is"
 TEMPLATE_MV = TEMPLATE.replace("What is the special magic number", "What are all the special magic numbers")
 ANSWER_PREFIX_MV = " The special magic numbers for {query} mentioned in the provided text are"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Format:
+    needle: str
+    template: str
+    answer_prefix: str
+    template_mv: str
+    answer_prefix_mv: str
+
+
+_MAGIC = _Format(NEEDLE, TEMPLATE, ANSWER_PREFIX, TEMPLATE_MV, ANSWER_PREFIX_MV)
+_ESSAY = _Format(
+    needle="The access code for the {key} room is {value}.",
+    template=("Below is a long document. Somewhere in it are access codes for rooms. Read it carefully; "
+              "a question about one of the codes follows.\n{context}\n"
+              "What is the access code for the {query} room?"),
+    answer_prefix=" The access code for the {query} room is",
+    template_mv=("Below is a long document. Somewhere in it are access codes for rooms. Read it carefully; "
+                 "a question about the codes follows.\n{context}\n"
+                 "The {query} room has several access codes. What are all of them?"),
+    answer_prefix_mv=" The access codes for the {query} room are",
+)
 
 # Common English nouns and adjectives used as needle keys (no downloads).
 WORDS = tuple("""
@@ -99,9 +133,9 @@ def _encode(tokenizer, text: str, chat: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=not chat)["input_ids"])
 
 
-def _prompt_text(tokenizer, context: str, query: str, chat: bool, multi: bool = False) -> str:
-    body = (TEMPLATE_MV if multi else TEMPLATE).format(context=context, query=query)
-    prefix = (ANSWER_PREFIX_MV if multi else ANSWER_PREFIX).format(query=query)
+def _prompt_text(tokenizer, context: str, query: str, chat: bool, multi: bool = False, fmt: _Format = _MAGIC) -> str:
+    body = (fmt.template_mv if multi else fmt.template).format(context=context, query=query)
+    prefix = (fmt.answer_prefix_mv if multi else fmt.answer_prefix).format(query=query)
     if not chat:
         return body + prefix
     turn = tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True,
@@ -112,6 +146,25 @@ def _prompt_text(tokenizer, context: str, query: str, chat: bool, multi: bool = 
 def _noise_units(n: int) -> list[str]:
     sentences = [s.strip() + "." for s in NOISE.split(".") if s.strip()]
     return [sentences[i % len(sentences)] for i in range(n)]
+
+
+_ESSAY_SENTENCES: list = []
+
+
+ESSAY_UNIT_WORDS = 24  # longer sentences (collapsed code blocks) are cut, so a prompt fills its length closely
+
+
+def _essay_sentences() -> list[str]:
+    """The Language Reference as sentences (whitespace collapsed, at most ESSAY_UNIT_WORDS words), computed once."""
+    if not _ESSAY_SENTENCES:
+        from ..data import eval_text
+
+        flat = re.sub(r"\s+", " ", eval_text())
+        for sent in re.split(r"(?<=[.!?]) (?=[A-Z])", flat):
+            words = sent.split()
+            _ESSAY_SENTENCES.extend(" ".join(words[i:i + ESSAY_UNIT_WORDS])
+                                    for i in range(0, len(words), ESSAY_UNIT_WORDS))
+    return _ESSAY_SENTENCES
 
 
 def _seven_digits(rng: random.Random, avoid: set) -> str:
@@ -125,13 +178,15 @@ def _seven_digits(rng: random.Random, avoid: set) -> str:
 def _build_one(tokenizer, task: str, length: int, rng: random.Random, chat: bool) -> NiahSample:
     used: set = set()
     value = _seven_digits(rng, used)
-    multi = task == "niah_multivalue"
+    multi = task in ("niah_multivalue", "niah_essay_multivalue")
+    essay = task in UNSEEN_TASKS
+    fmt = _ESSAY if essay else _MAGIC
     if task == "niah_multikey_2":
         a, b = rng.sample(WORDS, 2)
         key = f"{a}-{b}"
     else:
         key = rng.choice(WORDS)
-    needle = NEEDLE.format(key=key, value=value)
+    needle = fmt.needle.format(key=key, value=value)
     depth = rng.random()
     # Extra needles of the noise-haystack tasks, each at its own depth: (depth, sentence).
     extra: list[tuple[float, str]] = []
@@ -139,15 +194,15 @@ def _build_one(tokenizer, task: str, length: int, rng: random.Random, chat: bool
     if task == "niah_multikey_1":
         others = [w for w in WORDS if w != key]
         for k in rng.sample(others, DISTRACTORS):
-            extra.append((rng.random(), NEEDLE.format(key=k, value=_seven_digits(rng, used))))
+            extra.append((rng.random(), fmt.needle.format(key=k, value=_seven_digits(rng, used))))
     elif multi:
         for _ in range(VALUES - 1):
             v = _seven_digits(rng, used)
             values.append(v)
-            extra.append((rng.random(), NEEDLE.format(key=key, value=v)))
+            extra.append((rng.random(), fmt.needle.format(key=key, value=v)))
     target = length - GENERATION_RESERVE * (VALUES if multi else 1)
     all_needles = " ".join([needle] + [e for _, e in extra])
-    base = len(_encode(tokenizer, _prompt_text(tokenizer, all_needles, key, chat, multi), chat))
+    base = len(_encode(tokenizer, _prompt_text(tokenizer, all_needles, key, chat, multi, fmt), chat))
     if base > target:
         raise ValueError(f"length {length} is too short for the {task} template ({base} tokens + "
                          f"{GENERATION_RESERVE} reserved)")
@@ -157,9 +212,14 @@ def _build_one(tokenizer, task: str, length: int, rng: random.Random, chat: bool
     sep = "\n" if task == "niah_multikey_2" else " "
 
     seen_keys = {key}
+    essay_start = rng.randrange(len(_essay_sentences())) if essay else 0
 
     def grow(n: int) -> None:
         if n <= len(units):
+            return
+        if essay:
+            sents = _essay_sentences()
+            units[:] = [sents[(essay_start + i) % len(sents)] for i in range(n)]
             return
         if task != "niah_multikey_2":
             units[:] = _noise_units(n)
@@ -169,7 +229,7 @@ def _build_one(tokenizer, task: str, length: int, rng: random.Random, chat: bool
             k = f"{a}-{b}"
             if k not in seen_keys:
                 seen_keys.add(k)
-                units.append(NEEDLE.format(key=k, value=_seven_digits(rng, used)))
+                units.append(fmt.needle.format(key=k, value=_seven_digits(rng, used)))
 
     def prompt_ids(n: int):
         grow(n)
@@ -180,7 +240,7 @@ def _build_one(tokenizer, task: str, length: int, rng: random.Random, chat: bool
         hay = list(units[:n])
         for pos, _, sentence in placed:
             hay.insert(pos, sentence)
-        return _encode(tokenizer, _prompt_text(tokenizer, sep.join(hay), key, chat, multi), chat), at
+        return _encode(tokenizer, _prompt_text(tokenizer, sep.join(hay), key, chat, multi, fmt), chat), at
 
     # Largest n with len(prompt) <= target: grow an upper bound, then bisect.
     lo, hi = 0, 16
@@ -203,8 +263,8 @@ def make_samples(tokenizer, task: str, length: int, n: int, seed: int = 0, *, ch
 
     Sample i depends only on (task, length, seed, i), so runs over disjoint index ranges (several
     processes, or more samples later) add up to the same set as one run over the union."""
-    if task not in TASKS:
-        raise ValueError(f"unknown NIAH task {task!r}; choose from {TASKS}")
+    if task not in ALL_TASKS:
+        raise ValueError(f"unknown NIAH task {task!r}; choose from {ALL_TASKS}")
     if n < 1 or length < 1 or first < 0:
         raise ValueError(f"need n >= 1, length >= 1 and first >= 0, got n={n} length={length} first={first}")
     if chat and not getattr(tokenizer, "chat_template", None):
