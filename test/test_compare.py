@@ -189,3 +189,23 @@ def test_bad_niah_task_and_missing_ppl_text_fail_before_the_model_loads(tmp_path
         compare.main(["--stage", "niah", "--out-dir", str(tmp_path), "--niah-tasks", "niah_essay"])
     with pytest.raises(SystemExit, match="no such file"):
         compare.main(["--stage", "ppl", "--out-dir", str(tmp_path), "--ppl-text", str(tmp_path / "missing.txt")])
+
+
+def test_unseen_text_is_not_calibration_text_and_ppl_deltas_pair_windows():
+    import importlib.util
+    from pathlib import Path
+
+    from sglang_oscar.data import CALIBRATION_MODULES, calibration_text
+
+    spec = importlib.util.spec_from_file_location(
+        "unseen_text", Path(__file__).parent.parent / "benchmark" / "unseen_text.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert not set(mod.MODULES) & set(CALIBRATION_MODULES)
+    text = mod.unseen_source()
+    assert len(text) > 200_000 and "class ConfigParser" in text
+    assert text[1000:1200] not in calibration_text()
+    ppl = {"bf16": {"ppl": {"4096": dict(mean=5.0, per_window=[4.0, 6.0])}},
+           "q": {"ppl": {"4096": dict(mean=5.3, per_window=[4.4, 6.06])}}}
+    d = mod.ppl_deltas(ppl)["q"]["4096"]
+    assert d["delta_pct_windows"] == [10.0, 1.0] and d["delta_pct"] == 5.5 and d["bf16"] == 5.0

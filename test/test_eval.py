@@ -339,7 +339,7 @@ def test_niah_unseen_formats_prose_haystack_and_other_needle():
             assert all(len(v) == 7 and v.isdigit() for v in x.answers)
             assert all(f"The access code for the {x.query} room is {v}." in text for v in x.answers)
             assert "special magic" not in text and "The grass is green." not in text
-            assert text.endswith(f"The access codes for the {x.query} room are" if multi
+            assert text.endswith(f"The access codes for the {x.query} room are the numbers" if multi
                                  else f"The access code for the {x.query} room is")
             # the haystack is the Language Reference's own prose: a stretch of it between the header and the needles
             body = text.split("\n")[1]

@@ -88,8 +88,9 @@ _ESSAY = _Format(
     answer_prefix=" The access code for the {query} room is",
     template_mv=("Below is a long document. Somewhere in it are access codes for rooms. Read it carefully; "
                  "a question about the codes follows.\n{context}\n"
-                 "The {query} room has several access codes. What are all of them?"),
-    answer_prefix_mv=" The access codes for the {query} room are",
+                 "What are all the access codes for the {query} room?"),
+    # "... are" alone: SmolLM2-135M answers with a numbered list of unrelated text (0 of 3 at 2k); "are the numbers": 92
+    answer_prefix_mv=" The access codes for the {query} room are the numbers",
 )
 
 # Common English nouns and adjectives used as needle keys (no downloads).
