@@ -89,7 +89,8 @@ _ESSAY = _Format(
     template_mv=("Below is a long document. Somewhere in it are access codes for rooms. Read it carefully; "
                  "a question about the codes follows.\n{context}\n"
                  "What are all the access codes for the {query} room?"),
-    # "... are" alone: SmolLM2-135M answers with a numbered list of unrelated text (0 of 3 at 2k); "are the numbers": 92
+    # ending in "... are", exact SmolLM2-135M wrote numbered lists of unrelated text (score 0 on 3 samples at 2k);
+    # ending in "are the numbers" it scored 92 on the same samples
     answer_prefix_mv=" The access codes for the {query} room are the numbers",
 )
 
@@ -149,10 +150,8 @@ def _noise_units(n: int) -> list[str]:
     return [sentences[i % len(sentences)] for i in range(n)]
 
 
-_ESSAY_SENTENCES: list = []
-
-
 ESSAY_UNIT_WORDS = 24  # longer sentences (collapsed code blocks) are cut, so a prompt fills its length closely
+_ESSAY_SENTENCES: list = []
 
 
 def _essay_sentences() -> list[str]:
