@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from sglang_oscar.data import CALIBRATION_MODULES
+from sglang_oscar.eval.compare import ppl_delta_windows
 
 sys.path.insert(0, str(Path(__file__).parent))
 from niah_exact_summary import per_sample, summarise  # noqa: E402
@@ -44,7 +45,7 @@ def ppl_deltas(ppl: dict) -> dict:
             continue
         out[name] = {}
         for L, cell in r["ppl"].items():
-            d = [100.0 * (q / b - 1.0) for q, b in zip(cell["per_window"], bf[L]["per_window"])]
+            d = ppl_delta_windows(ppl, name, L)
             out[name][L] = dict(ppl=round(cell["mean"], 4), bf16=round(bf[L]["mean"], 4),
                                 delta_pct=round(sum(d) / len(d), 2), delta_pct_windows=[round(x, 2) for x in d])
     return out

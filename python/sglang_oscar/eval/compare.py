@@ -28,7 +28,8 @@ import torch
 
 from .. import __version__
 from ..config import CacheLayout, QuantFormat, max_k4_heads
-from .niah import ALL_TASKS, UNSEEN_TASKS
+from .niah import ALL_TASKS, UNSEEN_TASKS, make_samples, score_niah
+from .niah import TASKS as NIAH_TASKS
 
 SINK, RECENT = 64, 256
 
@@ -72,7 +73,6 @@ def settings(quick: bool) -> dict:
                 niah_tasks=["niah_single_1", "niah_multikey_1", "niah_multivalue"], kl_windows=1, kl_len=4096)
 
 
-NIAH_TASKS = ("niah_single_1", "niah_multikey_1", "niah_multivalue", "niah_multikey_2")
 
 
 def bits_per_element(spec: dict, num_layers: int, kv_heads: int) -> float:
@@ -168,6 +168,7 @@ def stage_ppl(model, tok, specs, cfg, out_dir: Path, progress: bool) -> None:
     bundles = _bundles(out_dir, [n for n in specs if specs[n]["variant"] is not None])
     source = cfg.get("ppl_text")
     text = eval_text() if source is None else Path(source).read_text(encoding="utf-8")
+    text_name = EVAL_SOURCE if source is None else Path(source).name
     windows = token_windows(tok, text, cfg["ppl_len"], cfg["ppl_windows"])
     sims = _sims(specs, bundles, "decode")
     prefixes = tuple(n for n in (2048, 4096) if n < cfg["ppl_len"])
@@ -178,7 +179,7 @@ def stage_ppl(model, tok, specs, cfg, out_dir: Path, progress: bool) -> None:
         entry = {str(cfg["ppl_len"]): {k: v for k, v in r.items() if k != "prefix"}}
         for n in prefixes:
             entry[str(n)] = r["prefix"][n]
-        res[name] = dict(ppl=entry, seconds=time.time() - t, text=EVAL_SOURCE if source is None else Path(source).name)
+        res[name] = dict(ppl=entry, seconds=time.time() - t, text=text_name)
         print(f"[ppl] {name}: " + " ".join(f"@{k}={v['mean']:.3f}" for k, v in entry.items())
               + f" ({time.time() - t:.0f} s)", flush=True)
     kl_windows = token_windows(tok, text, cfg["kl_len"], cfg["kl_windows"], offset=cfg["ppl_len"] // 2)
@@ -190,8 +191,6 @@ def stage_ppl(model, tok, specs, cfg, out_dir: Path, progress: bool) -> None:
 
 
 def stage_niah(model, tok, specs, cfg, out_dir: Path, progress: bool, tag: str = "") -> None:
-    from .niah import make_samples, score_niah
-
     bundles = _bundles(out_dir, [n for n in specs if specs[n]["variant"] is not None])
     sims = _sims(specs, bundles, "prefill")
     res: dict = {n: {} for n in specs}
@@ -256,6 +255,13 @@ def merge_niah(parts: list[dict]) -> dict:
             predictions=[x for r in rs for x in r.get("predictions", [])], first=rs[0].get("first", 0),
             samples=[r.get("first", 0) + i for r in rs for i in range(len(r["per_sample"]))])
     return niah
+
+
+def ppl_delta_windows(ppl: dict, name: str, length: str) -> list[float]:
+    """% change of `name`'s perplexity against bf16's on each window of `length` (ppl.json of the ppl stage): paired,
+    the same windows under both, so window difficulty cancels."""
+    return [100.0 * (q / b - 1.0) for q, b in zip(ppl[name]["ppl"][length]["per_window"],
+                                                   ppl["bf16"]["ppl"][length]["per_window"], strict=True)]
 
 
 def niah_scored_tasks(niah: dict) -> tuple[dict, dict]:
@@ -372,10 +378,8 @@ def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
             # Paired: the same windows under bf16 and this method. Window difficulty varies a lot
             # (the std above), the per-window ratio much less: this is the spread that compares methods.
             m["ppl_delta_pct"] = {}
-            for k, v in p.items():
-                r = torch.tensor(v["per_window"], dtype=torch.float64) / torch.tensor(
-                    ppl["bf16"]["ppl"][k]["per_window"], dtype=torch.float64)
-                d = 100 * (r - 1)
+            for k in p:
+                d = torch.tensor(ppl_delta_windows(ppl, name, k), dtype=torch.float64)
                 m["ppl_delta_pct"][k] = dict(mean=round(float(d.mean()), 3), std=round(float(d.std(unbiased=False)), 3),
                                              min=round(float(d.min()), 3), max=round(float(d.max()), 3))
         if name in niah and niah[name]:
