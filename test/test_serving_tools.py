@@ -150,20 +150,47 @@ def test_collect_adds_a_call_and_keeps_the_others(tmp_path):
     d = details([1.0, 1.5], [[0.125] * 8, [0.125] * 8])
     bench = dict(device="NVIDIA H200", commit="def", rows=bench_serving.rows_of(
         "int2", "qwen3-8b", 32768, 9, 2, dict(d, output_throughput=7.2), "20260101-0000"))
-    doc = collect.add_bench_serving(path, bench, "call9")
+    doc = collect.add_call(path, bench, "call9")
     assert doc["rows"][0] == old["rows"][0] and doc["commits"] == {"call1": "abc", "call9": "def"}
     added = doc["rows"][1:]
     assert added and all(r["run"] == "call9" and r["source"] == collect.BENCH_SERVING_SOURCE for r in added)
     path.write_text(json.dumps(doc))
-    assert collect.add_bench_serving(path, bench, "call9")["rows"] == doc["rows"]  # adding twice keeps one copy
+    assert collect.add_call(path, bench, "call9")["rows"] == doc["rows"]  # adding twice keeps one copy
     other = dict(bench, rows=[dict(r, mode="fi_bf16") for r in bench["rows"]])  # the next call's mode, same run
-    both = collect.add_bench_serving(path, other, "call9")["rows"]
+    both = collect.add_call(path, other, "call9")["rows"]
     assert both[:len(doc["rows"])] == doc["rows"] and len(both) == len(doc["rows"]) + len(added)
     with pytest.raises(SystemExit, match="holds NVIDIA H200 rows"):
-        collect.add_bench_serving(path, dict(bench, device="cpu"), "call9")
+        collect.add_call(path, dict(bench, device="cpu"), "call9")
     pytest.importorskip("matplotlib")
     (png,) = collect.plot_capacity(doc["rows"], tmp_path, "NVIDIA H200")
     assert png.name == "serving_capacity_NVIDIA_H200.png" and png.stat().st_size > 1000
+
+
+def test_collect_adds_a_one_batch_call_beside_the_capacity_rows(tmp_path):
+    import json
+
+    old = dict(device="NVIDIA H200", versions={}, commits={"s1": "abc"}, note="n",
+               rows=[dict(mode="int2", model="qwen3-8b", context=32768, batch=130, metric="decode_throughput",
+                          value=2998.0, unit="tok/s", run="s1", source=collect.BENCH_SERVING_SOURCE, output_len=256)])
+    path = tmp_path / "serving_NVIDIA_H200.json"
+    path.write_text(json.dumps(old))
+    one = dict(device="NVIDIA H200", commit="def", rows=[
+        dict(mode=m, model="qwen3-8b", context=c, batch=1, metric="decode_latency", value=v, unit="ms/token")
+        for m, c, v in (("int2", 32768, 6.2), ("fi_bf16", 32768, 7.6), ("int2", 100000, 6.8))])
+    doc = collect.add_call(path, one, "call4", "one_batch_")
+    assert doc["rows"][0] == old["rows"][0] and doc["commits"] == {"s1": "abc", "call4": "def"}
+    added = doc["rows"][1:]
+    assert [(r["mode"], r["context"], r["value"]) for r in added] == [("int2", 32768, 6.2), ("fi_bf16", 32768, 7.6),
+                                                                      ("int2", 100000, 6.8)]
+    assert all(r["run"] == "call4" and r["source"].startswith("one_batch") for r in added)
+    path.write_text(json.dumps(doc))
+    again = collect.add_call(path, dict(one, rows=one["rows"][:1]), "call4", "one_batch_")["rows"]
+    assert again == doc["rows"][:1] + [added[1], added[0]]  # the re-added mode replaces all its rows; fi_bf16 stays
+    with pytest.raises(SystemExit, match="--add takes"):
+        collect.add_call(path, one, "call4", "kernel_table")
+    pytest.importorskip("matplotlib")
+    (png,) = collect.plot(added, tmp_path, "NVIDIA H200")
+    assert png.name == "serving_decode_latency_NVIDIA_H200.png" and png.stat().st_size > 1000
 
 
 def decode_line(running, tokens, rate, stamp="2026-12-03 07:50:00"):

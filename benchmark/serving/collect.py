@@ -4,10 +4,10 @@
     python benchmark/serving/collect.py benchmark/results/serving_h100 --out benchmark/results \
         --plots docs/results
 
---add adds one call's bench_serving.py output (bench_serving_<device>.json, rows with output_len) to the
-device's existing serving_<device>.json under the run name given, replacing that run's rows from the same source,
-so the committed rows of earlier calls stay (--server-logs DIR also reads the servers' logs/<mode>.log for the
-scheduler's own decode rate, where the driver did not record it):
+--add adds one call's output (bench_serving.py's bench_serving_<device>.json, rows with output_len, or one_batch.py's
+one_batch_<device>.json, bs=1 rows) to the device's existing serving_<device>.json under the run name given,
+replacing that run's rows of the same source and modes, so the committed rows of earlier calls stay (--server-logs DIR
+also reads the servers' logs/<mode>.log for the scheduler's own decode rate, where bench_serving.py did not record it):
 
     python benchmark/serving/collect.py --add /path/to/call_out --run call3 --out benchmark/results \
         --plots docs/results
@@ -64,20 +64,24 @@ def rows_of(calls) -> tuple:
     return rows, meta
 
 
-def add_bench_serving(doc_path: Path, bench: dict, run: str) -> dict:
-    """serving_<device>.json (doc_path, if it exists) with a bench_serving.py output's rows added as `run`; rows of
-    the same run, source and mode are replaced (adding a call twice keeps one copy; modes measured in consecutive
-    calls of one machine can share a run)."""
+ADDABLE = ("bench_serving_", "one_batch_")  # the outputs --add takes, by file-name prefix
+
+
+def add_call(doc_path: Path, output: dict, run: str, kind: str = "bench_serving_") -> dict:
+    """serving_<device>.json (doc_path, if it exists) with one call's output (`kind`: a prefix of ADDABLE) added as
+    `run`; rows of the same run, source and mode are replaced (adding a call twice keeps one copy; modes measured
+    in consecutive calls of one machine can share a run)."""
+    if kind not in ADDABLE:
+        raise SystemExit(f"--add takes {' or '.join(k + '<device>.json' for k in ADDABLE)} outputs, not {kind}*")
     doc = json.loads(doc_path.read_text()) if doc_path.exists() else dict(
-        device=bench["device"], versions=bench.get("versions"), commits={}, note="", rows=[])
-    if doc.get("device") != bench["device"]:
-        raise SystemExit(f"{doc_path} holds {doc.get('device')} rows; this output is from {bench['device']}")
-    new, _ = rows_of([(run, {"bench_serving_.json": bench})])  # the rows as the merge path labels them
-    modes = {r["mode"] for r in new}
-    doc["rows"] = [r for r in doc["rows"] if not (r.get("run") == run and r.get("source") == BENCH_SERVING_SOURCE
-                                                  and r["mode"] in modes)]
+        device=output["device"], versions=output.get("versions"), commits={}, note="", rows=[])
+    if doc.get("device") != output["device"]:
+        raise SystemExit(f"{doc_path} holds {doc.get('device')} rows; this output is from {output['device']}")
+    new, _ = rows_of([(run, {f"{kind}.json": output})])  # the rows as the merge path labels them
+    keys = {(r["source"], r["mode"]) for r in new}
+    doc["rows"] = [r for r in doc["rows"] if not (r.get("run") == run and (r.get("source"), r["mode"]) in keys)]
     doc["rows"] += new
-    doc.setdefault("commits", {})[run] = bench.get("commit")
+    doc.setdefault("commits", {})[run] = output.get("commit")
     return doc
 
 
@@ -249,7 +253,7 @@ def main() -> None:
     ap.add_argument("root", type=Path, nargs="?")
     ap.add_argument("--out", type=Path, default=Path("benchmark/results"))
     ap.add_argument("--plots", type=Path, default=None)
-    ap.add_argument("--add", type=Path, default=None, help="a bench_serving.py output folder (or its JSON) to add")
+    ap.add_argument("--add", type=Path, default=None, help="a bench_serving.py or one_batch.py output folder (or its JSON) to add")
     ap.add_argument("--run", default=None, help="with --add: the run name of its rows (e.g. call3)")
     ap.add_argument("--server-logs", type=Path, default=None,
                     help="with --add: the servers' logs (<mode>.log) to read the scheduler's decode rate from")
@@ -257,19 +261,26 @@ def main() -> None:
     if args.add is not None:
         if not args.run:
             raise SystemExit("--add needs --run NAME")
-        files = [args.add] if args.add.is_file() else sorted(args.add.glob("bench_serving_*.json"))
+        files = [args.add] if args.add.is_file() else sorted(
+            p for k in ADDABLE for p in args.add.glob(f"{k}*.json"))
         if len(files) != 1:
-            raise SystemExit(f"--add {args.add}: expected one bench_serving_<device>.json, found {len(files)}")
-        bench = json.loads(files[0].read_text())
+            raise SystemExit(f"--add {args.add}: expected one of {', '.join(k + '<device>.json' for k in ADDABLE)}, "
+                             f"found {len(files)}")
+        kind = next((k for k in ADDABLE if files[0].name.startswith(k)), files[0].name)
+        output = json.loads(files[0].read_text())
         if args.server_logs is not None:
-            bench = add_server_logs(bench, args.server_logs)
-        path = args.out / f"serving_{_tag(bench['device'])}.json"
-        doc = add_bench_serving(path, bench, args.run)
+            if kind != "bench_serving_":
+                raise SystemExit("--server-logs goes with a bench_serving.py output (one_batch.py has no server logs)")
+            output = add_server_logs(output, args.server_logs)
+        path = args.out / f"serving_{_tag(output['device'])}.json"
+        doc = add_call(path, output, args.run, kind)
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print("wrote", path, len(doc["rows"]), "rows")
         if args.plots:
-            for p in plot_capacity(doc["rows"], args.plots, doc["device"]) + plot_scheduler(doc["rows"], args.plots,
-                                                                                          doc["device"]):
+            rows, device = doc["rows"], doc["device"]
+            paths = plot([r for r in rows if r["source"].startswith("one_batch")], args.plots, device) \
+                if kind == "one_batch_" else plot_capacity(rows, args.plots, device) + plot_scheduler(rows, args.plots, device)
+            for p in paths:
                 print("wrote", p)
         return
     if args.root is None:
