@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import time
 from pathlib import Path
 
-from sglang_oscar.eval.compare import merge_niah
+from sglang_oscar.eval.compare import merge_niah, paired_niah
 
 
 def per_sample(files: list[Path]) -> dict:
@@ -33,23 +31,15 @@ def per_sample(files: list[Path]) -> dict:
 
 
 def summarise(cells: dict) -> dict:
-    """{task: {length: {method: dict(n, score, bf16_score, pct_of_bf16, diff_se)}}}; bf16 on the method's own samples;
-    diff_se: the standard error of the paired per-sample difference (method - bf16, points), the cell's spread."""
+    """{task: {length: {method: compare.paired_niah cell}}}: n, score, bf16's score on the method's own samples, %
+    of bf16 and diff_se (the standard error of the paired per-sample difference, the cell's spread)."""
     out: dict = {}
     for (name, L, task), by_i in sorted(cells.items(), key=lambda kv: (kv[0][2], int(kv[0][1]), kv[0][0])):
-        bf = cells.get(("bf16", L, task), {})
-        idx = sorted(by_i)
-        missing = [i for i in idx if i not in bf]
-        if missing:
-            raise SystemExit(f"{name} {task} @ {L}: bf16 did not run samples {missing[:5]}")
-        score = sum(by_i[i] for i in idx) / len(idx)
-        bscore = sum(bf[i] for i in idx) / len(idx)
-        diffs = [by_i[i] - bf[i] for i in idx]
-        se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
-        out.setdefault(task, {}).setdefault(L, {})[name] = dict(
-            n=len(idx), score=round(score, 2), bf16_score=round(bscore, 2),
-            pct_of_bf16=round(100.0 * score / bscore, 1) if bscore > 0 else None,
-            diff_se=None if se is None else round(se, 2))
+        try:
+            cell = paired_niah(by_i, cells.get(("bf16", L, task), {}))
+        except ValueError as e:
+            raise SystemExit(f"{name} {task} @ {L}: {e}") from None
+        out.setdefault(task, {}).setdefault(L, {})[name] = cell
     return out
 
 

@@ -102,7 +102,7 @@ def test_update_adds_niah_cells_to_a_published_report(tmp_path):
     report = dict(settings={}, environment={}, methods=dict(
         bf16=method({"2048": {"niah_single_1": 100.0}, "4096": {"niah_single_1": 96.0}}, 25),
         int2=method({"2048": {"niah_single_1": 70.0}, "4096": {"niah_single_1": 48.0}}, 25)))
-    mv = lambda per: dict(score=sum(per) / len(per), per_sample=per)  # noqa: E731
+    mv = lambda per: dict(score=sum(per) / len(per), per_sample=per, samples=list(range(len(per))))  # noqa: E731
     new = {"bf16": {"4096": {"niah_single_1": mv([100.0] * 3 + [0.0]), "niah_multivalue": mv([100.0, 75.0, 25.0, 0.0])},
                     "8192": {"niah_multivalue": mv([0.0, 0.0])}},
            "int2": {"4096": {"niah_single_1": mv([100.0, 100.0, 0.0, 0.0]), "niah_multivalue": mv([100.0, 0, 0, 0])},
@@ -117,6 +117,9 @@ def test_update_adds_niah_cells_to_a_published_report(tmp_path):
     assert q["niah_pct_of_bf16"]["4096"] == {"niah_single_1": round(100 * 50 / 75, 1), "niah_multivalue": 50.0}
     assert b["niah_all_values"] == {"4096": {"niah_multivalue": 25.0}, "8192": {"niah_multivalue": 0.0}}
     assert q["niah_all_values"]["4096"] == {"niah_multivalue": 25.0}
+    # the paired spread: per-sample differences [0, 0, -100, 0] and [0, -75, -25, 0] against bf16's same samples
+    assert q["niah_diff_se"] == {"4096": {"niah_single_1": 25.0, "niah_multivalue": 17.68}, "8192": {
+        "niah_multivalue": 0.0}} and "niah_diff_se" not in b
     # bf16 solves no 8k multivalue sample: the task is listed as excluded and 8k has no mean
     assert out["settings"]["niah_tasks_excluded_bf16_fails"]["8192"] == ["niah_multivalue"]
     assert "8192" not in q["niah"] and q["niah_pct_of_bf16"]["8192"] == {}
@@ -125,6 +128,10 @@ def test_update_adds_niah_cells_to_a_published_report(tmp_path):
     # an updated report updates again: the all-values share of kept cells survives
     again = compare.update_niah(out, {"bf16": {"2048": {"niah_single_1": mv([100.0])}}}, "again")
     assert again["methods"]["bf16"]["niah_all_values"]["4096"] == {"niah_multivalue": 25.0}
+    assert again["methods"]["int2"]["niah_diff_se"] == q["niah_diff_se"]  # and so do the spreads
+    # a new bf16 cell: the spread measured against the old one is dropped, the others stay
+    rebf = compare.update_niah(json.loads(json.dumps(out)), {"bf16": {"4096": {"niah_single_1": mv([0.0] * 4)}}}, "b")
+    assert rebf["methods"]["int2"]["niah_diff_se"]["4096"] == {"niah_multivalue": 17.68}
     with pytest.raises(SystemExit, match="int2 niah_multikey_1 @ 2048"):  # a new task for bf16 only
         compare.update_niah(json.loads(json.dumps(out)), {"bf16": {"2048": {"niah_multikey_1": mv([100.0])}}}, "x")
     with pytest.raises(SystemExit, match="does not have"):
@@ -209,3 +216,13 @@ def test_unseen_text_is_not_calibration_text_and_ppl_deltas_pair_windows():
            "q": {"ppl": {"4096": dict(mean=5.3, per_window=[4.4, 6.06])}}}
     d = mod.ppl_deltas(ppl)["q"]["4096"]
     assert d["delta_pct_windows"] == [10.0, 1.0] and d["delta_pct"] == 5.5 and d["bf16"] == 5.0
+
+
+def test_paired_niah_spread_and_refusals():
+    c = compare.paired_niah({0: 100.0, 1: 0.0, 2: 100.0}, {0: 100.0, 1: 100.0, 2: 100.0, 3: 0.0})
+    assert (c["n"], c["score"], c["bf16_score"], c["pct_of_bf16"]) == (3, 66.67, 100.0, 66.7)
+    assert c["diff_se"] == round(57.735 / 3 ** 0.5, 2)  # differences [0, -100, 0]
+    assert compare.paired_niah({5: 50.0}, {5: 0.0}) == dict(n=1, score=50.0, bf16_score=0.0, pct_of_bf16=None,
+                                                           diff_se=None)
+    with pytest.raises(ValueError, match=r"bf16 did not run samples \[7\]"):
+        compare.paired_niah({7: 100.0}, {0: 100.0})

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -287,10 +289,29 @@ def read_niah(out_dir: Path) -> dict:
     return merge_niah([json.loads(f.read_text()) for f in sorted(out_dir.glob("niah*.json"))])
 
 
+def paired_niah(mine: dict, bf: dict) -> dict:
+    """A method's NIAH cell against bf16 on the same samples ({sample index: score} each, scores 0-100): n, the
+    method's and bf16's score over the method's samples, % of bf16, and diff_se, the standard error of the paired
+    per-sample difference (method - bf16, points; None with one sample), the cell's spread. Every one of the
+    method's samples must have a bf16 score."""
+    idx = sorted(mine)
+    missing = [i for i in idx if i not in bf]
+    if missing:
+        raise ValueError(f"bf16 did not run samples {missing[:5]}")
+    score = sum(mine[i] for i in idx) / len(idx)
+    bscore = sum(bf[i] for i in idx) / len(idx)
+    diffs = [mine[i] - bf[i] for i in idx]
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+    return dict(n=len(idx), score=round(score, 2), bf16_score=round(bscore, 2),
+                pct_of_bf16=round(100.0 * score / bscore, 1) if bscore > 0 else None,
+                diff_se=None if se is None else round(se, 2))
+
+
 def niah_cells(niah: dict) -> dict:
-    """merge_niah's results as the report keeps them: {name: {length: {task: dict(score, n[, all_values])}}};
-    all_values (multivalue tasks): % of samples that returned every value (per-sample score 100), beside the
-    score (string_match_all: the share of the values returned, averaged)."""
+    """merge_niah's results as the report keeps them: {name: {length: {task: dict(score, n[, all_values]
+    [, diff_se])}}}; all_values (multivalue tasks): % of samples that returned every value (per-sample score 100),
+    beside the score (string_match_all: the share of the values returned, averaged); diff_se (paired_niah): where
+    bf16 ran every one of the method's samples."""
     out: dict = {}
     for name, by_len in niah.items():
         for L, by_task in by_len.items():
@@ -298,13 +319,19 @@ def niah_cells(niah: dict) -> dict:
                 c = dict(score=r["score"], n=len(r["per_sample"]))
                 if "multivalue" in t:
                     c["all_values"] = 100.0 * sum(x >= 100.0 for x in r["per_sample"]) / len(r["per_sample"])
+                bf = niah.get("bf16", {}).get(L, {}).get(t)
+                if name != "bf16" and bf is not None and "samples" in r and "samples" in bf \
+                        and set(r["samples"]) <= set(bf["samples"]):
+                    c["diff_se"] = paired_niah(dict(zip(r["samples"], r["per_sample"])),
+                                               dict(zip(bf["samples"], bf["per_sample"])))["diff_se"]
                 out.setdefault(name, {}).setdefault(L, {})[t] = c
     return out
 
 
 def niah_fields(cells: dict, name: str, scored: dict) -> dict:
     """One method's NIAH fields of the report from niah_cells of every method: the mean over the tasks bf16 solves
-    per length, per task, sample counts, % of bf16, and multivalue's all-values share."""
+    per length, per task, sample counts, % of bf16, multivalue's all-values share, and the paired spread against bf16
+    (niah_diff_se, points) where the cells have it."""
     mine, bfn = cells[name], cells.get("bf16", {})
     out = dict(niah={L: round(sum(v[t]["score"] for t in scored[L]) / len(scored[L]), 2)
                      for L, v in mine.items() if scored.get(L)},
@@ -316,6 +343,10 @@ def niah_fields(cells: dict, name: str, scored: dict) -> dict:
     allv = {L: v for L, v in allv.items() if v}
     if allv:
         out["niah_all_values"] = allv
+    se = {L: {t: r["diff_se"] for t, r in v.items() if r.get("diff_se") is not None} for L, v in mine.items()}
+    se = {L: v for L, v in se.items() if v}
+    if se:
+        out["niah_diff_se"] = se
     return out
 
 
@@ -328,12 +359,17 @@ def update_niah(report: dict, niah: dict, note: str) -> dict:
         for L, by_task in m.get("niah_by_task", {}).items():
             for t, score in by_task.items():
                 c = dict(score=score, n=m["niah_samples"][L][t])
-                if t in m.get("niah_all_values", {}).get(L, {}):
-                    c["all_values"] = m["niah_all_values"][L][t]
+                for field, key in (("niah_all_values", "all_values"), ("niah_diff_se", "diff_se")):
+                    if t in m.get(field, {}).get(L, {}):
+                        c[key] = m[field][L][t]
                 cells.setdefault(name, {}).setdefault(L, {})[t] = c
     unknown = sorted(set(niah) - set(report["methods"]))
     if unknown:
         raise SystemExit(f"NIAH results for methods the report does not have: {unknown}")
+    for L, by_task in niah.get("bf16", {}).items():  # a new bf16 cell: the others' spreads were against the old one
+        for name, by_len in cells.items():
+            for t in by_task:
+                by_len.get(L, {}).get(t, {}).pop("diff_se", None)
     for name, by_len in niah_cells(niah).items():
         for L, by_task in by_len.items():
             cells.setdefault(name, {}).setdefault(L, {}).update(by_task)

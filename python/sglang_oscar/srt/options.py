@@ -21,7 +21,7 @@ Accepted (seed names kept so seed launch scripts work unchanged):
     SGLANG_MIXED_KV_RECENT_TOKENS      BF16 recent window W (default 256)
     SGLANG_ENABLE_MIXED_KV_WINDOWS     must not be off: the windows are part of the format
     SGLANG_MIXED_KV_HP_DTYPE           window dtype: bfloat16 (default), float16, float32
-    SGLANG_MIXED_KV_SCALE_DTYPE        only bfloat16 (what the kernels store)
+    SGLANG_MIXED_KV_SCALE_DTYPE        only float8_e4m3fn (what the kernels store)
 """
 
 from __future__ import annotations
