@@ -107,7 +107,9 @@ def oscar_bytes(b, hq, hkv, d, ctx, k_bits=2):
     return b * (hkv * (hist * per_tok_head + win) + idx) + 2 * b * hq * d * 2
 
 
-def make_oscar(b, hkv, d, ctx, copies, page=1, k_bits=2):
+def make_oscar(b, hkv, d, ctx, copies, page=1, k_bits=2, shuffled=False):
+    """A pool of `copies` batches of b requests of ctx tokens; shuffled: the pool's pages in a random order (a served
+    pool after requests came and went) instead of each request's slots contiguous."""
     tokens = b * ctx
     cache = LayerCache.empty(tokens * copies, hkv, d, k_group=GK, v_group=GV, num_sink_rows=b * SINK * copies,
                              max_reqs=b * copies, window=WINDOW, sink=SINK, device="cuda", page=page, k_bits=k_bits)
@@ -118,8 +120,13 @@ def make_oscar(b, hkv, d, ctx, copies, page=1, k_bits=2):
         p[..., 1].copy_(-torch.rand(p.shape[:-1], device="cuda"))
     for t in (cache.sink_k, cache.sink_v, cache.ring_k, cache.ring_v):
         t.normal_()
-    # every request: contiguous slots (the page order does not change the bytes read)
+    # every request: contiguous slots (the page order does not change the bytes read), or its pages shuffled over
+    # the whole pool
     r2t = torch.arange(tokens * copies, dtype=torch.int32, device="cuda").view(b * copies, ctx)
+    if shuffled:
+        n_pages = -(-tokens * copies // page)
+        perm = torch.randperm(n_pages, generator=torch.Generator().manual_seed(0)).to("cuda", torch.int32)
+        r2t = perm[r2t // page] * page + r2t % page
     cache.sink_table.copy_(-1 * torch.ones_like(cache.sink_table))
     cache.sink_table.view(b * copies, ctx)[:, :SINK] = torch.arange(b * copies * SINK, dtype=torch.int32,
                                                                      device="cuda").view(b * copies, SINK)
@@ -300,10 +307,13 @@ def main():
     ap.add_argument("--impls", default="oscar_cuda_page64,oscar_page64,read_same_bytes,flashinfer_bf16,flashinfer_fp8,"
                     "sglang_triton_bf16", help="oscar: the Triton path on a pool of page 1; oscar_pageN: the same on "
                     "pages of N slots (kernels/records.py); oscar_cuda[_pageN]: the CUDA history stage "
-                    "(kernels/history_cuda.py), what the server runs with SGLANG_OSCAR_HISTORY_KERNEL=cuda and "
-                    "--page-size 64; a _k4 suffix: a layer with INT4 keys (the served format's quarter of the layers); "
+                    "(kernels/history_cuda.py), what the server runs on Hopper (it picks pages of 64 itself); a _k4 suffix: a layer with INT4 keys (the served format's quarter of the layers); "
                     "read_same_bytes / copy_same_traffic: a streaming read of the bytes of one oscar "
                     "call (INT2 keys) / a copy moving them, the ceiling of that size")
+    ap.add_argument("--copies", type=int, default=0, help="buffers each impl rotates over (default: enough to "
+                    "defeat the L2; more spreads the reads over a served-size pool, up to the 24 GiB cap)")
+    ap.add_argument("--page-order", default="contiguous", choices=("contiguous", "shuffled"),
+                    help="oscar impls: each request's slots contiguous, or the pool's pages in a random order")
     ap.add_argument("--group", type=int, default=64, choices=(32, 64, 128),
                     help="K and V group size of the oscar impls (bytes and layout follow)")
     args = ap.parse_args()
@@ -333,13 +343,17 @@ def main():
                             if nbytes > MEM_CAP:
                                 continue
                             copies = n_copies(nbytes)
+                            if args.copies:
+                                copies = max(1, min(args.copies, MEM_CAP // nbytes))
                         if impl.startswith("oscar"):
                             # oscar[_cuda][_pageN][_k4]: the Triton or the CUDA history on a pool in pages of N slots
                             page = int(impl.removesuffix("_k4").rsplit("page", 1)[1]) if "page" in impl else 1
                             kernel = "cuda" if impl.startswith("oscar_cuda") else "triton"
-                            cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies, page=page, k_bits=k_bits)
+                            shuffled = args.page_order == "shuffled"
+                            cache, r2t, seq, rs = make_oscar(b, hkv, d, ctx, copies, page=page, k_bits=k_bits,
+                                                             shuffled=shuffled)
                             ms = bench(oscar_fns(q, cache, r2t, seq, rs, b, copies, d, history_kernel=kernel))
-                            cfg = f"{kernel}:page{page}:k{k_bits}"
+                            cfg = f"{kernel}:page{page}:k{k_bits}" + (":shuffled" if shuffled else "")
                             del cache, r2t
                         elif impl == "read_same_bytes":
                             fns, keep = read_fns(nbytes, copies, _num_sms(q.device))
@@ -377,7 +391,8 @@ def main():
                     torch.cuda.empty_cache()
                     gbps = nbytes / (ms * 1e-3) / 1e9
                     row = dict(impl=impl, model=model, context=ctx, batch=b, head_dim=d, q_heads=hq, kv_heads=hkv,
-                               ms=ms, bytes=nbytes, gbps=gbps, pct_copy_bw=100 * gbps * 1e9 / copy_bw, config=cfg)
+                               ms=ms, bytes=nbytes, gbps=gbps, pct_copy_bw=100 * gbps * 1e9 / copy_bw, config=cfg,
+                               copies=copies)
                     rows.append(row)
                     print(f"{impl:20s} {model:9s} ctx={ctx:6d} b={b:3d}  {ms:8.4f} ms  {gbps:7.0f} GB/s  "
                           f"{row['pct_copy_bw']:5.1f}% copy", flush=True)
