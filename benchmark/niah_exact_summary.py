@@ -26,8 +26,18 @@ def per_sample(files: list[Path]) -> dict:
         niah = merge_niah([json.loads(f.read_text()) for f in files])
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    rules = {r["answer"] for by_len in niah.values() for by_task in by_len.values() for r in by_task.values()}
+    if len(rules) > 1:
+        raise SystemExit(f"the files mix answer rules {sorted(rules)}: summarise the runs of one rule")
     return {(name, L, task): dict(zip(r["samples"], r["per_sample"]))
             for name, by_len in niah.items() for L, by_task in by_len.items() for task, r in by_task.items()}
+
+
+def answer_rule(files: list[Path]) -> str:
+    """The answer rule the files were scored under (per_sample refuses a mix)."""
+    rules = {r.get("answer", "first_line") for f in files for by_len in json.loads(f.read_text()).values()
+             for by_task in by_len.values() for r in by_task.values()}
+    return rules.pop() if len(rules) == 1 else "mixed"
 
 
 def summarise(cells: dict) -> dict:
@@ -79,12 +89,16 @@ def main(argv=None) -> int:
         if not args.note:
             raise SystemExit("--json needs --note: where the runs come from (device, commit, command)")
         report = json.loads(args.json.read_text())
-        report["niah_exact_greedy"] = dict(
+        rule = answer_rule(files)
+        section = "niah_exact_greedy" if rule == "first_line" else f"niah_exact_greedy_{rule}"
+        report[section] = dict(
             scorer="each method's own greedy answer (eval/niah.score_niah: bf16's answer teacher-forced, "
-                   "then the method's greedy decode from its first differing token), string_match_all",
-            date=time.strftime("%Y-%m-%d"), note=args.note, files=[f.name for f in files], cells=summary)
+                   "then the method's greedy decode from its first differing token), string_match_all over "
+                   + ("the answer's first line" if rule == "first_line" else "the whole answer (every line)"),
+            answer_rule=rule, date=time.strftime("%Y-%m-%d"), note=args.note, files=[f.name for f in files],
+            cells=summary)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote section niah_exact_greedy of {args.json}")
+        print(f"wrote section {section} of {args.json}")
     return 0
 
 

@@ -81,6 +81,12 @@ def test_merge_niah_joins_disjoint_sample_ranges_and_rejects_overlap():
     c = {"m": {"2048": {"niah_single_1": dict(score=0.0, per_sample=[0.0], predictions=["x"], first=1)}}}
     with pytest.raises(ValueError, match="overlap"):
         compare.merge_niah([a, c])
+    assert r["answer"] == "first_line"  # files without the field were scored on the first line
+    whole = {"m": {"2048": {"niah_single_1": dict(score=0.0, per_sample=[0.0], predictions=["y"], first=5,
+                                                  answer="whole")}}}
+    with pytest.raises(ValueError, match="different answer rules"):
+        compare.merge_niah([a, whole])
+    assert compare.merge_niah([whole])["m"]["2048"]["niah_single_1"]["answer"] == "whole"
 
 
 def test_niah_score_excludes_tasks_bf16_fails():

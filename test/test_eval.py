@@ -363,17 +363,33 @@ class DigitTokenizer(ByteTokenizer):
         return "".join(f"{i:03d}" for i in ids)  # injective: equal text <=> equal tokens
 
 
-def test_score_niah_scores_each_methods_own_greedy_answer(model):
+class LineDigitTokenizer(DigitTokenizer):
+    """DigitTokenizer whose ids divisible by 83 also start a new line: answers span lines (the tiny model's
+    answers use ids 495 and 249 = 3 x 83: the exact answer stays on one line, the lossy caches' break)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(("\n" if i % 83 == 0 else "") + f"{i:03d}" for i in ids)
+
+
+@pytest.mark.parametrize("answer", ["first_line", "whole"])
+def test_score_niah_scores_each_methods_own_greedy_answer(model, answer):
     """score_niah is run_niah in fewer calls: every method's answer and score equal its own greedy
-    decode's, kept <=> that answer equals bf16's, and a diverged answer is decoded on, not zeroed."""
-    tok = DigitTokenizer()
+    decode's, kept <=> that answer equals bf16's, and a diverged answer is decoded on, not zeroed; under
+    either answer rule (the first line, or every line)."""
+    tok = LineDigitTokenizer()
     samples = make_samples(ByteTokenizer(), "niah_single_1", 400, 6, seed=3)
     lay = layers_for("identity", clip=0.5)
     methods = {"exact": None, "covered": MixedCacheSimulator(lay, sink=64, recent=512),
                "int2": MixedCacheSimulator(lay, sink=4, recent=8),
                "int2_tight": MixedCacheSimulator(lay, sink=0, recent=6)}
-    greedy = run_niah(model, tok, samples, methods, max_new_tokens=6, progress=False)
-    fast = score_niah(model, tok, samples, methods, max_new_tokens=6, progress=False)
+    greedy = run_niah(model, tok, samples, methods, max_new_tokens=6, progress=False, answer=answer)
+    fast = score_niah(model, tok, samples, methods, max_new_tokens=6, progress=False, answer=answer)
+    preds = [p for name in methods for p in fast[name]["predictions"]]
+    assert all(fast[name]["answer"] == greedy[name]["answer"] == answer for name in methods)
+    if answer == "whole":  # some answers run past a line break, and are scored whole
+        assert any("\n" in p.strip("\n") for p in preds)
+    else:
+        assert not any("\n" in p for p in preds)
     for name in methods:
         for i in range(len(samples)):
             same = greedy[name]["predictions"][i] == greedy["exact"]["predictions"][i]
@@ -389,8 +405,12 @@ def test_score_niah_scores_each_methods_own_greedy_answer(model):
     # a sample whose answer the exact model writes scores 100 for every method that keeps it
     fake = NiahSample(prompt_ids=samples[0].prompt_ids, answers=[greedy["exact"]["predictions"][0]],
                       task="niah_single_1", length=400, depth=0.5)
-    r = score_niah(model, tok, [fake], methods, max_new_tokens=6, progress=False)
+    r = score_niah(model, tok, [fake], methods, max_new_tokens=6, progress=False, answer=answer)
     assert r["exact"]["score"] == 100.0 and r["covered"]["score"] == 100.0
+    with pytest.raises(ValueError, match="answer must be one of"):
+        score_niah(model, tok, [fake], methods, max_new_tokens=6, progress=False, answer="last_line")
+    with pytest.raises(ValueError, match="answer must be one of"):
+        run_niah(model, tok, [fake], methods, max_new_tokens=6, progress=False, answer="all")
 
 
 def test_string_match_all():

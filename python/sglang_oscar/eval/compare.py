@@ -30,7 +30,7 @@ import torch
 
 from .. import __version__
 from ..config import CacheLayout, QuantFormat, max_k4_heads
-from .niah import ALL_TASKS, UNSEEN_TASKS, make_samples, score_niah
+from .niah import ALL_TASKS, ANSWER_RULES, UNSEEN_TASKS, make_samples, score_niah
 from .niah import TASKS as NIAH_TASKS
 
 SINK, RECENT = 64, 256
@@ -210,7 +210,8 @@ def stage_niah(model, tok, specs, cfg, out_dir: Path, progress: bool, tag: str =
                 tmp.write_text(json.dumps(res, indent=1, default=_jsonable))
                 tmp.replace(out_dir / f"niah{tag}.json")
 
-            out = score_niah(model, tok, samples, sims, progress=progress, on_sample=save)
+            out = score_niah(model, tok, samples, sims, progress=progress, on_sample=save,
+                             answer=cfg.get("niah_answer", "first_line"))
             print(f"[niah] {task} @ {length}: " + " ".join(f"{n}={out[n]['score']:.0f}" for n in specs)
                   + f" ({time.time() - t:.0f} s)", flush=True)
 
@@ -234,8 +235,9 @@ def merge_niah(parts: list[dict]) -> dict:
     """{name: {length: {task: result}}} from several niah*.json, concatenating sample ranges.
 
     Each result covers samples first..first+n-1 (first absent: 0, files older than the field).
-    Ranges of one (method, length, task) must not overlap; they are joined in index order and the
-    score is recomputed over all of them; `samples` holds each per_sample entry's sample index."""
+    Ranges of one (method, length, task) must not overlap nor differ in answer rule (niah.ANSWER_RULES;
+    absent: first_line); they are joined in index order and the score is recomputed over all of them;
+    `samples` holds each per_sample entry's sample index."""
     runs: dict = {}
     for part in parts:
         for name, by_len in part.items():
@@ -244,6 +246,10 @@ def merge_niah(parts: list[dict]) -> dict:
                     runs.setdefault((name, L, task), []).append(r)
     niah: dict = {}
     for (name, L, task), rs in runs.items():
+        rules = {r.get("answer", "first_line") for r in rs}
+        if len(rules) > 1:
+            raise ValueError(f"NIAH results for {name} {task} @ {L} were scored under different answer rules "
+                             f"{sorted(rules)}; merge files of one rule")
         rs = sorted(rs, key=lambda r: r.get("first", 0))
         for a, b in zip(rs, rs[1:]):
             if a.get("first", 0) + len(a["per_sample"]) > b.get("first", 0):
@@ -255,7 +261,7 @@ def merge_niah(parts: list[dict]) -> dict:
             score=sum(per_sample) / len(per_sample), per_sample=per_sample,
             kept=[x for r in rs for x in r.get("kept", [])],
             predictions=[x for r in rs for x in r.get("predictions", [])], first=rs[0].get("first", 0),
-            samples=[r.get("first", 0) + i for r in rs for i in range(len(r["per_sample"]))])
+            samples=[r.get("first", 0) + i for r in rs for i in range(len(r["per_sample"]))], answer=rules.pop())
     return niah
 
 
@@ -558,6 +564,9 @@ def main(argv=None) -> int:
     ap.add_argument("--niah-per-task", type=int, default=None, help="samples per task and length")
     ap.add_argument("--niah-first", type=int, default=0,
                     help="index of the first NIAH sample (extend an earlier run with disjoint samples)")
+    ap.add_argument("--niah-answer", default="first_line", choices=ANSWER_RULES,
+                    help="what a NIAH answer is scored on: its first line, or the whole answer (RULER's rule: a "
+                         "list of values, one per line, counts)")
     ap.add_argument("--niah-tag", default="", help="suffix of the niah result file (parallel niah processes)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the full table takes minutes on one GPU)")
     ap.add_argument("--quiet", action="store_true")
@@ -579,6 +588,7 @@ def main(argv=None) -> int:
     if args.niah_per_task:
         cfg["niah_per_task"] = args.niah_per_task
     cfg["niah_first"] = args.niah_first
+    cfg["niah_answer"] = args.niah_answer
     if args.ppl_text is not None:
         if not Path(args.ppl_text).is_file():
             raise SystemExit(f"--ppl-text {args.ppl_text}: no such file (a UTF-8 text file to score perplexity on)")

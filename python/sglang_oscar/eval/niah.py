@@ -310,30 +310,45 @@ def _truncate(cache, length: int) -> None:
         raise RuntimeError(f"cache crop to {length} left {cache.get_seq_length()} positions")
 
 
+# What an answer is scored on: "first_line", its first line (the greedy decode stops at a newline), or "whole",
+# every line up to the token budget (RULER's string_match_all over the whole output: an answer written as a list,
+# one value per line, counts).
+ANSWER_RULES = ("first_line", "whole")
+
+
+def _check_rule(answer: str) -> None:
+    if answer not in ANSWER_RULES:
+        raise ValueError(f"answer must be one of {ANSWER_RULES}, got {answer!r}")
+
+
 def _greedy_tokens(model, tokenizer, first: int, cache, max_new_tokens: int, n_answers: int = 1,
-                   prefix: Sequence[int] = ()) -> list[int]:
-    """Greedy continuation from `first` (already chosen), EOS dropped; stops at EOS, a newline, or
-    once n_answers 7-digit numbers are complete (a non-digit follows the last: more tokens cannot
-    change the score). `prefix`: answer tokens already in `cache` before `first` (they count towards
-    max_new_tokens and the stopping rule, and lead the returned answer)."""
+                   prefix: Sequence[int] = (), answer: str = "first_line") -> list[int]:
+    """Greedy continuation from `first` (already chosen), EOS dropped; stops at EOS, a newline (rule first_line),
+    or once n_answers 7-digit numbers are complete (a non-digit follows the last: more tokens cannot change the
+    score). `prefix`: answer tokens already in `cache` before `first` (they count towards max_new_tokens and the
+    stopping rule, and lead the returned answer)."""
     eos = tokenizer.eos_token_id
     eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
     toks = [*prefix, first]
-    while (len(toks) < max_new_tokens and toks[-1] not in eos and "\n" not in (text := tokenizer.decode(toks))
-           and not _answer_done(text, n_answers)):
+    while (len(toks) < max_new_tokens and toks[-1] not in eos
+           and not (answer == "first_line" and "\n" in tokenizer.decode(toks))
+           and not _answer_done(tokenizer.decode(toks), n_answers)):
         nxt, cache = _step(model, toks[-1], cache)
         toks.append(nxt)
     return [t for t in toks if t not in eos]
 
 
-def _answer_text(tokenizer, toks: list[int]) -> str:
-    """What an answer scores on: its first line."""
-    return tokenizer.decode(toks, skip_special_tokens=True).split("\n")[0]
+def _answer_text(tokenizer, toks: list[int], answer: str = "first_line") -> str:
+    """What an answer scores on: its first line, or all of it (ANSWER_RULES)."""
+    text = tokenizer.decode(toks, skip_special_tokens=True)
+    return text.split("\n")[0] if answer == "first_line" else text
 
 
-def _greedy(model, tokenizer, first: int, cache, max_new_tokens: int, n_answers: int = 1) -> str:
-    """The greedy answer's first line (see _greedy_tokens)."""
-    return _answer_text(tokenizer, _greedy_tokens(model, tokenizer, first, cache, max_new_tokens, n_answers))
+def _greedy(model, tokenizer, first: int, cache, max_new_tokens: int, n_answers: int = 1,
+            answer: str = "first_line") -> str:
+    """The greedy answer as it is scored (see _greedy_tokens, _answer_text)."""
+    return _answer_text(tokenizer, _greedy_tokens(model, tokenizer, first, cache, max_new_tokens, n_answers,
+                                                  answer=answer), answer)
 
 
 @contextlib.contextmanager
@@ -352,8 +367,10 @@ def _with_mode(sim: Optional[MixedCacheSimulator], model, mode):
 
 @torch.no_grad()
 def run_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, Optional[MixedCacheSimulator]],
-             max_new_tokens: int = 12, progress: bool = True, prompt_mode: str = "prefill") -> dict:
-    """Greedy NIAH under each method: {name: dict(score, per_sample, predictions)}.
+             max_new_tokens: int = 12, progress: bool = True, prompt_mode: str = "prefill",
+             answer: str = "first_line") -> dict:
+    """Greedy NIAH under each method: {name: dict(score, per_sample, predictions, answer)}; answer: what is scored
+    (ANSWER_RULES).
 
     prompt_mode="prefill" (server semantics, default): the whole prompt is prefilled once with the
     exact model (a one-chunk server prefill reads exact K/V), which also fixes the first answer
@@ -364,10 +381,11 @@ def run_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, Opt
     """
     if prompt_mode not in ("prefill", "decode"):
         raise ValueError(f'prompt_mode must be "prefill" or "decode", got {prompt_mode!r}')
+    _check_rule(answer)
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     dev = next(model.parameters()).device
-    res = {name: dict(score=0.0, per_sample=[], predictions=[]) for name in methods}
+    res = {name: dict(score=0.0, per_sample=[], predictions=[], answer=answer) for name in methods}
     for s in tqdm(samples, desc="niah", disable=not progress):
         ids = torch.tensor([s.prompt_ids], device=dev)
         n_ans = len(s.answers)  # max_new_tokens is per answer
@@ -379,13 +397,14 @@ def run_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, Opt
                 # Every method decodes from the same exact prefill cache; cut it back afterwards
                 # instead of deep-copying it per method (hundreds of MB at 8k).
                 with _with_mode(sim, model, "prefill"):
-                    pred = _greedy(model, tokenizer, first, shared.past_key_values, max_new_tokens * n_ans, n_ans)
+                    pred = _greedy(model, tokenizer, first, shared.past_key_values, max_new_tokens * n_ans, n_ans,
+                                   answer)
                 _truncate(shared.past_key_values, len(s.prompt_ids))
             else:
                 with _with_mode(sim, model, "decode"):
                     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
                     pred = _greedy(model, tokenizer, int(out.logits[0, -1].argmax()), out.past_key_values,
-                                   max_new_tokens * n_ans, n_ans)
+                                   max_new_tokens * n_ans, n_ans, answer)
             res[name]["predictions"].append(pred)
             res[name]["per_sample"].append(string_match_all(pred, s.answers))
     for r in res.values():
@@ -404,7 +423,7 @@ def _last_digit_index(tokenizer, toks: list[int]) -> int:
 
 @torch.no_grad()
 def score_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, Optional[MixedCacheSimulator]],
-               max_new_tokens: int = 12, progress: bool = True, on_sample=None) -> dict:
+               max_new_tokens: int = 12, progress: bool = True, on_sample=None, answer: str = "first_line") -> dict:
     """NIAH under each method: each method's own greedy answer (server semantics), as run_niah, in
     fewer model calls.
 
@@ -418,21 +437,26 @@ def score_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, O
     BF16 window, as in a served decode), and that answer is scored: a method that writes the
     needle's values in another order or after another separator is not counted as a miss.
 
-    Returns {name: dict(score, per_sample, kept, predictions, diverged_at)}; diverged_at is the
+    answer: what is scored (ANSWER_RULES), the first line or the whole answer.
+
+    Returns {name: dict(score, per_sample, kept, predictions, diverged_at, answer)}; diverged_at is the
     answer position of the first differing token (None when kept). on_sample(result so far) runs
     after every sample (a long run cut short keeps the samples it finished)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
+    _check_rule(answer)
     dev = next(model.parameters()).device
-    res = {name: dict(score=0.0, per_sample=[], kept=[], predictions=[], diverged_at=[]) for name in methods}
+    res = {name: dict(score=0.0, per_sample=[], kept=[], predictions=[], diverged_at=[], answer=answer)
+           for name in methods}
     for s in tqdm(samples, desc="niah", disable=not progress):
         n_ans = len(s.answers)  # max_new_tokens is per answer
         ids = torch.tensor([s.prompt_ids], device=dev)
         shared = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         first = int(shared.logits[0, -1].argmax())
-        ref = _greedy_tokens(model, tokenizer, first, shared.past_key_values, max_new_tokens * n_ans, n_ans)
+        ref = _greedy_tokens(model, tokenizer, first, shared.past_key_values, max_new_tokens * n_ans, n_ans,
+                             answer=answer)
         _truncate(shared.past_key_values, len(s.prompt_ids))
-        text = _answer_text(tokenizer, ref)
+        text = _answer_text(tokenizer, ref, answer)
         ref_score = string_match_all(text, s.answers)
         last = _last_digit_index(tokenizer, ref)
         n0 = len(s.prompt_ids)
@@ -455,7 +479,7 @@ def score_niah(model, tokenizer, samples: list[NiahSample], methods: dict[str, O
                         _truncate(shared.past_key_values, n0 + at)
                         own = _answer_text(tokenizer, _greedy_tokens(
                             model, tokenizer, pred[at - 1], shared.past_key_values, max_new_tokens * n_ans, n_ans,
-                            prefix=ref[:at]))
+                            prefix=ref[:at], answer=answer), answer)
                 _truncate(shared.past_key_values, n0)
             r["kept"].append(kept)
             r["diverged_at"].append(at)
