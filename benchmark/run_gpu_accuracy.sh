@@ -11,13 +11,15 @@
 # Calls 2 and 3 must follow while the machine is warm (files outside the checkout stay 30 s).
 # STEPS: what `run` measures, in order (default "8192 4096 ppl 2048"); a step is ppl, LEN, LEN:TASK[+TASK] or
 # LEN:TASK:FIRST:N (e.g. "8192:niah_multivalue:0:25 8192:niah_multivalue:25:25 4096 2048"); STEP_TIMEOUT (600 s)
-# bounds each, and a step cut short returns the samples it finished (its JSON is rewritten after every sample). A call
-# returns at most 8 files: at most 6 NIAH steps per call.
-# `run` checks the GGUF's checksum, then writes niah_*.json, ppl.json and a log under $OUT; the
+# bounds each, and a step cut short returns the samples it finished (its JSON is rewritten after every sample). The
+# NIAH files come back in one niah.tgz (unpack into runs/acc_full). ANSWER: the NIAH answer rule (first_line, the default, or whole:
+# RULER's string_match_all over every line of the answer, eval/niah.ANSWER_RULES); its files are named niah_*_whole.json.
+# `run` checks the GGUF's checksum, then writes niah.tgz, ppl.json and a log under $OUT; the
 # report is built here: copy them into runs/acc_full and run `--stage report` (see accuracy.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 METHODS=${METHODS:-bf16,int2_naive,int2_hadamard_clip,int2_oscar_clip,int4_hadamard,int2_best}
+ANSWER=${ANSWER:-first_line}
 GG=/tmp/oscar-gguf
 case "${1:-}" in
 pack)
@@ -58,13 +60,19 @@ run)
         tag="_$len"
         if [ -n "$tk" ]; then tasks="--niah-tasks ${tk//+/,}"; tag="${tag}_${tk//+/_}"; fi
         if [ -n "$first" ]; then part="--niah-first $first --niah-per-task $n"; tag="${tag}_from$first"; fi
+        if [ "$ANSWER" != first_line ]; then tag="${tag}_$ANSWER"; fi
         timeout "${STEP_TIMEOUT:-600}" python3 -m sglang_oscar.eval.compare --stage niah --device cuda --out-dir runs/acc_full \
-            --methods "$METHODS" --niah-lengths "$len" $tasks $part --niah-tag "$tag" --quiet 2>&1 \
+            --methods "$METHODS" --niah-lengths "$len" $tasks $part --niah-answer "$ANSWER" --niah-tag "$tag" --quiet 2>&1 \
             | grep -v -i "warn\|de-quantizing\|Loading weights" | tee -a "$OUT/run.log" || true
-        cp "runs/acc_full/niah$tag.json" "$OUT/" || true
     }
-    # the longest contexts first, so a run cut short still has them; PPL (4 x 8k windows) before 2k
-    for step in ${STEPS:-8192 4096 ppl 2048}; do step_run "$step"; done
+    # the longest contexts first, so a run cut short still has them; PPL (4 x 8k windows) before 2k. PARALLEL=1 runs the
+    # NIAH steps as concurrent processes (one small model leaves the GPU and the CPU cores mostly idle: 16 steps of
+    # 12-25 samples finish in about 300 s where one process does about 13 multivalue samples).
+    for step in ${STEPS:-8192 4096 ppl 2048}; do
+        if [ "${PARALLEL:-0}" = 1 ] && [ "$step" != ppl ]; then step_run "$step" & else step_run "$step"; fi
+    done
+    wait
+    (cd runs/acc_full && tar czf "$OUT/niah.tgz" niah_*.json) || true
     ;;
 *)
     echo "usage: bash benchmark/run_gpu_accuracy.sh pack | part DIR | run" >&2; exit 2
