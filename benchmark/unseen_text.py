@@ -8,6 +8,7 @@ domain than both the calibration docstrings and the Language Reference the table
     python -m sglang_oscar.eval.compare --stage niah --out-dir runs/unseen --methods bf16,int2_best \
         --niah-lengths 4096 --niah-tasks niah_essay_single,niah_essay_multivalue --niah-per-task 16
     python benchmark/unseen_text.py summary runs/unseen --json benchmark/results/accuracy_unseen_cpu.json --note "..."
+    # runs on another machine (the GPU's NIAH, --niah-answer whole): --python its version, --json ..._NVIDIA_H200.json
 
 `summary` writes the paired PPL change per window (method against bf16 on the same windows) and the NIAH cells scored on
 each method's own greedy answer, bf16 on the method's samples (niah_exact_summary.py).
@@ -64,6 +65,8 @@ def main(argv: list[str]) -> int:
     s.add_argument("dir", type=Path, help="--out-dir of the compare runs (ppl.json, niah*.json)")
     s.add_argument("--json", type=Path, required=True)
     s.add_argument("--note", required=True, help="device, commit, commands")
+    s.add_argument("--python", default=sys.version.split()[0],
+                   help="the Python of the machine that ran (its stdlib is the text and the essay haystack); default: this one")
     args = ap.parse_args(argv)
     if args.cmd == "text":
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +77,7 @@ def main(argv: list[str]) -> int:
     ppl_file, niah_files = args.dir / "ppl.json", sorted(args.dir.glob("niah*.json"))
     if not ppl_file.is_file() and not niah_files:
         raise SystemExit(f"no ppl.json or niah*.json in {args.dir}")
-    doc = dict(date=time.strftime("%Y-%m-%d"), note=args.note, python=sys.version.split()[0])
+    doc = dict(date=time.strftime("%Y-%m-%d"), note=args.note, python=args.python)
     if ppl_file.is_file():
         ppl = json.loads(ppl_file.read_text())
         doc["ppl"] = dict(text=next(iter(ppl.values())).get("text"), modules=list(MODULES), cells=ppl_deltas(ppl))
