@@ -19,9 +19,9 @@ from pathlib import Path
 from sglang_oscar.eval.compare import merge_niah, paired_niah
 
 
-def per_sample(files: list[Path]) -> dict:
-    """{(method, length, task): {sample index: score}} over every file (eval/compare.merge_niah: ranges joined,
-    overlaps refused)."""
+def read_runs(files: list[Path]) -> tuple[dict, str]:
+    """({(method, length, task): {sample index: score}}, the answer rule) over every file, read once
+    (eval/compare.merge_niah: ranges joined, overlaps refused); files of different answer rules are refused."""
     try:
         niah = merge_niah([json.loads(f.read_text()) for f in files])
     except ValueError as e:
@@ -29,15 +29,9 @@ def per_sample(files: list[Path]) -> dict:
     rules = {r["answer"] for by_len in niah.values() for by_task in by_len.values() for r in by_task.values()}
     if len(rules) > 1:
         raise SystemExit(f"the files mix answer rules {sorted(rules)}: summarise the runs of one rule")
-    return {(name, L, task): dict(zip(r["samples"], r["per_sample"]))
-            for name, by_len in niah.items() for L, by_task in by_len.items() for task, r in by_task.items()}
-
-
-def answer_rule(files: list[Path]) -> str:
-    """The answer rule the files were scored under (per_sample refuses a mix)."""
-    rules = {r.get("answer", "first_line") for f in files for by_len in json.loads(f.read_text()).values()
-             for by_task in by_len.values() for r in by_task.values()}
-    return rules.pop() if len(rules) == 1 else "mixed"
+    cells = {(name, L, task): dict(zip(r["samples"], r["per_sample"]))
+             for name, by_len in niah.items() for L, by_task in by_len.items() for task, r in by_task.items()}
+    return cells, rules.pop()
 
 
 def summarise(cells: dict) -> dict:
@@ -81,7 +75,8 @@ def main(argv=None) -> int:
     files = sorted(args.dir.glob("niah*.json"))
     if not files:
         raise SystemExit(f"no niah*.json in {args.dir}")
-    summary = summarise(per_sample(files))
+    cells, rule = read_runs(files)
+    summary = summarise(cells)
     methods = sorted({m for by_len in summary.values() for by_m in by_len.values() for m in by_m},
                      key=lambda m: (m != "bf16", m))
     print(markdown(summary, methods))
@@ -89,7 +84,6 @@ def main(argv=None) -> int:
         if not args.note:
             raise SystemExit("--json needs --note: where the runs come from (device, commit, command)")
         report = json.loads(args.json.read_text())
-        rule = answer_rule(files)
         section = "niah_exact_greedy" if rule == "first_line" else f"niah_exact_greedy_{rule}"
         report[section] = dict(
             scorer="each method's own greedy answer (eval/niah.score_niah: bf16's answer teacher-forced, "

@@ -25,7 +25,7 @@ from sglang_oscar.data import CALIBRATION_MODULES
 from sglang_oscar.eval.compare import ppl_delta_windows
 
 sys.path.insert(0, str(Path(__file__).parent))
-from niah_exact_summary import answer_rule, per_sample, summarise  # noqa: E402
+from niah_exact_summary import read_runs, summarise  # noqa: E402
 
 MODULES = ("configparser", "optparse", "pickletools", "mailbox")
 
@@ -82,8 +82,8 @@ def main(argv: list[str]) -> int:
         ppl = json.loads(ppl_file.read_text())
         doc["ppl"] = dict(text=next(iter(ppl.values())).get("text"), modules=list(MODULES), cells=ppl_deltas(ppl))
     if niah_files:
-        doc["niah"] = dict(files=[f.name for f in niah_files], answer_rule=answer_rule(niah_files),
-                           cells=summarise(per_sample(niah_files)))
+        cells, rule = read_runs(niah_files)
+        doc["niah"] = dict(files=[f.name for f in niah_files], answer_rule=rule, cells=summarise(cells))
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps(doc, indent=1))
     return 0

@@ -182,13 +182,19 @@ def test_niah_exact_summary_pairs_bf16_on_the_methods_own_samples(tmp_path):
                                                       "q": {"4096": cell([50.0], 1)}}))
     (tmp_path / "niah_b.json").write_text(json.dumps({"q": {"4096": cell([100.0], 3)}}))
     files = sorted(tmp_path.glob("niah*.json"))
-    s = summary_mod.summarise(summary_mod.per_sample(files))["niah_multivalue"]["4096"]
+    s = summary_mod.summarise(summary_mod.read_runs(files)[0])["niah_multivalue"]["4096"]
     assert s["q"]["n"] == 2 and s["q"]["score"] == 75.0
     assert s["q"]["bf16_score"] == 25.0 and s["q"]["pct_of_bf16"] == 300.0  # bf16 on samples 1 and 3 only
     assert s["q"]["diff_se"] == 50.0  # diffs 0 and +100: stdev 70.71 / sqrt(2)
     (tmp_path / "niah_c.json").write_text(json.dumps({"q": {"4096": cell([0.0], 1)}}))
     with pytest.raises(SystemExit, match="overlap"):
-        summary_mod.per_sample(sorted(tmp_path.glob("niah*.json")))
+        summary_mod.read_runs(sorted(tmp_path.glob("niah*.json")))
+    (tmp_path / "niah_c.json").write_text(json.dumps({"r": {"4096": {"niah_multivalue": dict(
+        score=0.0, per_sample=[0.0], first=0, answer="whole")}}}))
+    with pytest.raises(SystemExit, match="mix answer rules"):
+        summary_mod.read_runs(sorted(tmp_path.glob("niah*.json")))
+    (tmp_path / "niah_c.json").unlink()
+    assert summary_mod.read_runs(sorted(tmp_path.glob("niah*.json")))[1] == "first_line"  # files without the field
 
 
 def test_bad_niah_task_and_missing_ppl_text_fail_before_the_model_loads(tmp_path, monkeypatch):
