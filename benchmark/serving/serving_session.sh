@@ -29,7 +29,8 @@
 # capacity: bench_serving.py: each mode's server at --mem-fraction-static 0.85 with the most concurrent requests it
 #           fits per workload (WORKLOADS, default 32768:256), SGLang's own serving benchmark; steady decode
 #           throughput, TPOT, TTFT, job throughput. MODES defaults to int2,fi_bf16,fi_fp8; CONCURRENCY (e.g. 8,max)
-#           sweeps; RUN names the rows' run (modes measured in consecutive calls of one machine share it).
+#           sweeps; RUN names the rows' run (modes measured in consecutive calls of one machine share it); FLAGS adds
+#           server flags to every mode (recorded in the output's settings).
 # Startup timeouts are 360 s: on a fresh machine FlashInfer's JIT compile alone took 145 s (FI BF16's
 # prefill CUDA graphs) and > 120 s (int2's first prefill) in call 16's session, and 240 s was cut.
 # Results: $OUT/*.json, one folder per call; benchmark/serving/collect.py merges the calls into
@@ -83,7 +84,7 @@ case "${1:-}" in
   capacity)
     timeout 595 python3 benchmark/serving/bench_serving.py --model $M --workloads "${WORKLOADS:-32768:256}" \
       --modes "${MODES:-int2,fi_bf16,fi_fp8}" --concurrency "${CONCURRENCY:-max}" --run "${RUN:-$(date +%Y%m%d-%H%M)}" \
-      --time-budget "${BUDGET:-550}" --out "$OUT" 2>&1 | filt | tee "$OUT/bench_serving.log"
+      --time-budget "${BUDGET:-550}" --flags="${FLAGS:-}" --out "$OUT" 2>&1 | filt | tee "$OUT/bench_serving.log"
     pack capacity
     ;;
   capacity_bg)
@@ -102,6 +103,7 @@ case "${1:-}" in
     setsid nohup timeout "$(( ${BUDGET:-1500} + 60 ))" python3 benchmark/serving/bench_serving.py --model $M \
       --workloads "${WORKLOADS:-2048:16384}" --modes "${MODES:-int2,fi_bf16}" --concurrency "${CONCURRENCY:-max}" \
       --run "${RUN:-$(date +%Y%m%d-%H%M)}" --time-budget "${BUDGET:-1500}" --profile-steps "${PROFILE_STEPS:-0}" \
+      --flags="${FLAGS:-}" \
       --out "$HOME/bg_out" \
       > "$HOME/bg_out/bench_serving.log" 2>&1 < /dev/null &
     echo "started bench_serving in the background (pid $!): follow it with serving_session.sh wait_bg"
