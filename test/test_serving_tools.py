@@ -152,6 +152,9 @@ def test_collect_adds_a_call_and_keeps_the_others(tmp_path):
         "int2", "qwen3-8b", 32768, 9, 2, dict(d, output_throughput=7.2), "20260101-0000"))
     doc = collect.add_call(path, bench, "call9")
     assert doc["rows"][0] == old["rows"][0] and doc["commits"] == {"call1": "abc", "call9": "def"}
+    assert "server_flags" not in doc  # no extra flags, none recorded
+    flagged = collect.add_call(path, dict(bench, settings=dict(flags="--incremental-streaming-output")), "call8")
+    assert flagged["server_flags"] == {"call8": "--incremental-streaming-output"}
     added = doc["rows"][1:]
     assert added and all(r["run"] == "call9" and r["source"] == collect.BENCH_SERVING_SOURCE for r in added)
     path.write_text(json.dumps(doc))

@@ -70,7 +70,7 @@ ADDABLE = ("bench_serving_", "one_batch_")  # the outputs --add takes, by file-n
 def add_call(doc_path: Path, output: dict, run: str, kind: str = "bench_serving_") -> dict:
     """serving_<device>.json (doc_path, if it exists) with one call's output (`kind`: a prefix of ADDABLE) added as
     `run`; rows of the same run, source and mode are replaced (adding a call twice keeps one copy; modes measured
-    in consecutive calls of one machine can share a run)."""
+    in consecutive calls of one machine can share a run). Extra server flags of the run go to server_flags[run]."""
     if kind not in ADDABLE:
         raise SystemExit(f"--add takes {' or '.join(k + '<device>.json' for k in ADDABLE)} outputs, not {kind}*")
     doc = json.loads(doc_path.read_text()) if doc_path.exists() else dict(
@@ -82,6 +82,9 @@ def add_call(doc_path: Path, output: dict, run: str, kind: str = "bench_serving_
     doc["rows"] = [r for r in doc["rows"] if not (r.get("run") == run and (r.get("source"), r["mode"]) in keys)]
     doc["rows"] += new
     doc.setdefault("commits", {})[run] = output.get("commit")
+    flags = (output.get("settings") or {}).get("flags")
+    if flags:  # server flags every mode of the run had beyond its own (bench_serving.py --flags)
+        doc.setdefault("server_flags", {})[run] = flags
     return doc
 
 

@@ -93,9 +93,9 @@ case "${1:-}" in
     # bring its files back (PROFILE_STEPS=N: also a trace of N decode steps per workload once all requests decode,
     # in logs/traces; benchmark/serving/kernel_table.py summarizes it). SM clock, power and its throttle reasons are
     # logged every 500 ms beside the run (logs/gpu_clocks.csv): at batch >= 8 the H200 decodes at its power cap.
-    # The 2k / 16k job on H200 (run s51-reason): int2 224 s startup + 758 s, FI BF16 112 s startup + ~400 s (its
-    # server's linear step, extrapolated): int2,fi_bf16 needs BUDGET >= 1550 (1260 cut FI BF16). At 32k (run s52-32k):
-    # int2 264 s startup, C = 64 124 s, C = 130 214 s; FI FP8 76-118 s startup + 125 s.
+    # The 2k / 16k job on a fresh H200 with FLAGS=--incremental-streaming-output (run s58-reason): int2 240 s startup
+    # + 498 s, FI BF16 108 s + 387 s (BUDGET=1400 held both). At 32k (run s52-32k): int2 264 s startup, C = 64 124 s,
+    # C = 130 214 s; FI FP8 76-118 s startup + 125 s. Sourcing the runtime takes ~30 s of each call: keep WAIT <= 540.
     rm -rf "$HOME/bg_out"; mkdir -p "$HOME/bg_out/logs"
     setsid nohup timeout "$(( ${BUDGET:-1500} + 60 ))" nvidia-smi --format=csv,nounits -lms 500 \
       --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,clocks_event_reasons.active \
