@@ -153,8 +153,15 @@ def test_collect_adds_a_call_and_keeps_the_others(tmp_path):
     doc = collect.add_call(path, bench, "call9")
     assert doc["rows"][0] == old["rows"][0] and doc["commits"] == {"call1": "abc", "call9": "def"}
     assert "server_flags" not in doc  # no extra flags, none recorded
-    flagged = collect.add_call(path, dict(bench, settings=dict(flags="--incremental-streaming-output")), "call8")
-    assert flagged["server_flags"] == {"call8": "--incremental-streaming-output"}
+    assert "server_flags" not in collect.add_call(path, dict(bench, settings=dict(flags="")), "call9")
+    path.write_text(json.dumps(collect.add_call(path, dict(bench, settings=dict(flags="--x")), "call8")))
+    assert json.loads(path.read_text())["server_flags"] == {"call8": {"int2": "--x"}}
+    fi = dict(bench, rows=[dict(r, mode="fi_bf16") for r in bench["rows"]], settings=dict(flags=""))
+    path.write_text(json.dumps(collect.add_call(path, fi, "call8")))  # another call's mode, no flags: int2's stay
+    assert json.loads(path.read_text())["server_flags"] == {"call8": {"int2": "--x"}}
+    assert "server_flags" not in collect.add_call(path, dict(bench, settings=dict(flags="")), "call8")  # re-added
+    path.write_text(json.dumps(old))
+    doc = collect.add_call(path, bench, "call9")
     added = doc["rows"][1:]
     assert added and all(r["run"] == "call9" and r["source"] == collect.BENCH_SERVING_SOURCE for r in added)
     path.write_text(json.dumps(doc))
@@ -230,6 +237,13 @@ def test_collect_reads_scheduler_rows_from_server_logs(tmp_path):
     rows = out["rows"] + [dict(r, mode="fi_bf16", batch=1, value=r["value"] / 4) for r in out["rows"]]
     (png,) = collect.plot_scheduler(rows, tmp_path, "NVIDIA H200")
     assert png.name == "serving_scheduler_NVIDIA_H200.png" and png.stat().st_size > 1000
+
+
+def test_bin_ratios_pair_the_modes_by_their_1k_bin():
+    # medians of one bin round to different thousands (6503 -> 7000, 6488 -> 6000): pairing must use the bin
+    got = collect.bin_ratios([(2543, 11452.0), (6503, 8737.0), (9100, 10.0)], [(2528, 4106.0), (6488, 2508.0)])
+    assert [a for a, _ in got] == [2543, 6503]
+    assert got[0][1] == pytest.approx(11452 / 4106) and got[1][1] == pytest.approx(8737 / 2508)
 
 
 def test_scheduler_mean_is_the_line_weighted_harmonic_mean():

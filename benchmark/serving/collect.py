@@ -70,7 +70,7 @@ ADDABLE = ("bench_serving_", "one_batch_")  # the outputs --add takes, by file-n
 def add_call(doc_path: Path, output: dict, run: str, kind: str = "bench_serving_") -> dict:
     """serving_<device>.json (doc_path, if it exists) with one call's output (`kind`: a prefix of ADDABLE) added as
     `run`; rows of the same run, source and mode are replaced (adding a call twice keeps one copy; modes measured
-    in consecutive calls of one machine can share a run). Extra server flags of the run go to server_flags[run]."""
+    in consecutive calls of one machine can share a run). Extra server flags go to server_flags[run][mode]."""
     if kind not in ADDABLE:
         raise SystemExit(f"--add takes {' or '.join(k + '<device>.json' for k in ADDABLE)} outputs, not {kind}*")
     doc = json.loads(doc_path.read_text()) if doc_path.exists() else dict(
@@ -82,9 +82,16 @@ def add_call(doc_path: Path, output: dict, run: str, kind: str = "bench_serving_
     doc["rows"] = [r for r in doc["rows"] if not (r.get("run") == run and (r.get("source"), r["mode"]) in keys)]
     doc["rows"] += new
     doc.setdefault("commits", {})[run] = output.get("commit")
-    flags = (output.get("settings") or {}).get("flags")
-    if flags:  # server flags every mode of the run had beyond its own (bench_serving.py --flags)
-        doc.setdefault("server_flags", {})[run] = flags
+    flags = (output.get("settings") or {}).get("flags")  # bench_serving.py --flags: every mode of this call had them
+    run_flags = doc.get("server_flags", {}).get(run, {})
+    run_flags = {m: f for m, f in run_flags.items() if m not in {mode for _, mode in keys}}
+    run_flags.update({mode: flags for _, mode in keys} if flags else {})
+    if run_flags:
+        doc.setdefault("server_flags", {})[run] = dict(sorted(run_flags.items()))
+    elif run in doc.get("server_flags", {}):
+        del doc["server_flags"][run]
+        if not doc["server_flags"]:
+            del doc["server_flags"]
     return doc
 
 
@@ -206,24 +213,32 @@ def plot_capacity(rows, out: Path, device: str) -> list:
     return _workload_panels(thr, "capacity", out, device, draw, (5, 4))
 
 
+def bin_ratios(num: list, den: list) -> list:
+    """[(at_context, ratio)] of two modes' scheduler rates [(at_context, tok/s)] paired by their 1k bin (the bins of
+    scheduler_rows: a bin's median context sits anywhere in it, so two modes' medians of one bin may round apart)."""
+    other = {int(a) // 1000: v for a, v in den}
+    return [(a, v / other[int(a) // 1000]) for a, v in sorted(num) if int(a) // 1000 in other]
+
+
 def plot_scheduler(rows, out: Path, device: str) -> list:
     """serving_scheduler_<device>.png: the servers' own decode rate (scheduler_decode_throughput) against the
     per-request context, one panel per workload, one line per mode and concurrency (the latest run of each), with
     int2's rate over each other mode's where both reached a context."""
 
     def draw(ax, series):
-        by_ctx = {}
+        by_mode = {}
         for mode, (run, rs) in series.items():
             pts = sorted((r["at_context"], r["value"], r["batch"]) for r in rs)
-            by_ctx[mode] = {round(a, -3): v for a, v, _ in pts}
+            by_mode[mode] = [(a, v) for a, v, _ in pts]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3,
                     label=f"{mode} at {pts[0][2]} requests ({run})")
-        modes = sorted(by_ctx, key=lambda m: m != "int2")  # int2's rate over each baseline's
-        for other in modes[1:]:
-            common = sorted(set(by_ctx[modes[0]]) & set(by_ctx[other]))
-            for a in common[:: max(len(common) // 4, 1)]:
-                ax.annotate(f"{by_ctx[modes[0]][a] / by_ctx[other][a]:.2f}x", (a, by_ctx[modes[0]][a]),
-                            textcoords="offset points", xytext=(0, 6), fontsize=7, ha="center")
+        modes = sorted(by_mode, key=lambda m: m != "int2")  # int2's rate over each baseline's
+        for other in (m for m in modes[1:] if series[m][0] == series[modes[0]][0]):  # ratios within one run only
+            paired = bin_ratios(by_mode[modes[0]], by_mode[other])
+            rate = dict(by_mode[modes[0]])
+            for a, ratio in paired[:: max(len(paired) // 4, 1)]:
+                ax.annotate(f"{ratio:.2f}x", (a, rate[a]), textcoords="offset points", xytext=(0, 6), fontsize=7,
+                            ha="center")
         ax.set(xlabel="context per request (tokens)", ylabel="server decode tok/s (scheduler log)")
 
     sch = [r for r in rows if r["metric"] == "scheduler_decode_throughput"]
