@@ -128,6 +128,7 @@ NUM_EXAMPLES=${NUM_EXAMPLES:-}
 REASONING_PARSER=${REASONING_PARSER:-}
 K_CLIP=${K_CLIP:-}                  # empty: the bundle's calibrated per-layer clip ratios
 V_CLIP=${V_CLIP:-}
+ABSORB_V=${ABSORB_V:-}              # 0: V rotated at runtime (models whose weights V absorption does not cover)
 SERVER_TIMEOUT=${SERVER_TIMEOUT:-1800}
 EXTRA_SERVER_ARGS=${EXTRA_SERVER_ARGS:-}
 GPUS=${GPUS:-$(seq -s, 0 $(( TP_SIZE - 1 )))}
@@ -169,6 +170,7 @@ oscar_eval() {
         server+=(--kv-cache-quant-group-size "$GROUP_SIZE")
         if [ -n "$K_CLIP" ]; then env_args+=(SGLANG_OSCAR_K_CLIP_RATIO="$K_CLIP"); fi
         if [ -n "$V_CLIP" ]; then env_args+=(SGLANG_OSCAR_V_CLIP_RATIO="$V_CLIP"); fi
+        if [ -n "$ABSORB_V" ]; then env_args+=(SGLANG_OSCAR_ABSORB_V_ROTATION="$ABSORB_V"); fi
     fi
     if [ -n "$REASONING_PARSER" ]; then server+=(--reasoning-parser "$REASONING_PARSER"); fi
     # shellcheck disable=SC2206  # a user-supplied, space-separated flag list

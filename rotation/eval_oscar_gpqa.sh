@@ -9,7 +9,7 @@
 # baseline), TP_SIZE (1), GPUS (0..TP_SIZE-1), PORT (30000), MEM_FRAC (0.8), MAX_RUNNING (64),
 # CUDA_GRAPH_MAX_BS (32), GROUP_SIZE (128), N_REPEATS (5), MAX_NEW_TOKENS (32768),
 # TEMPERATURE (0.6), TOP_P (0.95), TOP_K (20), NUM_WORKERS (32), NUM_EXAMPLES (all),
-# REASONING_PARSER, K_CLIP/V_CLIP (bundle's), EVAL_DATA (task default), RUN_DIR, RUN_TAG,
+# REASONING_PARSER, K_CLIP/V_CLIP (bundle's), ABSORB_V (0: V rotated at runtime), EVAL_DATA (task default), RUN_DIR, RUN_TAG,
 # EXTRA_SERVER_ARGS, SERVER_TIMEOUT (1800 s), PY (python).
 set -euo pipefail
 : "${MODEL:?set MODEL to a hub id or a model directory}"

@@ -83,6 +83,10 @@ def test_model_specifics():
     lcb8 = next(c for c in _commands(_run(ROT / "Qwen3-8B" / "eval_lcb.sh").stdout) if "eval.bench" in c)
     assert "--max-tokens 32768" in lcb8
     assert "EXPECT_LAYERS=92" in (ROT / "GLM-4.7-FP8" / "model.sh").read_text()
+    # FP8 MoE models: V absorption would refuse their architectures, so V is rotated at runtime; Qwen3 absorbs
+    for model, absorb in (("GLM-4.7-FP8", True), ("MiniMax-M2.7", True), ("Qwen3-8B", False)):
+        server = next(c for c in _commands(_run(ROT / model / "eval_gpqa.sh").stdout) if "launch_server" in c)
+        assert ("SGLANG_OSCAR_ABSORB_V_ROTATION=0" in server) == absorb, model
 
 
 def test_generic_driver_and_errors():

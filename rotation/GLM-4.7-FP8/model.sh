@@ -7,4 +7,7 @@ export TP_SIZE=${TP_SIZE:-8}
 export REASONING_PARSER=${REASONING_PARSER:-glm45}
 export TEMPERATURE=${TEMPERATURE:-1.0}
 export TOP_K=${TOP_K:-40}
+# V absorption folds T_V into bf16 Llama/Qwen2/Qwen3 attention weights only; this FP8 GLM MoE gets V
+# rotated at runtime (slower decode) instead of a refused start.
+export ABSORB_V=${ABSORB_V:-0}
 export EXPECT_LAYERS=92  # checked by `python -m sglang_oscar.zoo verify --model-config` against config.json

@@ -35,8 +35,7 @@ def add_cli_args_after(result, parser):
     if options.GROUP_FLAG not in parser._option_string_actions:
         parser.add_argument(options.GROUP_FLAG, type=int, default=None, dest="kv_cache_quant_group_size",
                             help="int2 KV cache: elements per (scale, min) group, 32/64/128 (default: the "
-                                 "rotation bundle's groups, else 64 at head_dim 64 and 128 above). sglang_oscar "
-                                 "plugin.")
+                                 "rotation bundle's groups, else 64). sglang_oscar plugin.")
     return None
 
 
