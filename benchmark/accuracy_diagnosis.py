@@ -14,7 +14,8 @@ KL(exact || method) and the logit error on quantized keys.
     python benchmark/accuracy_diagnosis.py --device cuda --samples 30 --out $OUT/diagnosis.json
     # K at 3 bits funded by V at 1 (2.5 bits/element), on the served bundle:
     python benchmark/accuracy_diagnosis.py --set bits --bundle served=zoo/<served bundle> --top-heads --out ...
-    # the history rows the prompt's end attends to most kept in BF16 (32 / 64 / 128 per layer and KV head):
+    # the history rows the prompt's end attends to most kept in BF16 (32 / 64 / 128 per layer and KV head), on the
+    # earlier served format and on format v2 (float8 parameters, the bundle's INT4-key heads; served_v2*):
     python benchmark/accuracy_diagnosis.py --set keep --bundle served=zoo/<served bundle> --top-heads --out ...
     # keys quantized per channel over blocks of 64 tokens (KIVI's grouping) instead of per token:
     python benchmark/accuracy_diagnosis.py --set channel --bundle served=zoo/<served bundle> --top-heads --out ...
@@ -501,6 +502,17 @@ def main(argv=None) -> int:
         methods = [Method("bf16", None, "16", {}), Method("int2_best", "served", "2.5", {})]
         methods += [Method(f"int2_best_keep{k}", "served", f"2.5 + {k * 16 / 8192:.3f} (BF16 rows at 8k)",
                            dict(keep=k)) for k in (32, 64, 128)]
+        # the served format v2 (float8 (scale, min), INT4 keys on the bundle's heads), alone and with the kept rows
+        pairs = (bundles["served"].calibration or {}).get("k4_heads") or []
+        k4 = {}
+        for layer, head in pairs:
+            k4.setdefault(int(layer), []).append(int(head))
+        nh = cfgm.num_hidden_layers * cfgm.num_key_value_heads
+        v2_bits = 2.25 + len(pairs) / nh  # (K 2.25 + 2 n / nh + V 2.25) / 2
+        v2 = dict(k_fp8=True, v_fp8=True, k4_heads=k4)
+        methods += [Method("served_v2", "served", f"{v2_bits:.3f} (INT4 keys on {len(pairs)} of {nh} KV heads)", v2)]
+        methods += [Method(f"served_v2_keep{k}", "served", f"{v2_bits:.3f} + {k * 16 / 8192:.3f} (BF16 rows at 8k)",
+                           dict(v2, keep=k)) for k in (32, 64)]
 
     if args.set == "channel":
         # keys grouped along tokens: per channel over blocks of 64 tokens (KIVI), or a per-channel block mean plus the
