@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
+from sglang_oscar.config import CacheLayout, QuantFormat  # noqa: E402
 from sglang_oscar.eval.niah import _greedy_tokens, _truncate, make_samples  # noqa: E402
 from sglang_oscar.eval.simulator import MixedCacheSimulator, quantized_mask  # noqa: E402
 from sglang_oscar.hf_attention import attention_override, causal_attention  # noqa: E402
@@ -503,14 +504,14 @@ def main(argv=None) -> int:
         methods += [Method(f"int2_best_keep{k}", "served", f"2.5 + {k * 16 / 8192:.3f} (BF16 rows at 8k)",
                            dict(keep=k)) for k in (32, 64, 128)]
         # the served format v2 (float8 (scale, min), INT4 keys on the bundle's heads), alone and with the kept rows
-        pairs = (bundles["served"].calibration or {}).get("k4_heads") or []
-        k4 = {}
-        for layer, head in pairs:
-            k4.setdefault(int(layer), []).append(int(head))
-        nh = cfgm.num_hidden_layers * cfgm.num_key_value_heads
-        v2_bits = 2.25 + len(pairs) / nh  # (K 2.25 + 2 n / nh + V 2.25) / 2
+        b = bundles["served"]
+        k4 = {layer: list(b.k4_heads(layer)) for layer in range(L) if b.k4_heads(layer)}
+        nkv = cfgm.num_key_value_heads
+        v2_bits = CacheLayout(k=QuantFormat(2, b.k_group), v=QuantFormat(2, b.v_group),
+                              k4_heads=b.k4_count).bits_per_element(L, nkv)
         v2 = dict(k_fp8=True, v_fp8=True, k4_heads=k4)
-        methods += [Method("served_v2", "served", f"{v2_bits:.3f} (INT4 keys on {len(pairs)} of {nh} KV heads)", v2)]
+        methods += [Method("served_v2", "served", f"{v2_bits:.3f} (INT4 keys on {b.k4_count} of {L * nkv} KV heads)",
+                           v2)]
         methods += [Method(f"served_v2_keep{k}", "served", f"{v2_bits:.3f} + {k * 16 / 8192:.3f} (BF16 rows at 8k)",
                            dict(v2, keep=k)) for k in (32, 64)]
 

@@ -83,15 +83,15 @@ def add_call(doc_path: Path, output: dict, run: str, kind: str = "bench_serving_
     doc["rows"] += new
     doc.setdefault("commits", {})[run] = output.get("commit")
     flags = (output.get("settings") or {}).get("flags")  # bench_serving.py --flags: every mode of this call had them
-    run_flags = doc.get("server_flags", {}).get(run, {})
-    run_flags = {m: f for m, f in run_flags.items() if m not in {mode for _, mode in keys}}
-    run_flags.update({mode: flags for _, mode in keys} if flags else {})
+    modes = {mode for _, mode in keys}
+    every = doc.pop("server_flags", {})
+    run_flags = {m: f for m, f in every.pop(run, {}).items() if m not in modes}
+    if flags:
+        run_flags.update(dict.fromkeys(modes, flags))
     if run_flags:
-        doc.setdefault("server_flags", {})[run] = dict(sorted(run_flags.items()))
-    elif run in doc.get("server_flags", {}):
-        del doc["server_flags"][run]
-        if not doc["server_flags"]:
-            del doc["server_flags"]
+        every[run] = dict(sorted(run_flags.items()))
+    if every:
+        doc["server_flags"] = every
     return doc
 
 
