@@ -584,6 +584,10 @@ def main(argv=None) -> int:
         methods = [m for m in methods if m.name == "bf16" or m.name in args.methods]
     if args.ppl:
         return ppl_impl(args, model, tok, model_id, methods, layers, t0, extra_report)
+    if args.top_heads and not any(m.name == "int2_best" and m.diag for m in methods):
+        raise SystemExit(f"--top-heads ranks heads by int2_best's per-head diagnosis, which --set {args.set} "
+                         f"{'does not record' if not args.methods else 'with these --methods does not run'}: "
+                         "pass --top-heads with no value (the default ranks 3 and 9 heads)")
 
     def sim_of(m: Method, recorder=None, exact_k_heads=()):
         if m.bundle is None:
