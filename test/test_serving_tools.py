@@ -112,8 +112,11 @@ def test_fitting_concurrency_and_workloads():
     assert bench_serving.concurrencies([], 127) == [127]
     assert bench_serving.concurrencies(["max", "8", "127"], 127) == [8, 127]  # sorted, max resolved, no repeats
     assert bench_serving.concurrencies(["200", "max"], 20) == [20, 200]  # 200 > fits: recorded as not fitting
-    assert bench_serving.parse_workloads("32768:256, 2048:16384") == [(32768, 256), (2048, 16384)]
-    for bad in ("32k:256", "100:0", ""):
+    assert bench_serving.parse_workloads("32768:256, 2048:16384") == [(32768, 256, []), (2048, 16384, [])]
+    # a workload's own concurrencies replace --concurrency for it alone
+    assert bench_serving.parse_workloads("100000:256,32768:256@8/22/max") == [(100000, 256, []),
+                                                                             (32768, 256, ["8", "22", "max"])]
+    for bad in ("32k:256", "100:0", "", "32768:256@", "32768:256@8,22", "32768:256@8/all", "32768:256@/8"):
         with pytest.raises(SystemExit):
             bench_serving.parse_workloads(bad)
 

@@ -6,7 +6,7 @@ max_total_num_tokens and max_running_requests (/server_info), and for each workl
 `python -m sglang.benchmark.serving` (what `python -m sglang.bench_serving` runs) with C requests of exactly IN
 random token ids and OUT output tokens, all sent at once (--num-prompts C --max-concurrency C). C is the largest
 concurrency the server holds, min(max_running_requests, tokens // (IN + OUT) in whole pages), unless
---concurrency lists others. From the per-request details (--output-details) it computes
+--concurrency (or the workload's own @C/C.. list) names others. From the per-request details (--output-details) it computes
 
   decode_throughput      output tokens produced while every request decodes (after the last first token, before
                          the first completion), per second of that window: the steady decode rate at batch C
@@ -71,13 +71,15 @@ UNK = "t0"  # WordLevel needs an unknown token; id 0's own word, so every id in 
 # ---- pure parts (test/test_serving_tools.py) -------------------------------------------------------------------
 
 def parse_workloads(text: str) -> list:
-    """"32768:256,2048:16384" -> [(32768, 256), (2048, 16384)]."""
+    """"32768:256@8/max,2048:16384" -> [(32768, 256, ["8", "max"]), (2048, 16384, [])]: IN:OUT, optionally
+    @ with this workload's own concurrencies ('/'-separated; none: --concurrency's)."""
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(\d+):(\d+)", part)
+        m = re.fullmatch(r"(\d+):(\d+)(?:@((?:\d+|max)(?:/(?:\d+|max))*))?", part)
         if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-            raise SystemExit(f"--workloads: {part!r} is not IN:OUT (positive token counts, e.g. 32768:256)")
-        out.append((int(m.group(1)), int(m.group(2))))
+            raise SystemExit(f"--workloads: {part!r} is not IN:OUT or IN:OUT@C/C.. (positive token counts, "
+                             "concurrencies as numbers or 'max', e.g. 32768:256@8/max)")
+        out.append((int(m.group(1)), int(m.group(2)), m.group(3).split("/") if m.group(3) else []))
     if not out:
         raise SystemExit("--workloads is empty")
     return out
@@ -321,10 +323,10 @@ def run_mode(mode: str, args, model: Path, workloads: list, out: Path, deadline:
         res["startup_s"] = round(srv.wait_ready(min(args.startup_timeout, deadline - time.time())), 1)
         res.update(srv.info())
         print(mode, json.dumps({k: v for k, v in res.items() if k not in ("cmd", "workloads")}), flush=True)
-        for in_len, out_len in workloads:
+        for in_len, out_len, own in workloads:
             fits = fitting_concurrency(res["max_running_requests"], res["max_total_num_tokens"], in_len, out_len,
                                        res["page_size"])
-            for c in concurrencies(args.concurrency, fits):
+            for c in concurrencies(own or args.concurrency, fits):
                 w = dict(context=in_len, output_len=out_len, batch=c, fits=fits)
                 res["workloads"].append(w)
                 left = deadline - time.time()
@@ -422,7 +424,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="benchmark/serving/configs/qwen3-8b", help="model directory (config.json)")
     ap.add_argument("--modes", default="int2,fi_bf16,fi_fp8")
-    ap.add_argument("--workloads", default="32768:256", help="IN:OUT token counts, comma-separated")
+    ap.add_argument("--workloads", default="32768:256", help="IN:OUT token counts, comma-separated; IN:OUT@C/C.. "
+                    "gives that workload its own concurrencies (e.g. 100000:256,32768:256@8/22/max)")
     ap.add_argument("--concurrency", default="", help="comma-separated concurrencies, 'max' the largest that fits "
                     "(default: max)")
     ap.add_argument("--mem-fraction", type=float, default=0.85)

@@ -29,7 +29,7 @@
 # capacity: bench_serving.py: each mode's server at --mem-fraction-static 0.85 with the most concurrent requests it
 #           fits per workload (WORKLOADS, default 32768:256), SGLang's own serving benchmark; steady decode
 #           throughput, TPOT, TTFT, job throughput. MODES defaults to int2,fi_bf16,fi_fp8; CONCURRENCY (e.g. 8,max)
-#           sweeps; RUN names the rows' run (modes measured in consecutive calls of one machine share it); FLAGS adds
+#           sweeps (a workload's own IN:OUT@8/22/max replaces it for that workload); RUN names the rows' run (modes measured in consecutive calls of one machine share it); FLAGS adds
 #           server flags to every mode (recorded in the output's settings).
 # Startup timeouts are 360 s: on a fresh machine FlashInfer's JIT compile alone took 145 s (FI BF16's
 # prefill CUDA graphs) and > 120 s (int2's first prefill) in call 16's session, and 240 s was cut.
