@@ -249,6 +249,15 @@ def test_bin_ratios_pair_the_modes_by_their_1k_bin():
     assert got[0][1] == pytest.approx(11452 / 4106) and got[1][1] == pytest.approx(8737 / 2508)
 
 
+def test_scheduler_plot_draws_one_line_per_concurrency():
+    # a run sweeping 8 and 130 requests has rows of both at the same context bins: never one zig-zag line
+    rows = [dict(batch=b, at_context=a, value=v) for b, a, v in
+            [(130, 33500, 3000.0), (8, 32500, 1000.0), (130, 32500, 3100.0), (8, 33500, 990.0)]]
+    assert collect.lines_by_batch(rows) == {8: [(32500, 1000.0), (33500, 990.0)],
+                                            130: [(32500, 3100.0), (33500, 3000.0)]}
+    assert list(collect.lines_by_batch(rows)) == [8, 130]
+
+
 def test_scheduler_mean_is_the_line_weighted_harmonic_mean():
     rows = [dict(metric="scheduler_decode_throughput", value=100.0, lines=1),
             dict(metric="scheduler_decode_throughput", value=50.0, lines=2),

@@ -220,22 +220,28 @@ def bin_ratios(num: list, den: list) -> list:
     return [(a, v / other[int(a) // 1000]) for a, v in sorted(num) if int(a) // 1000 in other]
 
 
+def lines_by_batch(rows: list) -> dict:
+    """{batch: [(at_context, tok/s)] sorted by context} of one mode's scheduler rows, batches in increasing order:
+    one line per concurrency (a run that sweeps concurrencies has rows of several at the same contexts)."""
+    return {b: sorted((r["at_context"], r["value"]) for r in rows if r["batch"] == b)
+            for b in sorted({r["batch"] for r in rows})}
+
+
 def plot_scheduler(rows, out: Path, device: str) -> list:
     """serving_scheduler_<device>.png: the servers' own decode rate (scheduler_decode_throughput) against the
     per-request context, one panel per workload, one line per mode and concurrency (the latest run of each), with
-    int2's rate over each other mode's where both reached a context."""
+    int2's rate at its largest concurrency over each other mode's at its largest, where both reached a context."""
 
     def draw(ax, series):
-        by_mode = {}
+        top = {}  # mode -> [(at_context, tok/s)] at the mode's largest concurrency
         for mode, (run, rs) in series.items():
-            pts = sorted((r["at_context"], r["value"], r["batch"]) for r in rs)
-            by_mode[mode] = [(a, v) for a, v, _ in pts]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3,
-                    label=f"{mode} at {pts[0][2]} requests ({run})")
-        modes = sorted(by_mode, key=lambda m: m != "int2")  # int2's rate over each baseline's
+            for b, pts in lines_by_batch(rs).items():
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, label=f"{mode} at {b} requests ({run})")
+                top[mode] = pts  # batches come in increasing order: the last is the largest
+        modes = sorted(top, key=lambda m: m != "int2")  # int2's rate over each baseline's
         for other in (m for m in modes[1:] if series[m][0] == series[modes[0]][0]):  # ratios within one run only
-            paired = bin_ratios(by_mode[modes[0]], by_mode[other])
-            rate = dict(by_mode[modes[0]])
+            paired = bin_ratios(top[modes[0]], top[other])
+            rate = dict(top[modes[0]])
             for a, ratio in paired[:: max(len(paired) // 4, 1)]:
                 ax.annotate(f"{ratio:.2f}x", (a, rate[a]), textcoords="offset points", xytext=(0, 6), fontsize=7,
                             ha="center")

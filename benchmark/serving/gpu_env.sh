@@ -26,5 +26,6 @@ python3 -c "import rpds" 2>/dev/null || echo "warning: rpds (rpds-py) missing: s
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$OUT/gpu_state.txt"
 # The versions once per machine (importing sglang takes ~15 s; the staged runtime does not change while it is held).
-[ -s "$SITE/versions.txt" ] || python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" > "$SITE/versions.txt"
+[ -s "$SITE/versions.txt" ] || python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" > "$SITE/versions.txt" \
+  || { rm -f "$SITE/versions.txt"; echo "the staged runtime does not import (above)"; return 3 2>/dev/null || exit 3; }
 tee "$OUT/versions.txt" < "$SITE/versions.txt"
