@@ -6,7 +6,8 @@ max_total_num_tokens and max_running_requests (/server_info), and for each workl
 `python -m sglang.benchmark.serving` (what `python -m sglang.bench_serving` runs) with C requests of exactly IN
 random token ids and OUT output tokens, all sent at once (--num-prompts C --max-concurrency C). C is the largest
 concurrency the server holds, min(max_running_requests, tokens // (IN + OUT) in whole pages), unless
---concurrency (or the workload's own @C/C.. list) names others. From the per-request details (--output-details) it computes
+--concurrency (or the workload's own @C/C.. list) names others. From the per-request details (--output-details) it
+computes
 
   decode_throughput      output tokens produced while every request decodes (after the last first token, before
                          the first completion), per second of that window: the steady decode rate at batch C
@@ -70,12 +71,15 @@ UNK = "t0"  # WordLevel needs an unknown token; id 0's own word, so every id in 
 
 # ---- pure parts (test/test_serving_tools.py) -------------------------------------------------------------------
 
+CONCURRENCY = r"\d+|max"  # one concurrency: a request count, or the most that fit
+
+
 def parse_workloads(text: str) -> list:
     """"32768:256@8/max,2048:16384" -> [(32768, 256, ["8", "max"]), (2048, 16384, [])]: IN:OUT, optionally
     @ with this workload's own concurrencies ('/'-separated; none: --concurrency's)."""
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(\d+):(\d+)(?:@((?:\d+|max)(?:/(?:\d+|max))*))?", part)
+        m = re.fullmatch(rf"(\d+):(\d+)(?:@((?:{CONCURRENCY})(?:/(?:{CONCURRENCY}))*))?", part)
         if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
             raise SystemExit(f"--workloads: {part!r} is not IN:OUT or IN:OUT@C/C.. (positive token counts, "
                              "concurrencies as numbers or 'max', e.g. 32768:256@8/max)")
@@ -447,7 +451,7 @@ def main() -> None:
         sys.exit(f"unknown modes {bad}; choose from {list(MODES)}")
     workloads = parse_workloads(args.workloads)
     args.concurrency = [c.strip() for c in args.concurrency.split(",") if c.strip()]
-    bad = [c for c in args.concurrency if c != "max" and not c.isdigit()]
+    bad = [c for c in args.concurrency if not re.fullmatch(CONCURRENCY, c)]
     if bad:
         sys.exit(f"--concurrency: {bad} are not request counts or 'max' (e.g. --concurrency 8,max)")
     src = Path(args.model)

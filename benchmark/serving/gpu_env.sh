@@ -18,10 +18,12 @@ export PYTHONPATH=$SITE:$PWD/python PYTHONUNBUFFERED=1
 export SGLANG_PLUGINS=sglang_oscar
 # Wheels the runtime bundle lacks (rpds-py: the server's jsonschema -> referencing needs it), carried in the
 # git-ignored .whl/ (fetched with pip download --python-version 3.12); installed once per machine.
-if ! python3 -c "import rpds" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+if ! python3 -c "import rpds" 2>/dev/null; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  fi
+  python3 -c "import rpds" 2>/dev/null || echo "warning: rpds (rpds-py) missing: sglang.launch_server will not import; carry .whl/"
 fi
-python3 -c "import rpds" 2>/dev/null || echo "warning: rpds (rpds-py) missing: sglang.launch_server will not import; carry .whl/"
 # NVLink multicast stays off on the shared multi-GPU hosts
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$OUT/gpu_state.txt"

@@ -29,8 +29,9 @@
 # capacity: bench_serving.py: each mode's server at --mem-fraction-static 0.85 with the most concurrent requests it
 #           fits per workload (WORKLOADS, default 32768:256), SGLang's own serving benchmark; steady decode
 #           throughput, TPOT, TTFT, job throughput. MODES defaults to int2,fi_bf16,fi_fp8; CONCURRENCY (e.g. 8,max)
-#           sweeps (a workload's own IN:OUT@8/22/max replaces it for that workload); RUN names the rows' run (modes measured in consecutive calls of one machine share it); FLAGS adds
-#           server flags to every mode (recorded in the output's settings).
+#           sweeps (a workload's own IN:OUT@8/22/max replaces it for that workload); RUN names the rows' run (modes
+#           measured in consecutive calls of one machine share it); FLAGS adds server flags to every mode (recorded in
+#           the output's settings).
 # Startup timeouts are 360 s: on a fresh machine FlashInfer's JIT compile alone took 145 s (FI BF16's
 # prefill CUDA graphs) and > 120 s (int2's first prefill) in call 16's session, and 240 s was cut.
 # Results: $OUT/*.json, one folder per call; benchmark/serving/collect.py merges the calls into
@@ -96,8 +97,8 @@ case "${1:-}" in
     # The 2k / 16k job on a fresh H200 with FLAGS=--incremental-streaming-output (run s58-reason): int2 240 s startup
     # + 498 s, FI BF16 108 s + 387 s (BUDGET=1400 held both). At 32k (run s52-32k): int2 264 s startup, C = 64 124 s,
     # C = 130 214 s; FI FP8 76-118 s startup + 125 s. Run s59-cap (100k at most, then 32k at 8 / 22 / most): int2 294 s
-    # startup + 624 s, FI BF16 146 s + 252 s. Sourcing the runtime took 18-26 s of every call (s59-cap);
-    # gpu_env.sh now reads the versions once per machine (later calls' saving not yet measured): keep WAIT <= 540.
+    # startup + 624 s, FI BF16 146 s + 252 s. Sourcing the runtime takes up to ~26 s of a call
+    # (less once gpu_env.sh has the versions cached on the machine): keep WAIT <= 540.
     rm -rf "$HOME/bg_out"; mkdir -p "$HOME/bg_out/logs"
     setsid nohup timeout "$(( ${BUDGET:-1500} + 60 ))" nvidia-smi --format=csv,nounits -lms 500 \
       --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,clocks_event_reasons.active \
