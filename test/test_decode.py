@@ -3,8 +3,13 @@
 On CPU the kernel runs in the Triton interpreter (TRITON_INTERPRET=1, set before triton is
 imported) with fp32 inputs: ‖o − ref‖/‖ref‖ < 1e-4. On CUDA: bf16 inputs, < 1e-2.
 Caches are random (codes, float8 e4m3 params, window rows; k_bits=4: INT4 keys, a random k_hi
-too); rows decode must NOT read are NaN, and the output is poisoned (NaN) before each call, so a
-wrong row or an unwritten element fails.
+too); rows decode must NOT read are NaN (sink and ring rows of no position, and the float8 (scale,
+min) params, NaN 0x7F, of every slot outside the positions [0, R) of a request, R = max(S, L − W,
+ring_start) capped at L: the INT2 history and the sink positions, which read INT2 where a test drops
+their sink rows), and the output is poisoned (NaN) before each call, so a wrong row, a stray INT2
+read or an unwritten element fails. (The Triton kernels decode params with integer ops, e4m3_pair,
+which read the NaN byte as 480: there a stray INT2 read fails as a gross error, ~10^3-10^4 relative,
+not as NaN; the CUDA history kernel's hardware conversion gives NaN.)
 """
 
 from __future__ import annotations
@@ -18,22 +23,8 @@ if not __import__("torch").cuda.is_available():
 
 import pytest
 import torch
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    # numpy >= 2 refuses int() of a 1-element array, and the interpreter holds its scalars as such
-    # arrays: a runtime loop bound (range(lo, hi) from seq_lens) needs __index__ to take the item.
-    from triton.runtime import interpreter as _interp
-
-    _orig_patch_tensor = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _orig_patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 from sglang_oscar.kernels.decode import default_merge_splits, default_window_splits, e4m3_pair, oscar_decode
 from sglang_oscar.kernels.layout import LayerCache
@@ -85,6 +76,15 @@ def make_case(lens, *, hkv=2, gqa=2, d=64, gk=64, gv=64, sink=8, window=16, ring
         prm[..., 0] = round_param((torch.rand(prm.shape[:-1], generator=g) * 0.6 + 0.05) * shrink)
         prm[..., 1] = round_param(-1.5 * torch.rand(prm.shape[:-1], generator=g) - 0.2)
     nan = float("nan")
+    # INT2 records decode may read: positions [0, min(L, max(S, L - W, ring_start))) of each request (the sink
+    # positions too: read as INT2 where a test drops their sink rows); every other slot's params are NaN (0x7F;
+    # e4m3_pair reads it as 480: a stray read in the Triton kernels is a gross error, in the CUDA one NaN)
+    readable = torch.zeros(num_slots, dtype=torch.bool)
+    for i, L in enumerate(lens):
+        readable[req_to_token[int(req_idx[i]), :min(L, max(sink, L - window, ring_starts[i]))].long()] = True
+    stray = (~readable).nonzero().flatten()
+    cache.set_rows("k_params", stray, nan)
+    cache.set_rows("v_params", stray, nan)
     cache.sink_k.fill_(nan)
     cache.sink_v.fill_(nan)
     cache.ring_k.fill_(nan)
@@ -114,8 +114,7 @@ def make_case(lens, *, hkv=2, gqa=2, d=64, gk=64, gv=64, sink=8, window=16, ring
 
 
 def run_and_check(case, tol=TOL, missing_sink_int2=False, **kw):
-    ref = mixed_decode_reference(**case, k_level_a=kw.get("k_level_a"), v_level_a=kw.get("v_level_a"),
-                                 q_transform=kw.get("q_transform"), missing_sink_int2=missing_sink_int2)
+    ref = mixed_decode_reference(**case, q_transform=kw.get("q_transform"), missing_sink_int2=missing_sink_int2)
     assert torch.isfinite(ref).all()
     out = torch.full_like(case["q"], float("nan"))
     res = oscar_decode(**case, out=out, **kw)
@@ -255,25 +254,20 @@ def test_decode_splits_and_ring_start(num_splits, block_n):
 
 
 def test_default_num_splits_from_shapes_only():
-    from sglang_oscar.kernels.decode import default_num_splits
+    from sglang_oscar.kernels.decode import (MAX_SPLITS, SMALL_BATCH_HEADS, SMALL_BATCH_SPLITS, SPLIT_MIN_ROWS,
+                                             SPLIT_WAVES, _wave_splits, default_num_splits)
 
-    assert default_num_splits(1, 8, 131072, 132) == 64  # batch 1 x 8 KV heads: >= 64 splits
-    assert default_num_splits(1, 8, 131072, 132, small_batch_splits=0) == 50  # 3 programs per SM
-    assert default_num_splits(2, 8, 131072, 132, fill=False) == 25  # 16 heads: 3 programs per SM only
+    assert (SPLIT_WAVES, SMALL_BATCH_HEADS, SMALL_BATCH_SPLITS, SPLIT_MIN_ROWS, MAX_SPLITS) == (3, 8, 64, 256, 128)
+    # batch 1 x 8 KV heads: the small-batch floor of 64 splits over 3 programs per SM (50)
+    assert default_num_splits(1, 8, 131072, 132) == SMALL_BATCH_SPLITS > triton.cdiv(SPLIT_WAVES * 132, 8) == 50
+    assert _wave_splits(2, 8, 131072, 132) == 25  # 16 heads: 3 programs per SM only (above SMALL_BATCH_HEADS)
     # wave fill: 400 programs fill 76% of 528 slots (4 per SM) -> 32 splits (512 programs, 4096 rows each)
     assert default_num_splits(2, 8, 131072, 132) == 32
-    assert default_num_splits(1, 1, 131072, 132) == 128  # 396 wanted, capped at 128
-    assert default_num_splits(1, 8, 131072, 132, waves=8) == 128  # 132 wanted, capped at 128
+    assert default_num_splits(1, 1, 131072, 132) == MAX_SPLITS  # 396 wanted, capped at 128
     assert default_num_splits(64, 8, 131072, 132) == 1
-    assert default_num_splits(1, 8, 1024, 132) == 4  # >= 256 rows per split
-    # round_up=False: as many splits as keep the INT2 programs within `waves` per SM
-    assert default_num_splits(64, 3, 131072, 132, fill=False) == 3  # 576 programs: more than 4 per SM ...
-    assert default_num_splits(64, 3, 131072, 132, waves=4, round_up=False) == 2  # ... 384 <= 528 do not
-    assert default_num_splits(8, 8, 131072, 132, waves=4, round_up=False) == 8
-    assert default_num_splits(64, 16, 131072, 132, waves=4, round_up=False) == 1  # never below 1
-    assert default_num_splits(1, 8, 131072, 132, waves=4, round_up=False) == 66  # small-batch floor 64 too
-    with pytest.raises(ValueError, match="waves must be >= 1"):
-        default_num_splits(1, 8, 1024, 132, waves=0)
+    assert default_num_splits(1, 8, 1024, 132) == 1024 // SPLIT_MIN_ROWS == 4  # >= 256 rows per split
+    assert _wave_splits(64, 3, 131072, 132) == 3  # 576 programs: more than 4 per SM
+    assert default_num_splits(64, 16, 131072, 132) == 1  # never below 1
 
 
 @pytest.mark.parametrize("batch,kv_heads,context,expect", [
@@ -292,11 +286,11 @@ def test_default_num_splits_from_shapes_only():
 ])
 def test_default_num_splits_wave_fill(batch, kv_heads, context, expect):
     """Wave fill (kernels/decode.py FILL_*): the cases of the H100 sweeps in benchmark/NOTES.md."""
-    from sglang_oscar.kernels.decode import _rounds_fill, default_num_splits
+    from sglang_oscar.kernels.decode import _rounds_fill, _wave_splits, default_num_splits
 
     ns = default_num_splits(batch, kv_heads, context, 132)
     assert ns == expect
-    base = default_num_splits(batch, kv_heads, context, 132, fill=False)
+    base = _wave_splits(batch, kv_heads, context, 132)
     if ns != base:  # a change always fills the rounds better and keeps >= FILL_MIN_ROWS rows per split
         assert _rounds_fill(batch * kv_heads * ns, 528) >= 0.95 > _rounds_fill(batch * kv_heads * base, 528)
         assert context // ns >= 4096
@@ -321,12 +315,13 @@ def test_default_num_splits_wave_fill(batch, kv_heads, context, expect):
 def test_default_num_splits_folded_rule(batch, kv_heads, context, expect):
     """The folded kernel's split rule (6 CTAs per SM, FOLD_FILL_MIN_ROWS, FOLD_LONG_SPLIT_ROWS): cases of
     the H100 sweep in benchmark/NOTES.md "Split rule for the folded kernel"."""
-    from sglang_oscar.kernels.decode import FOLD_FILL_MIN_ROWS, FOLD_LONG_SPLIT_ROWS, _rounds_fill, default_num_splits
+    from sglang_oscar.kernels.decode import (FOLD_FILL_MIN_ROWS, FOLD_LONG_SPLIT_ROWS, _rounds_fill, _wave_splits,
+                                             default_num_splits)
 
     rule = dict(ctas_per_sm=6, fill_min_rows=FOLD_FILL_MIN_ROWS, long_split_rows=FOLD_LONG_SPLIT_ROWS)
     ns = default_num_splits(batch, kv_heads, context, 132, **rule)
     assert ns == expect
-    if ns != default_num_splits(batch, kv_heads, context, 132, ctas_per_sm=6, fill=False):
+    if ns != _wave_splits(batch, kv_heads, context, 132):
         assert context // ns >= FOLD_FILL_MIN_ROWS
         assert _rounds_fill(batch * kv_heads * ns, 6 * 132) >= 0.9
 
@@ -376,17 +371,15 @@ def test_decode_folded_launch_uses_the_folded_split_rule(monkeypatch):
 
 
 def test_default_num_splits_wave_fill_bounds():
-    from sglang_oscar.kernels.decode import default_num_splits
+    from sglang_oscar.kernels.decode import SPLIT_MIN_ROWS, _wave_splits, default_num_splits
 
-    # the min_tokens cap and 128 bound the fill too
-    assert default_num_splits(8, 8, 131072, 132, min_tokens=32768) == 4
-    assert default_num_splits(8, 8, 131072, 132, min_tokens=131072 // 7 + 1) == 7  # cap 7: 8 not taken
-    # round_up=False (whole waves) and fill=False are left alone; other slot counts fill other rounds
-    assert default_num_splits(64, 3, 131072, 132, round_up=False) == 2  # 396 // 192, rounds 73% full: kept
-    assert default_num_splits(64, 3, 131072, 132, fill=False) == 3
+    # the SPLIT_MIN_ROWS cap bounds the fill too (fill_min_rows 1: nothing else would stop it)
+    assert default_num_splits(8, 8, 4 * SPLIT_MIN_ROWS, 132, fill_min_rows=1) == 4
+    assert default_num_splits(8, 8, 7 * SPLIT_MIN_ROWS, 132, fill_min_rows=1) == 7  # cap 7: 8 not taken
+    assert default_num_splits(8, 8, 8 * SPLIT_MIN_ROWS, 132, fill_min_rows=1) == 8  # 448 programs (85%) -> 512
+    # other slot counts fill other rounds
+    assert _wave_splits(64, 3, 131072, 132) == 3
     assert default_num_splits(64, 3, 131072, 132, ctas_per_sm=2) == 4  # 768 programs = 2.9 rounds of 264
-    assert default_num_splits(8, 8, 131072, 132, waves=1) == 8  # 3 splits fill 36% of the round: raised
-    assert default_num_splits(8, 8, 131072, 132, waves=1, fill=False) == 3
 
 
 def test_decode_with_a_wave_filled_split_count(monkeypatch):
@@ -403,7 +396,7 @@ def test_decode_with_a_wave_filled_split_count(monkeypatch):
     case["req_to_token"] = torch.cat([r2t, torch.zeros(r2t.shape[0], 32768 - r2t.shape[1], dtype=r2t.dtype,
                                                         device=r2t.device)], 1)
     run_and_check(case, block_n=16)
-    assert seen == [8] and orig(8, 8, 32768, 132, fill=False) == 7
+    assert seen == [8] and dec._wave_splits(8, 8, 32768, 132) == 7
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -432,14 +425,28 @@ def test_decode_default_windows_long():
     run_and_check(case)
 
 
+@pytest.mark.parametrize("hkv,window,lens,ring_starts,block_n", [
+    (2, 16, [1, 15, 16, 17, 77, 300], [0, 0, 0, 0, 0, 290], 16),  # L < W, L = W, W + 1, L >> W, a radix-hit ring
+    (1, 256, [1, 255, 256, 257, 701], [0, 0, 0, 0, 500], 32),  # the served window (folded tiles)
+])
+def test_decode_sink_0(hkv, window, lens, ring_starts, block_n):
+    """Sink size 0 (srt/options.py accepts SGLANG_MIXED_KV_PREFIX_TOKENS=0): no sink row is read (the pool's rows are
+    NaN and the sink table all -1), positions [0, max(L − W, ring_start)) are INT2, the rest ring rows; the merge's
+    one sink program, empty, must add nothing."""
+    case = make_case(lens, hkv=hkv, gqa=3, d=64, gk=32, gv=64, sink=0, window=window, ring_starts=ring_starts,
+                     seed=window + hkv)
+    assert (case["cache"].sink_table == -1).all() and case["cache"].sink_k.isnan().all()
+    run_and_check(case, num_splits=3, block_n=block_n)
+
+
 def test_decode_large_batch_short_contexts():
     lens = [int(x) for x in torch.randint(1, 40, (64,), generator=torch.Generator().manual_seed(3))]
     run_and_check(make_case(lens, hkv=1, gqa=2, d=64, seed=3), num_splits=2)
 
 
-# Subnormal codes (uniform levels: E_p = code·2^(2p−24) in the INT2 loop; the offset form 1 + level/4 is covered by the
-# codebook tests). Shapes where one K group spans 2 or 4 planes (q pre-scaled by 4^(p_g − p), down to 1/64), groups
-# smaller than a plane (D 256: two byte chunks per plane), K and V with different groups, GQA 1-8.
+# Subnormal codes (E_p = code·2^(2p−24) in the INT2 loop). Shapes where one K group spans 2 or 4 planes (q pre-scaled
+# by 4^(p_g − p), down to 1/64), groups smaller than a plane (D 256: two byte chunks per plane), K and V with different
+# groups, GQA 1-8.
 @pytest.mark.parametrize("d,gk,gv,gqa", [
     (64, 64, 32, 3),
     (128, 128, 64, 4),
@@ -487,9 +494,7 @@ def test_decode_folded_tiles(d, gk, gv, gqa):
     run_and_check(case, num_splits=3, block_n=32)
 
 
-def test_decode_folded_tiles_codebook_and_ramp():
-    case = make_case([50, 19], gqa=2, d=64, gk=32, gv=64, seed=11)
-    run_and_check(case, k_level_a=0.8, v_level_a=1.2, block_n=32)  # the offset form of the codes, folded
+def test_decode_folded_tiles_ramp():
     case = make_case([700, 300, 37], hkv=2, gqa=3, d=64, gk=32, gv=64, seed=17)
     _ramp_history_scores(case, slow=0.1, steep=1.0, knee=[150, 10 ** 6, 10 ** 6])
     run_and_check(case, num_splits=3, block_n=32)
@@ -515,18 +520,6 @@ def test_decode_folded_default_rule(monkeypatch):
         case = make_case([300], hkv=1, gqa=gqa, d=d, seed=d + gqa)
         run_and_check(case, num_splits=2)
         assert seen[-1] == want, (d, gqa, seen[-1])
-
-
-def test_decode_codebook():
-    case = make_case([50, 19], gqa=2, d=64, gk=32, gv=64, seed=11)
-    run_and_check(case, k_level_a=0.8, v_level_a=1.2)
-
-
-@pytest.mark.parametrize("side", ["k", "v"])
-def test_decode_codebook_one_side(side):
-    """A codebook on K or V only: both sides then use the offset form (subnormal codes need uniform levels)."""
-    case = make_case([50, 19], gqa=2, d=64, gk=32, gv=64, seed=12)
-    run_and_check(case, **{f"{side}_level_a": 0.7})
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -574,8 +567,7 @@ def drop_sink_rows(case, drops):
     return case
 
 
-@pytest.mark.parametrize("codebook", [False, True])
-def test_decode_missing_sink_rows_read_int2(codebook):
+def test_decode_missing_sink_rows_read_int2():
     """Sink positions whose slot has no sink row read the slot's INT2 form (never sink row -1)."""
     S = 8
     lens = [30, 5, 40, 9]
@@ -584,10 +576,9 @@ def test_decode_missing_sink_rows_read_int2(codebook):
              *((2, p) for p in range(S)),  # the pool's sink rows were exhausted for this request
              (3, 4)}
     case = drop_sink_rows(make_case(lens, hkv=2, gqa=3, d=64, gk=32, gv=64, sink=S, window=16, seed=41), drops)
-    kw = dict(k_level_a=0.8, v_level_a=1.2) if codebook else {}
     with pytest.raises(ValueError, match="no sink row"):
         mixed_decode_reference(**case)  # the strict oracle refuses such a cache
-    run_and_check(case, missing_sink_int2=True, num_splits=2, **kw)
+    run_and_check(case, missing_sink_int2=True, num_splits=2)
 
 
 def test_decode_missing_sink_rows_large_gqa_window_edge():
@@ -689,16 +680,15 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("codebook", [False, True])
 @pytest.mark.parametrize("gqa,d,gk,gv", [(4, 128, 64, 64), (3, 64, 64, 64), (8, 256, 64, 64), (12, 128, 64, 64),
                                           (16, 128, 64, 64), (4, 128, 128, 128), (4, 128, 32, 64),
                                           (8, 256, 32, 64)])  # D 256, G 32: two byte chunks per plane
-def test_gpu_bf16_long(gqa, d, gk, gv, codebook):
-    # uniform levels: the fp16 subnormal codes go through the tensor cores (a flush to zero would lose every code and
-    # miss the tolerance by far); codebook: the offset form 1 + level/4
+def test_gpu_bf16_long(gqa, d, gk, gv):
+    # the fp16 subnormal codes go through the tensor cores (a flush to zero would lose every code and miss the
+    # tolerance by far)
     case = make_case([4000, 1333, 70, 9000], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, sink=64, window=256,
                      ring_starts=[0, 1200, 0, 8900], seed=gqa + gk)
-    run_and_check(case, tol=1e-2, **(dict(k_level_a=0.8, v_level_a=1.2) if codebook else {}))
+    run_and_check(case, tol=1e-2)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -739,11 +729,12 @@ def test_gpu_cuda_graph_capture():
 
 
 @pytest.mark.parametrize("pool_page,d,gqa,block_n", [(4, 64, 2, 32), (16, 128, 4, 32), (64, 64, 3, 16),
-                                                     (16, 128, 8, 32)])
+                                                     (16, 128, 8, 32), (128, 64, 2, 32), (256, 128, 3, 16)])
 def test_decode_paged_pool(pool_page, d, gqa, block_n):
     """Pools in pages (kernels/records.py): the history, the folded (block_n 32 at NP 4) and unfolded loops and the
     merge's sink positions read as INT2 all find a slot's record at ((s // P) * Hkv + h) * P + s % P. Slots are
-    assigned in pages of 16 in random order, so requests cross pool pages mid-page."""
+    assigned in pages of 16 in random order, so requests cross pool pages mid-page (pages of 128 and 256, which the
+    server takes too: a pool of 6 / 3 such pages)."""
     case = make_case([150, 33, 97], hkv=2, gqa=gqa, d=d, sink=8, window=16, ring_starts=[0, 0, 40],
                      pool_page=pool_page, seed=pool_page)
     assert case["cache"].k_codes.shape == (case["cache"].num_slots // pool_page, 2, pool_page, d // 4)
@@ -820,26 +811,11 @@ def test_decode_int4_keys(d, gk, gv, gqa, block_n, pool_page, hkv, k4_heads):
     run_and_check(case, missing_sink_int2=True, num_splits=2, block_n=block_n, merge_splits=2)
 
 
-@pytest.mark.parametrize("block_n", [16, 32])  # unfolded, folded
-def test_decode_int4_keys_value_codebook(block_n):
-    """INT4 keys beside a V codebook: the K side in subnormal codes, the V side in the offset form 1 + level/4."""
-    case = make_case([50, 19, 200], hkv=3, gqa=2, d=64, gk=32, gv=64, seed=19, k_bits=4, k4_heads=(0, 2))
-    run_and_check(case, v_level_a=1.2, num_splits=2, block_n=block_n)
-    case = drop_sink_rows(case, {(0, 1), (1, 5), (2, 0)})
-    run_and_check(case, missing_sink_int2=True, v_level_a=1.2, num_splits=2, block_n=block_n)
-
-
 @pytest.mark.parametrize("block_n", [16, 32])
 def test_decode_int4_keys_rescale_ramp(block_n):
     case = make_case([700, 300, 37], hkv=2, gqa=3, d=64, gk=32, gv=64, seed=23, k_bits=4, k4_heads=(1,))
     _ramp_history_scores(case, slow=0.1, steep=1.0, knee=[150, 10 ** 6, 10 ** 6])
     run_and_check(case, num_splits=3, block_n=block_n)
-
-
-def test_decode_int4_keys_refuse_a_key_codebook():
-    case = make_case([40], gqa=2, k_bits=4)
-    with pytest.raises(ValueError, match="INT4-key heads .* pass k_level_a=None"):
-        oscar_decode(**case, k_level_a=0.8)
 
 
 def test_decode_refuses_bf16_params():
@@ -850,21 +826,19 @@ def test_decode_refuses_bf16_params():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("v_codebook", [False, True])
 @pytest.mark.parametrize("gqa,d,gk,gv,pool_page,k4_heads", [
     (4, 128, 64, 64, 64, None), (4, 128, 64, 64, 64, (1,)), (3, 64, 64, 64, 1, (0,)), (8, 256, 64, 64, 64, None),
     (12, 128, 64, 64, 64, None), (2, 256, 32, 64, 1, (1,)), (1, 128, 128, 128, 64, None), (16, 64, 32, 64, 64, None),
     (2, 128, 32, 64, 1, None)])
-def test_gpu_int4_keys_long(gqa, d, gk, gv, pool_page, k4_heads, v_codebook):
+def test_gpu_int4_keys_long(gqa, d, gk, gv, pool_page, k4_heads):
     """INT4-key heads on the GPU's fast path: the inline-PTX INT4 subnormal codes (a wrong lane or bit would be far
     off) in folded and unfolded tiles, all heads INT4 or one of the two, and the merge's INT4 sink positions."""
     case = make_case([4000, 1333, 70, 9000], hkv=2, gqa=gqa, d=d, gk=gk, gv=gv, sink=64, window=256,
                      ring_starts=[0, 1200, 0, 8900], pool_page=pool_page, seed=gqa + gk + d, k_bits=4,
                      k4_heads=k4_heads)
-    kw = dict(v_level_a=1.2) if v_codebook else {}
-    run_and_check(case, tol=1e-2, **kw)
+    run_and_check(case, tol=1e-2)
     case = drop_sink_rows(case, {(0, 3), (2, 0), (2, 63)})
-    run_and_check(case, tol=1e-2, missing_sink_int2=True, **kw)
+    run_and_check(case, tol=1e-2, missing_sink_int2=True)
 
 
 # ---- the CUDA history stage (kernels/history_cuda.py) -------------------------------------------
@@ -878,7 +852,7 @@ def test_cuda_history_rejects_what_it_does_not_cover():
     assert os.path.exists(history_cuda.SOURCE)  # shipped as package data (pyproject.toml)
     case = make_case([40, 30], hkv=2, gqa=2, d=256, gk=64, gv=64, device="cpu")
     with pytest.raises(ValueError, match="the CUDA history stage covers head_dim 128 with K/V groups 64 or 128; "
-                                         "head_dim 64 with K/V groups 32 or 64, GQA 1-16, uniform levels; this is "
+                                         "head_dim 64 with K/V groups 32 or 64, GQA 1-16; this is "
                                          "head_dim 256"):
         oscar_decode(**case, history_kernel="cuda")
     for gk, gv in ((32, 64), (64, 32), (32, 32), (64, 64)):  # D 64 (SmolLM2): covered, its window read by Triton
@@ -886,13 +860,13 @@ def test_cuda_history_rejects_what_it_does_not_cover():
         with pytest.raises(ValueError, match="needs CUDA tensors"):  # not the BF16-window refusal of D 128
             oscar_decode(**case, history_kernel="cuda", ring_splits=2)  # nor the window programs' counts
     with pytest.raises(ValueError, match="this is head_dim 64, GQA 3, groups 16/64"):
-        history_cuda.check_supported(64, 3, 16, 64, False, "cpu")
+        history_cuda.check_supported(64, 3, 16, 64, "cpu")
     case = make_case([40, 30], hkv=2, gqa=4, d=128, gk=64, gv=32, device="cpu")
     with pytest.raises(ValueError, match="this is head_dim 128, GQA 4, groups 64/32"):
         oscar_decode(**case, history_kernel="cuda")
     for gqa in (17, 20):  # above head groups of 8 x 2 (GLM-4.7's 12 is covered: 8 + 4); oscar_decode refuses
         with pytest.raises(ValueError, match=f"this is head_dim 128, GQA {gqa}"):  # these before, for both
-            history_cuda.check_supported(128, gqa, 64, 64, False, "cpu")
+            history_cuda.check_supported(128, gqa, 64, 64, "cpu")
     case = make_case([40, 30], hkv=1, gqa=12, d=128, device="cpu", dtype=torch.bfloat16)  # GLM-4.7 TP8: covered
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         oscar_decode(**case, history_kernel="cuda")
@@ -1242,6 +1216,7 @@ def test_cuda_window_ctas_cover_the_window():
     (64, 256, [3, 64, 65, 319, 320, 321, 5000], [0, 0, 0, 0, 0, 300, 4990]),  # L < S, L = S, window edges, ring_start
     (5, 40, [1, 5, 6, 44, 45, 46, 2001], [0, 0, 0, 0, 0, 40, 1999]),  # sink and window not multiples of 16
     (64, 1000, [100, 1063, 1064, 1065, 9000], [0, 0, 0, 1060, 0]),  # 8 ring CTAs
+    (0, 256, [1, 255, 256, 257, 3001], [0, 0, 0, 0, 2990]),  # sink 0: one empty sink CTA
 ])
 def test_cuda_window_ctas_match_the_oracle(sink, window, lens, ring_starts, monkeypatch):
     """The sink and ring rows read by the CUDA kernel's own window CTAs (after the history CTAs in the grid): lengths
@@ -1342,6 +1317,7 @@ def test_cuda_window_ctas_gqa_and_batch_64():
 
 
 @requires_cuda
+@pytest.mark.parametrize("sink", [64, 0])  # 0: accepted by the server options (no sink rows)
 @pytest.mark.parametrize("pool_page", [1, 64])
 @pytest.mark.parametrize("lens,ring_starts", [
     ([5001], [0]),  # batch 1, odd length
@@ -1351,9 +1327,9 @@ def test_cuda_window_ctas_gqa_and_batch_64():
     ([2500, 600, 1201, 1200, 4000], [2500, 610, 946, 1104, 3000]),
     ([400 + 613 * i for i in range(64)], None),  # batch 64
 ])
-def test_cuda_history_matches_the_oracle(pool_page, lens, ring_starts):
-    case = make_case(lens, hkv=2, gqa=4, d=128, gk=64, gv=64, sink=64, window=256, ring_starts=ring_starts,
-                     pool_page=pool_page, seed=len(lens) + pool_page)
+def test_cuda_history_matches_the_oracle(pool_page, lens, ring_starts, sink):
+    case = make_case(lens, hkv=2, gqa=4, d=128, gk=64, gv=64, sink=sink, window=256, ring_starts=ring_starts,
+                     pool_page=pool_page, seed=len(lens) + pool_page + (0 if sink else 7))
     run_and_check(case, history_kernel="cuda")
     # sink positions without a sink row still go through the merge's INT2 path
     r0 = case["req_pool_indices"][0]

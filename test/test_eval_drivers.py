@@ -22,6 +22,7 @@ from sglang_oscar.eval.tasks.gpqa import extract_letter
 from sglang_oscar.eval.tasks.humaneval import build_program
 from sglang_oscar.eval.tasks.livecodebench import decode_tests
 from sglang_oscar.eval.tasks.math500 import equivalent, normalize
+from tiny_model import patch_bench_tokenizer
 
 
 # ------------------------------------------------------------------------------------ extraction
@@ -314,9 +315,10 @@ def test_code_end_to_end(server, tmp_path):
     assert rc == 0 and doc["summary"]["n"] == 2 and doc["summary"]["mean"] == 100.0
 
 
-def test_ruler_end_to_end(server, tmp_path, capsys):
+def test_ruler_end_to_end(server, tmp_path, capsys, monkeypatch):
+    patch_bench_tokenizer(monkeypatch)
     srv, url = server
-    rc, doc = _bench(["ruler", "--base-url", url, "--model", "m", "--tokenizer", "bytes", "--lengths", "400", "700",
+    rc, doc = _bench(["ruler", "--base-url", url, "--model", "m", "--tokenizer", "tiny", "--lengths", "400", "700",
                       "--samples", "2"], tmp_path, "ruler")
     s = doc["summary"]
     assert rc == 0 and s["mean"] == 100.0 and s["n"] == 8 and s["repeats"] == 1

@@ -3,7 +3,7 @@
 Oracle: quant/attention.py:ragged_causal_reference, float64 with an explicit bottom-right causal mask, one request at a time. CPU
 checks the torch SDPA path (the CI one); the GPU test checks FlashInfer's ragged prefill (the CUDA
 default) against the same oracle in bf16, with a poisoned output buffer, prefixes that are empty,
-short and long, odd lengths, GQA 1/4/8, batch 1 and 24."""
+short and long, odd lengths, GQA 1/3/4/8, head dims 64/128/256, batch 1, 16 and 24."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ CASES = [  # (q_lens, prefixes, q heads, kv heads, head dim)
     ([37], [0], 8, 2, 64),  # plain causal, GQA 4
     ([5, 1, 33], [0, 70, 130], 8, 1, 64),  # GQA 8, decode-like row, prefixes
     ([17, 64, 3], [300, 0, 1], 6, 2, 128),  # GQA 3 (SmolLM2's ratio), D 128
+    # batch 16 of odd lengths, prefixes empty, short and long, GQA 3
+    ([1, 3, 7, 9, 13, 15, 17, 21, 25, 27, 31, 33, 37, 41, 45, 63],
+     [0, 5, 0, 11, 1, 63, 0, 129, 7, 0, 33, 255, 3, 0, 17, 99], 9, 3, 64),
+    ([9, 1, 23], [0, 41, 7], 8, 2, 256),  # D 256 (SUPPORTED_HEAD_DIMS), GQA 4
 ]
 
 
@@ -104,8 +108,11 @@ def test_flashinfer_matches_the_oracle_gpu(q_lens, prefixes, hq, h, d):
     # bf16 inputs/outputs, fp32 accumulation: relative error of a few bf16 ulps (2^-8 = 3.9e-3)
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < 8e-3, err
-    # and the torch SDPA path on the same inputs agrees as well (the option users may pick)
+    # and the torch SDPA path on the same inputs agrees as well (the option users may pick), into a poisoned out
     sd = ExtendAttention("sdpa", "cuda")
     sd.plan(q_lens, kv_lens, hq, h, d, torch.bfloat16, scale)
-    err_sdpa = ((sd.run(q, k, v).double().cpu() - ref).norm() / ref.norm()).item()
+    out_sdpa = torch.full((q.shape[0], hq, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got_sdpa = sd.run(q, k, v, out=out_sdpa)
+    assert got_sdpa.data_ptr() == out_sdpa.data_ptr() and torch.isfinite(out_sdpa).all()
+    err_sdpa = ((out_sdpa.double().cpu() - ref).norm() / ref.norm()).item()
     assert err_sdpa < 8e-3, err_sdpa

@@ -9,14 +9,15 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "benchmark", "*.sh")))
+SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "benchmark", "**", "*.sh"), recursive=True))
 
 
 def test_there_are_device_scripts():
     assert os.path.join(ROOT, "benchmark", "run_gpu_table.sh") in SCRIPTS
+    assert os.path.join(ROOT, "benchmark", "serving", "run_gpu.sh") in SCRIPTS  # the subfolders' scripts too
 
 
-@pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: os.path.relpath(p, os.path.join(ROOT, "benchmark")))
 def test_device_script_parses(path):
     r = subprocess.run(["bash", "-n", path], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr

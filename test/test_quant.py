@@ -146,22 +146,6 @@ def test_constant_group_is_exact():
     assert torch.equal(dequantize(q), x)
 
 
-def test_codebook_levels():
-    x = torch.randn(300, 64)
-    for a in (0.6, 1.0, 1.3):
-        q = quantize(x, group=64, level_a=a)
-        lv = levels(2, a)
-        assert torch.allclose(lv, torch.tensor([0.0, a, 3 - a, 3.0]))
-        # additive bit-plane form used by kernels: level = a*lo + (3-a)*hi
-        c = q.codes.long()
-        plane = a * (c & 1) + (3 - a) * (c >> 1)
-        assert torch.allclose(lv[c], plane.float())
-    with pytest.raises(ValueError):
-        levels(2, 1.6)
-    with pytest.raises(ValueError):
-        levels(4, 0.8)
-
-
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_pack_unpack_exact_and_layout(d):
     codes = torch.randint(0, 4, (7, 3, d), dtype=torch.uint8)

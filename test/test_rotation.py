@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sglang_oscar.quant import group_shares, hadamard_matrix, spectral_placement
+from sglang_oscar.quant import group_shares, hadamard_matrix, permutation_matrix, spectral_placement
 from sglang_oscar.rotation import (
     BundleError,
     calibrate_layer_clip,
@@ -43,7 +43,7 @@ def _random_cov(d, gen):
 # ---------------------------------------------------------------- compositions and placement
 
 
-@pytest.mark.parametrize("composition", ["u", "u_h", "u_h_p", "u_p_hg"])
+@pytest.mark.parametrize("composition", ["u", "u_h", "u_p_hg"])
 def test_compositions_are_orthogonal(composition):
     gen = torch.Generator().manual_seed(1)
     assert orthogonality_error(hadamard_matrix(64)) < 1e-12
@@ -53,7 +53,7 @@ def test_compositions_are_orthogonal(composition):
     assert orthogonality_error(t) < 1e-10
 
 
-def test_spectral_placement_even_share_and_u_h_p_is_inert():
+def test_spectral_placement_even_share_and_is_inert_after_a_full_hadamard():
     gen = torch.Generator().manual_seed(2)
     d, g = 64, 16
     c = _random_cov(d, gen)
@@ -65,9 +65,10 @@ def test_spectral_placement_even_share_and_u_h_p_is_inert():
     for r0 in range(0, d, run):
         groups = (pos_of_rank[r0 : r0 + run] // g).tolist()
         assert sorted(groups) == list(range(d // g)), f"ranks {r0}..{r0 + run - 1} land in groups {groups}"
-    # u_h and u_h_p: every coordinate has variance tr(C)/D, so P only relabels equal variances.
-    for comp in ("u_h", "u_h_p"):
-        var = torch.diagonal(compose(u, lam, comp, g).T @ c @ compose(u, lam, comp, g))
+    # u_h and the seed's U·H·P: every coordinate has variance tr(C)/D, so P only relabels equal variances.
+    uh = compose(u, lam, "u_h", g)
+    for t in (uh, uh @ permutation_matrix(perm)):
+        var = torch.diagonal(t.T @ c @ t)
         torch.testing.assert_close(var, torch.full_like(var, float(torch.trace(c)) / d), rtol=1e-9, atol=1e-12)
     # u_p_hg: H_G keeps each group's energy, which is exactly the placed spectrum share.
     t = compose(u, lam, "u_p_hg", g)
@@ -172,14 +173,14 @@ def test_capture_attention_is_exact_and_counts(tiny_stats):
 def test_fit_save_load_quantize(tiny_stats, tmp_path):
     _, _, stats = tiny_stats
     b = fit_bundle(stats, "oscar", composition="u_p_hg", per_head=True, center_k=True, cs="cheap",
-                   k_group=32, v_group=64, clip="auto", level_grid=(1.0, 0.8), model_id="tiny")
+                   k_group=32, v_group=64, clip="auto", model_id="tiny")
     assert b.k_transform.shape == (2, 2, 64, 64) and b.k_mean.shape == (2, 2, 64)
     assert orthogonality_error(b.k_transform) < 1e-5 and orthogonality_error(b.v_transform) < 1e-5
     assert bool(((b.k_clip > 0) & (b.k_clip <= 1)).all())
     path = save_bundle(b, tmp_path / "b.safetensors")
     b2 = load_bundle(path, expect_layers=2, expect_kv_heads=2, expect_head_dim=64)
     torch.testing.assert_close(b2.k_transform, b.k_transform)
-    torch.testing.assert_close(b2.k_level_a, b.k_level_a)
+    torch.testing.assert_close(b2.k_clip, b.k_clip)
     assert b2.method == "oscar" and b2.calibration["cs"] == "cheap" and b2.per_head and b2.center_k
     kq, vq = b2.layer_quantizers(1)
     assert kq.matrix.shape == (2, 64, 64) and kq.group == 32 and vq.group == 64
@@ -189,7 +190,7 @@ def test_fit_save_load_quantize(tiny_stats, tmp_path):
     rel = float((back - k).pow(2).sum() / (k - k.mean(0)).pow(2).sum())
     assert rel < 0.5, f"INT2 reconstruction relative error {rel}"
     kq4, _ = b2.layer_quantizers(0, bits=4)
-    assert kq4.bits == 4 and kq4.level_a == 1.0
+    assert kq4.bits == 4
     sh = b2.shard(1, 2)
     assert sh.kv_heads == 1 and sh.k_transform.shape == (2, 1, 64, 64)
     torch.testing.assert_close(sh.k_transform[:, 0], b2.k_transform[:, 1])
@@ -218,7 +219,7 @@ def test_int4_key_heads_are_the_most_damaged_and_round_trip(tiny_stats, tmp_path
     # the quantizer reconstructs that head at INT4 (no clip), the others as before
     xt = kq.transform(stats.heldout_k[layer][0].transpose(0, 1))  # [T, Hkv, D]
     rec = kq.fake_transformed(xt)
-    q4 = dataclasses.replace(kq, bits=4, clip_ratio=1.0, level_a=1.0, k4_heads=())
+    q4 = dataclasses.replace(kq, bits=4, clip_ratio=1.0, k4_heads=())
     q2 = dataclasses.replace(kq, k4_heads=())
     torch.testing.assert_close(rec[:, head], q4.fake_transformed(xt)[:, head])
     for h in set(range(2)) - set(kq.k4_heads):
@@ -239,7 +240,7 @@ def test_int4_key_heads_are_the_most_damaged_and_round_trip(tiny_stats, tmp_path
 
 
 @pytest.mark.parametrize("method,composition", [("identity", "u_h"), ("hadamard", "u_h"), ("pca", "u"),
-                                                ("pca", "u_h_p"), ("oscar", "u_h")])
+                                                ("pca", "u_p_hg"), ("oscar", "u_h")])
 def test_every_method_orthogonal(tiny_stats, method, composition):
     _, _, stats = tiny_stats
     b = fit_bundle(stats, method, composition=composition, k_group=64, v_group=64, clip=(0.96, 0.92),
@@ -264,8 +265,11 @@ def test_fit_rejects_bad_arguments(tiny_stats):
 
 
 @pytest.mark.filterwarnings("ignore:.*smallest grid value")  # a 2-value grid hits its floor often
-def test_cli_on_tiny_model(tmp_path, capsys):
+def test_cli_on_tiny_model(tmp_path, capsys, monkeypatch):
     from sglang_oscar.calibrate import main
+    from tiny_model import patch_calibrate_model
+
+    patch_calibrate_model(monkeypatch)
 
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
@@ -286,6 +290,18 @@ def test_cli_on_tiny_model(tmp_path, capsys):
         main(["--model", "tiny", "--out", str(out), "--tokens", "512", "--seq-len", "256", "--heldout-tokens", "256",
               "--text-file", str(text), "--quiet"])
     assert e.value.code == 2 and "--seq-len 256 and --heldout-tokens 256 are too short" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_calibrate_default_group_is_the_servers(head_dim):
+    """A bundle calibrated without --group-k/--group-v has the group the server serves without a flag."""
+    from sglang_oscar.calibrate import _groups, build_parser
+    from sglang_oscar.srt.options import OscarServeConfig
+
+    args = build_parser().parse_args(["--out", "b.safetensors"])
+    served = OscarServeConfig(bundle_path="builtin:hadamard").resolve_group(head_dim)
+    assert served == 64
+    assert _groups(args, head_dim) == dict(k_group=served, v_group=served)
 
 
 # ---------------------------------------------------------------- validation
@@ -341,7 +357,13 @@ def test_validation_errors(tmp_path):
     bad("ortho", tensors_={**tensors, "k_transform": nonortho}, match=r"max\|T·Tᵀ − I\| = 0.0201")
     bad("clip", tensors_={**tensors, "v_clip": torch.tensor([1.0, 1.2])}, match=r"v_clip\[1\] = 1.2")
     bad("clip0", tensors_={**tensors, "k_clip": torch.tensor([0.0, 1.0])}, match=r"outside \(0, 1\]")
-    bad("levela", tensors_={**tensors, "k_level_a": torch.tensor([1.0, 1.6])}, match="level_a")
+    # files of earlier versions carry the INT2 codebook parameters k_level_a / v_level_a: they load where all are 1
+    ones = torch.ones(2)
+    _write_raw(tmp_path / "legacy.safetensors", {**tensors, "k_level_a": ones, "v_level_a": ones.clone()},
+               json.dumps(meta))
+    torch.testing.assert_close(load_bundle(tmp_path / "legacy.safetensors").k_clip, tensors["k_clip"])
+    bad("levela", tensors_={**tensors, "k_level_a": ones, "v_level_a": torch.tensor([1.0, 0.8])},
+        match=r"v_level_a\[1\] = 0.8: INT2 codebook levels are not supported; refit with python -m sglang_oscar.calibrate$")
     bad("group", meta_=json.dumps({**meta, "k_group": 48}), match="does not divide head_dim")
     eye48 = torch.eye(48).expand(2, 1, 48, 48)
     bad("pow2", tensors_={**tensors, "k_transform": eye48, "v_transform": eye48},
@@ -349,9 +371,6 @@ def test_validation_errors(tmp_path):
     bad("kbits", tensors_={**tensors, "k_bits": torch.tensor([[2.0, 2.0], [4.0, 3.0]])},
         match=r"k_bits\[1, 1\] = 3.0")
     bad("kbits_shape", tensors_={**tensors, "k_bits": torch.tensor([2.0, 4.0])}, match="k_bits has shape")
-    bad("k4_codebook", tensors_={**tensors, "k_bits": torch.tensor([[2.0, 4.0], [2.0, 2.0]]),
-                                 "k_level_a": torch.tensor([0.8, 1.0])},
-        match="layer 0 has INT4-key heads and an INT2 codebook")
     k4 = load_bundle(save_bundle(data_free_bundle("hadamard", 2, 2, 64, 32, 64, k4_heads=[(1, 0)]),
                                  tmp_path / "k4.safetensors"))
     assert k4.k4_count == 1 and k4.k4_heads(0) == () and k4.k4_heads(1) == (0,)
@@ -429,8 +448,8 @@ def test_clip_calibration_prefers_clipping_outliers():
 
     c = _clip_case(heavy(), heavy(), gen)
     assert c.rho_k < 1.0 and c.rho_v < 1.0, (c.rho_k, c.rho_v)
-    assert float(c.k_errors.min()) < 0.7 * float(c.k_errors[0, 0])  # row 0 = ρ 1.0
-    assert float(c.v_errors.min()) < 0.9 * float(c.v_errors[0, 0])
+    assert float(c.k_errors.min()) < 0.7 * float(c.k_errors[0])  # entry 0 = ρ 1.0
+    assert float(c.v_errors.min()) < 0.9 * float(c.v_errors[0])
 
     def no_outliers():
         # every entry already on the INT2 grid of its row (both extremes present): min-max is exact
@@ -441,10 +460,7 @@ def test_clip_calibration_prefers_clipping_outliers():
 
     c = _clip_case(no_outliers(), no_outliers(), gen)
     assert c.rho_k == 1.0 and c.rho_v == 1.0
-    assert float(c.k_errors[0, 0]) < 1e-10 and float(c.v_errors[0, 0]) < 1e-10
-    with pytest.raises(ValueError, match="only makes sense for INT2"):
-        calibrate_layer_clip([], [], [], SideQuantizer(torch.eye(8), bits=4, group=8),
-                             SideQuantizer(torch.eye(8), bits=4, group=8), scaling=1.0, level_grid=(0.8,))
+    assert float(c.k_errors[0]) < 1e-10 and float(c.v_errors[0]) < 1e-10
 
 
 def test_clip_errors_match_brute_force():
@@ -457,12 +473,12 @@ def test_clip_errors_match_brute_force():
     rot = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0].float()
     mean = torch.randn(d, generator=gen) * 0.1
     kq, vq = SideQuantizer(rot, mean, 2, 16), SideQuantizer(rot.T.contiguous(), None, 2, 32)
-    rhos, levels = (1.0, 0.95, 0.9), (1.0, 0.7)
-    c = calibrate_layer_clip([q], [k], [v], kq, vq, scaling=d**-0.5, rho_grid=rhos, level_grid=levels,
+    rhos = (1.0, 0.95, 0.9)
+    c = calibrate_layer_clip([q], [k], [v], kq, vq, scaling=d**-0.5, rho_grid=rhos,
                              sink=sink, queries_per_window=t)  # every query past the sink: no sampling
 
-    def recon(x, quant, rho, a):
-        sq = SideQuantizer(quant.matrix, quant.mean, 2, quant.group, rho, a)
+    def recon(x, quant, rho):
+        sq = SideQuantizer(quant.matrix, quant.mean, 2, quant.group, rho)
         xt = sq.transform(x.transpose(0, 1))
         r = sq.fake_transformed(xt) @ torch.linalg.inv(sq.matrix.double()).float()
         r = (r + (0 if sq.mean is None else sq.mean)).transpose(0, 1)
@@ -470,13 +486,11 @@ def test_clip_errors_match_brute_force():
 
     ref = _causal(q, k, v, d**-0.5)[:, sink:]
     for i, rho in enumerate(rhos):
-        for j, a in enumerate(levels):
-            ek = (_causal(q, recon(k, kq, rho, a), v, d**-0.5)[:, sink:] - ref).pow(2).sum() / ref.pow(2).sum()
-            ev = (_causal(q, k, recon(v, vq, rho, a), d**-0.5)[:, sink:] - ref).pow(2).sum() / ref.pow(2).sum()
-            assert float(c.k_errors[i, j]) == pytest.approx(float(ek), rel=1e-3)
-            assert float(c.v_errors[i, j]) == pytest.approx(float(ev), rel=1e-3)
-    best = divmod(int(torch.argmin(c.k_errors)), len(levels))
-    assert (c.rho_k, c.level_a_k) == (rhos[best[0]], levels[best[1]])
+        ek = (_causal(q, recon(k, kq, rho), v, d**-0.5)[:, sink:] - ref).pow(2).sum() / ref.pow(2).sum()
+        ev = (_causal(q, k, recon(v, vq, rho), d**-0.5)[:, sink:] - ref).pow(2).sum() / ref.pow(2).sum()
+        assert float(c.k_errors[i]) == pytest.approx(float(ek), rel=1e-3)
+        assert float(c.v_errors[i]) == pytest.approx(float(ev), rel=1e-3)
+    assert c.rho_k == rhos[int(torch.argmin(c.k_errors))] and c.candidates == list(rhos)
 
 
 def test_clip_at_grid_floor_warns(tiny_stats):

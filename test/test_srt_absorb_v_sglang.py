@@ -1,6 +1,7 @@
 """V-rotation absorption (hook #9) on SGLang 0.5.17's own Llama / Qwen2 / Qwen3 attention blocks, on CPU.
 
-Skipped without SGLang (run with /work/sglvenv/bin/python -m pytest -q test/test_srt_absorb_v_sglang.py).
+Skipped without SGLang (.venv); CI runs it in .venv-serve (scripts/test.sh part 2), by hand:
+.venv-serve/bin/python -m pytest -q test/test_srt_absorb_v_sglang.py.
 The real attention modules (QKVParallelLinear + RoPE + Qwen3's q/k norms + RowParallelLinear) are
 built per TP rank with get_parallel().override and loaded through SGLang's own weight loaders, so
 the shard layout is SGLang's, not ours. Only RadixAttention is replaced (by causal SDPA, which is
@@ -21,7 +22,8 @@ import pytest
 import torch
 
 if importlib.util.find_spec("sglang") is None:
-    pytest.skip("sglang is not installed (CI does not install it yet)", allow_module_level=True)
+    pytest.skip("sglang is not installed here (these tests run in .venv-serve: scripts/test.sh part 2)",
+                allow_module_level=True)
 _SHIM = str(Path(__file__).resolve().parent / "sglang_cpu_shim")
 if not torch.cuda.is_available():  # before the first sglang import (see test_srt_plugin.py)
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -138,7 +140,7 @@ def _bundle_file(tmp_path, hkv, per_head, gen):
     heads = hkv if per_head else 1
     tv = torch.stack([torch.stack([_orth(D, gen) for _ in range(heads)]) for _ in range(LAYERS)])
     ones = torch.ones(LAYERS)
-    b = RotationBundle(eye, tv, ones, ones.clone(), ones.clone(), ones.clone(), 64, 64, 2, hkv, method="test")
+    b = RotationBundle(eye, tv, ones, ones.clone(), 64, 64, 2, hkv, method="test")
     return save_bundle(b, tmp_path / "rot.safetensors"), tv
 
 
@@ -280,8 +282,7 @@ def _server_bundle(path, gen):
     kt = torch.stack([torch.stack([_orth(64, gen)]) for _ in range(2)])
     vt = torch.stack([torch.stack([_orth(64, gen) for _ in range(2)]) for _ in range(2)])
     ones = torch.ones(2)
-    return save_bundle(RotationBundle(kt, vt, ones, ones.clone(), ones.clone(), ones.clone(), 64, 64, 2, 2,
-                                      method="test"), path)
+    return save_bundle(RotationBundle(kt, vt, ones, ones.clone(), 64, 64, 2, 2, method="test"), path)
 
 
 @pytest.mark.slow

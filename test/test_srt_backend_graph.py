@@ -20,7 +20,8 @@ import pytest
 import torch
 
 if importlib.util.find_spec("sglang") is None:
-    pytest.skip("sglang is not installed (CI does not install it yet)", allow_module_level=True)
+    pytest.skip("sglang is not installed here (these tests run in .venv-serve: scripts/test.sh part 2)",
+                allow_module_level=True)
 _SHIM = str(Path(__file__).resolve().parent / "sglang_cpu_shim")
 if not torch.cuda.is_available():  # before the first sglang import (see test_srt_plugin.py)
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -471,7 +472,7 @@ def test_decode_path_chosen_at_construction(setup, monkeypatch, caplog):
     caplog.clear()
     with caplog.at_level("INFO", logger="sglang_oscar.srt.backend"):
         w = World(setup, page=P, size=8 * P)
-    assert seen == [dict(head_dim=D, q_heads=HQ, kv_heads=HKV, k_group=64, v_group=64, codebook=False,
+    assert seen == [dict(head_dim=D, q_heads=HQ, kv_heads=HKV, k_group=64, v_group=64,
                          window_dtype=w.backend.pool.window_dtype, x_dtype=torch.bfloat16, device="cpu",
                          page_size=P)]
     assert w.backend.history_kernel == "cuda" and f"sglang_oscar: {cuda.line()}" in caplog.text

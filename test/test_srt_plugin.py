@@ -1,9 +1,9 @@
 """The SGLang plugin (srt/plugin.py, hooks.py, pool.py) against the real SGLang 0.5.17 modules, on CPU.
 
-Skipped when SGLang is not installed (CI does not install it yet). Runs in a venv with
-sglang==0.5.17 + `pip install -e . --no-deps`, e.g. /work/sglvenv:
+Skipped where SGLang is not installed (.venv). Runs in a venv with sglang==0.5.17 + `pip install -e . --no-deps`:
+CI's .venv-serve (scripts/setup_serve.sh; scripts/test.sh part 2 runs this file there), or by hand:
 
-    /work/sglvenv/bin/python -m pytest -q test/test_srt_plugin.py
+    .venv-serve/bin/python -m pytest -q test/test_srt_plugin.py
 
 SGLang is imported the way the CPU test server runs it (shared/reference/sglang-on-cpu.md, Path A):
 SGLANG_USE_CPU_ENGINE=1 and our sgl_kernel stand-in (test/sglang_cpu_shim) first on sys.path, both
@@ -20,7 +20,8 @@ import pytest
 import torch
 
 if importlib.util.find_spec("sglang") is None:
-    pytest.skip("sglang is not installed (CI does not install it yet)", allow_module_level=True)
+    pytest.skip("sglang is not installed here (these tests run in .venv-serve: scripts/test.sh part 2)",
+                allow_module_level=True)
 _SHIM = str(Path(__file__).resolve().parent / "sglang_cpu_shim")
 if not torch.cuda.is_available():  # before the first sglang import: module-level `if _is_cpu:` imports
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -143,7 +144,6 @@ def test_prepare_server_args_accepts_int2(registered, int2_env):
 
     from sglang_oscar.srt.hooks import DECODE_LINE_ATTR
 
-    int2_env.setenv("SGLANG_OSCAR_HISTORY_KERNEL", "cuda")  # no longer read: a warning, nothing else
     logged = []  # (prepare_server_args resets the root logger's handlers: caplog sees nothing)
     for level in ("info", "warning"):
         int2_env.setattr(hooks.logger, level, lambda msg, *a: logged.append(msg % a))
@@ -157,7 +157,6 @@ def test_prepare_server_args_accepts_int2(registered, int2_env):
     line = ("decode: Triton history and KV write, page size 1 (no CUDA history stage: it needs an NVIDIA GPU, this "
             "server runs on cpu)")
     assert getattr(sa, DECODE_LINE_ATTR) == line and [m for m in logged if "decode:" in m] == [f"sglang_oscar: {line}"]
-    assert any("SGLANG_OSCAR_HISTORY_KERNEL is no longer read" in m for m in logged)
     assert prepare_server_args(_args("--kv-cache-dtype", "int2", "--max-running-requests", "8", "--attention-backend",
                                      "oscar_int2", "--page-size", "16")).page_size == 16  # the user's, kept
 
@@ -446,7 +445,7 @@ def test_pool_set_kv_buffer_writes_int2(int2_env):
     r = pool.rotations[1]
     none = torch.full((5,), -1, dtype=torch.int32)
     write_reference(k, v, loc, none, none, ref, k_transform=r.k_transform, k_mean=r.k_mean, v_transform=None,
-                    k_clip=r.k_clip, v_clip=r.v_clip, k_level_a=r.k_level_a, v_level_a=r.v_level_a)
+                    k_clip=r.k_clip, v_clip=r.v_clip)
     got = pool.layers[1]
     assert r.v_transform is None  # V absorbed (default): the model emits V in the rotated basis
     torch.testing.assert_close(got.k_params[loc].float(), ref.k_params[loc].float())
@@ -488,7 +487,7 @@ def test_pool_with_int4_key_heads(int2_env, tmp_path, page):
         r = pool.rotations[layer_id]
         none = torch.full((5,), -1, dtype=torch.int32)
         write_reference(kk, vv, loc, none, none, ref, k_transform=r.k_transform, k_mean=r.k_mean, v_transform=None,
-                        k_clip=r.k_clip, v_clip=r.v_clip, k_level_a=r.k_level_a, v_level_a=r.v_level_a)
+                        k_clip=r.k_clip, v_clip=r.v_clip)
         got = pool.layers[layer_id]
         for name in ("k_params", "v_params"):
             assert torch.equal(got.rows(name, loc).float(), ref.rows(name, loc).float()), name
@@ -503,7 +502,18 @@ def test_pool_refuses_paths_that_move_partial_slots(int2_env):
             call(None, None)
 
 
-def test_build_mha_kv_pool_hook_builds_oscar_pool(registered, int2_env):
+@pytest.fixture
+def published(monkeypatch):
+    """The process-wide settings a server publishes before it builds pools, which the pool hook reads (as the stock
+    branch does): memory saver and pdmux off."""
+    from sglang.srt.mem_cache import kv_cache_configurator as kvc_mod
+
+    monkeypatch.setattr(kvc_mod, "get_exec",
+                        lambda: types.SimpleNamespace(features=types.SimpleNamespace(enable_memory_saver=False)))
+    monkeypatch.setattr(kvc_mod, "get_disagg", lambda: types.SimpleNamespace(enable_pdmux=False))
+
+
+def test_build_mha_kv_pool_hook_builds_oscar_pool(registered, int2_env, published):
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -628,7 +638,7 @@ def test_pool_refuses_pages_it_cannot_store(int2_env, page, size, match):
         _pool(_tiny_setup(int2_env), size=size, page=page)
 
 
-def test_build_mha_kv_pool_hook_builds_pages_of_the_page_size(registered, int2_env):
+def test_build_mha_kv_pool_hook_builds_pages_of_the_page_size(registered, int2_env, published):
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 

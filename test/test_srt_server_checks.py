@@ -74,10 +74,17 @@ def test_pipeline_stages_need_an_explicit_r(monkeypatch):
     check_server_args(_sa(max_running_requests=8, pp_size=2))
 
 
-@pytest.mark.parametrize("page", [1, 16, 64, 256])
+@pytest.mark.parametrize("page", [1, 2, 16, 64, 128, 256])
 def test_page_sizes_the_int2_pool_stores(page, monkeypatch):
-    check_server_args(_sa(page_size=page))
-    check_server_args(_sa(page_size=None))  # before SGLang's default pass: page 1
+    """Accepted: no error, nothing returned, and the server args left as they were (page_size included); the same
+    args with a page size of 3·P (never a power of two) are refused."""
+    for given in (page, None):  # None: before SGLang's default pass (page 1)
+        sa = _sa(page_size=given)
+        before = dict(vars(sa))
+        assert check_server_args(sa) is None
+        assert vars(sa) == before and sa.page_size == given
+    with pytest.raises(OscarOptionError, match=f"supports --page-size .*\\(got {3 * page}\\)"):
+        check_server_args(_sa(page_size=3 * page))
 
 
 @pytest.mark.parametrize("page", [3, 48, 512])

@@ -5,10 +5,10 @@ sink rows 1 min, chunked 1.6 min, TP=1/2 ~8 min (TP=4/8 with OSCAR_TEST_TP=2,4,8
 ~6.5 min (500 requests in 366 s in the fresh-clone CI of b675f6b), admission 1 min, eval drivers
 2.2 min; the whole file 16.3 min there.
 
-    /work/sglvenv/bin/python -m pytest -q -m slow -s test/test_srt_server_sglang.py
+    .venv-serve/bin/python -m pytest -q -m slow -s test/test_srt_server_sglang.py
 
-Skipped without SGLang (the CI venv does not have it) and, because the whole file takes ~16 min on
-2 cores, also unless `-m` names `slow`. Servers as in test_srt_plugin.py (`_Server`: Path A, Triton
+Skipped without SGLang (.venv; CI runs it in .venv-serve, scripts/test.sh part 2) and, because the whole
+file takes ~16 min on 2 cores, also unless `-m` names `slow`. Servers as in test_srt_plugin.py (`_Server`: Path A, Triton
 interpreter, `--max-total-tokens 4096`) with --dtype float32, S=4 / W=16 fp32 windows (most of a
 ~100-token history is INT2) and --context-length 256 (the decode kernel picks its split count from
 the request table's width: 256 keeps it at one INT2 split, ~4x faster in the interpreter than 4096).
@@ -41,7 +41,8 @@ import pytest
 import torch
 
 if importlib.util.find_spec("sglang") is None:
-    pytest.skip("sglang is not installed (CI does not install it yet)", allow_module_level=True)
+    pytest.skip("sglang is not installed here (these tests run in .venv-serve: scripts/test.sh part 2)",
+                allow_module_level=True)
 _SHIM = str(Path(__file__).resolve().parent / "sglang_cpu_shim")
 if not torch.cuda.is_available():  # before the first sglang import (see test_srt_plugin.py)
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")

@@ -67,7 +67,7 @@ def test_seed_files(tmp_path):
 
 
 def test_group_and_shape_limits():
-    with pytest.raises(o.OscarOptionError, match="larger than the model's head_dim"):
+    with pytest.raises(o.OscarOptionError, match="--kv-cache-quant-group-size 128 is larger than head_dim 64"):
         s.plan_rank(cfg(group_size=128), dataclasses.replace(QWEN3, head_dim=64))
     with pytest.raises(ValueError, match="head_dim 96"):
         s.plan_rank(cfg(), dataclasses.replace(QWEN3, head_dim=96))
@@ -127,7 +127,7 @@ def test_head_dim_256_default_group_serves_with_the_kernels():
     g = default_group(256)
     cache = LayerCache.empty(16, 1, 256, k_group=g, v_group=g, device="cpu")
     cache.validate()
-    path = s.decode_path(head_dim=256, q_heads=8, kv_heads=1, k_group=g, v_group=g, codebook=False,
+    path = s.decode_path(head_dim=256, q_heads=8, kv_heads=1, k_group=g, v_group=g,
                          window_dtype=torch.bfloat16, x_dtype=torch.bfloat16, device="cpu", page_size=None)
     assert path.history == "triton" and path.page_size == 1
 
@@ -149,8 +149,8 @@ def test_v_absorption_checks_only_the_v_transform(tmp_path):
 
 # ---- the decode path (decode_path): no option, the fastest the shape supports on the device -------------
 
-QWEN3_8B_RANK = dict(head_dim=128, q_heads=32, kv_heads=8, k_group=128, v_group=128, codebook=False,
-                     window_dtype=torch.bfloat16, x_dtype=torch.bfloat16)
+QWEN3_8B_RANK = dict(head_dim=128, q_heads=32, kv_heads=8, k_group=128, v_group=128, window_dtype=torch.bfloat16,
+                     x_dtype=torch.bfloat16)
 
 
 @pytest.fixture
@@ -180,7 +180,6 @@ def test_decode_path_hopper_supported_shape_takes_cuda_and_page_64(hopper):
     (dict(head_dim=256), "it covers head_dim 128 with K/V groups 64 or 128"),
     (dict(k_group=32, v_group=32), "groups 32/32"),
     (dict(q_heads=136), "GQA 17"),
-    (dict(codebook=True), "codebook levels"),
     (dict(window_dtype=torch.float16), "this window is torch.float16"),
     (dict(page_size=16), "--page-size 16 kept; it needs pages of 64 (drop --page-size to get them)"),
     (dict(page_size=1), "--page-size 1 kept"),
@@ -292,7 +291,7 @@ def test_launcher_picks_cuda_and_page_64_on_hopper_without_any_variable(monkeypa
     from sglang_oscar.kernels import cuda_build
     from sglang_oscar.srt import hooks
 
-    for name in o.ALL_ENV + o.REMOVED_ENV:
+    for name in o.ALL_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(o.ENV_BUNDLE, "builtin:hadamard")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -338,6 +337,23 @@ def test_launcher_keeps_triton_on_cpu_and_other_shapes(monkeypatch, caplog):
     hooks._choose_decode_path(sa, types.SimpleNamespace(page_size=None), o.current())
     line = getattr(sa, hooks.DECODE_LINE_ATTR)
     assert sa.page_size == 1 and "this is head_dim 256, GQA 2, groups 64/64" in line, line
+
+
+def test_launcher_refuses_a_base_gpu_id_past_the_visible_gpus(monkeypatch):
+    """--base-gpu-id indexes the visible GPUs (SGLang's schedulers index them with it too): one past them is a one-line
+    error, not a probe of GPU 0."""
+    import types
+
+    from sglang_oscar.srt import hooks
+
+    for name in o.ALL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(o.ENV_BUNDLE, "builtin:hadamard")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    sa = _FakeServerArgs(_FakeModelConfig(), base_gpu_id=2)
+    with pytest.raises(o.OscarOptionError, match=r"^--base-gpu-id 2 names no GPU: 2 are visible here; pass one below 2$"):
+        hooks._choose_decode_path(sa, types.SimpleNamespace(page_size=None), o.current())
 
 
 def test_launcher_refuses_a_bad_bundle_before_loading(monkeypatch, tmp_path):

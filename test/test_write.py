@@ -36,6 +36,7 @@ from kernel_utils import (
     threshold_rows,
 )
 
+from sglang_oscar.kernels.write_cuda import INT2_THRESHOLDS
 from sglang_oscar.quant.cache_ops import k4_heads, key_hi_rows, write_reference
 from sglang_oscar.quant.clip import clip_rows
 from sglang_oscar.quant.pack import unpack_int2, unpack_int4_planes
@@ -45,9 +46,9 @@ pytestmark = requires_triton
 
 def _imports():
     from sglang_oscar.kernels.layout import LayerCache
-    from sglang_oscar.kernels.write import level_thresholds, oscar_write_kv
+    from sglang_oscar.kernels.write import oscar_write_kv
 
-    return LayerCache, level_thresholds, oscar_write_kv
+    return LayerCache, oscar_write_kv
 
 
 def t_exact64(x, mat, mean, clip, group, params):
@@ -68,10 +69,10 @@ def t_exact64(x, mat, mean, clip, group, params):
 
 
 def make_case(T, D, H, gk, gv, *, per_head, mean, v_absorbed, seed, window_dtype=ACT_DTYPE, act_dtype=ACT_DTYPE,
-              page=1, k4=()):
-    LayerCache, _, _ = _imports()
+              page=1, k4=(), min_slots=0):
+    LayerCache, _ = _imports()
     g = gen(seed)
-    num_slots, sink_rows, max_reqs, window = T + 5, T + 2, 2, max(T, 4)
+    num_slots, sink_rows, max_reqs, window = max(T + 5, min_slots), T + 2, 2, max(T, 4)
     num_slots = -(-num_slots // page) * page
     cache = LayerCache.empty(
         num_slots, H, D, k_group=gk, v_group=gv, num_sink_rows=sink_rows, max_reqs=max_reqs,
@@ -98,23 +99,23 @@ def make_case(T, D, H, gk, gv, *, per_head, mean, v_absorbed, seed, window_dtype
     return cache, k, v, slots, sink_dst.to(DEVICE), ring_dst.to(DEVICE), kmat, kmean, vmat
 
 
-def run_and_check(cache, k, v, slots, sink_dst, ring_dst, kmat, kmean, vmat, *, k_clip, v_clip, ka, va, **kw):
-    _, level_thresholds, oscar_write_kv = _imports()
+def run_and_check(cache, k, v, slots, sink_dst, ring_dst, kmat, kmean, vmat, *, k_clip, v_clip, **kw):
+    _, oscar_write_kv = _imports()
     before = cache.clone()
     ref = cache.clone()
     write_reference(k, v, slots, sink_dst, ring_dst, ref, k_transform=kmat, k_mean=kmean, v_transform=vmat,
-                    k_clip=k_clip, v_clip=v_clip, k_level_a=ka, v_level_a=va)
+                    k_clip=k_clip, v_clip=v_clip)
     oscar_write_kv(k, v, slots, sink_dst, ring_dst, cache, k_transform=kmat, k_mean=kmean, v_transform=vmat,
-                   k_clip=k_clip, v_clip=v_clip, k_level_a=ka, v_level_a=va, **kw)
+                   k_clip=k_clip, v_clip=v_clip, **kw)
 
     written = torch.zeros(cache.num_slots, dtype=torch.bool, device=DEVICE)
     written[slots] = True
     every = torch.arange(cache.num_slots, device=DEVICE)  # [num_slots, H, ...] by slot, any page size (LayerCache.rows)
     int4_keys = cache.k_hi is not None
     heads4 = list(k4_heads(cache))  # INT4-key heads: never clipped
-    for side, x, mat, mean, clip, a, group in (
-        ("k", k, kmat, kmean, k_clip, ka, cache.k_group),
-        ("v", v, vmat, None, v_clip, va, cache.v_group),
+    for side, x, mat, mean, clip, group in (
+        ("k", k, kmat, kmean, k_clip, cache.k_group),
+        ("v", v, vmat, None, v_clip, cache.v_group),
     ):
         names = [f"{side}_codes", f"{side}_params"] + (["k_hi"] if side == "k" and int4_keys else [])
         for name in names:  # untouched slots keep the poison
@@ -133,13 +134,13 @@ def run_and_check(cache, k, v, slots, sink_dst, ring_dst, kmat, kmean, vmat, *, 
         t64 = t_exact64(x, mat, mean, clip, group, want_p)
         if side == "k" and int4_keys:
             t64[:, heads4] = t_exact64(x, mat, mean, 1.0, group, want_p)[:, heads4]
-            # codes lo | hi << 2 of every head (hi 0 on the INT2 heads); the thresholds of both are k + 0.5 (a = 1)
+            # codes lo | hi << 2 of every head (hi 0 on the INT2 heads); the thresholds of both are k + 0.5
             got_c = unpack_int4_planes(cache.rows("k_codes", slots), key_hi_rows(cache, slots))
             want_c = unpack_int4_planes(ref.rows("k_codes", slots), key_hi_rows(ref, slots))
             th = int4_thresholds()
         else:
             got_c, want_c = unpack_int2(cache.rows(f"{side}_codes", slots)), unpack_int2(ref.rows(f"{side}_codes", slots))
-            th = level_thresholds(a)
+            th = INT2_THRESHOLDS
         excused = (~same_group).repeat_interleave(group, dim=-1)
         assert_codes_match(torch.where(excused, want_c, got_c), want_c, t64, th, f"{side} codes")
         # window rows: equal to the transform; rows not asked for keep the poison
@@ -155,44 +156,47 @@ def run_and_check(cache, k, v, slots, sink_dst, ring_dst, kmat, kmean, vmat, *, 
 
 
 CASES = [
-    # T, D, H, Gk, Gv, per_head, mean, v_absorbed, k_clip, v_clip, k_a, v_a
-    (1, 64, 2, 64, 64, False, False, True, 1.0, 1.0, 1.0, 1.0),
-    (7, 64, 3, 32, 64, True, True, False, 0.9, 0.95, 0.8, 1.0),
-    (33, 64, 2, 32, 32, False, True, False, 0.8, 1.0, 1.0, 0.5),
-    (1, 128, 2, 128, 32, True, True, True, 0.96, 1.0, 1.0, 1.2),
-    (7, 128, 2, 32, 128, False, False, False, 1.0, 0.92, 0.6, 0.6),
-    (33, 128, 1, 64, 64, True, True, False, 0.9, 0.9, 1.0, 1.0),
-    (5, 256, 2, 128, 64, False, True, True, 0.95, 1.0, 1.0, 0.9),
+    # T, D, H, Gk, Gv, per_head, mean, v_absorbed, k_clip, v_clip
+    (1, 64, 2, 64, 64, False, False, True, 1.0, 1.0),
+    (7, 64, 3, 32, 64, True, True, False, 0.9, 0.95),
+    (33, 64, 2, 32, 32, False, True, False, 0.8, 1.0),
+    (1, 128, 2, 128, 32, True, True, True, 0.96, 1.0),
+    (7, 128, 2, 32, 128, False, False, False, 1.0, 0.92),
+    (33, 128, 1, 64, 64, True, True, False, 0.9, 0.9),
+    (5, 256, 2, 128, 64, False, True, True, 0.95, 1.0),
 ]
 
 
-@pytest.mark.parametrize("page,T,block_t", [(4, 7, None), (16, 33, None), (64, 33, 16), (8, 5, 1)])
+@pytest.mark.parametrize("page,T,block_t", [(4, 7, None), (16, 33, None), (64, 33, 16), (8, 5, 1), (128, 33, None),
+                                            (256, 9, 1)])
 def test_write_paged_pool(page, T, block_t):
     """Pools in pages (kernels/records.py): codes and params land at the slot's record in [page, H, P, .], for the
-    dot tiles and the one-token programs; checked through LayerCache.rows against the oracle as above."""
-    case = make_case(T, 128, 3, 64, 32, per_head=True, mean=True, v_absorbed=False, seed=page + T, page=page)
+    dot tiles and the one-token programs; checked through LayerCache.rows against the oracle as above. Three pages
+    at least (the served 128 and 256 too), the tokens' slots drawn from all of them."""
+    case = make_case(T, 128, 3, 64, 32, per_head=True, mean=True, v_absorbed=False, seed=page + T, page=page,
+                     min_slots=2 * page + 1)
     assert case[0].k_codes.shape == (case[0].num_slots // page, 3, page, 32)
-    run_and_check(*case, k_clip=0.9, v_clip=1.0, ka=1.0, va=1.0, **({"block_t": block_t} if block_t else {}))
+    run_and_check(*case, k_clip=0.9, v_clip=1.0, **({"block_t": block_t} if block_t else {}))
 
 
-@pytest.mark.parametrize("T,D,H,gk,gv,per_head,mean,v_abs,k_clip,v_clip,ka,va", CASES)
-def test_write_matches_oracle(T, D, H, gk, gv, per_head, mean, v_abs, k_clip, v_clip, ka, va):
+@pytest.mark.parametrize("T,D,H,gk,gv,per_head,mean,v_abs,k_clip,v_clip", CASES)
+def test_write_matches_oracle(T, D, H, gk, gv, per_head, mean, v_abs, k_clip, v_clip):
     case = make_case(T, D, H, gk, gv, per_head=per_head, mean=mean, v_absorbed=v_abs, seed=T * 1000 + D + gk + gv)
-    run_and_check(*case, k_clip=k_clip, v_clip=v_clip, ka=ka, va=va)
+    run_and_check(*case, k_clip=k_clip, v_clip=v_clip)
 
 
-@pytest.mark.parametrize("T,D,H,gk,gv,per_head,mean,v_abs,k_clip,v_clip,ka,va", CASES)
-def test_write_one_token_programs_match_oracle(T, D, H, gk, gv, per_head, mean, v_abs, k_clip, v_clip, ka, va):
+@pytest.mark.parametrize("T,D,H,gk,gv,per_head,mean,v_abs,k_clip,v_clip", CASES)
+def test_write_one_token_programs_match_oracle(T, D, H, gk, gv, per_head, mean, v_abs, k_clip, v_clip):
     """The same cases with block_t=1: the GPU's decode path (_write_row: the [BK, D] tile of T, the clip from the
     pairwise count), which the interpreter's default takes only for one-token calls."""
     case = make_case(T, D, H, gk, gv, per_head=per_head, mean=mean, v_absorbed=v_abs, seed=T * 1000 + D + gk + gv + 1)
-    run_and_check(*case, k_clip=k_clip, v_clip=v_clip, ka=ka, va=va, block_t=1)
+    run_and_check(*case, k_clip=k_clip, v_clip=v_clip, block_t=1)
 
 
 def test_write_small_block_tail():
     """Several token tiles with a ragged tail (block_t=16, T=21)."""
     case = make_case(21, 64, 2, 64, 32, per_head=True, mean=True, v_absorbed=False, seed=5)
-    run_and_check(*case, k_clip=0.9, v_clip=1.0, ka=1.0, va=1.0, block_t=16)
+    run_and_check(*case, k_clip=0.9, v_clip=1.0, block_t=16)
 
 
 @pytest.mark.parametrize("T,D,block_t", [(21, 64, 4), (3, 128, 2), (33, 128, 1), (16, 64, 1), (17, 128, 8)])
@@ -200,7 +204,7 @@ def test_write_decode_tiles(T, D, block_t):
     """The no-dot path for decode-sized calls (block_t < 16; the default up to SMALL_BATCH_TOKENS
     tokens) against the oracle, with ragged tails, forced also where the default would use dot tiles."""
     case = make_case(T, D, 3, 64, 32, per_head=True, mean=True, v_absorbed=False, seed=300 + T + block_t)
-    run_and_check(*case, k_clip=0.9, v_clip=0.95, ka=1.0, va=0.8, block_t=block_t)
+    run_and_check(*case, k_clip=0.9, v_clip=0.95, block_t=block_t)
 
 
 if HAS_TRITON:
@@ -257,22 +261,22 @@ def test_e4m3_encoder_matches_torch():
 
 
 INT4_CASES = [
-    # T, D, H, Gk, Gv, page, block_t, k_clip, v_clip, v_a, INT4-key heads (the others INT2; V always INT2)
-    (1, 64, 2, 32, 64, 1, None, 1.0, 1.0, 1.0, (0, 1)),  # the default one-token program, no clip, every head
-    (5, 64, 3, 64, 32, 64, 4, 0.9, 0.95, 0.7, (1,)),  # small tiles, page 64, one of three heads
-    (33, 64, 2, 64, 64, 1, 16, 1.0, 0.9, 1.0, (1,)),  # dot tiles with a ragged tail
-    (3, 128, 2, 128, 64, 64, 1, 0.95, 1.0, 1.0, (0,)),
-    (7, 128, 3, 32, 32, 1, 8, 1.0, 0.9, 1.2, (0, 2)),
-    (20, 128, 3, 64, 128, 64, 16, 0.9, 1.0, 1.0, (0, 1, 2)),  # clipped INT2 nowhere: k_clip unused
-    (20, 128, 4, 64, 64, 1, 16, 0.9, 1.0, 1.0, (1, 3)),
-    (2, 256, 2, 64, 64, 1, 1, 0.95, 0.95, 1.0, (1,)),
-    (6, 256, 2, 32, 128, 64, 2, 0.9, 1.0, 0.8, (0, 1)),
-    (17, 256, 1, 128, 32, 64, 16, 1.0, 1.0, 1.0, (0,)),
+    # T, D, H, Gk, Gv, page, block_t, k_clip, v_clip, INT4-key heads (the others INT2; V always INT2)
+    (1, 64, 2, 32, 64, 1, None, 1.0, 1.0, (0, 1)),  # the default one-token program, no clip, every head
+    (5, 64, 3, 64, 32, 64, 4, 0.9, 0.95, (1,)),  # small tiles, page 64, one of three heads
+    (33, 64, 2, 64, 64, 1, 16, 1.0, 0.9, (1,)),  # dot tiles with a ragged tail
+    (3, 128, 2, 128, 64, 64, 1, 0.95, 1.0, (0,)),
+    (7, 128, 3, 32, 32, 1, 8, 1.0, 0.9, (0, 2)),
+    (20, 128, 3, 64, 128, 64, 16, 0.9, 1.0, (0, 1, 2)),  # clipped INT2 nowhere: k_clip unused
+    (20, 128, 4, 64, 64, 1, 16, 0.9, 1.0, (1, 3)),
+    (2, 256, 2, 64, 64, 1, 1, 0.95, 0.95, (1,)),
+    (6, 256, 2, 32, 128, 64, 2, 0.9, 1.0, (0, 1)),
+    (17, 256, 1, 128, 32, 64, 16, 1.0, 1.0, (0,)),
 ]
 
 
-@pytest.mark.parametrize("T,D,H,gk,gv,page,block_t,k_clip,v_clip,va,k4", INT4_CASES)
-def test_write_int4_keys_match_oracle(T, D, H, gk, gv, page, block_t, k_clip, v_clip, va, k4):
+@pytest.mark.parametrize("T,D,H,gk,gv,page,block_t,k_clip,v_clip,k4", INT4_CASES)
+def test_write_int4_keys_match_oracle(T, D, H, gk, gv, page, block_t, k_clip, v_clip, k4):
     """Layers with INT4-key heads (LayerCache.empty(k4_heads=...): k_hi of those heads only): all, some or one of the
     KV heads, head_dim 64 / 128 / 256, key groups 32 / 64 / 128, pages of 1 and 64, the one-token programs, the small
     tiles and the dot tiles, the INT2 heads clipped or not (INT4 heads never), every buffer (k_hi included) poisoned
@@ -280,7 +284,7 @@ def test_write_int4_keys_match_oracle(T, D, H, gk, gv, page, block_t, k_clip, v_
     case = make_case(T, D, H, gk, gv, per_head=T % 2 == 1, mean=True, v_absorbed=D == 256, seed=900 + T + D + gk,
                      page=page, k4=k4)
     assert case[0].k4_heads == k4 and case[0].k_hi.shape[:2] == case[0].k_codes.shape[:1] + (len(k4),)
-    run_and_check(*case, k_clip=k_clip, v_clip=v_clip, ka=1.0, va=va, **({"block_t": block_t} if block_t else {}))
+    run_and_check(*case, k_clip=k_clip, v_clip=v_clip, **({"block_t": block_t} if block_t else {}))
 
 
 @pytest.mark.parametrize("d,group,block_t", [(64, 64, 1), (128, 32, 4), (64, 64, 16), (256, 128, 1)])
@@ -289,7 +293,7 @@ def test_write_codes_at_thresholds_are_exact(d, group, block_t):
     thresholds 0.5 / 1.5 / 2.5, capped at 3 where t is far above) and INT2 values of rows at and around every INT4
     threshold (threshold_rows) equal the oracle's bit for bit, params and codes, on the one-token programs, the
     small tiles and the dot tiles."""
-    LayerCache, _, oscar_write_kv = _imports()
+    LayerCache, oscar_write_kv = _imports()
     rows = threshold_rows(d, group)
     t = rows.shape[0] * 5
     x = rows.repeat(5, 1)[:, None, :].repeat(1, 2, 1).to(DEVICE)  # [T, 2 heads, d]
@@ -308,17 +312,6 @@ def test_write_codes_at_thresholds_are_exact(d, group, block_t):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
     codes = unpack_int4_planes(cache.rows("k_codes", slots[:1]), key_hi_rows(cache, slots[:1]))
     assert int(codes[:, 1].max()) == 15 and int(codes[:, 0].max()) == 3 and int(codes.min()) == 0
-
-
-def test_write_int4_keys_need_uniform_levels():
-    LayerCache, _, oscar_write_kv = _imports()
-    cache = LayerCache.empty(8, 2, 64, num_sink_rows=2, max_reqs=1, window=4, sink=2, device=DEVICE,
-                             window_dtype=torch.float32, k4_heads=(1,))
-    k = torch.zeros(2, 2, 64, device=DEVICE)
-    none = torch.full((2,), -1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="INT4 keys have uniform levels: k_level_a must be 1"):
-        oscar_write_kv(k, k, torch.arange(2, device=DEVICE), none, none, cache, k_transform=torch.eye(64, device=DEVICE),
-                       k_level_a=0.8)
 
 
 def test_default_block_t_switches_at_the_small_batch_bound():
@@ -348,13 +341,13 @@ def test_write_default_tiles_on_this_device(T):
     """The default tile of this device (interpreter: 8 rows without tl.dot, 128 with) against the
     oracle, with ragged tails."""
     case = make_case(T, 64, 2, 32, 64, per_head=False, mean=True, v_absorbed=False, seed=400 + T)
-    run_and_check(*case, k_clip=0.9, v_clip=0.95, ka=1.0, va=0.8)
+    run_and_check(*case, k_clip=0.9, v_clip=0.95)
 
 
 def test_write_bf16_windows():
     """bf16 window buffers (fp32 activations): rows rounded to nearest even, scale/min too."""
     case = make_case(7, 64, 2, 32, 64, per_head=False, mean=True, v_absorbed=False, seed=11, window_dtype=torch.bfloat16)
-    run_and_check(*case, k_clip=0.95, v_clip=1.0, ka=1.0, va=1.0)
+    run_and_check(*case, k_clip=0.95, v_clip=1.0)
 
 
 @pytest.mark.parametrize("block_t", [None, 1])
@@ -368,7 +361,7 @@ def test_write_clip_ties_and_constant_groups(block_t):
     v[2, 1] = 1.5  # constant row: every group has scale 0, codes 0
     v[4, 0] = 0.0
     v[5, 1, :8] = 3.0  # 8 tied maxima: the clip count at 0.9 of 64 (6) falls inside the tie
-    run_and_check(cache, k, v, slots, sd, rd, kmat, kmean, vmat, k_clip=1.0, v_clip=0.9, ka=1.0, va=0.7,
+    run_and_check(cache, k, v, slots, sd, rd, kmat, kmean, vmat, k_clip=1.0, v_clip=0.9,
                   **({"block_t": block_t} if block_t else {}))
     _ = cache.v_params[slots[2], 1]
     assert (cache.v_params[slots[2], 1, :, 0] == 0).all() and (unpack_int2(cache.v_codes[slots[2], 1]) == 0).all()
@@ -378,11 +371,11 @@ def test_write_strided_inputs():
     """k and v as views into a fused [T, 2, H, D] buffer (token stride != H*D)."""
     cache, k, v, slots, sd, rd, kmat, kmean, vmat = make_case(7, 64, 2, 64, 64, per_head=False, mean=True, v_absorbed=False, seed=9)
     kv = torch.stack((k, v), dim=1)
-    run_and_check(cache, kv[:, 0], kv[:, 1], slots, sd, rd, kmat, kmean, vmat, k_clip=0.9, v_clip=0.9, ka=1.0, va=1.0)
+    run_and_check(cache, kv[:, 0], kv[:, 1], slots, sd, rd, kmat, kmean, vmat, k_clip=0.9, v_clip=0.9)
 
 
 def test_write_errors():
-    LayerCache, _, oscar_write_kv = _imports()
+    LayerCache, oscar_write_kv = _imports()
     cache, k, v, slots, sd, rd, kmat, kmean, vmat = make_case(1, 64, 2, 64, 64, per_head=False, mean=False, v_absorbed=True, seed=1)
     kw = dict(k_transform=kmat)
     with pytest.raises(ValueError, match="head_dim 96"):
@@ -407,10 +400,6 @@ def test_write_errors():
         oscar_write_kv(k, v, slots.int(), sd, rd, cache, **kw)
     with pytest.raises(ValueError, match="clip ratio"):
         oscar_write_kv(k, v, slots, sd, rd, cache, k_clip=0.0, **kw)
-    with pytest.raises(ValueError, match="codebook"):
-        oscar_write_kv(k, v, slots, sd, rd, cache, v_level_a=1.5, **kw)
-    with pytest.raises(ValueError, match="precision"):
-        oscar_write_kv(k, v, slots, sd, rd, cache, precision="bf16", **kw)
     for bad in (3, 12, 24):
         with pytest.raises(ValueError, match="block_t must be a power of two"):
             oscar_write_kv(k, v, slots, sd, rd, cache, block_t=bad, **kw)
@@ -421,29 +410,26 @@ def test_write_errors():
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
 @pytest.mark.parametrize("v_abs", [False, True])
-def test_write_gpu_prefill_bf16(precision, v_abs):
+def test_write_gpu_prefill_bf16(v_abs):
     """GPU only: a larger bf16 prefill (T=1000, Qwen3-8B head shape: 32-row tiles, 8 warps in IEEE fp32) against the
     oracle, with and without the V transform (V absorbed into the weights: the served default)."""
     case = make_case(1000, 128, 8, 64, 64, per_head=False, mean=True, v_absorbed=v_abs, seed=77)
-    run_and_check(*case, k_clip=0.96, v_clip=1.0, ka=1.0, va=1.0, precision=precision)
+    run_and_check(*case, k_clip=0.96, v_clip=1.0)
 
 
 def test_default_num_warps():
-    """8 warps for the 16-row tiles of mid-sized decode batches and for the 32-row prefill tiles at head_dim 128 in
-    IEEE fp32 (4 spilled there); 4 elsewhere, tf32x3 included (faster with 4 at 8k tokens)."""
-    from sglang_oscar.kernels.write import (MID_BATCH_TOKENS, MID_BATCH_WARPS, PREFILL_D128_IEEE_WARPS,
-                                            default_block_t, default_num_warps)
+    """8 warps for the 16-row tiles of mid-sized decode batches and for the 32-row prefill tiles at head_dim 128 (4
+    spilled there); 4 elsewhere."""
+    from sglang_oscar.kernels.write import (MID_BATCH_TOKENS, MID_BATCH_WARPS, PREFILL_D128_WARPS, default_block_t,
+                                            default_num_warps)
 
-    assert default_num_warps(64, 128, 16, "ieee") == default_num_warps(MID_BATCH_TOKENS, 64, 16, "ieee") \
-        == MID_BATCH_WARPS == 8
+    assert default_num_warps(64, 128, 16) == default_num_warps(MID_BATCH_TOKENS, 64, 16) == MID_BATCH_WARPS == 8
     bt = default_block_t(100_000, 128)
-    assert bt == 32 and default_num_warps(100_000, 128, bt, "ieee") == PREFILL_D128_IEEE_WARPS == 8
-    assert default_num_warps(100_000, 128, bt, "tf32x3") == 4
-    assert default_num_warps(100_000, 64, default_block_t(100_000, 64), "ieee") == 4
-    assert default_num_warps(100_000, 256, default_block_t(100_000, 256), "ieee") == 4
-    assert default_num_warps(1, 128, 1, "ieee") == 4
+    assert bt == 32 and default_num_warps(100_000, 128, bt) == PREFILL_D128_WARPS == 8
+    assert default_num_warps(100_000, 64, default_block_t(100_000, 64)) == 4
+    assert default_num_warps(100_000, 256, default_block_t(100_000, 256)) == 4
+    assert default_num_warps(1, 128, 1) == 4
 
 
 @requires_cuda
@@ -454,7 +440,7 @@ def test_write_gpu_decode_bf16(T, D, block_t):
     """GPU only: decode-sized bf16 calls (Qwen3-8B head shape, D 64 and 256), default and forced one-token programs,
     clipped K and V, per-head transforms."""
     case = make_case(T, D, 8, 64, 64, per_head=True, mean=True, v_absorbed=False, seed=78 + T + D)
-    run_and_check(*case, k_clip=0.95, v_clip=0.96, ka=1.0, va=1.0, block_t=block_t)
+    run_and_check(*case, k_clip=0.95, v_clip=0.96, block_t=block_t)
 
 
 assert HAS_CUDA or ACT_DTYPE == torch.float32
@@ -467,7 +453,7 @@ def test_write_rotates_q_in_the_same_launch(n, hkv, gqa, d):
     transform_query's (fp32: to summation order), per-head and shared transforms, GQA 1 / 3 / 5 / 8 (padded to a
     power of two in the tile), the small-tile and the dot path (20 tokens: 16+ rows); q_out poisoned first, the
     cache's codes, params and window rows the same bits as without q."""
-    LayerCache, _, oscar_write_kv = _imports()
+    LayerCache, oscar_write_kv = _imports()
     from sglang_oscar.kernels.decode import transform_query
 
     g = torch.Generator().manual_seed(n + d)
@@ -498,7 +484,7 @@ def test_write_rotates_q_in_the_same_launch(n, hkv, gqa, d):
 
 
 def test_write_q_rotation_refusals():
-    LayerCache, _, oscar_write_kv = _imports()
+    LayerCache, oscar_write_kv = _imports()
     c = LayerCache.empty(300, 2, 64, k_group=64, v_group=64, num_sink_rows=4, max_reqs=2, window=16, sink=4,
                          device=DEVICE, window_dtype=torch.float32)
     k = torch.zeros(2, 2, 64, device=DEVICE)
@@ -534,7 +520,7 @@ def test_write_gpu_rotates_bf16_q(n, gqa):
     for a tensor-core dot (1 token per program up to 16 tokens, 16 from there), against transform_query's GEMM:
     both bf16 products with fp32 sums, so they differ by summation order and the final bf16 rounding (stated:
     1e-2 absolute on rows of norm ~sqrt(D))."""
-    LayerCache, _, oscar_write_kv = _imports()
+    LayerCache, oscar_write_kv = _imports()
     from sglang_oscar.kernels.decode import transform_query
 
     hkv, d = 2, 128
@@ -555,31 +541,30 @@ def test_write_gpu_rotates_bf16_q(n, gqa):
 # ---- the CUDA write (oscar_write_kv kernel="cuda", kernels/write_cuda.py) ----
 
 CUDA_CASES = [
-    # T, H, Gk, Gv, per_head, mean, v_absorbed, k_clip, v_clip, k_a, v_a, page, dtype, INT4-key heads
-    (1, 8, 64, 64, True, True, False, 0.95, 0.96, 1.0, 1.0, 64, torch.bfloat16, ()),  # Qwen3-8B, batch 1
-    (1, 1, 128, 128, False, False, True, 0.9, 1.0, 1.0, 1.0, 64, torch.bfloat16, ()),  # GLM-4.7 TP8: one KV head
-    (8, 8, 64, 128, True, False, False, 1.0, 0.92, 0.6, 1.2, 16, torch.bfloat16, ()),  # no K clip, codebook levels
-    (7, 2, 32, 64, False, True, True, 0.96, 0.8, 1.0, 0.7, 1, torch.float16, ()),  # odd batch, page 1, fp16
-    (33, 4, 128, 32, True, True, False, 0.8, 1.0, 1.0, 1.0, 8, torch.bfloat16, ()),  # past one page of 8
-    (64, 8, 64, 64, False, True, False, 0.95, 0.95, 1.0, 1.0, 64, torch.bfloat16, ()),  # large batch
-    (1, 8, 64, 64, True, True, False, 0.95, 0.96, 1.0, 1.0, 64, torch.bfloat16, (0, 3, 4)),  # INT4 on 3 of 8 heads
-    (5, 2, 32, 128, False, True, True, 0.95, 1.0, 1.0, 0.7, 1, torch.float16, (0, 1)),  # every head, page 1, fp16
-    (9, 4, 128, 32, True, False, False, 0.9, 0.9, 1.0, 1.0, 64, torch.bfloat16, (2,)),  # one head
+    # T, H, Gk, Gv, per_head, mean, v_absorbed, k_clip, v_clip, page, dtype, INT4-key heads
+    (1, 8, 64, 64, True, True, False, 0.95, 0.96, 64, torch.bfloat16, ()),  # Qwen3-8B, batch 1
+    (1, 1, 128, 128, False, False, True, 0.9, 1.0, 64, torch.bfloat16, ()),  # GLM-4.7 TP8: one KV head
+    (8, 8, 64, 128, True, False, False, 1.0, 0.92, 16, torch.bfloat16, ()),  # no K clip
+    (7, 2, 32, 64, False, True, True, 0.96, 0.8, 1, torch.float16, ()),  # odd batch, page 1, fp16
+    (33, 4, 128, 32, True, True, False, 0.8, 1.0, 8, torch.bfloat16, ()),  # past one page of 8
+    (64, 8, 64, 64, False, True, False, 0.95, 0.95, 64, torch.bfloat16, ()),  # large batch
+    (1, 8, 64, 64, True, True, False, 0.95, 0.96, 64, torch.bfloat16, (0, 3, 4)),  # INT4 on 3 of 8 heads
+    (5, 2, 32, 128, False, True, True, 0.95, 1.0, 1, torch.float16, (0, 1)),  # every head, page 1, fp16
+    (9, 4, 128, 32, True, False, False, 0.9, 0.9, 64, torch.bfloat16, (2,)),  # one head
 ]
 
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,H,gk,gv,per_head,mean,v_abs,k_clip,v_clip,ka,va,page,dtype,k4", CUDA_CASES)
-def test_write_cuda_kernel_matches_oracle(T, H, gk, gv, per_head, mean, v_abs, k_clip, v_clip, ka, va, page, dtype,
-                                          k4):
+@pytest.mark.parametrize("T,H,gk,gv,per_head,mean,v_abs,k_clip,v_clip,page,dtype,k4", CUDA_CASES)
+def test_write_cuda_kernel_matches_oracle(T, H, gk, gv, per_head, mean, v_abs, k_clip, v_clip, page, dtype, k4):
     """The CUDA write against the oracle with the module's tolerances: batch 1 to 64, 1 / 2 / 4 / 8 KV heads, groups
     32 / 64 / 128 per side, shared and per-head transforms, with and without K's mean and V's transform, clipped and
-    unclipped, codebook levels, pages of 1 / 8 / 16 / 64, bf16 and fp16 rows, INT2 keys and layers with INT4-key
+    unclipped, pages of 1 / 8 / 16 / 64, bf16 and fp16 rows, INT2 keys and layers with INT4-key
     heads (some or all); every buffer poisoned first."""
     case = make_case(T, 128, H, gk, gv, per_head=per_head, mean=mean, v_absorbed=v_abs, seed=300 + T + H,
                      window_dtype=torch.bfloat16, act_dtype=dtype, page=page, k4=k4)
-    run_and_check(*case, k_clip=k_clip, v_clip=v_clip, ka=ka, va=va, kernel="cuda")
+    run_and_check(*case, k_clip=k_clip, v_clip=v_clip, kernel="cuda")
 
 
 @requires_cuda
@@ -589,7 +574,7 @@ def test_write_cuda_codes_at_thresholds_are_exact(group):
     """The CUDA write on threshold_rows, bit for bit against the oracle: K = 0 (bf16) with k_mean = −rows, one row per
     KV head (INT4 keys on three of the four), and an identity transform, so x' = rows exactly in fp32 (values no bf16 input holds, like 0.5 − 2^-25);
     V = the rows rounded to bf16, no transform."""
-    LayerCache, _, oscar_write_kv = _imports()
+    LayerCache, oscar_write_kv = _imports()
     rows = threshold_rows(128, group).to(DEVICE)
     h, t = rows.shape[0], 6
     cache = LayerCache.empty(16, h, 128, k_group=group, v_group=group, num_sink_rows=2, max_reqs=1, window=4, sink=2,
@@ -623,16 +608,16 @@ def test_write_cuda_kernel_clip_ties_constant_and_strided_rows():
     v[5, 1, :16] = 3.0
     v[6, 0, :8] = -3.0
     kv = torch.stack((k, v), dim=1)
-    run_and_check(cache, kv[:, 0], kv[:, 1], slots, sd, rd, kmat, kmean, vmat, k_clip=0.9, v_clip=0.9, ka=1.0,
-                  va=0.7, kernel="cuda")
+    run_and_check(cache, kv[:, 0], kv[:, 1], slots, sd, rd, kmat, kmean, vmat, k_clip=0.9, v_clip=0.9,
+                  kernel="cuda")
     assert (cache.rows("v_params", slots[2:3])[0, 1, :, 0] == 0).all()
     flat = torch.empty(1 + kv.numel(), dtype=kv.dtype, device=DEVICE)  # one element in: 2-byte aligned rows
     odd = flat[1:].view(kv.shape)
     odd.copy_(kv)
     cache2 = make_case(9, 128, 2, 64, 32, per_head=False, mean=True, v_absorbed=True, seed=5,
                        window_dtype=torch.bfloat16)[0]
-    run_and_check(cache2, odd[:, 0], odd[:, 1], slots, sd, rd, kmat, kmean, vmat, k_clip=0.9, v_clip=0.9, ka=1.0,
-                  va=0.7, kernel="cuda")
+    run_and_check(cache2, odd[:, 0], odd[:, 1], slots, sd, rd, kmat, kmean, vmat, k_clip=0.9, v_clip=0.9,
+                  kernel="cuda")
 
 
 @requires_cuda
@@ -645,7 +630,7 @@ def test_write_cuda_rotates_q(n, gqa, tq_dtype):
     bf16 T_q (the server's) as its bf16 GEMM with fp32 sums, up to summation order and the final rounding
     (1e-2 absolute on rows of norm ~sqrt(D), as the Triton q programs' test); fp32 T_q against fp32 products of the
     bf16 q rounded once (2 bf16 ulps). The cache the same bits as the CUDA write without q."""
-    LayerCache, _, oscar_write_kv = _imports()
+    LayerCache, oscar_write_kv = _imports()
     from sglang_oscar.kernels.decode import transform_query
 
     hkv, d = 2, 128
@@ -686,7 +671,7 @@ def test_write_cuda_rotates_q(n, gqa, tq_dtype):
 def test_write_cuda_kernel_in_a_cuda_graph():
     """Captured once, replayed with new rows and slots: the replay writes what a direct call writes (the launch holds
     no host state but the pointers)."""
-    LayerCache, _, oscar_write_kv = _imports()
+    LayerCache, oscar_write_kv = _imports()
     case = make_case(4, 128, 8, 64, 64, per_head=True, mean=True, v_absorbed=False, seed=21,
                      window_dtype=torch.bfloat16, page=64)
     cache, k, v, slots, sd, rd, kmat, kmean, vmat = case
@@ -709,7 +694,7 @@ def test_write_cuda_kernel_in_a_cuda_graph():
 
 def test_write_cuda_kernel_refusals():
     """kernel='cuda' says what it does not cover (these run on the CPU: the checks come before any CUDA call)."""
-    LayerCache, _, oscar_write_kv = _imports()
+    LayerCache, oscar_write_kv = _imports()
     c64 = LayerCache.empty(8, 2, 64, k_group=64, v_group=64, num_sink_rows=2, max_reqs=1, window=4, sink=2,
                            device=DEVICE, window_dtype=torch.bfloat16)
     k = torch.zeros(2, 2, 64, device=DEVICE, dtype=torch.bfloat16)
@@ -720,7 +705,7 @@ def test_write_cuda_kernel_refusals():
         oscar_write_kv(k, k, slots, none, none, c64, kernel="cutlass", **kw)
     with pytest.raises(ValueError, match="covers head_dim 128"):
         oscar_write_kv(k, k, slots, none, none, c64, kernel="cuda", **kw)
-    with pytest.raises(ValueError, match="leave block_t, num_warps and precision"):
+    with pytest.raises(ValueError, match="leave block_t and num_warps"):
         oscar_write_kv(k, k, slots, none, none, c64, kernel="cuda", block_t=1, **kw)
     c128 = LayerCache.empty(8, 2, 128, k_group=64, v_group=64, num_sink_rows=2, max_reqs=1, window=4, sink=2,
                             device=DEVICE, window_dtype=torch.float32)

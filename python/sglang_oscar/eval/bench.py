@@ -133,10 +133,6 @@ def table(docs: list[dict]) -> str:
 
 # ---------------------------------------------------------------------------------------- CLI
 def _tokenizer(name: str):
-    if name == "bytes":  # tests only: ids = UTF-8 bytes, no model files needed
-        from ..calibrate import _ByteTokenizer
-
-        return _ByteTokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name)

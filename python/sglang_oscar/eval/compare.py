@@ -29,16 +29,13 @@ from typing import Optional
 import torch
 
 from .. import __version__
-from ..config import CacheLayout, QuantFormat, max_k4_heads
+from ..config import SERVED_RECENT, SERVED_SINK, CacheLayout, QuantFormat, default_group, max_k4_heads
 from .niah import ALL_TASKS, ANSWER_RULES, UNSEEN_TASKS, make_samples, score_niah
 from .niah import TASKS as NIAH_TASKS
 
-SINK, RECENT = 64, 256
-
-
 def method_specs(head_dim: int) -> dict[str, dict]:
     """name -> dict(variant = fit_bundle kwargs (None: exact bf16), bits, desc, served_default)."""
-    g = min(64, head_dim)  # the served group: one float8 scale and min per 64 values
+    g = default_group(head_dim)  # the served group
     S = {}
 
     def add(name, desc, bits=2, served_default=False, **variant):
@@ -94,7 +91,7 @@ def bits_with_windows(spec: dict, context: int, num_layers: int, kv_heads: int) 
     (16 bits) plus the quantized rest (codes and per-group scale/min)."""
     if spec["variant"] is None:
         return 16.0
-    exact = min(context, SINK + RECENT)
+    exact = min(context, SERVED_SINK + SERVED_RECENT)
     return (16.0 * exact + bits_per_element(spec, num_layers, kv_heads) * (context - exact)) / context
 
 
@@ -103,20 +100,28 @@ def layers_of(bundle, bits: int):
 
 
 # ------------------------------------------------------------------------------------------ stages
-SHIPPED = {"int2_best": "smollm2-135m-instruct_int2_best_g64"}  # zoo bundles of the embedded model's methods
-ZOO_DIR = Path(__file__).resolve().parents[3] / "zoo"
+SHIPPED_METHOD = "int2_best"  # the served default: the checkout's zoo holds it for the embedded model
 
 
 def shipped_bundle(name: str, model_name: str, quick: bool) -> Optional[Path]:
-    """The zoo's bundle that --quick uses instead of calibrating `name` (the served default of the
-    embedded model, calibrated with the full settings), or None."""
-    if not (quick and model_name == "smollm2" and name in SHIPPED):
+    """The bundle that --quick uses instead of calibrating `name`: for the served default of the embedded model, the
+    one a server without a rotation source serves (zoo.find_for_model in the checkout's zoo, calibrated with the full
+    settings); else None."""
+    from .. import zoo
+    from ..models import DEFAULT_MODEL, SMOLLM2_REPO
+
+    if not (quick and model_name == DEFAULT_MODEL and name == SHIPPED_METHOD):
         return None
-    path = ZOO_DIR / f"{SHIPPED[name]}.safetensors"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: --quick uses the zoo's {SHIPPED[name]} (run from a checkout, or "
-                                "drop --quick to calibrate it)")
-    return path
+    found = None
+    if (zoo.PACKAGED_ZOO / zoo.INDEX).is_file():
+        try:
+            found = zoo.find_for_model(SMOLLM2_REPO, None, str(zoo.PACKAGED_ZOO))
+        except zoo.ZooError as e:
+            raise SystemExit(f"--quick uses the zoo's bundle for {SMOLLM2_REPO}: {e}") from None
+    if found is None:
+        raise SystemExit(f"--quick uses the zoo's bundle for {SMOLLM2_REPO}, but {zoo.PACKAGED_ZOO} has none (run "
+                         "from a checkout, or drop --quick to calibrate it)")
+    return found[1]
 
 
 def stage_calibrate(model, tok, model_id, specs, cfg, out_dir: Path, progress: bool,
@@ -158,7 +163,8 @@ def _sims(specs, bundles, mode):
     from .simulator import MixedCacheSimulator
 
     return {n: (None if specs[n]["variant"] is None else
-                MixedCacheSimulator(layers_of(bundles[n], specs[n]["bits"]), sink=SINK, recent=RECENT, mode=mode))
+                MixedCacheSimulator(layers_of(bundles[n], specs[n]["bits"]), sink=SERVED_SINK, recent=SERVED_RECENT,
+                                    mode=mode))
             for n in specs}
 
 
@@ -186,7 +192,7 @@ def stage_ppl(model, tok, specs, cfg, out_dir: Path, progress: bool) -> None:
               + f" ({time.time() - t:.0f} s)", flush=True)
     kl_windows = token_windows(tok, text, cfg["kl_len"], cfg["kl_windows"], offset=cfg["ppl_len"] // 2)
     quantized = {n: layers_of(bundles[n], specs[n]["bits"]) for n in specs if specs[n]["variant"] is not None}
-    kl = attention_errors(model, kl_windows, quantized, sink=SINK, recent=RECENT, progress=progress)
+    kl = attention_errors(model, kl_windows, quantized, sink=SERVED_SINK, recent=SERVED_RECENT, progress=progress)
     for name in specs:
         res[name]["attn"] = kl.get(name, dict(kl_mean=0.0, relmse_mean=0.0, kl_per_layer=None, relmse_per_layer=None))
     (out_dir / "ppl.json").write_text(json.dumps(res, indent=1, default=_jsonable))
@@ -438,8 +444,9 @@ def build_report(specs, cfg, out_dir: Path, model_id: str) -> dict:
         methods[name] = m
     return {
         "model": model_id,
-        "settings": dict(sink=SINK, recent=RECENT, ppl_semantics="decode (every position reads the INT2 history "
-                         "beyond sink/recent, teacher forced)", niah_semantics="exact single-chunk prefill, INT2 "
+        "settings": dict(sink=SERVED_SINK, recent=SERVED_RECENT,
+                         ppl_semantics="decode (every position reads the INT2 history beyond sink/recent, teacher "
+                         "forced)", niah_semantics="exact single-chunk prefill, INT2 "
                          "decode (server semantics)",
                          niah_tasks_scored=scored, niah_tasks_excluded_bf16_fails=excluded,
                          calibration_source=CALIBRATION_SOURCE,
@@ -537,7 +544,7 @@ def plot(report: dict, path: Path) -> None:
         axes[1].set_xlabel("NIAH score (string_match_all, %)")
         axes[1].legend()
         axes[1].invert_yaxis()
-    fig.suptitle(f"{report['model']}: INT2 KV (sink {SINK}, recent {RECENT})")
+    fig.suptitle(f"{report['model']}: INT2 KV (sink {SERVED_SINK}, recent {SERVED_RECENT})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

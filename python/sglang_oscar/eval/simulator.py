@@ -32,6 +32,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..config import SERVED_RECENT, SERVED_SINK
 from ..hf_attention import attention_override, causal_attention
 from ..quant.kv import SideQuantizer
 
@@ -226,8 +227,8 @@ class MixedCacheSimulator:
     between sequences processed inside one attach block.
     """
 
-    def __init__(self, layers: Sequence[LayerQuant], *, sink: int = 64, recent: int = 256, mode: Mode = "decode",
-                 block: int = 512):
+    def __init__(self, layers: Sequence[LayerQuant], *, sink: int = SERVED_SINK, recent: int = SERVED_RECENT,
+                 mode: Mode = "decode", block: int = 512):
         if sink < 0 or recent < 1:
             raise ValueError(f"need sink >= 0 and recent >= 1, got sink={sink} recent={recent}")
         if block < 1:

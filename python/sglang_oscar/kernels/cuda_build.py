@@ -16,6 +16,7 @@ import subprocess
 import torch
 
 CUDA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
+ENV_CACHE = "SGLANG_OSCAR_CACHE"  # the build cache (srt/options.py lists it with the server's variables)
 
 
 class CudaUnavailable(RuntimeError):
@@ -41,7 +42,7 @@ def build(source: str) -> str:
     with open(source, "rb") as f:
         src = f.read()
     key = hashlib.sha256(src + arch.encode() + version.encode()).hexdigest()[:16]
-    cache = os.environ.get("SGLANG_OSCAR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "sglang_oscar"))
+    cache = os.environ.get(ENV_CACHE, os.path.join(os.path.expanduser("~"), ".cache", "sglang_oscar"))
     os.makedirs(cache, exist_ok=True)
     stem = os.path.splitext(os.path.basename(source))[0]
     so = os.path.join(cache, f"{stem}_{key}.so")

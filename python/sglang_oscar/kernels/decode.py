@@ -33,15 +33,14 @@ powers of two or not (e.g. 12 for GLM-4.x at any TP: 96 q heads / 8 KV heads). G
 at NP = 16 (a 12-head group's [BLOCK_N, NP] tiles are 1/4 padding), with 64 tokens per
 iteration by default (default_block_n: at 128 the loop spills).
 
-INT2 inner loop (the ALU budget, see design/architecture.md): scale and min are folded out,
+INT2 inner loop (the ALU budget, see docs/design.md): scale and min are folded out,
 
     q·k̂  = Σ_g scale_g · (q_g · c_g)  +  Σ_g min_g · Σ_{i∈g} q_i
     Σ_t p_t v̂_t = Σ_g Σ_t (p_t·scale_tg) c_t  +  Σ_g (Σ_t p_t·min_tg)
 
-so the dots run on raw codes. With uniform levels a code of plane p enters the dots as the fp16
-subnormal code·2^(2p−24): its byte spread into a halfword and AND-ed with the plane's two bits, one
-instruction per two codes, exact; the factor is undone outside the loop (SUB,
-_codes_plane_scaled). A codebook's levels enter as 1 + level/4 (_codes_plane). Quarter-plane packing
+so the dots run on raw codes. A code of plane p enters the dots as the fp16 subnormal code·2^(2p−24):
+its byte spread into a halfword and AND-ed with the plane's two bits, one instruction per two codes,
+exact; the factor is undone outside the loop (_codes_plane_scaled). Quarter-plane packing
 makes plane p = (byte >> 2p) & 3 the contiguous dims [p·D/4, (p+1)·D/4): four dots over D/4, no
 reshapes.
 
@@ -49,7 +48,7 @@ Cache format (kernels/layout.py). (scale, min) are float8 e4m3 pairs, read as on
 groups (param_words, _param_word) and decoded by integer ops into fp16 bit patterns of 2^-8 times their values
 (e4m3_pair, exact; the 2^8 is folded into constants and the per-program query sums). A layer may hold INT4 keys on
 some KV heads (k4_heads): code lo | hi << 2, lo in k_codes, hi in k_hi (its own records, k4_index[h] its head
-there), uniform levels. Stage 1 and the merge specialise on whether the layer has any (K4, a constexpr): INT2-only
+there). Stage 1 and the merge specialise on whether the layer has any (K4, a constexpr): INT2-only
 layers run the code without it; with K4 each history program ORs the k_hi plane into the subnormal codes (up to
 15·2^(2p−24), _codes_plane_scaled4), its hi loads masked off on a head whose keys are INT2.
 
@@ -79,7 +78,7 @@ from . import history_cuda, write, write_cuda
 from ..quant.intq import PARAM_DTYPE
 from .layout import check_shape
 from .records import k4_row, pool_record
-from .shapes import window_programs
+from .shapes import PDL_SM_MAJOR, has_pdl, window_programs
 
 LOG2E = 1.4426950408889634
 SUPPORTED_QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -94,45 +93,17 @@ PARAM_SCALE = tl.constexpr(256.0)
 
 
 @triton.jit
-def _codes_plane(b, SHIFT: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, DT: tl.constexpr,
-                 FAST_CVT: tl.constexpr):
-    """Plane (b >> SHIFT) & 3 of a uint8 tile as 1 + level/4 in the dot dtype (levels 0,1,2,3 or
-    the codebook's 0, a, 3-a, 3). The +1 offset is what makes the fast path two instructions per
-    four codes after the shift: OR-ing a code into the top mantissa bits of 1.0 (0x3C00) gives
-    1 + c/4 exactly, so no subtraction; the offset is taken out per group with the query sums."""
-    if CODEBOOK:
-        c = (b >> SHIFT) & 3
-        lo = (c & 1).to(tl.float32)
-        hi = (c >> 1).to(tl.float32)
-        return ((lo * LEVEL_A + hi * (3.0 - LEVEL_A)) * 0.25 + 1.0).to(DT)
-    elif FAST_CVT:
-        # 4 codes per 32-bit word: t = ((w >> SHIFT) & 0x03030303) | 0x3C3C3C3C, then two prmt
-        # put byte k of t into the high byte of fp16 number k (low byte 0): 0x3C00 | c << 8.
-        return tl.inline_asm_elementwise(
-            asm=f"""{{
-            .reg .b32 t;
-            shr.b32 t, $2, {SHIFT};
-            lop3.b32 t, t, 0x03030303, 0x3C3C3C3C, 0xEA;
-            prmt.b32 $0, t, 0, 0x1404;
-            prmt.b32 $1, t, 0, 0x3424;
-            }}""",
-            constraints="=r,=r,r", args=[b], dtype=tl.float16, is_pure=True, pack=4,
-        )
-    else:
-        return (((b >> SHIFT) & 3).to(tl.float32) * 0.25 + 1.0).to(DT)
-
-
-@triton.jit
 def _codes_plane_scaled(b, P: tl.constexpr, FAST_CVT: tl.constexpr, DT: tl.constexpr):
     """Plane P of a uint8 tile as c·2^(2P−24), without an offset ("subnormal codes").
 
     Fast path: prmt spreads the 4 bytes of a word into the low bytes of 4 halfwords; AND-ing a halfword
     with the plane's two bits (MASK = 0x00030003 << 2P) leaves an fp16 of exponent 0, i.e. the
     subnormal c·2^(2P)·2^-24, exact. That is 1 AND per 2 codes per plane, and the 2 prmt per word are
-    the same for all 4 planes (ptxas merges them); _codes_plane spends shr + lop3 + 2 prmt per 4 codes
-    per plane. The tensor cores take fp16 subnormals as they are (the GPU tests compare with the
-    oracle). The per-plane factor 2^(2P−24) is undone outside the loop (V: on the accumulator of the
-    sub-plane; K: q is pre-scaled so that all planes of a group share one factor)."""
+    the same for all 4 planes (ptxas merges them); an offset form 1 + code/4 (OR-ed into the mantissa of
+    1.0) spends shr + lop3 + 2 prmt per 4 codes per plane. The tensor cores take fp16 subnormals as they
+    are (the GPU tests compare with the oracle). The per-plane factor 2^(2P−24) is undone outside the
+    loop (V: on the accumulator of the sub-plane; K: q is pre-scaled so that all planes of a group share
+    one factor)."""
     MASK: tl.constexpr = 0x00030003 << (2 * P)
     if FAST_CVT:
         return tl.inline_asm_elementwise(
@@ -179,24 +150,13 @@ def _codes_plane_scaled4(lo, hi, P: tl.constexpr, FAST_CVT: tl.constexpr, DT: tl
 
 
 @triton.jit
-def _plane_codes(b, P: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, SUB: tl.constexpr,
-                 DT: tl.constexpr, FAST_CVT: tl.constexpr):
-    """Plane P of a uint8 code tile in the INT2 split's format: code·2^(2P−24) (SUB) or 1 + level/4."""
-    if SUB:
-        return _codes_plane_scaled(b, P, FAST_CVT, DT)
-    else:
-        return _codes_plane(b, 2 * P, LEVEL_A, CODEBOOK, DT, FAST_CVT)
-
-
-@triton.jit
-def _key_plane(kb, kh, P: tl.constexpr, K_A: tl.constexpr, K_CODEBOOK: tl.constexpr, SUB: tl.constexpr,
-               DT: tl.constexpr, FAST_CVT: tl.constexpr, K4: tl.constexpr):
-    """Plane P of a K code tile kb (and its k_hi tile kh where K4: INT4 keys, always subnormal codes, see
-    _int2_split) as the K dots take it."""
+def _key_plane(kb, kh, P: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, K4: tl.constexpr):
+    """Plane P of a K code tile kb (and its k_hi tile kh where K4: INT4 keys, see _int2_split) as the K dots take
+    it."""
     if K4:
         return _codes_plane_scaled4(kb, kh, P, FAST_CVT, DT)
     else:
-        return _plane_codes(kb, P, K_A, K_CODEBOOK, SUB, DT, FAST_CVT)
+        return _codes_plane_scaled(kb, P, FAST_CVT, DT)
 
 
 @triton.jit
@@ -285,12 +245,12 @@ def _history_end(split, L, ring_start_ptr, SINK: tl.constexpr, WINDOW: tl.conste
 
 @triton.jit
 def _query_sub_planes(q_ptr, q_mask, qk_scale, N: tl.constexpr, D: tl.constexpr, GK: tl.constexpr,
-                      NGK: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, DT: tl.constexpr):
+                      NGK: tl.constexpr, CH: tl.constexpr, DT: tl.constexpr):
     """The query as the B operands of the K dots, one per sub-plane sp (dims p·D/4 + k·CH + c), scaled by
     qk_scale in the dot dtype, and the per-group sums [N] of the q that the dots see, times PARAM_SCALE (the
     min terms take the mins as _param_word gives them). q_ptr / q_mask:
     the pointer tile of sub-plane 0 (rows: CH dims, or 2·CH for the folded block diagonal) and its mask.
-    SUB: all planes of group g share the factor 2^(2 p_g − 24) of its lowest plane p_g, so q of plane p
+    All planes of group g share the factor 2^(2 p_g − 24) of its lowest plane p_g, so q of plane p
     is pre-scaled by 4^(p_g − p) (<= 1) and the sums are taken before that scale."""
     D4: tl.constexpr = D // 4
     NCH: tl.constexpr = D4 // CH
@@ -300,45 +260,34 @@ def _query_sub_planes(q_ptr, q_mask, qk_scale, N: tl.constexpr, D: tl.constexpr,
         qsum = qsum + [tl.zeros([N], tl.float32)]
     for sp in tl.static_range(4 * NCH):
         qt = tl.load(q_ptr + ((sp // NCH) * D4 + (sp % NCH) * CH), mask=q_mask, other=0.0).to(tl.float32)
-        if SUB:
-            p_g = ((((sp // NCH) * D4 + (sp % NCH) * CH) // GK) * GK) // D4
-            qts = qts + [(qt * (qk_scale / (1 << (2 * (sp // NCH - p_g))))).to(DT)]
-            qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt * qk_scale, 0))
-        else:
-            qt = (qt * qk_scale).to(DT)
-            qts = qts + [qt]
-            qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt.to(tl.float32), 0))
+        p_g = ((((sp // NCH) * D4 + (sp % NCH) * CH) // GK) * GK) // D4
+        qts = qts + [(qt * (qk_scale / (1 << (2 * (sp // NCH - p_g))))).to(DT)]
+        qsum = _tuple_add(qsum, ((sp // NCH) * D4 + (sp % NCH) * CH) // GK, tl.sum(qt * qk_scale, 0))
     for g in tl.static_range(NGK):
         qsum = _tuple_set(qsum, g, qsum[g] * PARAM_SCALE)
     return qts, qsum
 
 
 @triton.jit
-def _group_scores(d, ks, km, qsum_g, P_G: tl.constexpr, SUB: tl.constexpr):
+def _group_scores(d, ks, km, qsum_g, P_G: tl.constexpr):
     """K group g's share of the scores from its dot d = E_g·q: scale and min terms (ks, km broadcast to
     d's shape, 2^-8 times their values; qsum_g [N], times PARAM_SCALE); P_G is the group's lowest plane
     (the subnormal codes' factor 2^(2 P_G − 24))."""
-    if SUB:
-        return d * (ks * ((1 << (24 - 2 * P_G)) * PARAM_SCALE)) + km * qsum_g[None, :]
-    else:
-        return d * (ks * (4.0 * PARAM_SCALE)) + (km - 4.0 * ks) * qsum_g[None, :]
+    return d * (ks * ((1 << (24 - 2 * P_G)) * PARAM_SCALE)) + km * qsum_g[None, :]
 
 
 @triton.jit
-def _value_weights(p, vs, vm, SUB: tl.constexpr, DT: tl.constexpr):
+def _value_weights(p, vs, vm, DT: tl.constexpr):
     """(w, min term) of a V group for the probabilities p (vs, vm: 2^-8 times their values): the dots'
     weights p·scale in the dot dtype (scaled back first: fp16 would lose small ones), and p·min in fp32, still
-    2^-8 times it (_store_split scales the sums) (both with the offset of 1 + code/4 folded in unless SUB)."""
-    if SUB:
-        return (p * (vs * PARAM_SCALE)).to(DT), p * vm
-    else:
-        return (p * (vs * (4.0 * PARAM_SCALE))).to(DT), p * (vm - 4.0 * vs)
+    2^-8 times it (_store_split scales the sums)."""
+    return (p * (vs * PARAM_SCALE)).to(DT), p * vm
 
 
 @triton.jit
 def _store_split(O_PART, LSE_PART, b, h, split, accs, mins, l_i, m_i,
                  HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GV: tl.constexpr, CH: tl.constexpr,
-                 NS_TOTAL: tl.constexpr, NP: tl.constexpr, SUB: tl.constexpr):
+                 NS_TOTAL: tl.constexpr, NP: tl.constexpr):
     """Store one INT2 split's partial output oᵀ per sub-plane (with its V group's min term mins[g] [NP], 2^-8
     times it, normalised by l_i) and its LSE (log2 domain), for the GQA heads of KV head h."""
     D4: tl.constexpr = D // 4
@@ -350,9 +299,7 @@ def _store_split(O_PART, LSE_PART, b, h, split, accs, mins, l_i, m_i,
     inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     out_col = O_PART + ((b * (HKV * GQA) + hq) * NS_TOTAL + split) * D  # [NP]
     for sp in tl.static_range(4 * NCH):
-        acc = accs[sp]
-        if SUB:
-            acc = acc * (1 << (24 - 2 * (sp // NCH)))
+        acc = accs[sp] * (1 << (24 - 2 * (sp // NCH)))
         o = (acc + mins[((sp // NCH) * D4 + (sp % NCH) * CH) // GV][None, :] * PARAM_SCALE) * inv_l[None, :]
         tl.store(out_col[None, :] + ((sp // NCH) * D4 + (sp % NCH) * CH) + offs_c[:, None], o, mask=mask_h[None, :])
     lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
@@ -363,9 +310,8 @@ def _store_split(O_PART, LSE_PART, b, h, split, accs, mins, l_i, m_i,
 def _int2_block(
     KC, KH, j4, KP, VC, VP, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
     HKV: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BLOCK_N: tl.constexpr,
-    K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
     DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr, CH: tl.constexpr,
-    SUB: tl.constexpr, PAGE: tl.constexpr, K4: tl.constexpr, H4: tl.constexpr,
+    PAGE: tl.constexpr, K4: tl.constexpr, H4: tl.constexpr,
 ):
     """BLOCK_N history rows [start, start + BLOCK_N) of one split: scores, online softmax, V dots; rows >= hi are
     masked."""
@@ -401,9 +347,9 @@ def _int2_block(
         d = tl.zeros(l_t.shape, tl.float32)
         for sp in tl.static_range(NSP):
             if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
-                e = _key_plane(kbs[sp % NCH], khs[sp % NCH], sp // NCH, K_A, K_CODEBOOK, SUB, DT, FAST_CVT, K4)
+                e = _key_plane(kbs[sp % NCH], khs[sp % NCH], sp // NCH, DT, FAST_CVT, K4)
                 d = tl.dot(e, qts[sp], acc=d)
-        s += _group_scores(d, ks[:, None], km[:, None], qsum[g], (g * GK) // D4, SUB or K4)
+        s += _group_scores(d, ks[:, None], km[:, None], qsum[g], (g * GK) // D4)
     s = tl.where(mask_n[:, None], s, float("-inf"))
 
     # ---- online softmax over the tokens (log2 domain)
@@ -418,11 +364,11 @@ def _int2_block(
     # ---- values oᵀ [CH, NP] per sub-plane
     for g in tl.static_range(NGV):
         vs, vm = _param_word(VP, row, g, NGV, mask_n)
-        w, vmp = _value_weights(p, vs[:, None], vm[:, None], SUB, DT)
+        w, vmp = _value_weights(p, vs[:, None], vm[:, None], DT)
         accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + vmp)
         for sp in tl.static_range(NSP):
             if ((sp // NCH) * D4 + (sp % NCH) * CH) // GV == g:
-                e = _plane_codes(vbs[sp % NCH], sp // NCH, V_A, V_CODEBOOK, SUB, DT, FAST_CVT)
+                e = _codes_plane_scaled(vbs[sp % NCH], sp // NCH, FAST_CVT, DT)
                 accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp] * alpha[None, :]))
     return m_i, l_t, accs, accmin
 
@@ -433,29 +379,22 @@ def _int2_split(
     split, b, h, base_hi, hist_hi, r2t, qk_scale,
     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     SINK: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
-    BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
-    V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
-    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PAGE: tl.constexpr, K4: tl.constexpr,
-    H4: tl.constexpr,
+    BLOCK_N: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
+    NGV: tl.constexpr, CH: tl.constexpr, PAGE: tl.constexpr, K4: tl.constexpr, H4: tl.constexpr,
 ):
     """One split of the INT2 history [SINK, hist_hi), transposed: tokens in M, the GQA heads in N
     (padded to NP = next power of two, not 16), so the softmax and the scale / min algebra run on
     [BLOCK_N, NP] tiles. The codes are handled in sub-planes (plane p, byte chunk k of CH bytes):
-    each one lies inside exactly one K group and one V group.
-
-        scores  sᵀ[t, h] = Σ_g 4·ks_tg·(E_g qᵀ)[t, h] + (km_tg − 4·ks_tg)·Qsum_g[h]
-        values  oᵀ[d, h] = Σ_t E[t, d]·(4·vs_tg·p[t, h]) + Σ_t p[t, h]·(vm_tg − 4·vs_tg)
-    with E = 1 + code/4 (exact in fp16), Qsum_g = Σ_{i∈g} q_i (of the rounded q).
-
-    SUB ("subnormal codes", uniform levels only): E_p = code·2^(2p−24) instead, no offset, so
+    each one lies inside exactly one K group and one V group. With the codes as subnormals E_p = code·2^(2p−24)
+    (exact in fp16, _codes_plane_scaled):
 
         sᵀ[t, h] = Σ_g ks_tg·2^(24−2p_g)·(Σ_{sp∈g} E_p q'_spᵀ)[t, h] + km_tg·Qsum_g[h]
         oᵀ[d, h] = 2^(24−2p)·Σ_t E_p[t, d]·(vs_tg·p[t, h]) + Σ_t p[t, h]·vm_tg
-    where p_g is the lowest plane of K group g and q'_sp = q_sp·4^(p_g − p) (≤ q: no fp16 overflow).
+    where p_g is the lowest plane of K group g, q'_sp = q_sp·4^(p_g − p) (≤ q: no fp16 overflow) and
+    Qsum_g = Σ_{i∈g} q_i.
 
-    K4 (a layer with INT4-key heads, layout.py k4_heads: uniform key levels): the K side always takes the subnormal
-    form, codes lo | hi << 2 from k_codes and k_hi (up to 15, the same sums), whatever SUB says for V (a V
-    codebook); KV head h's hi bytes are at k_hi head K4_INDEX[h], none (hi = 0) where that is -1 (an INT2-key head
+    K4 (a layer with INT4-key heads, layout.py k4_heads): K codes lo | hi << 2 from k_codes and k_hi (up to 15, the
+    same sums); KV head h's hi bytes are at k_hi head K4_INDEX[h], none (hi = 0) where that is -1 (an INT2-key head
     of the layer: its loads masked off)."""
     NSP: tl.constexpr = D // CH  # sub-planes: 4 planes x D/4 / CH byte chunks
     lo, hi = _split_rows(split, base_hi, hist_hi, SINK, NS, BLOCK_N)
@@ -468,7 +407,7 @@ def _int2_split(
 
     # qᵀ per sub-plane [CH, NP], and the per-group sums of the rounded q
     qts, qsum = _query_sub_planes(q_col[None, :] + offs_c[:, None], mask_h[None, :], qk_scale, NP, D, GK, NGK,
-                                  CH, SUB or K4, DT)
+                                  CH, DT)
     j4 = k4_row(K4_INDEX, h, K4)
 
     m_i = tl.full([NP], float("-inf"), tl.float32)
@@ -483,7 +422,7 @@ def _int2_split(
     for start in range(lo, hi, BLOCK_N):
         m_i, l_t, accs, accmin = _int2_block(
             KC, KH, j4, KP, VC, VP, r2t, h, start, hi, qts, qsum, m_i, l_t, accs, accmin,
-            HKV, D, GK, GV, BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PAGE, K4, H4,
+            HKV, D, GK, GV, BLOCK_N, DT, FAST_CVT, NGK, NGV, CH, PAGE, K4, H4,
         )
 
     # ---- epilogue: reduce the token lanes, then add the min terms, normalise, store oᵀ
@@ -491,7 +430,7 @@ def _int2_split(
     for g in tl.static_range(NGV):
         mins = mins + [tl.sum(accmin[g], 0)]
     _store_split(O_PART, LSE_PART, b, h, split, accs, mins, tl.sum(l_t, 0), m_i,
-                 HKV, GQA, D, GV, CH, NS_TOTAL, NP, SUB)
+                 HKV, GQA, D, GV, CH, NS_TOTAL, NP)
 
 
 @triton.jit
@@ -520,10 +459,8 @@ def _int2_split_folded(
     split, b, h, L, ring_start_ptr, r2t, qk_scale,
     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, NS: tl.constexpr, NS_TOTAL: tl.constexpr, NP: tl.constexpr,
-    BLOCK_N: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
-    V_CODEBOOK: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
-    NGV: tl.constexpr, CH: tl.constexpr, SUB: tl.constexpr, PAGE: tl.constexpr, K4: tl.constexpr,
-    H4: tl.constexpr,
+    BLOCK_N: tl.constexpr, DT: tl.constexpr, FAST_CVT: tl.constexpr, NGK: tl.constexpr,
+    NGV: tl.constexpr, CH: tl.constexpr, PAGE: tl.constexpr, K4: tl.constexpr, H4: tl.constexpr,
 ):
     """_int2_split with the two halves of each block of BLOCK_N tokens side by side in N ("folded"):
     the score / softmax / min tiles are [BM = BLOCK_N/2, 2·NP] instead of [BLOCK_N, NP]. With NP = 4
@@ -551,8 +488,7 @@ def _int2_split_folded(
 
     # blockdiag(qᵀ, qᵀ) per sub-plane [2·CH, NPF] (the mask keeps one block per column), so the group
     # sums come out per folded column
-    qts, qsum = _query_sub_planes(q_colj[None, :] + cc[:, None], q_mask, qk_scale, NPF, D, GK, NGK, CH, SUB or K4,
-                                  DT)
+    qts, qsum = _query_sub_planes(q_colj[None, :] + cc[:, None], q_mask, qk_scale, NPF, D, GK, NGK, CH, DT)
     j4 = k4_row(K4_INDEX, h, K4)
     # the rows after q's loads: they need seq_lens, q does not (so q's loads are in flight while L arrives)
     base_hi, hist_hi = _history_end(split, L, ring_start_ptr, SINK, WINDOW, NS, BLOCK_N)
@@ -604,11 +540,11 @@ def _int2_split_folded(
             d = tl.zeros([BM, NPF], tl.float32)
             for sp in tl.static_range(NSP):
                 if ((sp // NCH) * D4 + (sp % NCH) * CH) // GK == g:
-                    e = _key_plane(kbs[sp % NCH], khs[sp % NCH], sp // NCH, K_A, K_CODEBOOK, SUB, DT, FAST_CVT, K4)
+                    e = _key_plane(kbs[sp % NCH], khs[sp % NCH], sp // NCH, DT, FAST_CVT, K4)
                     d = tl.dot(e, qts[sp], acc=d)
             ks = _fold_pick(ks_a, ks_b, jk)
             km = _fold_pick(km_a, km_b, jk)
-            s += _group_scores(d, ks, km, qsum[g], (g * GK) // D4, SUB or K4)
+            s += _group_scores(d, ks, km, qsum[g], (g * GK) // D4)
         s = tl.where(mask_f, s, float("-inf"))
 
         # ---- online softmax (a head's max over both halves)
@@ -626,12 +562,12 @@ def _int2_split_folded(
             vs_b, vm_b = _param_word(VP, row_b, g, NGV, mask_b)
             vs = _fold_pick(vs_a, vs_b, jk)
             vm = _fold_pick(vm_a, vm_b, jk)
-            wf, vmp = _value_weights(p, vs, vm, SUB, DT)
+            wf, vmp = _value_weights(p, vs, vm, DT)
             accmin = _tuple_set(accmin, g, accmin[g] * alpha[None, :] + vmp)
             w = tl.reshape(tl.permute(tl.reshape(wf, [BM, 2, NP]), (1, 0, 2)), [BLOCK_N, NP])
             for sp in tl.static_range(NSP):
                 if ((sp // NCH) * D4 + (sp % NCH) * CH) // GV == g:
-                    e = _plane_codes(vbs[sp % NCH], sp // NCH, V_A, V_CODEBOOK, SUB, DT, FAST_CVT)
+                    e = _codes_plane_scaled(vbs[sp % NCH], sp // NCH, FAST_CVT, DT)
                     accs = _tuple_set(accs, sp, tl.dot(e, w, acc=accs[sp] * alpha_h[None, :]))
 
     # ---- epilogue: fold the halves back, then as _int2_split
@@ -639,7 +575,7 @@ def _int2_split_folded(
     for g in tl.static_range(NGV):
         mins = mins + [_halves_sum(tl.sum(accmin[g], 0), NP)]
     _store_split(O_PART, LSE_PART, b, h, split, accs, mins, _halves_sum(tl.sum(l_t, 0), NP),
-                 tl.max(tl.reshape(m_i, [2, NP]), 0), HKV, GQA, D, GV, CH, NS_TOTAL, NP, SUB)
+                 tl.max(tl.reshape(m_i, [2, NP]), 0), HKV, GQA, D, GV, CH, NS_TOTAL, NP)
 
 
 @triton.jit
@@ -723,13 +659,11 @@ def _oscar_decode_stage1(
     SS: tl.constexpr,  # sink splits
     RS: tl.constexpr,  # ring splits
     BLOCK_M: tl.constexpr, NP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
     DT: tl.constexpr,  # dtype of the INT2 dots (fp16 on GPU, fp32 in the interpreter)
     WDT: tl.constexpr,  # dtype of the BF16-window dots
     FAST_CVT: tl.constexpr,  # codes -> fp16 through inline PTX (GPU, fp16 dots)
     NGK: tl.constexpr, NGV: tl.constexpr,  # groups per row
     CH: tl.constexpr,  # bytes per code chunk: min(GK, GV, D/4)
-    SUB: tl.constexpr,  # subnormal codes (uniform levels): E = code·2^(2p−24), see _int2_split
     FOLD: tl.constexpr,  # the two halves of a block side by side in N (_int2_split_folded)
     WINDOW_ONLY: tl.constexpr,  # a grid of the SS + RS window programs only (after the CUDA history stage)
     PDL_TRIGGER: tl.constexpr,  # let the merge launch now (its programs wait for this grid's writes)
@@ -759,7 +693,7 @@ def _oscar_decode_stage1(
                 Q, KC, KH, K4_INDEX, KP, VC, VP, O_PART, LSE_PART,
                 split, b, h, L, RING_START + r, r2t, qk_scale,
                 HKV, GQA, D, GK, GV, SINK, WINDOW, NS, NS_TOTAL, NP,
-                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PAGE, K4, H4,
+                BLOCK_N, DT, FAST_CVT, NGK, NGV, CH, PAGE, K4, H4,
             )
         else:
             base_hi, hist_hi = _history_end(split, L, RING_START + r, SINK, WINDOW, NS, BLOCK_N)
@@ -767,7 +701,7 @@ def _oscar_decode_stage1(
                 Q, KC, KH, K4_INDEX, KP, VC, VP, O_PART, LSE_PART,
                 split, b, h, base_hi, hist_hi, r2t, qk_scale,
                 HKV, GQA, D, GK, GV, SINK, NS, NS_TOTAL, NP,
-                BLOCK_N, K_A, V_A, K_CODEBOOK, V_CODEBOOK, DT, FAST_CVT, NGK, NGV, CH, SUB, PAGE, K4, H4,
+                BLOCK_N, DT, FAST_CVT, NGK, NGV, CH, PAGE, K4, H4,
             )
     else:
         recent_lo = tl.maximum(tl.maximum(L - WINDOW, SINK), tl.load(RING_START + r))
@@ -792,10 +726,10 @@ def _oscar_decode_stage1(
 
 @triton.jit
 def _dequant_rows(C, H, P16, row, row4, use, use4, d0, DN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                  LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, FOUR: tl.constexpr):
-    """Dims [d0, d0 + DN) of the quantized rows `row` [N] (pool records) as fp32 [N, DN]: min + scale·level[code];
+                  FOUR: tl.constexpr):
+    """Dims [d0, d0 + DN) of the quantized rows `row` [N] (pool records) as fp32 [N, DN]: min + scale·code;
     0 where ~use. P16: the params as int16 words, one (scale, min) pair each. FOUR: codes lo | hi << 2 (lo from C,
-    hi from H at records row4 where use4, else 0: the keys of a layer with INT4-key heads), uniform levels."""
+    hi from H at records row4 where use4, else 0: the keys of a layer with INT4-key heads)."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     offs_d = d0 + tl.arange(0, DN)
@@ -807,8 +741,6 @@ def _dequant_rows(C, H, P16, row, row4, use, use4, d0, DN: tl.constexpr, D: tl.c
         hi = tl.load(H + row4[:, None] * D4 + (offs_d % D4)[None, :], mask=use4[:, None], other=0).to(tl.int32)
         code = code | (((hi >> shift) & 3) << 2)
     lvl = code.to(tl.float32)
-    if CODEBOOK:
-        lvl = tl.where(code == 1, LEVEL_A, tl.where(code == 2, 3.0 - LEVEL_A, lvl))
     w = tl.load(P16 + row[:, None] * NG + (offs_d // G)[None, :], mask=m, other=0)
     scale, mn = e4m3_pair(w.to(tl.int32))
     return tl.where(m, (mn + scale * lvl) * PARAM_SCALE, 0.0)
@@ -816,8 +748,7 @@ def _dequant_rows(C, H, P16, row, row4, use, use4, d0, DN: tl.constexpr, D: tl.c
 
 @triton.jit
 def _sink_rows(C, H, j4, P16, S_ROWS, slot, srow, in_sink, h, d0, DN: tl.constexpr, HKV: tl.constexpr,
-               D: tl.constexpr, G: tl.constexpr, LEVEL_A: tl.constexpr, CODEBOOK: tl.constexpr, PAGE: tl.constexpr,
-               FOUR: tl.constexpr, H4: tl.constexpr):
+               D: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, FOUR: tl.constexpr, H4: tl.constexpr):
     """Dims [d0, d0 + DN) of sink positions' rows as fp32 [N, DN]: the BF16 sink row where srow >= 0, else
     the quantized form (_dequant_rows; FOUR: hi bytes at head j4 of H's H4 heads, none where j4 < 0)."""
     offs_d = d0 + tl.arange(0, DN)
@@ -825,7 +756,7 @@ def _sink_rows(C, H, j4, P16, S_ROWS, slot, srow, in_sink, h, d0, DN: tl.constex
     q = in_sink & (srow < 0)
     x = tl.load(S_ROWS + (srow * HKV + h)[:, None] * D + offs_d[None, :], mask=has[:, None], other=0.0)
     return x.to(tl.float32) + _dequant_rows(C, H, P16, pool_record(slot, h, HKV, PAGE), pool_record(slot, j4, H4, PAGE),
-                                            q, q & (j4 >= 0), d0, DN, D, G, LEVEL_A, CODEBOOK, FOUR)
+                                            q, q & (j4 >= 0), d0, DN, D, G, FOUR)
 
 
 @triton.jit
@@ -833,8 +764,7 @@ def _oscar_decode_merge(
     O_PART, LSE_PART, OUT,
     Q, KC, KH, K4_INDEX, KP16, VC, VP16, SK, SV, SINK_TABLE, REQ_TO_TOKEN, REQ_IDX, SEQ_LENS, qk_scale, stride_r2t,
     HQ: tl.constexpr, GQA: tl.constexpr, HKV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-    SINK: tl.constexpr, K_A: tl.constexpr, V_A: tl.constexpr, K_CODEBOOK: tl.constexpr,
-    V_CODEBOOK: tl.constexpr, BLOCK_T: tl.constexpr,
+    SINK: tl.constexpr, BLOCK_T: tl.constexpr,
     NS: tl.constexpr, SS: tl.constexpr, NS_TOTAL: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
     DC: tl.constexpr,  # output dims per program: program (pid, c) merges dims [c·DC, (c + 1)·DC)
     PDL: tl.constexpr,  # launched as a programmatic dependent of stage 1: wait for its writes here
@@ -876,15 +806,13 @@ def _oscar_decode_merge(
             in_sink = pos < n
             slot = tl.load(r2t + pos, mask=in_sink, other=0).to(tl.int64)
             srow = tl.load(SINK_TABLE + slot, mask=in_sink, other=0).to(tl.int64)
-            k = _sink_rows(KC, KH, j4, KP16, SK, slot, srow, in_sink, h, 0, D, HKV, D, GK, K_A, K_CODEBOOK, PAGE,
-                           K4, H4)
+            k = _sink_rows(KC, KH, j4, KP16, SK, slot, srow, in_sink, h, 0, D, HKV, D, GK, PAGE, K4, H4)
             s = tl.where(in_sink, tl.sum(k * q[None, :], 1), float("-inf"))
             m_new = tl.maximum(m_x, tl.max(s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_x - m_safe)
             p = tl.exp2(s - m_safe)
-            v = _sink_rows(VC, VC, 0, VP16, SV, slot, srow, in_sink, h, d0, DC, HKV, D, GV, V_A, V_CODEBOOK, PAGE,
-                           False, 1)
+            v = _sink_rows(VC, VC, 0, VP16, SV, slot, srow, in_sink, h, d0, DC, HKV, D, GV, PAGE, False, 1)
             acc_x = acc_x * alpha + tl.sum(p[:, None] * v, 0)
             l_x = l_x * alpha + tl.sum(p, 0)
             m_x = m_new
@@ -908,10 +836,13 @@ def _oscar_decode_merge(
 
 # Split rule of the Triton history (default_num_splits). At least SPLIT_WAVES INT2 programs per SM; at batch 1 (at most
 # SMALL_BATCH_HEADS request x KV-head pairs) at least SMALL_BATCH_SPLITS splits (H100, Qwen3-8B heads: 0.84x the time
-# of 3 waves' 50 at 128k, 0.93x at 32k).
+# of 3 waves' 50 at 128k, 0.93x at 32k); at least SPLIT_MIN_ROWS history rows per split; at most MAX_SPLITS (the
+# merge holds all partials of a head in one tile).
 SPLIT_WAVES = 3
 SMALL_BATCH_HEADS = 8
 SMALL_BATCH_SPLITS = 64
+SPLIT_MIN_ROWS = 256
+MAX_SPLITS = 128
 # Folded tiles (the two halves of a block side by side in N) where the GQA heads pad N (NP < 8): the folded loop
 # compiles to 168 registers at 128:2:3 (254 unfolded), so capped there 6 CTAs fit per SM. At D 256 it spills under 168
 # registers, so it is not folded there.
@@ -949,33 +880,36 @@ def _rounds_fill(programs: int, slots: int) -> float:
     return programs / (triton.cdiv(programs, slots) * slots)
 
 
-def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int = 132, min_tokens: int = 256,
-                       waves: int = SPLIT_WAVES, small_batch_splits: int = SMALL_BATCH_SPLITS, round_up: bool = True,
-                       fill: bool = True, ctas_per_sm: int = FILL_CTAS_PER_SM, fill_min_rows: int = FILL_MIN_ROWS,
-                       long_split_rows: Optional[int] = None) -> int:
-    """History splits from shapes only: >= `waves` programs per SM (round_up) or the most that keep
-    the INT2 programs within `waves` per SM (not round_up); >= `small_batch_splits` splits when
-    batch x kv_heads <= SMALL_BATCH_HEADS (0: off); >= min_tokens INT2 rows per split; at most 128
-    (the merge holds all partials of a head in one tile). fill (with round_up): the wave-fill step
-    above, for `ctas_per_sm` resident programs per SM and splits of >= fill_min_rows rows, then the
-    long-split step (and the fill again) when long_split_rows is set; both may raise the count above
-    `waves` programs per SM (never above the min_tokens cap or 128): pass fill=False for exactly the
-    waves rule."""
-    if waves < 1:
-        raise ValueError(f"waves must be >= 1, got {waves}")
+def _split_cap(max_context: int) -> int:
+    """The most history splits of a context: SPLIT_MIN_ROWS rows each, at most MAX_SPLITS."""
+    return max(1, min(triton.cdiv(max_context, SPLIT_MIN_ROWS), MAX_SPLITS))
+
+
+def _wave_splits(batch: int, kv_heads: int, max_context: int, num_sms: int) -> int:
+    """default_num_splits before its wave fill: >= SPLIT_WAVES programs per SM, >= SMALL_BATCH_SPLITS splits where
+    batch x kv_heads <= SMALL_BATCH_HEADS, within _split_cap."""
     heads = max(batch * kv_heads, 1)
-    want = triton.cdiv(waves * num_sms, heads) if round_up else max(1, waves * num_sms // heads)
+    want = triton.cdiv(SPLIT_WAVES * num_sms, heads)
     if heads <= SMALL_BATCH_HEADS:
-        want = max(want, small_batch_splits)
-    cap = max(1, triton.cdiv(max_context, min_tokens))
-    ns = int(max(1, min(want, cap, 128)))
-    if not (fill and round_up):
-        return ns
+        want = max(want, SMALL_BATCH_SPLITS)
+    return int(min(want, _split_cap(max_context)))
+
+
+def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int = 132,
+                       ctas_per_sm: int = FILL_CTAS_PER_SM, fill_min_rows: int = FILL_MIN_ROWS,
+                       long_split_rows: Optional[int] = None) -> int:
+    """History splits from shapes only: the waves rule (_wave_splits), then the wave-fill step above, for
+    `ctas_per_sm` resident programs per SM and splits of >= fill_min_rows rows, then the long-split step (and the
+    fill again) when long_split_rows is set; both may raise the count above SPLIT_WAVES programs per SM (never above
+    _split_cap)."""
+    heads = max(batch * kv_heads, 1)
+    cap = _split_cap(max_context)
+    ns = _wave_splits(batch, kv_heads, max_context, num_sms)
     slots = ctas_per_sm * num_sms
 
     def filled(ns):
         if _rounds_fill(heads * ns, slots) < FILL_BELOW:
-            for n in range(ns + 1, min(3 * ns, cap, 128) + 1):
+            for n in range(ns + 1, min(3 * ns, cap) + 1):
                 if max_context < n * fill_min_rows:
                     break
                 if _rounds_fill(heads * n, slots) >= FILL_TO:
@@ -984,7 +918,7 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, num_sms: int
 
     ns = filled(ns)
     if long_split_rows and heads * ns > slots and max_context > ns * long_split_rows:
-        ns = filled(int(min(triton.cdiv(max_context, long_split_rows), cap, 128)))
+        ns = filled(int(min(triton.cdiv(max_context, long_split_rows), cap)))
     return ns
 
 
@@ -1129,8 +1063,8 @@ def plan_decode(batch: int, q_heads: int, kv_heads: int, head_dim: int, max_cont
         if not hist_cuda:
             raise ValueError("follows_write launches the CUDA history kernel as the KV write's programmatic "
                              "dependent: it needs history_kernel='cuda'")
-        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-            raise ValueError("follows_write needs programmatic dependent launch (sm_90 or newer)")
+        if not has_pdl(device):
+            raise ValueError(f"follows_write needs programmatic dependent launch (sm_{PDL_SM_MAJOR}0 or newer)")
     elif q_from_write:
         raise ValueError("q_from_write qualifies follows_write (the history kernel chained to the write that "
                          "rotated q); without follows_write the launch waits for the write anyway")
@@ -1218,16 +1152,13 @@ def oscar_decode(
     sm_scale: float,
     q_transform: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
-    k_level_a: Optional[float] = None,
-    v_level_a: Optional[float] = None,
     plan: Optional[DecodePlan] = None,
     **plan_args,
 ) -> torch.Tensor:
     """Decode attention over the mixed cache. q [B, Hq, D] raw (or transformed if q_transform is
     None); returns o [B, Hq, D] in the V-transformed basis, dtype of q (or written into `out`).
 
-    k_level_a / v_level_a: INT2 codebook parameter a (levels 0, a, 3−a, 3); None = uniform (k_level_a must be None on a
-    layer with INT4-key heads, cache.k_hi). The params must be float8 e4m3 (kernels/layout.py).
+    The params must be float8 e4m3 (kernels/layout.py).
     plan: the launch decisions (plan_decode) of this call's shape; None: plan_decode(**plan_args) for this call
     (history_kernel, follows_write, q_from_write, write_kernel, num_splits, block_n, sink_splits, ring_splits,
     merge_splits: see there). With follows_write, q must already be transformed (q_transform None) and contiguous: a
@@ -1262,9 +1193,6 @@ def oscar_decode(
         raise ValueError(f"req_pool_indices must be int32/int64, got {req_pool_indices.dtype}")
     if not req_to_token.is_contiguous() and req_to_token.stride(1) != 1:
         raise ValueError("req_to_token must have unit stride along positions")
-    codebook = k_level_a is not None or v_level_a is not None
-    if cache.k_hi is not None and k_level_a is not None:
-        raise ValueError("a layer with INT4-key heads (cache.k_hi) has uniform key levels: pass k_level_a=None")
     for name, t in (("k_params", cache.k_params), ("v_params", cache.v_params)):
         if t.dtype != PARAM_DTYPE:
             raise ValueError(f"{name} must be {PARAM_DTYPE} (the cache format, kernels/layout.py), got {t.dtype}")
@@ -1275,7 +1203,7 @@ def oscar_decode(
                          "write q while the history kernel reads it")
     if plan is None:
         if plan_args.get("history_kernel") == "cuda":  # the shape first: its refusal names what the stage covers
-            history_cuda.check_supported(D, Hq // Hkv, gk, gv, codebook, None, window_dtype=cache.ring_k.dtype)
+            history_cuda.check_supported(D, Hq // Hkv, gk, gv, None, window_dtype=cache.ring_k.dtype)
         plan = plan_decode(B, Hq, Hkv, D, req_to_token.shape[1], q.device, sink=sink, window=window, **plan_args)
     elif plan_args:
         raise ValueError(f"pass either a plan or plan_decode's arguments, not both ({sorted(plan_args)})")
@@ -1286,7 +1214,7 @@ def oscar_decode(
                          f"{D}, {req_to_token.shape[1]}")
     hist_cuda = plan.history_kernel == "cuda"
     if hist_cuda:
-        history_cuda.check_supported(D, plan.gqa, gk, gv, codebook, q.device, window_dtype=cache.ring_k.dtype)
+        history_cuda.check_supported(D, plan.gqa, gk, gv, q.device, window_dtype=cache.ring_k.dtype)
     q = transform_query(q, q_transform, Hkv).contiguous()
     ns, ss, rs, ns_total = plan.num_splits, plan.sink_splits, plan.ring_splits, plan.ns_total
     o_part = torch.empty(B, Hq, ns_total, D, dtype=torch.float32, device=q.device)
@@ -1334,13 +1262,8 @@ def oscar_decode(
             req_to_token.stride(0),
             HKV=Hkv, GQA=group, D=D, GK=gk, GV=gv, SINK=sink, WINDOW=window, NS=ns, SS=ss, RS=rs,
             BLOCK_M=block_m, NP=max(MIN_NP, triton.next_power_of_2(group)), BLOCK_N=plan.block_n, BLOCK_W=BLOCK_W,
-            K_A=float(k_level_a if k_level_a is not None else 1.0),
-            V_A=float(v_level_a if v_level_a is not None else 1.0),
-            K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None,
             DT=dt, WDT=wdt, FAST_CVT=not fp32,
-            # codes as fp16 subnormals code·2^(2p−24) where the levels are uniform (fewer instructions per code); a
-            # codebook's levels are not integers and take the 1 + level/4 form
-            NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), SUB=not codebook, FOLD=plan.fold,
+            NGK=ngk, NGV=ngv, CH=min(gk, gv, D // 4), FOLD=plan.fold,
             WINDOW_ONLY=hist_cuda, PDL_TRIGGER=plan.pdl, PAGE=cache.page, K4=k4, H4=h4, PDL_WAIT=wait,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES, **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
             **({"launch_pdl": True} if wait else {}),
@@ -1351,10 +1274,7 @@ def oscar_decode(
         param_words(cache.v_params, 1),
         sink_k, sink_v, cache.sink_table,
         req_to_token, req_pool_indices, seq_lens, float(sm_scale) * LOG2E, req_to_token.stride(0),
-        HQ=Hq, GQA=group, HKV=Hkv, GK=gk, GV=gv, SINK=sink,
-        K_A=float(k_level_a if k_level_a is not None else 1.0),
-        V_A=float(v_level_a if v_level_a is not None else 1.0),
-        K_CODEBOOK=k_level_a is not None, V_CODEBOOK=v_level_a is not None, BLOCK_T=16,
+        HQ=Hq, GQA=group, HKV=Hkv, GK=gk, GV=gv, SINK=sink, BLOCK_T=16,
         NS=ns, SS=ss, NS_TOTAL=ns_total, BLOCK_S=triton.next_power_of_2(ns_total), D=D, DC=D // plan.merge_splits,
         PDL=plan.pdl, PAGE=cache.page, K4=k4, H4=h4,
         num_warps=4, **({"launch_pdl": True} if plan.pdl else {}),

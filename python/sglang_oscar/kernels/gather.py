@@ -5,10 +5,10 @@ rows. Position p of a request (pool row r, prefix length L) reads, per KV head:
 
     sink row sink_table[slot]        if p < pool.sink and sink_table[slot] >= 0
     ring row r*W + p % W             elif p >= max(pool.sink, ring_start, ring_end − W)
-    dequantized form of slot         otherwise: min + scale·level[code] in fp32, then cast
+    dequantized form of slot         otherwise: min + scale·code in fp32, then cast
 
 The quantized form (kernels/layout.py): INT2 codes, and on the INT4-key heads of a layer (pool.k4_heads)
-K codes lo | hi << 2 with lo from k_codes and hi from k_hi (uniform levels 0..15); (scale, min) float8 e4m3
+K codes lo | hi << 2 with lo from k_codes and hi from k_hi (levels 0..15); (scale, min) float8 e4m3
 pairs, decoded exactly by integer ops (decode.e4m3_pair).
 
 with slot = req_to_token[r, p]. ring_end defaults to L; if the rows of the chunk being computed
@@ -42,8 +42,8 @@ if HAS_TRITON:
     def _gather_side(
         out_ptr, stride_on, codes_ptr, hi_ptr, j4, params_ptr, sink_ptr, ring_ptr,
         rows, slot, srow, rrow, use_sink, use_ring, use_q, h,
-        H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LV1: tl.constexpr, LV2: tl.constexpr,
-        PAGE: tl.constexpr, FOUR: tl.constexpr, H4: tl.constexpr,
+        H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, FOUR: tl.constexpr,
+        H4: tl.constexpr,
     ):
         # Plane by plane: byte j of a head holds elements j, j+Q, j+2Q, j+3Q (quarter planes), so
         # each code byte is loaded once and plane s is (byte >> 2s) & 3 for the Q elements
@@ -72,8 +72,6 @@ if HAS_TRITON:
             if FOUR:
                 code = code | (((hbyte >> (2 * s)) & 3) << 2)
             lvl = code.to(tl.float32)
-            if LV1 != 1.0:
-                lvl = tl.where(code == 1, LV1, tl.where(code == 2, LV2, lvl))
             if G % Q == 0:
                 scale, minv = e4m3_pair(tl.load(p_row + (s * Q) // G, mask=use_q, other=0).to(tl.int32))
                 scale, minv = scale[:, None], minv[:, None]
@@ -97,7 +95,6 @@ if HAS_TRITON:
         N, B,
         H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
         S: tl.constexpr, W: tl.constexpr, HAS_RING_END: tl.constexpr, HAS_SINK_TABLE: tl.constexpr,
-        K_LV1: tl.constexpr, K_LV2: tl.constexpr, V_LV1: tl.constexpr, V_LV2: tl.constexpr,
         SEARCH_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, K4: tl.constexpr, H4: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,16 +134,9 @@ if HAS_TRITON:
         use_q = valid & (srow < 0) & ~use_ring
         j4 = k4_row(k4_index_ptr, h, K4)  # head h's row among k_hi's heads, -1: INT2 keys
         _gather_side(out_k_ptr, stride_okn, k_codes_ptr, k_hi_ptr, j4, k_params_ptr, sink_k_ptr, ring_k_ptr,
-                     rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GK, K_LV1, K_LV2, PAGE, K4, H4)
+                     rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GK, PAGE, K4, H4)
         _gather_side(out_v_ptr, stride_ovn, v_codes_ptr, v_codes_ptr, 0, v_params_ptr, sink_v_ptr, ring_v_ptr,
-                     rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GV, V_LV1, V_LV2, PAGE, False, 1)
-
-
-def _levels(a: float) -> tuple:
-    if not 0.0 < a < 1.5:
-        raise ValueError(f"INT2 codebook parameter a must be in (0, 1.5), got {a}")
-    lv = torch.tensor([0.0, a, 3.0 - a, 3.0], dtype=torch.float32)
-    return float(lv[1]), float(lv[2])
+                     rows, slot, srow, rrow, use_sink, use_ring, use_q, h, H, D, GV, PAGE, False, 1)
 
 
 def oscar_gather_prefixes(
@@ -159,8 +149,6 @@ def oscar_gather_prefixes(
     out_v: torch.Tensor,
     *,
     ring_ends: Optional[torch.Tensor] = None,
-    k_level_a: float = 1.0,
-    v_level_a: float = 1.0,
     block_n: int = 64,
     validate: bool = True,
 ) -> None:
@@ -169,7 +157,6 @@ def oscar_gather_prefixes(
     req_to_token: int32/int64 [max_reqs, max_len] (SGLang's table); req_pool_indices: int [B];
     kv_indptr: int32 [B+1] (kv_indptr[i+1] − kv_indptr[i] = prefix length of request i);
     ring_starts / ring_ends: int32 [B] (see the module docstring). out dtype: bf16/fp16/fp32.
-    k_level_a: 1.0 on a layer with INT4-key heads (uniform key levels).
     """
     if not HAS_TRITON:
         raise RuntimeError("oscar_gather_prefixes needs triton")
@@ -199,14 +186,9 @@ def oscar_gather_prefixes(
         if t.device != dev:
             raise ValueError(f"{name} is on {t.device}, the cache on {dev}")
     k4 = pool.k_hi is not None
-    if k4 and k_level_a != 1.0:
-        raise ValueError(f"a layer with INT4-key heads (pool.k_hi) has uniform key levels: k_level_a must be 1, "
-                         f"got {k_level_a}")
     n = out_k.shape[0]
     if n == 0 or b == 0:
         return
-    k1, k2 = _levels(k_level_a)
-    v1, v2 = _levels(v_level_a)
     grid = (triton.cdiv(n, block_n), h)
     _oscar_gather_kernel[grid](
         req_to_token, req_to_token.stride(0), req_pool_indices, kv_indptr, ring_starts,
@@ -220,7 +202,6 @@ def oscar_gather_prefixes(
         n, b,
         H=h, D=d, GK=pool.k_group, GV=pool.v_group, S=pool.sink, W=pool.window,
         HAS_RING_END=ring_ends is not None, HAS_SINK_TABLE=pool.sink_table is not None,
-        K_LV1=k1, K_LV2=k2, V_LV1=v1, V_LV2=v2,
         SEARCH_STEPS=max(1, b.bit_length()), BLOCK_N=block_n, PAGE=pool.page, K4=k4,
         H4=pool.k_hi.shape[1] if k4 else 1, num_warps=4,
     )
@@ -236,8 +217,6 @@ def oscar_gather_prefix(
     out_v: torch.Tensor,
     *,
     ring_end: Optional[int] = None,
-    k_level_a: float = 1.0,
-    v_level_a: float = 1.0,
 ) -> None:
     """One request: out_k/out_v[:prefix_len] = its cached prefix (host ints; a tiny H2D copy)."""
     dev = pool.k_codes.device
@@ -248,5 +227,4 @@ def oscar_gather_prefix(
         pool, req_to_token, torch.tensor([req_pool_index], **i32), torch.tensor([0, prefix_len], **i32),
         torch.tensor([ring_start], **i32), out_k, out_v,
         ring_ends=None if ring_end is None else torch.tensor([ring_end], **i32),
-        k_level_a=k_level_a, v_level_a=v_level_a,
     )

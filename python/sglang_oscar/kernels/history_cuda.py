@@ -10,13 +10,13 @@ CTAs, or, where a launch has a split per 16-row window tile, in the first warp o
 Triton merge follows it (PDL). In a served decode step it is itself the PDL dependent of the step's KV write
 (oscar_decode follows_write; PDL_AFTER_WRITE / PDL_AFTER_WRITE_Q below): its history CTAs stream while the write runs.
 What it covers is kernels/shapes.py's rule (D 128 with groups 64 / 128, D 64 with groups 32 / 64, GQA 1-16 with
-above 8 as head groups of 8, uniform levels; INT2 keys and INT4 ones on any KV heads); at D 64 the Triton window programs read the window
-after it. Anything
-else raises with the reason. It pays on a pool in pages of 64 (kernels/records.py): on H100 78-93% of copy bandwidth
-at 64k / 128k batch >= 8 for Qwen3-8B / 14B / 32B shapes, against 56-68% for the Triton path (benchmark/NOTES.md).
+above 8 as head groups of 8; INT2 keys and INT4 ones on any KV heads); at D 64 the Triton window programs read the
+window after it. Anything else raises with the reason. It pays on a pool in pages of 64 (kernels/records.py): on
+H100 78-93% of copy bandwidth at 64k / 128k batch >= 8 for Qwen3-8B / 14B / 32B shapes, against 56-68% for the Triton
+path (benchmark/NOTES.md).
 
 The library is built with nvcc on first use (kernels/cuda_build.py) and loaded with ctypes. CPU CI covers this
-kernel's register layouts through test/test_probe_cuda_history.py; the GPU tests compare it with the oracle.
+kernel's register layouts through test/test_cuda_history_layouts.py; the GPU tests compare it with the oracle.
 """
 
 from __future__ import annotations
@@ -71,11 +71,11 @@ def fuses_window(head_dim: int) -> bool:
     return head_dim in CUDA_WINDOW_HEAD_DIMS
 
 
-def check_supported(head_dim: int, group: int, k_group: int, v_group: int, codebook: bool, device,
+def check_supported(head_dim: int, group: int, k_group: int, v_group: int, device,
                     window_dtype: torch.dtype = torch.bfloat16) -> None:
     """Raise ValueError / CudaUnavailable saying why history_kernel="cuda" cannot run this call (device None: the
     shape only)."""
-    why = cuda_history_refusal(head_dim, group, k_group, v_group, codebook, window_dtype)
+    why = cuda_history_refusal(head_dim, group, k_group, v_group, window_dtype)
     if why:
         raise ValueError(f"history_kernel='cuda': {why}: use history_kernel='triton'")
     if device is None:

@@ -13,19 +13,87 @@ code would leave too. Results are unchanged (the whole CPU suite runs with it); 
 
 It touches nothing unless TRITON_INTERPRET=1, and only on the Triton version it was written
 against; on any other version it does nothing (the interpreter is just slower).
+
+Also (any Triton version, TRITON_INTERPRET=1 only): `install()` fixes the interpreter tensor's
+`__index__` where it cannot take a one-element array (`_install_index_fix`). The decode kernel's
+runtime loop bounds (`for start in range(lo, hi, BLOCK_N)`, lo/hi from seq_lens) need it: Triton
+3.6 defines `__index__` as `int(handle.data)`, and numpy >= 2.4 refuses int() of a 1-element
+array that is not 0-d, so the interpreted decode fails with "only 0-dimensional arrays can be
+converted to Python scalars" there (numpy 1.25-2.3 warn that it is deprecated: fixed there too,
+same values, no warning).
 """
 
 from __future__ import annotations
 
 import inspect
+import operator
 import os
+import types
 
 SUPPORTED_PREFIX = "3.6."
 _installed = False
 
 
+def _index_takes_one_element_arrays(patch_lang_tensor) -> bool:
+    """Whether the `__index__` that `patch_lang_tensor` gives the interpreter tensor takes a (1,)-shaped handle
+    (without numpy's deprecation warning)."""
+    import warnings
+
+    import numpy as np
+
+    class Probe:
+        pass
+
+    class Scope:
+        def set_attr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    patch_lang_tensor(Probe, Scope())
+    if not hasattr(Probe, "__index__"):
+        return False
+    probe = Probe()
+    probe.handle = types.SimpleNamespace(data=np.array([3], dtype=np.int32))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            return operator.index(probe) == 3
+    except (TypeError, DeprecationWarning):
+        return False
+
+
+def _install_index_fix(interpreter) -> bool:
+    """Make the interpreter tensor's `__index__` take the one-element arrays the interpreter holds its scalars in
+    (idempotent; any Triton version). Returns whether the fix is in place."""
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:
+        return False
+    if hasattr(original, "__wrapped__"):
+        return True  # installed before
+    try:
+        if _index_takes_one_element_arrays(original):
+            return False  # nothing to fix on this Triton / numpy
+    except Exception:  # a probe this Triton does not fit: leave the interpreter alone
+        return False
+
+    def _index(self):
+        data = self.handle.data
+        if data.size != 1:
+            raise TypeError(f"only a scalar tensor can be an index, got shape {data.shape}")
+        return int(data.reshape(-1)[0])
+
+    def _patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        # numpy >= 2.4 refuses int() of a 1-element array (earlier: deprecated); runtime loop bounds need __index__
+        scope.set_attr(tensor, "__index__", _index)
+
+    _patch_lang_tensor.__wrapped__ = original
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+    return True
+
+
 def install() -> bool:
-    """Install the wrapper (idempotent). Returns whether it is active."""
+    """Install the wrapper (idempotent). Returns whether it is active. Also installs the `__index__` fix
+    (`_install_index_fix`) under TRITON_INTERPRET=1 on any Triton version."""
     global _installed
     if _installed:
         return True
@@ -37,6 +105,7 @@ def install() -> bool:
         from triton.runtime import interpreter
     except ImportError:
         return False
+    _install_index_fix(interpreter)
     if not triton.__version__.startswith(SUPPORTED_PREFIX):
         return False
     original = getattr(interpreter, "_patch_lang", None)

@@ -30,7 +30,8 @@ from typing import Optional
 
 import torch
 
-from ..config import SUPPORTED_GROUPS, SUPPORTED_HEAD_DIMS, check_head_dim
+from ..config import (SERVED_GROUP, SERVED_RECENT, SERVED_SINK, SUPPORTED_GROUPS, check_group_fits,
+                      check_supported_head_dim)
 from ..quant.intq import PARAM_DTYPE
 SUPPORTED_PAGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WINDOW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -38,11 +39,10 @@ WINDOW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def check_shape(head_dim: int, group: int, what: str = "") -> None:
     """Raise a clear error for a head_dim / group size the kernels do not support."""
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{what}head_dim {head_dim} is not supported by the OSCAR kernels (use one of {SUPPORTED_HEAD_DIMS})")
+    check_supported_head_dim(head_dim, what)
     if group not in SUPPORTED_GROUPS:
         raise ValueError(f"{what}group size {group} is not supported by the OSCAR kernels (use one of {SUPPORTED_GROUPS})")
-    check_head_dim(head_dim, group)
+    check_group_fits(head_dim, group, f"{what}group size")
 
 
 def check_page(page: int, num_slots: Optional[int] = None) -> None:
@@ -72,8 +72,8 @@ class LayerCache:
     ring_v: torch.Tensor
     k_group: int
     v_group: int
-    window: int = 256
-    sink: int = 64
+    window: int = SERVED_RECENT
+    sink: int = SERVED_SINK
     sink_table: Optional[torch.Tensor] = None
     page: int = 1
     k_hi: Optional[torch.Tensor] = None
@@ -128,12 +128,12 @@ class LayerCache:
         kv_heads: int,
         head_dim: int,
         *,
-        k_group: int = 64,
-        v_group: int = 64,
+        k_group: int = SERVED_GROUP,
+        v_group: int = SERVED_GROUP,
         num_sink_rows: int = 0,
         max_reqs: int = 1,
-        window: int = 256,
-        sink: int = 64,
+        window: int = SERVED_RECENT,
+        sink: int = SERVED_SINK,
         window_dtype: torch.dtype = torch.bfloat16,
         device=None,
         with_sink_table: bool = True,

@@ -2,15 +2,15 @@
 
 For every token t and KV head h, per side (K, V):
 
-    x'   = (x − μ)·T                     fp32 (tl.dot, see PRECISION below); V: T may be absent
+    x'   = (x − μ)·T                     fp32 (IEEE products, see PRECISION below); V: T may be absent
     sink_dst[t] >= 0  ->  sink[sink_dst[t], h] = x'   (cast to the sink buffer dtype)
     ring_dst[t] >= 0  ->  ring[ring_dst[t], h] = x'
     c    = clip(x', ±τ)                  τ = (n+1)-th largest |x'| of the row, n = clip_count(ρ, D)
     per group of G: scale = e4m3((max − min)/qmax), min = e4m3(min)     float8 e4m3: saturated to ±448, rounded to
                                          nearest even (quant/intq.py round_param); qmax 3 (INT2) or 15 (INT4 keys)
     t    = (c − min)/scale               with the rounded values, IEEE division (0 where scale is 0)
-    code = #{thresholds <= t}            INT2: thresholds = midpoints of the levels (0, a, 3−a, 3), code in [0, 3];
-                                         INT4 keys: thresholds k + 0.5, k = 0..14, code in [0, 15]
+    code = #{thresholds <= t}            thresholds k + 0.5: INT2 k = 0..2, code in [0, 3]; INT4 keys k = 0..14,
+                                         code in [0, 15]
     codes[slots[t], h] = quarter-plane packed codes, params[slots[t], h] = (scale, min)
                                          INT4 keys: code & 3 packed into k_codes, code >> 2 into k_hi (quant/pack.py)
                                          at the head's row j = k4_index[h] of k_hi's heads
@@ -19,7 +19,7 @@ The oracle is quant/cache_ops.py:write_reference (SideQuantizer math of quant/kv
 (layer, KV head): the KV heads pool.k4_heads of a layer with pool.k_hi. Such a layer is a compile-time variant of the
 launch (HAS_K4), so layers without INT4 heads run the INT2 code only; in it a head's width is a program-uniform
 runtime value (k4_index[h] >= 0): INT4 heads are never clipped (k_clip is the INT2 heads'), qmax 15; INT2 heads as
-usual, with uniform levels (k_level_a must be 1 in such a layer), so both count thresholds k + 0.5 up to their qmax.
+usual: both count thresholds k + 0.5 up to their qmax.
 
 Decode also hands the write the step's queries (q, q_transform, q_out): q_out = q·T_q per KV head, in a third
 program per (token block, head), so that no GEMM runs between the write and the decode (oscar_decode
@@ -32,12 +32,9 @@ use BLOCK_T = 1, programs of one token (_write_row: x . T as a [BK, D] tile summ
 threshold from one pairwise count; see SMALL_BATCH_TOKENS); 2-8 tokens per program (the interpreter's
 tiles for small calls) a broadcast-multiply-sum instead of the dot.
 
-PRECISION. The default input_precision is "ieee": a true fp32 product (FMA units, no TF32).
+PRECISION. The transform's dots run with input_precision "ieee": true fp32 products (FMA units, no TF32).
 Then x' differs from the fp32 oracle only by summation order (~1e-6 relative), window rows match
-to ~1e-6 and codes match except where t lies within ~1e-5 of a level midpoint. "tf32x3" (three
-TF32 tensor-core products) is nearly as accurate and faster on Hopper; "tf32" rounds T to 10
-mantissa bits (~5e-4 relative error in x'), which flips noticeably more codes and makes window
-rows differ from the oracle at the 1e-3 level; it is accepted but not recommended.
+to ~1e-6 and codes match except where t lies within ~1e-5 of a level midpoint.
 There are no host syncs: all sizes come from tensor shapes.
 
 Callers must keep destinations unique within one call: two tokens with the same slot, sink row or
@@ -53,6 +50,7 @@ import torch
 
 from ..quant.clip import clip_count
 from .layout import WINDOW_DTYPES, LayerCache, check_shape
+from .shapes import PDL_SM_MAJOR, has_pdl
 
 try:
     import triton
@@ -66,16 +64,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only without triton
     HAS_TRITON = False
 
-PRECISIONS = ("ieee", "tf32x3", "tf32")
 KERNELS = ("triton", "cuda")  # oscar_write_kv(kernel=...): kernels/write_cuda.py for "cuda"
-
-
-def level_thresholds(level_a: float) -> tuple:
-    """The three INT2 decision thresholds as exact fp32 values (the same arithmetic as quant/intq.py)."""
-    if not 0.0 < level_a < 1.5:
-        raise ValueError(f"INT2 codebook parameter a must be in (0, 1.5), got {level_a}")
-    lv = torch.tensor([0.0, level_a, 3.0 - level_a, 3.0], dtype=torch.float32)
-    return tuple(float(t) for t in (lv[1:] + lv[:-1]) / 2)
 
 
 if HAS_TRITON:
@@ -126,17 +115,17 @@ if HAS_TRITON:
             return j, 3.0
 
     @triton.jit
-    def _code(t, qmax, UNIFORM: tl.constexpr, TH0: tl.constexpr, TH1: tl.constexpr, TH2: tl.constexpr):
-        """int32 code = #{thresholds <= t}: UNIFORM (the keys of a layer with INT4 heads) thresholds k + 0.5 up to
-        qmax (3 or 15, program-uniform), else the three INT2 thresholds given."""
-        if UNIFORM:
+    def _code(t, qmax, ANY_QMAX: tl.constexpr):
+        """int32 code = #{k + 0.5 <= t}: ANY_QMAX (the keys of a layer with INT4 heads) up to qmax (3 or 15,
+        program-uniform), else the three INT2 thresholds 0.5, 1.5, 2.5."""
+        if ANY_QMAX:
             c = tl.minimum(tl.maximum(tl.floor(t + 0.5), 0.0), qmax)
             # t + 0.5 rounds up to the next integer where t lies just below a threshold k + 0.5 (never down: the
             # integers are exact); k + 0.5 and the comparison are exact, so this is the oracle's count
             c = tl.where((c > 0.0) & (t < c - 0.5), c - 1.0, c)
             return c.to(tl.int32)
         else:
-            return (t >= TH0).to(tl.int32) + (t >= TH1).to(tl.int32) + (t >= TH2).to(tl.int32)
+            return (t >= 0.5).to(tl.int32) + (t >= 1.5).to(tl.int32) + (t >= 2.5).to(tl.int32)
 
     @triton.jit
     def _to_window(x, ptr):
@@ -155,8 +144,7 @@ if HAS_TRITON:
         T, t0, h,
         H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, HAS_K4: tl.constexpr, H4: tl.constexpr,
         HAS_MAT: tl.constexpr, HAS_MEAN: tl.constexpr, CLIP_N: tl.constexpr,
-        TH0: tl.constexpr, TH1: tl.constexpr, TH2: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PAGE: tl.constexpr,
     ):
         """BLOCK_T tokens of one head of one side. params_ptr: the params as bytes (uint8 view). HAS_K4 (the keys of a
         layer with INT4 heads): head h is INT4 where k4_index[h] = j >= 0, its code & 3 going to codes_ptr and code >> 2
@@ -177,10 +165,10 @@ if HAS_TRITON:
                     xk = tl.where(tmask[:, None], xk - mu[None, :], 0.0)
                 mk = tl.load(mat_ptr + h * stride_mh + (k0 + offs_k)[:, None] * D + offs_d[None, :]).to(tl.float32)
                 if BLOCK_T >= 16:
-                    acc = tl.dot(xk, mk, acc, input_precision=PRECISION)
+                    acc = tl.dot(xk, mk, acc, input_precision="ieee")
                 else:
                     # Decode-sized tiles (tl.dot needs 16 rows): an fp32 broadcast-multiply-sum, i.e.
-                    # IEEE products like PRECISION="ieee", in another summation order.
+                    # the same IEEE products, in another summation order.
                     acc += tl.sum(xk[:, :, None] * mk[None, :, :], axis=1)
             xt = acc
         else:
@@ -222,7 +210,7 @@ if HAS_TRITON:
         m = min_r[:, :, None]
         pos = s > 0.0
         t = tl.where(pos, tl.math.div_rn(xg - m, tl.where(pos, s, 1.0)), 0.0)
-        code = _code(t, qmax, HAS_K4, TH0, TH1, TH2)  # in [0, qmax]
+        code = _code(t, qmax, HAS_K4)  # in [0, qmax]
 
         slot = tl.load(slots_ptr + offs_t, mask=tmask, other=0).to(tl.int64)
         rec = pool_record(slot, h, H, PAGE)  # [BLOCK_T] (slot, head) records (kernels/records.py)
@@ -257,7 +245,6 @@ if HAS_TRITON:
         t, h,
         H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, HAS_K4: tl.constexpr, H4: tl.constexpr,
         HAS_MAT: tl.constexpr, HAS_MEAN: tl.constexpr, CLIP_N: tl.constexpr,
-        TH0: tl.constexpr, TH1: tl.constexpr, TH2: tl.constexpr,
         BLOCK_K: tl.constexpr, PAGE: tl.constexpr,
     ):
         """_write_side for one token (BLOCK_T = 1, the decode write), written for its layouts: a [BLOCK_K, D] tile
@@ -312,7 +299,7 @@ if HAS_TRITON:
         m = min_r[:, None]
         pos = s > 0.0
         u = tl.where(pos, tl.math.div_rn(xg - m, tl.where(pos, s, 1.0)), 0.0)
-        code = _code(u, qmax, HAS_K4, TH0, TH1, TH2)
+        code = _code(u, qmax, HAS_K4)
 
         slot = tl.load(slots_ptr + t).to(tl.int64)
         rec = pool_record(slot, h, H, PAGE)
@@ -335,7 +322,7 @@ if HAS_TRITON:
         q_ptr, stride_qt, stride_qh, tq_ptr, stride_tqh, qo_ptr,
         T, t0, h,
         GQA: tl.constexpr, GQA_P2: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_KQ: tl.constexpr, PRECISION: tl.constexpr, LOWP: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_KQ: tl.constexpr, LOWP: tl.constexpr,
     ):
         """q' = q . T_q[h] for the GQA query heads of KV head h of BLOCK_T tokens (rows token-major), stored in
         q_out's dtype (rounded to nearest). What transform_query does, in this launch: LOWP (q and T_q both bf16 or
@@ -355,7 +342,7 @@ if HAS_TRITON:
             if R >= 16 and LOWP:
                 acc = tl.dot(xk, mk, acc)
             elif R >= 16:
-                acc = tl.dot(xk.to(tl.float32), mk.to(tl.float32), acc, input_precision=PRECISION)
+                acc = tl.dot(xk.to(tl.float32), mk.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc += tl.sum(xk.to(tl.float32)[:, :, None] * mk.to(tl.float32)[None, :, :], axis=1)
         out = qo_ptr + (tok.to(tl.int64)[:, None] * (H * GQA) + head[:, None]) * D + offs_d[None, :]
@@ -372,9 +359,7 @@ if HAS_TRITON:
         H: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, HAS_K4: tl.constexpr, H4: tl.constexpr,
         HAS_KMEAN: tl.constexpr, HAS_VMAT: tl.constexpr,
         K_CLIP_N: tl.constexpr, V_CLIP_N: tl.constexpr,
-        K_TH0: tl.constexpr, K_TH1: tl.constexpr, K_TH2: tl.constexpr,
-        V_TH0: tl.constexpr, V_TH1: tl.constexpr, V_TH2: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PAGE: tl.constexpr,
         PDL_TRIGGER: tl.constexpr = False,  # the decode's history kernel may launch now (oscar_write_kv)
         q_ptr=None, stride_qt=0, stride_qh=0, tq_ptr=None, stride_tqh=0, qo_ptr=None,
         HAS_Q: tl.constexpr = False, GQA: tl.constexpr = 1, GQA_P2: tl.constexpr = 1, BLOCK_KQ: tl.constexpr = 8,
@@ -386,30 +371,31 @@ if HAS_TRITON:
         h = tl.program_id(1)
         if HAS_Q and tl.program_id(2) == 2:  # the step's queries, rotated here instead of by a GEMM before
             _rotate_q(q_ptr, stride_qt, stride_qh, tq_ptr, stride_tqh, qo_ptr, T, t0, h, GQA, GQA_P2, H, D,
-                      BLOCK_T, BLOCK_KQ, PRECISION, Q_LOWP)
+                      BLOCK_T, BLOCK_KQ, Q_LOWP)
         elif BLOCK_T == 1 and tl.program_id(2) == 0:
             _write_row(
                 k_ptr, stride_kt, stride_kh, kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh,
                 slots_ptr, sink_dst_ptr, ring_dst_ptr, k_codes_ptr, k_hi_ptr, k4_index_ptr, k_params_ptr,
-                sink_k_ptr, ring_k_ptr, t0, h, H, D, GK, HAS_K4, H4, True, HAS_KMEAN, K_CLIP_N, K_TH0, K_TH1, K_TH2, BLOCK_K, PAGE,
+                sink_k_ptr, ring_k_ptr, t0, h, H, D, GK, HAS_K4, H4, True, HAS_KMEAN, K_CLIP_N, BLOCK_K, PAGE,
             )
         elif BLOCK_T == 1:
             _write_row(
                 v_ptr, stride_vt, stride_vh, vmat_ptr, stride_vmh, kmean_ptr, 0,
                 slots_ptr, sink_dst_ptr, ring_dst_ptr, v_codes_ptr, None, None, v_params_ptr,
-                sink_v_ptr, ring_v_ptr, t0, h, H, D, GV, False, 0, HAS_VMAT, False, V_CLIP_N, V_TH0, V_TH1, V_TH2, BLOCK_K, PAGE,
+                sink_v_ptr, ring_v_ptr, t0, h, H, D, GV, False, 0, HAS_VMAT, False, V_CLIP_N, BLOCK_K, PAGE,
             )
         elif tl.program_id(2) == 0:
             _write_side(
                 k_ptr, stride_kt, stride_kh, kmat_ptr, stride_kmh, kmean_ptr, stride_kmeanh,
                 slots_ptr, sink_dst_ptr, ring_dst_ptr, k_codes_ptr, k_hi_ptr, k4_index_ptr, k_params_ptr,
-                sink_k_ptr, ring_k_ptr, T, t0, h, H, D, GK, HAS_K4, H4, True, HAS_KMEAN, K_CLIP_N, K_TH0, K_TH1, K_TH2, BLOCK_T, BLOCK_K, PRECISION, PAGE,
+                sink_k_ptr, ring_k_ptr, T, t0, h, H, D, GK, HAS_K4, H4, True, HAS_KMEAN, K_CLIP_N, BLOCK_T, BLOCK_K,
+                PAGE,
             )
         else:
             _write_side(
                 v_ptr, stride_vt, stride_vh, vmat_ptr, stride_vmh, kmean_ptr, 0,
                 slots_ptr, sink_dst_ptr, ring_dst_ptr, v_codes_ptr, None, None, v_params_ptr,
-                sink_v_ptr, ring_v_ptr, T, t0, h, H, D, GV, False, 0, HAS_VMAT, False, V_CLIP_N, V_TH0, V_TH1, V_TH2, BLOCK_T, BLOCK_K, PRECISION, PAGE,
+                sink_v_ptr, ring_v_ptr, T, t0, h, H, D, GV, False, 0, HAS_VMAT, False, V_CLIP_N, BLOCK_T, BLOCK_K, PAGE,
             )
 
 
@@ -449,10 +435,10 @@ SMALL_BATCH_TOKENS = 32
 # beyond, the prefill tiles per head_dim.
 MID_BATCH_TOKENS = 256
 MID_BATCH_WARPS = 8
-# The prefill tiles at head_dim 128 (32 rows) with the transform's dot in IEEE fp32 (the default precision): 8 warps.
-# With 4 the fp32 dot's [32, 128] accumulator and operands spill (H200, Qwen3-8B 100k tokens, V absorbed: 2.38 ms per
-# layer call against 6.16); tf32x3 keeps 4 warps, faster there.
-PREFILL_D128_IEEE_WARPS = 8
+# The prefill tiles at head_dim 128 (32 rows) with the transform's dot in IEEE fp32: 8 warps. With 4 the fp32 dot's
+# [32, 128] accumulator and operands spill (H200, Qwen3-8B 100k tokens, V absorbed: 2.38 ms per layer call against
+# 6.16).
+PREFILL_D128_WARPS = 8
 # Interpreter tiles (default_block_t(..., interpreter=True)): the largest of each path.
 INTERPRETER_MAX_SMALL_T = 8
 INTERPRETER_MAX_DOT_T = 128
@@ -483,13 +469,13 @@ def default_block_t(num_tokens: int, head_dim: int, interpreter: bool = False) -
     return bt
 
 
-def default_num_warps(num_tokens: int, head_dim: int, block_t: int, precision: str) -> int:
+def default_num_warps(num_tokens: int, head_dim: int, block_t: int) -> int:
     """Warps per program of the Triton write: MID_BATCH_WARPS for the 16-row tiles of mid-sized decode batches,
-    PREFILL_D128_IEEE_WARPS for the 32-row prefill tiles at head_dim 128 in IEEE fp32, else 4."""
+    PREFILL_D128_WARPS for the 32-row prefill tiles at head_dim 128, else 4."""
     if block_t == 16 and num_tokens <= MID_BATCH_TOKENS:
         return MID_BATCH_WARPS
-    if head_dim == 128 and block_t == 32 and precision == "ieee":
-        return PREFILL_D128_IEEE_WARPS
+    if head_dim == 128 and block_t == 32:
+        return PREFILL_D128_WARPS
     return 4
 
 
@@ -506,9 +492,6 @@ def oscar_write_kv(
     v_transform: Optional[torch.Tensor] = None,
     k_clip: float = 1.0,
     v_clip: float = 1.0,
-    k_level_a: float = 1.0,
-    v_level_a: float = 1.0,
-    precision: str = "ieee",
     block_t: Optional[int] = None,
     num_warps: Optional[int] = None,
     validate: bool = True,
@@ -524,11 +507,10 @@ def oscar_write_kv(
     slots: int64 [T] pool slots (quantized form, always written). sink_dst / ring_dst: int32 [T] rows of
     the sink / ring buffers, −1 = do not write. k_transform: fp32 [D, D] or [Hkv, D, D]; k_mean: fp32
     [D] or [Hkv, D]; v_transform None = V already in its basis. Clip ratios ρ in (0, 1], ρ = 1 no clip.
-    The KV heads pool.k4_heads store INT4 keys, never clipped (k_clip is the other heads'); a layer with such heads
-    has uniform key levels (k_level_a must be 1). Values are always INT2.
+    The KV heads pool.k4_heads store INT4 keys, never clipped (k_clip is the other heads'). Values are always INT2.
     validate=False skips the (host-only, sync-free) shape checks of the pool for hot loops.
     num_warps None: default_num_warps (8 for the 16-row tiles of decode batches <= MID_BATCH_TOKENS and for the 32-row
-    prefill tiles at head_dim 128 in IEEE fp32, else 4; measured, see there).
+    prefill tiles at head_dim 128, else 4; measured, see there).
     pdl_trigger: let the next kernel, launched as a programmatic dependent, start as soon as every program of this
     one has started (griddepcontrol.launch_dependents; sm_90+). Used with oscar_decode(follows_write=True), whose
     CUDA history kernel then streams the old INT2 rows while this write runs; a dependent must still wait
@@ -539,20 +521,19 @@ def oscar_write_kv(
     one kernel less per layer and decode step, and with pdl_trigger nothing between the write and the decode. q and
     T_q both bf16 (or fp16): products in that dtype with fp32 sums, as transform_query's GEMM; else fp32.
     kernel: "triton" (every shape the pool takes) or "cuda" (kernels/write_cuda.py: the decode-sized write in CUDA,
-    head_dim 128, bf16 / fp16 k and v, BF16 windows; the same results, its own grid write_cuda.grid; precision "ieee",
-    no block_t / num_warps). An unsupported call raises; nothing falls back.
+    head_dim 128, bf16 / fp16 k and v, BF16 windows; the same results, its own grid write_cuda.grid; no block_t /
+    num_warps). An unsupported call raises; nothing falls back.
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "cuda" and (block_t is not None or num_warps is not None or precision != "ieee"):
-        raise ValueError("kernel='cuda' has one tile (a CTA per token, head and side) and IEEE fp32 products: leave "
-                         "block_t, num_warps and precision at their defaults")
+    if kernel == "cuda" and (block_t is not None or num_warps is not None):
+        raise ValueError("kernel='cuda' has one tile (a CTA per token, head and side): leave block_t and num_warps "
+                         "at their defaults")
     if not HAS_TRITON and kernel == "triton":
         raise RuntimeError("oscar_write_kv needs triton")
-    if pdl_trigger and (k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9):
-        raise ValueError("pdl_trigger needs programmatic dependent launch (a CUDA device of sm_90 or newer)")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if pdl_trigger and not has_pdl(k.device):
+        raise ValueError(f"pdl_trigger needs programmatic dependent launch (a CUDA device of sm_{PDL_SM_MAJOR}0 or "
+                         "newer)")
     if validate:
         pool.validate()
     h, d = pool.kv_heads, pool.head_dim
@@ -583,9 +564,6 @@ def oscar_write_kv(
         kmean, s_kmeanh = _check_mean(k_mean, h, d, dev)
     else:
         kmean, s_kmeanh = kmat, 0  # never read
-    if pool.has_k4 and k_level_a != 1.0:
-        raise ValueError("INT4 keys have uniform levels: k_level_a must be 1 in a layer with INT4-key heads")
-    kth, vth = level_thresholds(k_level_a), level_thresholds(v_level_a)
     k_n, v_n = clip_count(k_clip, d), clip_count(v_clip, d)
     if n == 0:
         return
@@ -596,7 +574,7 @@ def oscar_write_kv(
         write_cuda.launch(k, v, slots, sink_dst, ring_dst, pool, kmat=kmat, s_kmh=s_kmh,
                           kmean=kmean if k_mean is not None else None, s_kmeanh=s_kmeanh,
                           vmat=vmat if v_transform is not None else None, s_vmh=s_vmh, k_clip_n=k_n, v_clip_n=v_n,
-                          k_th=kth, v_th=vth, pdl_trigger=pdl_trigger, q=q, q_transform=tq[0] if tq else None,
+                          pdl_trigger=pdl_trigger, q=q, q_transform=tq[0] if tq else None,
                           s_tqh=tq[1] if tq else 0, q_out=q_out)
         return
     bt = block_t or default_block_t(n, d, interpreter=pool.k_codes.device.type == "cpu")
@@ -606,7 +584,7 @@ def oscar_write_kv(
     # 2-8 rows: [BT, BK, D] products that stay in registers
     bk = min(d, 64) if bt >= 16 else min(d, 16384 // d) if bt == 1 else min(d, 32)
     if num_warps is None:
-        num_warps = default_num_warps(n, d, bt, precision)
+        num_warps = default_num_warps(n, d, bt)
     qargs = _q_args(q, q_transform, q_out, n, h, d, dev, bt)
     grid = write_grid(n, h, bt, bool(qargs))
     _oscar_write_kv_kernel[grid](
@@ -622,8 +600,7 @@ def oscar_write_kv(
         H4=pool.k_hi.shape[1] if pool.has_k4 else 0,
         HAS_KMEAN=k_mean is not None, HAS_VMAT=v_transform is not None,
         K_CLIP_N=k_n, V_CLIP_N=v_n,
-        K_TH0=kth[0], K_TH1=kth[1], K_TH2=kth[2], V_TH0=vth[0], V_TH1=vth[1], V_TH2=vth[2],
-        BLOCK_T=bt, BLOCK_K=bk, PRECISION=precision, PAGE=pool.page, PDL_TRIGGER=bool(pdl_trigger),
+        BLOCK_T=bt, BLOCK_K=bk, PAGE=pool.page, PDL_TRIGGER=bool(pdl_trigger),
         num_warps=num_warps, **qargs,
     )
 

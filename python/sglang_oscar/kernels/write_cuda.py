@@ -34,6 +34,8 @@ from .shapes import cuda_write_refusal
 SOURCE = os.path.join(cuda_build.CUDA_DIR, "int2_write.cu")
 Q_HEADS_PER_CTA = 4  # query heads per q program (int2_write.cu kQHeads)
 X_DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # the kernel's x_dtype codes (k, v, q and q_out share it)
+# The INT2 decision thresholds (midpoints of the levels 0, 1, 2, 3), the kernel's th0..th2 of each side
+INT2_THRESHOLDS = (0.5, 1.5, 2.5)
 
 _i, _p, _l, _f = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_float
 # oscar_write_launch's C parameters in order (test_write checks them against the source's signature)
@@ -92,7 +94,7 @@ def _rows_vec(x: torch.Tensor) -> bool:
 
 
 def launch(k, v, slots, sink_dst, ring_dst, pool, *, kmat, s_kmh, kmean, s_kmeanh, vmat, s_vmh, k_clip_n, v_clip_n,
-           k_th, v_th, pdl_trigger: bool, q=None, q_transform=None, s_tqh: int = 0, q_out=None) -> None:
+           pdl_trigger: bool, q=None, q_transform=None, s_tqh: int = 0, q_out=None) -> None:
     """Launch the write of oscar_write_kv(kernel="cuda"), which has checked the shapes, dtypes and devices of the
     pool, k / v, the indices, the transforms (fp32, contiguous; vmat None: V in its basis) and q / q_out / q_transform
     (write._check_q: [D, D] or [Hkv, D, D] with head stride s_tqh, fp32 or q's dtype). This checks what the kernel
@@ -116,7 +118,7 @@ def launch(k, v, slots, sink_dst, ring_dst, pool, *, kmat, s_kmh, kmean, s_kmean
         gqa = q.shape[1] // h
     vec = int(_rows_vec(k) and _rows_vec(v) and (q is None or _rows_vec(q)))
     slots, sink_dst, ring_dst = slots.contiguous(), sink_dst.contiguous(), ring_dst.contiguous()
-    (kth0, kth1, kth2), (vth0, vth1, vth2) = k_th, v_th
+    th0, th1, th2 = INT2_THRESHOLDS
 
     def ptr(t):
         return None if t is None else t.data_ptr()
@@ -127,10 +129,10 @@ def launch(k, v, slots, sink_dst, ring_dst, pool, *, kmat, s_kmh, kmean, s_kmean
         k.data_ptr(), k.stride(0), k.stride(1), kmat.data_ptr(), s_kmh, ptr(kmean), s_kmeanh,
         pool.k_codes.data_ptr(), ptr(pool.k_hi), ptr(pool.k4_index if pool.has_k4 else None),
         pool.k_hi.shape[1] if pool.has_k4 else 0, pool.k_params.data_ptr(), pool.sink_k.data_ptr(), pool.ring_k.data_ptr(),
-        pool.k_group, k_clip_n, kth0, kth1, kth2,
+        pool.k_group, k_clip_n, th0, th1, th2,
         v.data_ptr(), v.stride(0), v.stride(1), ptr(vmat), s_vmh,
         pool.v_codes.data_ptr(), pool.v_params.data_ptr(), pool.sink_v.data_ptr(), pool.ring_v.data_ptr(),
-        pool.v_group, v_clip_n, vth0, vth1, vth2,
+        pool.v_group, v_clip_n, th0, th1, th2,
         ptr(q), q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0, ptr(tq), s_tqh, tq_fp32,
         ptr(q_out), gqa, int(bool(pdl_trigger)), torch.cuda.current_stream(k.device).cuda_stream)
     if rc:

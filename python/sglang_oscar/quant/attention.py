@@ -23,23 +23,21 @@ from .cache_ops import k4_heads, key_hi_rows
 from .pack import unpack_int2, unpack_int4_planes
 
 
-def dequantize_rows(codes: torch.Tensor, params: torch.Tensor, level_a: Optional[float] = None,
-                    hi: Optional[torch.Tensor] = None, heads: Optional[Sequence[int]] = None) -> torch.Tensor:
+def dequantize_rows(codes: torch.Tensor, params: torch.Tensor, hi: Optional[torch.Tensor] = None,
+                    heads: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Packed INT2 rows [..., H, D/4] + (scale, min) [..., H, D/G, 2] → float64 [..., H, D]; the KV heads in `heads`
-    (default: every head when `hi` is given) are INT4 on uniform levels, lo | hi << 2 with `hi` [..., H, D/4]
-    (cache_ops.key_hi_rows)."""
+    (default: every head when `hi` is given) are INT4, lo | hi << 2 with `hi` [..., H, D/4] (cache_ops.key_hi_rows)."""
     if heads is None:
         heads = range(codes.shape[-2]) if hi is not None else ()
     d = codes.shape[-1] * 4
     group = d // params.shape[-2]
-    a = 1.0 if level_a is None else float(level_a)
 
     def rows(c, p, lv):
         lv_c = lv[c.long()].reshape(*c.shape[:-1], d // group, group)
         x = p[..., 1].double().unsqueeze(-1) + p[..., 0].double().unsqueeze(-1) * lv_c
         return x.reshape(c.shape)
 
-    out = rows(unpack_int2(codes), params, levels(2, a, dtype=torch.float64))
+    out = rows(unpack_int2(codes), params, levels(2, dtype=torch.float64))
     if heads:
         h = list(heads)
         out[..., h, :] = rows(unpack_int4_planes(codes[..., h, :], hi[..., h, :]), params[..., h, :, :],
@@ -47,10 +45,10 @@ def dequantize_rows(codes: torch.Tensor, params: torch.Tensor, level_a: Optional
     return out
 
 
-def key_rows(cache, slots, level_a):
+def key_rows(cache, slots):
     """Dequantized keys of `slots` (INT2, and INT4 on the layer's k4_heads)."""
     hi = key_hi_rows(cache, slots)
-    return dequantize_rows(cache.rows("k_codes", slots).cpu(), cache.rows("k_params", slots).cpu(), level_a,
+    return dequantize_rows(cache.rows("k_codes", slots).cpu(), cache.rows("k_params", slots).cpu(),
                            None if hi is None else hi.cpu(), k4_heads(cache))
 
 
@@ -61,7 +59,7 @@ def segments(length: int, ring_start: int, sink: int, window: int):
 
 
 def gather_kv(cache, req_to_token, r: int, length: int, ring_start: int, sink: int, window: int,
-              k_level_a: Optional[float] = None, v_level_a: Optional[float] = None, missing_sink_int2: bool = False):
+              missing_sink_int2: bool = False):
     """K, V float64 [L, Hkv, D] of one request, each position from where decode reads it.
 
     A sink position whose slot has no sink row (sink_table < 0) raises, unless missing_sink_int2:
@@ -79,14 +77,14 @@ def gather_kv(cache, req_to_token, r: int, length: int, ring_start: int, sink: i
         v = torch.empty_like(k)
         k[~missing] = cache.sink_k.cpu()[have].double()
         v[~missing] = cache.sink_v.cpu()[have].double()
-        k[missing] = key_rows(cache, s, k_level_a)
-        v[missing] = dequantize_rows(cache.rows("v_codes", s).cpu(), cache.rows("v_params", s).cpu(), v_level_a)
+        k[missing] = key_rows(cache, s)
+        v[missing] = dequantize_rows(cache.rows("v_codes", s).cpu(), cache.rows("v_params", s).cpu())
         ks.append(k)
         vs.append(v)
     if hist_hi > hist_lo:
         s = slots[hist_lo:hist_hi]
-        ks.append(key_rows(cache, s, k_level_a))
-        vs.append(dequantize_rows(cache.rows("v_codes", s).cpu(), cache.rows("v_params", s).cpu(), v_level_a))
+        ks.append(key_rows(cache, s))
+        vs.append(dequantize_rows(cache.rows("v_codes", s).cpu(), cache.rows("v_params", s).cpu()))
     if length > recent_lo:
         pos = torch.arange(recent_lo, length)
         rows = r * window + pos % window
@@ -107,8 +105,6 @@ def mixed_decode_reference(
     window: int,
     sm_scale: float,
     q_transform: Optional[torch.Tensor] = None,
-    k_level_a: Optional[float] = None,
-    v_level_a: Optional[float] = None,
     missing_sink_int2: bool = False,
 ) -> torch.Tensor:
     """o [B, Hq, D] float64 in the V-transformed basis (what oscar_decode returns).
@@ -127,8 +123,7 @@ def mixed_decode_reference(
     group = hq // hkv
     for i in range(b):
         r = int(req_pool_indices[i])
-        k, v = gather_kv(cache, req_to_token, r, int(seq_lens[i]), int(ring_start[r]), sink, window, k_level_a, v_level_a,
-                         missing_sink_int2)
+        k, v = gather_kv(cache, req_to_token, r, int(seq_lens[i]), int(ring_start[r]), sink, window, missing_sink_int2)
         kh = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
         vh = v.repeat_interleave(group, dim=1)
         s = torch.einsum("hd,lhd->hl", qd[i], kh) * sm_scale

@@ -25,8 +25,8 @@ def transform_side(x: torch.Tensor, matrix: Optional[torch.Tensor], mean: Option
     return apply_transform(x, matrix, mean)
 
 
-def quantize_side(xt: torch.Tensor, group: int, clip: float, level_a: float, bits: int = 2) -> QuantizedRows:
-    return quantize(clip_rows(xt, clip), bits, group, level_a)
+def quantize_side(xt: torch.Tensor, group: int, clip: float, bits: int = 2) -> QuantizedRows:
+    return quantize(clip_rows(xt, clip), bits, group)
 
 
 def k4_heads(cache) -> tuple:
@@ -58,26 +58,22 @@ def write_reference(
     v_transform: Optional[torch.Tensor] = None,
     k_clip: float = 1.0,
     v_clip: float = 1.0,
-    k_level_a: float = 1.0,
-    v_level_a: float = 1.0,
 ) -> None:
     """What oscar_write_kv does, in place on `cache`: the quantized form at every slot, window rows where dst >= 0.
-    Keys of the heads in cache.k4_heads are INT4, never clipped (k_clip is the INT2 heads'; uniform levels, so
-    k_level_a must be 1 in such a layer), split into k_codes (low planes) and k_hi (high planes)."""
+    Keys of the heads in cache.k4_heads are INT4, never clipped (k_clip is the INT2 heads'), split into k_codes (low
+    planes) and k_hi (high planes)."""
     heads = list(k4_heads(cache))
-    if heads and k_level_a != 1.0:
-        raise ValueError("INT4 keys have uniform levels: k_level_a must be 1 in a layer with INT4-key heads")
     sides = (
-        (k, k_transform, k_mean, cache.k_group, k_clip, k_level_a, "k_codes", "k_params", cache.sink_k, cache.ring_k),
-        (v, v_transform, None, cache.v_group, v_clip, v_level_a, "v_codes", "v_params", cache.sink_v, cache.ring_v),
+        (k, k_transform, k_mean, cache.k_group, k_clip, "k_codes", "k_params", cache.sink_k, cache.ring_k),
+        (v, v_transform, None, cache.v_group, v_clip, "v_codes", "v_params", cache.sink_v, cache.ring_v),
     )
     slots = slots.long()
-    for x, mat, mean, group, clip, a, codes, params, sink, ring in sides:
+    for x, mat, mean, group, clip, codes, params, sink, ring in sides:
         xt = transform_side(x, mat, mean)
-        q = quantize_side(xt, group, clip, a)
+        q = quantize_side(xt, group, clip)
         packed, pairs = pack_int2(q.codes), q.params()
         if codes == "k_codes" and heads:
-            q4 = quantize_side(xt[:, heads], group, 1.0, 1.0, bits=4)
+            q4 = quantize_side(xt[:, heads], group, 1.0, bits=4)
             lo, hi = pack_int4_planes(q4.codes)
             packed[:, heads] = lo
             pairs[:, heads] = q4.params()
@@ -89,18 +85,18 @@ def write_reference(
             buf[dst[sel].long()] = xt[sel].to(buf.dtype)
 
 
-def dequantize_slots(codes: torch.Tensor, params: torch.Tensor, group: int, level_a: float,
-                     hi: Optional[torch.Tensor] = None, heads: Optional[Sequence[int]] = None) -> torch.Tensor:
+def dequantize_slots(codes: torch.Tensor, params: torch.Tensor, group: int, hi: Optional[torch.Tensor] = None,
+                     heads: Optional[Sequence[int]] = None) -> torch.Tensor:
     """fp32 [n, H, D] reconstruction of packed pool rows [n, H, D/4] with params [n, H, D/G, 2]; the KV heads in
     `heads` (default: every head when `hi` is given) are INT4, lo | hi << 2 with `hi` [n, H, D/4] (key_hi_rows)."""
     if heads is None:
         heads = range(codes.shape[-2]) if hi is not None else ()
-    out = dequantize(QuantizedRows(unpack_int2(codes), params[..., 0], params[..., 1], 2, group, level_a))
+    out = dequantize(QuantizedRows(unpack_int2(codes), params[..., 0], params[..., 1], 2, group))
     if heads:
         h = list(heads)
         p = params[:, h]
         out[:, h] = dequantize(QuantizedRows(unpack_int4_planes(codes[:, h], hi[:, h]), p[..., 0], p[..., 1], 4,
-                                             group, 1.0))
+                                             group))
     return out
 
 
@@ -112,8 +108,6 @@ def gather_reference(
     ring_starts: Sequence[int],
     *,
     ring_ends: Optional[Sequence[int]] = None,
-    k_level_a: float = 1.0,
-    v_level_a: float = 1.0,
     dtype: torch.dtype = torch.bfloat16,
 ):
     """Dense transformed K, V [sum(prefix_lens), H, D] of the cached prefixes, concatenated in order.
@@ -131,9 +125,9 @@ def gather_reference(
         r, n, rs = int(r), int(n), int(rs)
         end = n if ring_ends is None else int(ring_ends[i])
         slots = req_to_token[r, :n].long()
-        k = dequantize_slots(cache.rows("k_codes", slots), cache.rows("k_params", slots), cache.k_group, k_level_a,
+        k = dequantize_slots(cache.rows("k_codes", slots), cache.rows("k_params", slots), cache.k_group,
                              key_hi_rows(cache, slots), k4_heads(cache))
-        v = dequantize_slots(cache.rows("v_codes", slots), cache.rows("v_params", slots), cache.v_group, v_level_a)
+        v = dequantize_slots(cache.rows("v_codes", slots), cache.rows("v_params", slots), cache.v_group)
         k, v = k.to(dtype), v.to(dtype)
         lo = max(s, rs, end - w)
         for p in range(n):

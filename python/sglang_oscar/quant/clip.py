@@ -13,11 +13,14 @@ import math
 
 import torch
 
+from ..config import clip_ratio_misfit
+
 
 def clip_count(rho: float, d: int) -> int:
     """How many entries of a D-row lie above the threshold (ties aside)."""
-    if not 0.0 < rho <= 1.0:
-        raise ValueError(f"clip ratio must be in (0, 1], got {rho}")
+    msg = clip_ratio_misfit(rho, f"clip ratio {rho}")
+    if msg is not None:
+        raise ValueError(msg)
     k = min(d, max(1, math.ceil(rho * d - 1e-9)))
     return d - k
 

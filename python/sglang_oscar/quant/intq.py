@@ -11,9 +11,7 @@ A row of D values (already rotated and clipped) is cut into D/G contiguous group
 Storing `min` rather than a zero point lets the decode kernel fold it out of the inner loop:
 q·x̂ = Σ_g scale_g·(q_g·level[c_g]) + Σ_g min_g·Σ_{i∈g} q_i.
 
-Levels are 0, 1, 2, 3 (uniform) or, for INT2 only, the symmetric non-uniform codebook
-0, a, 3−a, 3 (a in (0, 1.5)); a is a per-layer calibration choice. The codebook is an additive
-bit-plane code, level = a·lo + (3−a)·hi, which a kernel can evaluate with one extra dot.
+Levels are uniform: 0 .. 2^bits − 1.
 """
 
 from __future__ import annotations
@@ -22,18 +20,18 @@ import dataclasses
 
 import torch
 
+from ..config import SERVED_GROUP
+
 # (scale, min) storage: float8 e4m3 (1 byte each, 0.25 bits per element at groups of 64). Every e4m3 value is exact
 # in fp16 / bf16 / fp32, so kernels decode it without rounding. Values are saturated to +-448 before rounding.
 PARAM_DTYPE = torch.float8_e4m3fn
 PARAM_MAX = 448.0
 
 
-def round_param(x: torch.Tensor, dtype: torch.dtype = PARAM_DTYPE) -> torch.Tensor:
-    """fp32 -> the stored (scale, min) dtype: float8 e4m3 round-to-nearest-even after saturating to +-PARAM_MAX
-    (what the kernels' satfinite conversion does); other dtypes (bf16 in experiments) a plain cast."""
-    if dtype == torch.float8_e4m3fn:
-        return x.float().clamp(-PARAM_MAX, PARAM_MAX).to(dtype)
-    return x.to(dtype)
+def round_param(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> the stored (scale, min): float8 e4m3 round-to-nearest-even after saturating to +-PARAM_MAX (what the
+    kernels' satfinite conversion does)."""
+    return x.float().clamp(-PARAM_MAX, PARAM_MAX).to(PARAM_DTYPE)
 
 
 @dataclasses.dataclass
@@ -43,20 +41,13 @@ class QuantizedRows:
     minv: torch.Tensor  # PARAM_DTYPE [..., D // group]
     bits: int
     group: int
-    level_a: float = 1.0
 
     def params(self) -> torch.Tensor:
         """(scale, min) interleaved as the pool stores them: [..., D // group, 2]."""
         return torch.stack((self.scale, self.minv), dim=-1)
 
 
-def levels(bits: int, level_a: float = 1.0, dtype=torch.float32, device=None) -> torch.Tensor:
-    if bits == 2:
-        if not 0.0 < level_a < 1.5:
-            raise ValueError(f"INT2 codebook parameter a must be in (0, 1.5), got {level_a}")
-        return torch.tensor([0.0, level_a, 3.0 - level_a, 3.0], dtype=dtype, device=device)
-    if level_a != 1.0:
-        raise ValueError("non-uniform levels are only defined for INT2")
+def levels(bits: int, dtype=torch.float32, device=None) -> torch.Tensor:
     return torch.arange(2**bits, dtype=dtype, device=device)
 
 
@@ -67,9 +58,7 @@ def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], d // group, group)
 
 
-def quantize(
-    x: torch.Tensor, bits: int = 2, group: int = 64, level_a: float = 1.0, param_dtype: torch.dtype = PARAM_DTYPE
-) -> QuantizedRows:
+def quantize(x: torch.Tensor, bits: int = 2, group: int = SERVED_GROUP) -> QuantizedRows:
     """Quantize rows of x (last dim) per group. Computation in fp32."""
     if bits not in (2, 4):
         raise ValueError(f"bits must be 2 or 4, got {bits}")
@@ -77,24 +66,24 @@ def quantize(
     lo = xg.amin(-1)
     hi = xg.amax(-1)
     qmax = 2**bits - 1
-    scale_s = round_param((hi - lo) / qmax, param_dtype)
-    min_s = round_param(lo, param_dtype)
+    scale_s = round_param((hi - lo) / qmax)
+    min_s = round_param(lo)
     s = scale_s.float().unsqueeze(-1)
     m = min_s.float().unsqueeze(-1)
     # A constant group has scale 0: every code is 0 and x̂ = min exactly.
     t = torch.where(s > 0, (xg - m) / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xg))
-    lv = levels(bits, level_a, device=x.device)
+    lv = levels(bits, device=x.device)
     thresholds = (lv[1:] + lv[:-1]) / 2
     codes = (t.unsqueeze(-1) >= thresholds).sum(-1).to(torch.uint8)
-    return QuantizedRows(codes.reshape(x.shape), scale_s, min_s, bits, group, level_a)
+    return QuantizedRows(codes.reshape(x.shape), scale_s, min_s, bits, group)
 
 
 def dequantize(q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    lv = levels(q.bits, q.level_a, device=q.codes.device)
+    lv = levels(q.bits, device=q.codes.device)
     c = _grouped(lv[q.codes.long()], q.group)
     x = q.minv.float().unsqueeze(-1) + q.scale.float().unsqueeze(-1) * c
     return x.reshape(q.codes.shape).to(dtype)
 
 
-def fake_quantize(x: torch.Tensor, bits: int = 2, group: int = 64, level_a: float = 1.0) -> torch.Tensor:
-    return dequantize(quantize(x, bits, group, level_a), dtype=x.dtype)
+def fake_quantize(x: torch.Tensor, bits: int = 2, group: int = SERVED_GROUP) -> torch.Tensor:
+    return dequantize(quantize(x, bits, group), dtype=x.dtype)

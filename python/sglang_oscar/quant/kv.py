@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..config import SERVED_GROUP
 from .clip import clip_rows
 from .intq import QuantizedRows, dequantize, quantize
 from .pack import pack
@@ -41,11 +42,10 @@ class SideQuantizer:
     matrix: torch.Tensor  # [D, D] or [H, D, D]
     mean: Optional[torch.Tensor] = None  # [D] or [H, D], keys only
     bits: int = 2
-    group: int = 64
+    group: int = SERVED_GROUP
     clip_ratio: float = 1.0
-    level_a: float = 1.0
-    # KV heads (of x's head axis, -2) stored as INT4 instead: no clip, uniform levels (the served keys' per-head
-    # widths, rotation/fit.py:choose_k4_heads). Only with bits 2.
+    # KV heads (of x's head axis, -2) stored as INT4 instead: no clip (the served keys' per-head widths,
+    # rotation/fit.py:choose_k4_heads). Only with bits 2.
     k4_heads: tuple = ()
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,14 +62,14 @@ class SideQuantizer:
     def quantize_transformed(self, xt: torch.Tensor) -> QuantizedRows:
         if self.k4_heads:
             raise ValueError("a quantizer with INT4 heads has no single QuantizedRows: use fake_transformed")
-        return quantize(clip_rows(xt, self.clip_ratio), self.bits, self.group, self.level_a)
+        return quantize(clip_rows(xt, self.clip_ratio), self.bits, self.group)
 
     def quantize(self, x: torch.Tensor) -> QuantizedRows:
         return self.quantize_transformed(self.transform(x))
 
     def fake_transformed(self, xt: torch.Tensor) -> torch.Tensor:
         """Dequantized reconstruction of already transformed rows [..., H, D], in the transformed basis."""
-        out = dequantize(quantize(clip_rows(xt, self.clip_ratio), self.bits, self.group, self.level_a))
+        out = dequantize(quantize(clip_rows(xt, self.clip_ratio), self.bits, self.group))
         if self.k4_heads:
             h = list(self.k4_heads)
             out[..., h, :] = dequantize(quantize(xt[..., h, :], 4, self.group))

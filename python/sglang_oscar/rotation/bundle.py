@@ -5,8 +5,9 @@ File: safetensors, tensors
   v_transform f32 [L, Hv, D, D]
   k_mean      f32 [L, Hm, D]      optional (center_k): keys are stored as (k − μ)·T; Hm = 1 or kv_heads
                                   (a per-layer transform may still subtract a per-head mean)
-  k_clip, v_clip, k_level_a, v_level_a  f32 [L]
+  k_clip, v_clip f32 [L]
   k_eigenvalues, v_eigenvalues f32 [L, Hk, D]  optional, descending (diagnostics only)
+  k_level_a, v_level_a f32 [L]   only in files of earlier versions (INT2 codebook parameters): loaded when all are 1
 and __metadata__ {"sglang_oscar": json} (format, version, model identity and shape, how it was
 fitted, calibration source). Every load is validated so a bundle for another model, a corrupted
 file or a non-orthogonal "rotation" fails loudly instead of silently degrading accuracy.
@@ -24,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from ..config import clip_ratio_misfit, group_misfit
 from ..quant.hadamard import hadamard_matrix
 from ..quant.kv import SideQuantizer
 
@@ -57,8 +59,6 @@ class RotationBundle:
     v_transform: torch.Tensor  # [L, Hv, D, D]
     k_clip: torch.Tensor  # [L]
     v_clip: torch.Tensor  # [L]
-    k_level_a: torch.Tensor  # [L]
-    v_level_a: torch.Tensor  # [L]
     k_group: int
     v_group: int
     bits: int = 2
@@ -125,8 +125,6 @@ class RotationBundle:
             "v_transform": self.v_transform,
             "k_clip": self.k_clip,
             "v_clip": self.v_clip,
-            "k_level_a": self.k_level_a,
-            "v_level_a": self.v_level_a,
         }
         for name in ("k_mean", "k_eigenvalues", "v_eigenvalues", "k_bits"):
             if getattr(self, name) is not None:
@@ -142,9 +140,6 @@ class RotationBundle:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range: the bundle has {self.num_layers} layers")
         bits = self.bits if bits is None else bits
-        # The INT2 codebook parameter means nothing at 4 bits: fall back to uniform levels.
-        ka = float(self.k_level_a[layer]) if bits == 2 else 1.0
-        va = float(self.v_level_a[layer]) if bits == 2 else 1.0
         kt, vt = self.k_transform[layer].float(), self.v_transform[layer].float()
         mean = None if self.k_mean is None else self.k_mean[layer].float()
         if kt.shape[0] == 1:
@@ -153,9 +148,9 @@ class RotationBundle:
             mean = mean[0]
         if vt.shape[0] == 1:
             vt = vt[0]
-        kq = SideQuantizer(kt, mean, bits, self.k_group, float(self.k_clip[layer]), ka,
+        kq = SideQuantizer(kt, mean, bits, self.k_group, float(self.k_clip[layer]),
                            self.k4_heads(layer) if bits == 2 else ())
-        vq = SideQuantizer(vt, None, bits, self.v_group, float(self.v_clip[layer]), va)
+        vq = SideQuantizer(vt, None, bits, self.v_group, float(self.v_clip[layer]))
         return kq, vq
 
     def shard(self, kv_start: int, kv_end: int) -> "RotationBundle":
@@ -203,29 +198,20 @@ def validate_bundle(b: RotationBundle, where: str = "rotation bundle") -> None:
         if not torch.isfinite(t).all():
             _fail(where, f"{name} contains NaN or Inf; {RECOMPUTE}")
     hk = b.k_transform.shape[1]
-    if d <= 0 or d & (d - 1):
-        _fail(where, f"head_dim {d} is not a power of two (the Hadamard and the kernels need one)")
     for side, g in (("k_group", b.k_group), ("v_group", b.v_group)):
-        if g <= 0 or g > d or d % g or g & (g - 1):
-            _fail(where, f"{side} {g} does not divide head_dim {d}; pick a power of two <= {d}")
+        misfit = group_misfit(d, g, side)
+        if misfit is not None:
+            _fail(where, misfit)
     if b.bits not in (2, 4):
         _fail(where, f"bits must be 2 or 4, got {b.bits}")
-    for name in ("k_clip", "v_clip", "k_level_a", "v_level_a"):
+    for name in ("k_clip", "v_clip"):
         t = getattr(b, name)
         if tuple(t.shape) != (L,):
             _fail(where, f"{name} has shape {tuple(t.shape)}, expected [{L}]")
-    for name in ("k_clip", "v_clip"):
-        t = getattr(b, name).double()
-        bad = ~((t > 0) & (t <= 1))
-        if bad.any():
-            i = int(bad.nonzero()[0])
-            _fail(where, f"{name}[{i}] = {float(t[i])} is outside (0, 1]; clip ratios are quantiles in (0, 1]")
-    for name in ("k_level_a", "v_level_a"):
-        t = getattr(b, name).double()
-        bad = ~((t > 0) & (t < 1.5))
-        if bad.any():
-            i = int(bad.nonzero()[0])
-            _fail(where, f"{name}[{i}] = {float(t[i])} is outside (0, 1.5) (INT2 codebook 0, a, 3−a, 3)")
+        for i, rho in enumerate(t.double().tolist()):
+            misfit = clip_ratio_misfit(rho, f"{name}[{i}] = {rho}")
+            if misfit is not None:
+                _fail(where, misfit)
     if b.k_bits is not None:
         if tuple(b.k_bits.shape) != (L, b.kv_heads) or not b.kv_heads:
             _fail(where, f"k_bits has shape {tuple(b.k_bits.shape)}, expected [{L}, {b.kv_heads}] (layers x KV heads)")
@@ -236,11 +222,6 @@ def validate_bundle(b: RotationBundle, where: str = "rotation bundle") -> None:
             _fail(where, f"k_bits[{i[0]}, {i[1]}] = {float(kb[i[0], i[1]])}: key code widths are 2 or 4")
         if b.bits != 2:
             _fail(where, f"k_bits chooses INT4-key heads of an INT2 cache, but bits is {b.bits}")
-        coded = (kb == 4).any(1) & (b.k_level_a.double() != 1.0)
-        if coded.any():
-            i = int(coded.nonzero()[0])
-            _fail(where, f"layer {i} has INT4-key heads and an INT2 codebook (k_level_a {float(b.k_level_a[i])}); "
-                  "INT4 levels are uniform: k_level_a must be 1 in such a layer")
     if b.k_mean is not None and (b.k_mean.dim() != 3 or b.k_mean.shape[0] != L or b.k_mean.shape[2] != d
                                  or b.k_mean.shape[1] not in {1, hk, b.kv_heads}):
         _fail(where, f"k_mean has shape {tuple(b.k_mean.shape)}, expected [{L}, 1 or {max(hk, b.kv_heads)}, {d}]")
@@ -287,7 +268,10 @@ def save_bundle(bundle: RotationBundle, path) -> Path:
 
 
 _REQUIRED_META = ("format", "version", "num_layers", "kv_heads", "head_dim", "k_group", "v_group", "bits")
-_REQUIRED_TENSORS = ("k_transform", "v_transform", "k_clip", "v_clip", "k_level_a", "v_level_a")
+_REQUIRED_TENSORS = ("k_transform", "v_transform", "k_clip", "v_clip")
+# INT2 codebook parameters a (levels 0, a, 3−a, 3) that files of earlier versions carry: a = 1 is the uniform levels,
+# the only ones the kernels read
+_LEGACY_LEVEL_TENSORS = ("k_level_a", "v_level_a")
 
 
 def load_bundle(path, *, expect_layers=None, expect_kv_heads=None, expect_head_dim=None) -> RotationBundle:
@@ -320,13 +304,17 @@ def load_bundle(path, *, expect_layers=None, expect_kv_heads=None, expect_head_d
     missing = [k for k in _REQUIRED_META if k not in meta] + [k for k in _REQUIRED_TENSORS if k not in tensors]
     if missing:
         _fail(where, f"missing entries {missing}; {RECOMPUTE}")
+    for name in _LEGACY_LEVEL_TENSORS:
+        bad = (tensors[name].double() != 1.0).flatten().nonzero() if name in tensors else ()
+        if len(bad):
+            i = int(bad[0])
+            _fail(where, f"{name}[{i}] = {float(tensors[name].flatten()[i]):g}: INT2 codebook levels are not supported; "
+                  "refit with python -m sglang_oscar.calibrate")
     b = RotationBundle(
         k_transform=tensors["k_transform"],
         v_transform=tensors["v_transform"],
         k_clip=tensors["k_clip"],
         v_clip=tensors["v_clip"],
-        k_level_a=tensors["k_level_a"],
-        v_level_a=tensors["v_level_a"],
         k_group=int(meta["k_group"]),
         v_group=int(meta["v_group"]),
         bits=int(meta["bits"]),
@@ -370,8 +358,8 @@ def data_free_bundle(method: str, num_layers: int, kv_heads: int, head_dim: int,
     rk, rv = (1.0, 1.0) if clip is None else clip
     t = m.expand(num_layers, 1, head_dim, head_dim).clone()
     ones = torch.ones(num_layers)
-    b = RotationBundle(t, t.clone(), ones * rk, ones * rv, ones.clone(), ones.clone(), k_group, v_group, bits,
-                       kv_heads, method=method, composition="none", calibration={"source": "none", "tokens": 0})
+    b = RotationBundle(t, t.clone(), ones * rk, ones * rv, k_group, v_group, bits, kv_heads, method=method,
+                       composition="none", calibration={"source": "none", "tokens": 0})
     if k4_heads:
         b.k_bits = torch.full((num_layers, kv_heads), 2, dtype=torch.int32)
         for layer, head in k4_heads:
@@ -447,7 +435,7 @@ def load_seed_pt(k_path, v_path, *, k_group: int, v_group: int, clip_k: float = 
               f"{vr.shape[0]} of {vr.shape[-1]}×{vr.shape[-1]}; were the files from different models?")
     L = kr.shape[0]
     ones = torch.ones(L)
-    b = RotationBundle(kr, vr, ones * clip_k, ones * clip_v, ones.clone(), ones.clone(), k_group, v_group, 2, 0,
+    b = RotationBundle(kr, vr, ones * clip_k, ones * clip_v, k_group, v_group, 2, 0,
                        k_eigenvalues=ke, v_eigenvalues=ve, model_id=model_id, method=f"seed:{kobj}|{vobj}",
                        composition="seed", calibration={"source": f"seed files {Path(k_path).name}, "
                                                         f"{Path(v_path).name}"})

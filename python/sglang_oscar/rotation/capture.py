@@ -274,9 +274,3 @@ def capture_statistics(
     if missing:
         raise RuntimeError(f"attention of layers {missing} was never called; is this a decoder-only model?")
     return stats
-
-
-def heldout_layer(stats: CalibrationStats, layer: int) -> Optional[tuple[list, list, list]]:
-    if not stats.heldout_q or not stats.heldout_q[layer]:
-        return None
-    return stats.heldout_q[layer], stats.heldout_k[layer], stats.heldout_v[layer]

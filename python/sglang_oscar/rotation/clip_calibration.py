@@ -1,4 +1,4 @@
-"""Per-layer clip ratios (ρ_K, ρ_V) and INT2 codebook parameter a, chosen on held-out windows.
+"""Per-layer clip ratios (ρ_K, ρ_V), chosen on held-out windows.
 
 The objective is what the cache actually breaks: the layer's attention output. For K, keys at
 positions >= sink are replaced by their quantized reconstruction (V exact); for V, the same with
@@ -7,7 +7,7 @@ windows and a random subset of query positions (past the sink, where quantized k
 The BF16 recent window is ignored on purpose: it would hide the quantization error from the
 queries we sample and make every ρ look the same.
 
-Speed: every (ρ, a) candidate of one side is evaluated in one batched matmul; queries are
+Speed: every ρ candidate of one side is evaluated in one batched matmul; queries are
 subsampled (default 256 per window), so SmolLM2 (30 layers, 4k held-out tokens) takes about a
 minute on one core.
 """
@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from ..config import SERVED_RECENT, SERVED_SINK
 from ..quant.clip import clip_count
 from ..quant.intq import fake_quantize
 from ..quant.kv import SideQuantizer, apply_transform
@@ -30,25 +31,17 @@ DEFAULT_RHO_GRID = (1.0, 0.995, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.92, 0.90, 
 @dataclasses.dataclass
 class ClipChoice:
     rho_k: float
-    level_a_k: float
     rho_v: float
-    level_a_v: float
-    k_errors: torch.Tensor  # [len(rho_grid), len(level_grid)] relative MSE, NaN if nothing to score
+    k_errors: torch.Tensor  # [len(candidates)] relative MSE, NaN if nothing to score
     v_errors: torch.Tensor
-    candidates: list[tuple[float, float]]  # (ρ, a) in the order of the flattened error tables
+    candidates: list[float]  # the ρ of the error tables, mildest clip first
 
 
-def _candidates(rho_grid: Sequence[float], level_grid: Sequence[float], bits: int) -> list[tuple[float, float]]:
+def _candidates(rho_grid: Sequence[float]) -> list[float]:
     rhos = sorted({float(r) for r in rho_grid}, reverse=True)  # ties resolve to the mildest clip
     for r in rhos:
         clip_count(r, 2)  # raises a clear error for ρ outside (0, 1]
-    levels_ = sorted({float(a) for a in level_grid}, key=lambda a: (a != 1.0, a))  # uniform first
-    if bits != 2 and levels_ != [1.0]:
-        raise ValueError(f"level_grid {tuple(level_grid)} only makes sense for INT2; use (1.0,) for {bits} bits")
-    for a in levels_:
-        if not 0.0 < a < 1.5:
-            raise ValueError(f"level_a {a} outside (0, 1.5)")
-    return [(r, a) for r in rhos for a in levels_]
+    return rhos
 
 
 def _clip_many(xt: torch.Tensor, rhos: Sequence[float]) -> torch.Tensor:
@@ -64,15 +57,13 @@ def _clip_many(xt: torch.Tensor, rhos: Sequence[float]) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _reconstructions(x: torch.Tensor, quant: SideQuantizer, cands, sink: int) -> torch.Tensor:
-    """[G, H, T, D]: x with positions >= sink replaced by the quantized reconstruction per candidate."""
+def _reconstructions(x: torch.Tensor, quant: SideQuantizer, rhos: Sequence[float], sink: int) -> torch.Tensor:
+    """[G, H, T, D]: x with positions >= sink replaced by the quantized reconstruction per clip ratio."""
     xt = quant.transform(x.transpose(0, 1))  # [T, H, D] in the transformed basis
-    rhos = sorted({r for r, _ in cands}, reverse=True)
-    clipped = dict(zip(rhos, _clip_many(xt, rhos)))
     inv = quant.inverse_matrix()
     outs = []
-    for r, a in cands:
-        rec = apply_transform(fake_quantize(clipped[r], quant.bits, quant.group, a), inv)
+    for clipped in _clip_many(xt, rhos):
+        rec = apply_transform(fake_quantize(clipped, quant.bits, quant.group), inv)
         if quant.mean is not None:
             rec = rec + quant.mean.float()
         rec = rec.transpose(0, 1)  # [H, T, D]
@@ -116,24 +107,22 @@ def calibrate_layer_clip(
     *,
     scaling: float,
     rho_grid: Sequence[float] = DEFAULT_RHO_GRID,
-    level_grid: Sequence[float] = (1.0,),
-    sink: int = 64,
+    sink: int = SERVED_SINK,
     queries_per_window: int = 256,
     chunk: int = 4,
     seed: int = 0,
 ) -> ClipChoice:
-    """Pick (ρ, a) for K and V of one layer. qs/ks/vs: per window q [Hq, T, D], k/v [Hkv, T, D].
+    """Pick ρ for K and V of one layer. qs/ks/vs: per window q [Hq, T, D], k/v [Hkv, T, D].
 
-    k_quant / v_quant give the transform (and key mean), bits and group; their own clip_ratio and
-    level_a are ignored. Without any window longer than `sink` there is nothing to score and the
-    result is ρ = 1, a = 1.
+    k_quant / v_quant give the transform (and key mean), bits and group; their own clip_ratio is
+    ignored. Without any window longer than `sink` there is nothing to score and the result is ρ = 1.
     """
     if k_quant.bits != v_quant.bits:
         raise ValueError("K and V quantizers must use the same bit width")
-    cands = _candidates(rho_grid, level_grid, k_quant.bits)
+    cands = _candidates(rho_grid)
     d = k_quant.matrix.shape[-1]
     # Candidates that clip the same number of entries per row are identical: evaluate each once.
-    key_of = [(clip_count(r, d), a) for r, a in cands]
+    key_of = [clip_count(r, d) for r in cands]
     uniq = list(dict.fromkeys(key_of))
     rep = [key_of.index(u) for u in uniq]  # first (= mildest ρ) candidate of each class
     ucands = [cands[i] for i in rep]
@@ -164,19 +153,17 @@ def calibrate_layer_clip(
                 # V side: probabilities do not depend on the candidate
                 ov = probs @ v_rec[sl, :, None, :kmax]
                 num_v[sl] += (ov - ref).pow(2).sum(dim=(1, 2, 3, 4), dtype=torch.float64)
-    n_rho = len({r for r, _ in cands})
-    shape = (n_rho, len(cands) // n_rho)
     if den == 0.0:
-        nan = torch.full(shape, float("nan"), dtype=torch.float64)
-        return ClipChoice(1.0, 1.0, 1.0, 1.0, nan, nan.clone(), cands)
+        nan = torch.full((len(cands),), float("nan"), dtype=torch.float64)
+        return ClipChoice(1.0, 1.0, nan, nan.clone(), cands)
     cls = torch.tensor([uniq.index(kk) for kk in key_of])
     ek, ev = (num_k / den)[cls], (num_v / den)[cls]
     bk, bv = int(torch.argmin(ek)), int(torch.argmin(ev))  # first minimum = mildest clip
-    return ClipChoice(cands[bk][0], cands[bk][1], cands[bv][0], cands[bv][1], ek.view(shape), ev.view(shape), cands)
+    return ClipChoice(cands[bk], cands[bv], ek, ev, cands)
 
 
 def key_damage(qs: Sequence[torch.Tensor], ks: Sequence[torch.Tensor], k_quant: SideQuantizer, *, scaling: float,
-               sink: int = 64, recent: int = 256, tail: int = 64) -> torch.Tensor:
+               sink: int = SERVED_SINK, recent: int = SERVED_RECENT, tail: int = 64) -> torch.Tensor:
     """How much each KV head's quantized keys disturb attention: KL(exact || quantized keys) of the last `tail` query
     positions of each held-out window, summed over the head's query heads and averaged over positions, in decode
     semantics (a query at i reads keys [sink, i − recent] quantized with k_quant, the rest exact; values do not
@@ -189,7 +176,7 @@ def key_damage(qs: Sequence[torch.Tensor], ks: Sequence[torch.Tensor], k_quant: 
         g = q.shape[0] // hkv
         n = min(tail, t)
         qpos = torch.arange(t - n, t)
-        krec = _reconstructions(k, k_quant, [(k_quant.clip_ratio, k_quant.level_a)], sink)[0]  # [Hkv, T, D]
+        krec = _reconstructions(k, k_quant, [k_quant.clip_ratio], sink)[0]  # [Hkv, T, D]
         keys = torch.arange(t)
         exact_zone = (keys[None, :] < sink) | (keys[None, :] > qpos[:, None] - recent)  # [n, T]
         mask = torch.zeros(n, t).masked_fill(keys[None, :] > qpos[:, None], float("-inf"))

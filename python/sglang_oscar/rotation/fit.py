@@ -18,7 +18,6 @@ kernel multiplies q by T^{-T} anyway, so this costs nothing at serving time.
 Compositions of a fitted U:
   u          T = U
   u_h        T = U·H                     (default)
-  u_h_p      T = U·H·P                   (the seed's R·H·P; see compose() for why P is inert)
   u_p_hg     T = U·P·blockdiag(H_G)      (spectral placement, then a Hadamard inside each group)
 """
 
@@ -30,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..config import CacheLayout, max_k4_heads
+from ..config import SERVED_RECENT, SERVED_SINK, check_group_fits, clip_ratio_misfit, max_k4_heads
 from ..quant.hadamard import block_hadamard_matrix, hadamard_matrix
 from ..quant.placement import permutation_matrix, spectral_placement
 from .bundle import RotationBundle, orthogonality_error
@@ -38,7 +37,7 @@ from .capture import CalibrationStats
 from .clip_calibration import DEFAULT_RHO_GRID, calibrate_layer_clip, key_damage
 
 METHODS = ("identity", "hadamard", "pca", "oscar", "balanced")
-COMPOSITIONS = ("u", "u_h", "u_h_p", "u_p_hg")
+COMPOSITIONS = ("u", "u_h", "u_p_hg")
 
 
 def sorted_eigh(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,23 +50,16 @@ def sorted_eigh(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def compose(u: torch.Tensor, eigenvalues: torch.Tensor, composition: str, group: int) -> torch.Tensor:
     """T from the eigenbasis U [D, D] (columns descending) for one side.
 
-    u_h_p: the permutation P acts *after* H has mixed every eigen-direction into every coordinate.
-    For x with covariance C, coordinate j of x·U·H has variance Σ_i λ_i H_ij² = tr(C)/D for every j
-    (|H_ij| = 1/√D), so permuting coordinates cannot balance anything: P is a no-op in
-    expectation (and exactly a no-op when group = head_dim, where min-max and the clip are
-    permutation invariant). It is kept to reproduce the seed. u_p_hg is where P matters: the
-    placement spreads the spectrum evenly over groups and H_G only mixes inside a group.
+    u_p_hg: the placement P spreads the spectrum evenly over groups and H_G only mixes inside a group. (P after a
+    full H, the seed's U·H·P, is inert: every coordinate of x·U·H has variance tr(C)/D; docs/design.md.)
     """
     d = u.shape[-1]
     if composition == "u":
         return u
     if composition == "u_h":
         return u @ hadamard_matrix(d)
-    p = permutation_matrix(spectral_placement(eigenvalues))
-    if composition == "u_h_p":
-        return u @ hadamard_matrix(d) @ p
     if composition == "u_p_hg":
-        return u @ p @ block_hadamard_matrix(d, group)
+        return u @ permutation_matrix(spectral_placement(eigenvalues)) @ block_hadamard_matrix(d, group)
     raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
 
 
@@ -113,39 +105,31 @@ def fit_bundle(
     v_group: int,
     bits: int = 2,
     clip="auto",
-    level_grid: Sequence[float] = (1.0,),
     model_id: str = "",
     calibration: Optional[dict] = None,
     rho_grid: Sequence[float] = DEFAULT_RHO_GRID,
     progress: bool = False,
-    clip_queries: int = 256,
-    v_method: Optional[str] = None,
     k4_heads=0,
 ) -> RotationBundle:
-    """Fit transforms (and clip ratios) for every layer; see the module docstring for methods.
+    """Fit transforms (and clip ratios) for every layer; see the module docstring for methods (V: the V side of
+    `method`; balanced uses oscar's V).
 
     clip: "auto" (per-layer calibration on the held-out windows of `stats`), (rho_k, rho_v) for
-    every layer, or None (= 1.0). level_grid: INT2 codebook parameters tried jointly with ρ.
-    clip_queries: query positions sampled per held-out window for "auto" (cost is linear in it).
-    v_method: fit V with another method than K ("identity", "hadamard", "pca", "oscar"); default:
-    the V side of `method` (balanced uses oscar's V).
+    every layer, or None (= 1.0).
     k4_heads: how many (layer, KV head) pairs get INT4 keys (choose_k4_heads, on the held-out windows): a count, or
     "served" for config.max_k4_heads(L, H), the served format's share (2.5 bits per element at groups of 64); 0 = INT2
     keys only.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    v_method = v_method or ("oscar" if method == "balanced" else method)
-    if v_method not in METHODS or v_method == "balanced":
-        raise ValueError(f"v_method must be one of {METHODS[:-1]}, got {v_method!r}")
+    v_method = "oscar" if method == "balanced" else method
     if composition not in COMPOSITIONS:
         raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
     if cs not in ("exact", "cheap"):
         raise ValueError(f"cs must be 'exact' or 'cheap', got {cs!r}")
     L, H, D = stats.num_layers, stats.kv_heads, stats.head_dim
     for name, g in (("k_group", k_group), ("v_group", v_group)):
-        if g <= 0 or g > D or D % g or g & (g - 1):
-            raise ValueError(f"{name} {g} must be a power of two dividing head_dim {D}")
+        check_group_fits(D, g, name)
     hk = H if per_head else 1
     kt = torch.empty(L, hk, D, D, dtype=torch.float64)
     vt = torch.empty_like(kt)
@@ -186,8 +170,6 @@ def fit_bundle(
         v_transform=vt.float(),
         k_clip=ones.clone(),
         v_clip=ones.clone(),
-        k_level_a=ones.clone(),
-        v_level_a=ones.clone(),
         k_group=k_group,
         v_group=v_group,
         bits=bits,
@@ -208,7 +190,7 @@ def fit_bundle(
         bundle.calibration["cs"] = cs
     if v_method != method:
         bundle.calibration["v_method"] = v_method  # which V target was used
-    _apply_clip(bundle, stats, clip, level_grid, rho_grid, progress, clip_queries)
+    _apply_clip(bundle, stats, clip, rho_grid, progress)
     if k4_heads == "served":
         k4_heads = max_k4_heads(L, H)
     if k4_heads and bits != 2:
@@ -218,12 +200,8 @@ def fit_bundle(
     return bundle.validate("fitted bundle")
 
 
-# the served cache's exact windows, which choose_k4_heads scores key damage around (calibrate checks windows against it)
-K4_SINK, K4_RECENT = CacheLayout().sink, CacheLayout().recent
-
-
 def choose_k4_heads(bundle: RotationBundle, stats: CalibrationStats, n: int, *, progress: bool = False,
-                    sink: int = K4_SINK, recent: int = K4_RECENT) -> list:
+                    sink: int = SERVED_SINK, recent: int = SERVED_RECENT) -> list:
     """Store the keys of the n (layer, KV head) pairs whose INT2 keys disturb attention most
     (clip_calibration.key_damage on the held-out windows, with the layer's calibrated clip; the served sink and
     recent window exact) in INT4 (bundle.k_bits 4: no clip, uniform levels). Returns the pairs, most damaged first;
@@ -245,14 +223,12 @@ def choose_k4_heads(bundle: RotationBundle, stats: CalibrationStats, n: int, *, 
     bundle.k_bits = torch.full((L, H), 2, dtype=torch.int32)
     for layer, head in top:
         bundle.k_bits[layer, head] = 4
-        bundle.k_level_a[layer] = 1.0  # INT4 levels are uniform; a layer with INT4 heads keeps no INT2 codebook
     bundle.calibration["key_damage"] = [[round(float(x), 5) for x in d] for d in damage]
     bundle.calibration["k4_heads"] = [list(p) for p in top]
     return top
 
 
-def _apply_clip(bundle: RotationBundle, stats: CalibrationStats, clip, level_grid, rho_grid, progress,
-                queries: int) -> None:
+def _apply_clip(bundle: RotationBundle, stats: CalibrationStats, clip, rho_grid, progress) -> None:
     L = bundle.num_layers
     if clip is None:
         return
@@ -261,9 +237,10 @@ def _apply_clip(bundle: RotationBundle, stats: CalibrationStats, clip, level_gri
             rk, rv = (float(x) for x in clip)
         except (TypeError, ValueError):
             raise ValueError(f"clip must be 'auto', None or a pair (rho_k, rho_v), got {clip!r}") from None
-        for r in (rk, rv):
-            if not 0.0 < r <= 1.0:
-                raise ValueError(f"clip ratio {r} outside (0, 1]")
+        for side, r in (("K", rk), ("V", rv)):
+            msg = clip_ratio_misfit(r, f"{side} clip ratio {r}")
+            if msg is not None:
+                raise ValueError(msg)
         bundle.k_clip[:] = rk
         bundle.v_clip[:] = rv
         return
@@ -273,12 +250,9 @@ def _apply_clip(bundle: RotationBundle, stats: CalibrationStats, clip, level_gri
     for layer in tqdm(range(L), desc="clip", disable=not progress, unit="layer"):
         kq, vq = bundle.layer_quantizers(layer)
         choice = calibrate_layer_clip(stats.heldout_q[layer], stats.heldout_k[layer], stats.heldout_v[layer], kq, vq,
-                                      scaling=stats.scaling[layer], rho_grid=rho_grid, level_grid=level_grid,
-                                      queries_per_window=queries, seed=layer)
+                                      scaling=stats.scaling[layer], rho_grid=rho_grid, seed=layer)
         bundle.k_clip[layer] = choice.rho_k
         bundle.v_clip[layer] = choice.rho_v
-        bundle.k_level_a[layer] = choice.level_a_k
-        bundle.v_level_a[layer] = choice.level_a_v
     # A choice on the smallest ρ of the grid means the optimum may lie below it: say so, because
     # silently clamped clip ratios look like a calibrated result.
     floor = min(rho_grid)

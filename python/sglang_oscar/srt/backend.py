@@ -52,9 +52,9 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from .extend_attention import ExtendAttention
 from .options import OscarOptionError
 from .pool import OscarKVPool
-from .write_plan import plan_writes
+from .write_plan import in_sink, plan_writes, ring_row
 from ..kernels.decode import DecodePlan, plan_decode
-from ..kernels.shapes import CUDA_WRITE_MAX_TOKENS
+from ..kernels.shapes import CUDA_WRITE_MAX_TOKENS, has_pdl
 from ..kernels.write import MID_BATCH_TOKENS
 
 NAME = "oscar_int2"
@@ -185,8 +185,7 @@ class OscarAttnBackend(AttentionBackend):
         # decode with the CUDA history stage on sm_90+: the history kernel can be launched as the KV write's
         # programmatic dependent (oscar_decode follows_write), streaming the old INT2 rows while the write runs;
         # the decode step chains them up to AFTER_WRITE_MAX_BATCH
-        self.history_after_write = (self.history_kernel == "cuda" and torch.device(self.device).type == "cuda"
-                                    and torch.cuda.get_device_capability(self.device)[0] >= 9)
+        self.history_after_write = self.history_kernel == "cuda" and has_pdl(self.device)
         model_dtype = getattr(model_runner, "dtype", None)
         for r in pool.rotations if model_dtype is not None else ():  # made here, not inside a graph capture
             r.q_transform_as(model_dtype)
@@ -201,16 +200,15 @@ class OscarAttnBackend(AttentionBackend):
 
     def _choose_decode_path(self, model_runner) -> None:
         """startup_checks.decode_path for this rank's attention (local query heads as SGLang splits them, local KV
-        heads, the bundle's groups, codebook levels in any layer) on the pool's page size, its CUDA libraries built
+        heads, the bundle's groups) on the pool's page size, its CUDA libraries built
         here, before any CUDA graph is captured or request served. One log line names the choice (the launcher logged
         the same one where it made it; a rank logs its own only where it differs, e.g. a failed build)."""
         from .hooks import DECODE_LINE_ATTR
         from .startup_checks import build_cuda_path, decode_path
 
         pool = self.pool
-        codebook = any(r.k_level_a != 1.0 or r.v_level_a != 1.0 for r in pool.rotations)
         path = decode_path(head_dim=pool.head_dim, q_heads=self.q_heads, kv_heads=pool.head_num,
-                           k_group=pool.setup.plan.k_group, v_group=pool.setup.plan.v_group, codebook=codebook,
+                           k_group=pool.setup.plan.k_group, v_group=pool.setup.plan.v_group,
                            window_dtype=pool.window_dtype,
                            x_dtype=getattr(model_runner, "dtype", None) or torch.bfloat16, device=self.device,
                            page_size=pool.page_size)
@@ -371,7 +369,7 @@ class OscarAttnBackend(AttentionBackend):
         n = loc.numel()
         if n == 0 or n > forward_batch.batch_size:
             return 0
-        if int(seq_cpu[:n].min()) - 1 < self.pool.setup.cfg.sink:
+        if in_sink(int(seq_cpu[:n].min()) - 1, self.pool.setup.cfg.sink):
             return 0
         return n
 
@@ -382,7 +380,7 @@ class OscarAttnBackend(AttentionBackend):
         pos = forward_batch.seq_lens[:n].to(torch.int64) - 1
         g.slots[:n].copy_(forward_batch.out_cache_loc[:n])
         g.sink_dst[:n].fill_(-1)
-        g.ring_dst[:n].copy_(rows * w + pos % w)
+        g.ring_dst[:n].copy_(ring_row(rows, pos, w))
 
     def init_forward_metadata_in_graph(self, forward_batch):
         # Nothing to record: out_graph already wrote every buffer the kernels read.
@@ -432,9 +430,7 @@ class OscarAttnBackend(AttentionBackend):
         lc = self.pool.layer_cache(layer.layer_id)
         o = oscar_decode(q, lc, self.req_to_token_pool.req_to_token, m.req_pool_indices,
                          m.seq_lens, self.pool.ring_start, sink=lc.sink, window=lc.window, sm_scale=layer.scaling,
-                         q_transform=q_transform, plan=step.plan if write else step.plain,
-                         k_level_a=None if r.k_level_a == 1.0 else r.k_level_a,
-                         v_level_a=None if r.v_level_a == 1.0 else r.v_level_a)
+                         q_transform=q_transform, plan=step.plan if write else step.plain)
         return self._unrotate_v(o, layer).reshape(-1, hq * d)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -463,8 +459,7 @@ class OscarAttnBackend(AttentionBackend):
             for i, row_t, ptr_t, start_t in m.gather_args:
                 a, p = m.kv_starts[i], m.prefix[i]
                 oscar_gather_prefixes(lc, self.req_to_token_pool.req_to_token, row_t, ptr_t, start_t,
-                                      keys[a:a + p], vals[a:a + p], k_level_a=r.k_level_a, v_level_a=r.v_level_a,
-                                      validate=False)
+                                      keys[a:a + p], vals[a:a + p], validate=False)
             start = 0
             for a, p, e in zip(m.kv_starts, m.prefix, m.ext):
                 keys[a + p:a + p + e] = kt[start:start + e]
@@ -479,7 +474,3 @@ class OscarAttnBackend(AttentionBackend):
             att.plan(m.ext, m.kv_lens, hq, h, d, q.dtype, layer.scaling)
         out = att.run(qt, keys, vals)
         return self._unrotate_v(out, layer).reshape(-1, hq * d)
-
-
-def create_backend(runner):
-    return OscarAttnBackend(runner)

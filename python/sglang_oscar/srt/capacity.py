@@ -21,7 +21,7 @@ auto_max_running_requests: the most requests whose windows take at most 1/WINDOW
 budget. Each request's windows cost as many bytes as ~2.5k INT2 tokens (Qwen3-8B, G=64), so a
 tenth of the budget sizes R for requests of ~22k tokens on average: shorter requests are bounded
 by R, longer ones by the token count, and the pool keeps 9/10 of its INT2-only tokens at any group
-size (a fixed ratio-to-BF16 target could not: G=32's INT2-only ceiling is 5.3x BF16).
+size (a fixed ratio-to-BF16 target could not: G=32's INT2-only ceiling is 6.40x BF16, below a 6.5x target).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import dataclasses
 from typing import Optional
 
 from ..config import CacheLayout, QuantFormat
+from .startup_checks import kv_head_range
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 SINK_TABLE_BYTES = 4  # int32 per slot
@@ -48,14 +49,9 @@ class ModelShape:
 
     @property
     def kv_heads_per_rank(self) -> int:
-        # QKVParallelLinear: with tp >= kv heads every rank holds one (replicated) head.
-        if self.tp_size >= self.kv_heads:
-            if self.tp_size % self.kv_heads:
-                raise ValueError(f"tp_size {self.tp_size} is not a multiple of {self.kv_heads} KV heads")
-            return 1
-        if self.kv_heads % self.tp_size:
-            raise ValueError(f"{self.kv_heads} KV heads do not split over tp_size {self.tp_size}")
-        return self.kv_heads // self.tp_size
+        """The KV heads of one rank (every rank holds as many: startup_checks.kv_head_range)."""
+        start, end = kv_head_range(0, self.tp_size, self.kv_heads)
+        return end - start
 
 
 def layout_for(sink: int, recent: int, k_group: int, v_group: Optional[int] = None, k4_heads: int = 0) -> CacheLayout:
@@ -149,25 +145,6 @@ def capacity_report(available_bytes: int, shape: ModelShape, layout: CacheLayout
     return CapacityReport(available_bytes, max_running_requests, tokens, bf16, int2_cell_bytes(shape, layout),
                           bf16_cell_bytes(shape), fixed_bytes(shape, layout, max_running_requests,
                                                               num_sink_rows=num_sink_rows, window_dtype=window_dtype))
-
-
-def max_requests_for_ratio(target: float, available_bytes: int, shape: ModelShape, layout: CacheLayout, **kw) -> int:
-    """Largest max_running_requests whose window reservation still leaves >= target x BF16 tokens (0: none)."""
-    lo, hi = 0, 1
-    ok = lambda r: capacity_report(available_bytes, shape, layout, r, **kw).ratio >= target  # noqa: E731
-    try:
-        while ok(hi):
-            lo, hi = hi, hi * 2
-    except ValueError:  # fixed bytes exceed the budget
-        pass
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        try:
-            good = ok(mid)
-        except ValueError:
-            good = False
-        lo, hi = (mid, hi) if good else (lo, mid)
-    return lo
 
 
 def auto_max_running_requests(available_bytes: int, shape: ModelShape, layout: CacheLayout, *,

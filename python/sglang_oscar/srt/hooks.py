@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
+from ..config import SERVED_GROUP, SUPPORTED_GROUPS
+from ..kernels.shapes import CUDA_HISTORY_PAGE
 from ..rotation.bundle import BundleError
 from . import options
 from .server_checks import INT2, adjust_cuda_graphs, check_page_size, check_server_args, is_int2, select_backend
@@ -34,8 +36,9 @@ def add_cli_args_after(result, parser):
         action.help += ' "int2": OSCAR INT2 history + BF16 sink/recent windows (sglang_oscar plugin).'
     if options.GROUP_FLAG not in parser._option_string_actions:
         parser.add_argument(options.GROUP_FLAG, type=int, default=None, dest="kv_cache_quant_group_size",
-                            help="int2 KV cache: elements per (scale, min) group, 32/64/128 (default: the "
-                                 "rotation bundle's groups, else 64). sglang_oscar plugin.")
+                            help=f"int2 KV cache: elements per (scale, min) group, "
+                                 f"{'/'.join(map(str, SUPPORTED_GROUPS))} (default: the rotation bundle's groups, "
+                                 f"else {SERVED_GROUP}). sglang_oscar plugin.")
     return None
 
 
@@ -79,9 +82,6 @@ def from_cli_args_after(server_args, cls, args):
             options.check_group(group)
             # ServerArgs cannot carry new fields; the env reaches every spawned scheduler process.
             os.environ[options.ENV_GROUP] = str(group)
-        stale = options.removed_env_warning()
-        if stale:
-            logger.warning("sglang_oscar: %s", stale)
         ensure_rotations(server_args)
         cfg = options.current()  # bad env / a bundle that is not there fails here, in the main process
         check_server_args(server_args)
@@ -114,20 +114,21 @@ def _choose_decode_path(server_args, args, cfg) -> None:
     chunk = getattr(server_args, "chunked_prefill_size", None) or 0
     if canary != "none":
         refusal = f"--kv-canary {canary} reads one row per slot"
-    elif chunk > 0 and chunk % 64:
-        refusal = f"--chunked-prefill-size {chunk} is not a multiple of 64"
+    elif chunk > 0 and chunk % CUDA_HISTORY_PAGE:
+        refusal = f"--chunked-prefill-size {chunk} is not a multiple of {CUDA_HISTORY_PAGE}"
     device = str(getattr(server_args, "device", "cuda") or "cuda")
     if device == "cuda" and torch.cuda.is_available():
-        gpu = int(getattr(server_args, "base_gpu_id", 0) or 0)
-        device = f"cuda:{gpu if gpu < torch.cuda.device_count() else 0}"
+        gpu, count = int(getattr(server_args, "base_gpu_id", 0) or 0), torch.cuda.device_count()
+        if gpu >= count:  # SGLang indexes the visible devices with it too (CUDA_VISIBLE_DEVICES renumbers from 0)
+            raise options.OscarOptionError(f"--base-gpu-id {gpu} names no GPU: {count} are visible here; pass one "
+                                           f"below {count}")
+        device = f"cuda:{gpu}"
     mc = getattr(server_args, "model_config", None)
     window_dtype = getattr(torch, cfg.window_dtype)
-    b = plan.bundle
     path = decode_path(head_dim=info.head_dim, q_heads=info.num_heads // info.tp_size, kv_heads=plan.kv_heads_local,
-                       k_group=plan.k_group, v_group=plan.v_group,
-                       codebook=bool((b.k_level_a != 1.0).any() or (b.v_level_a != 1.0).any()),
-                       window_dtype=window_dtype, x_dtype=getattr(mc, "dtype", torch.bfloat16),
-                       device=device, page_size=user_page, page_refusal=refusal)
+                       k_group=plan.k_group, v_group=plan.v_group, window_dtype=window_dtype,
+                       x_dtype=getattr(mc, "dtype", torch.bfloat16), device=device, page_size=user_page,
+                       page_refusal=refusal)
     if path.page_size != server_args.page_size:
         server_args.override("sglang_oscar", page_size=path.page_size)
         check_page_size(server_args)
@@ -206,16 +207,6 @@ def _rank(kvc) -> int:
         return 0
 
 
-def _published(read, default):
-    """A runtime-context setting; outside a server (unit tests) SGLang has not published it yet."""
-    try:
-        return read()
-    except ValueError as e:
-        if "not published" not in str(e):
-            raise
-        return default
-
-
 # 7. KVCacheConfigurator._build_mha_kv_pool, AROUND: our pool class --------------------------------
 
 def build_mha_kv_pool_around(original, self, *, max_total_num_tokens, mha_pool_class, quant_method=None):
@@ -246,10 +237,10 @@ def build_mha_kv_pool_around(original, self, *, max_total_num_tokens, mha_pool_c
         layer_num=self.layer_info.num_effective_layers,
         device=self.device,
         # the same process-wide settings the stock branch reads (kv_cache_configurator.py:1422)
-        enable_memory_saver=_published(lambda: kvc_mod.get_exec().features.enable_memory_saver, False),
+        enable_memory_saver=kvc_mod.get_exec().features.enable_memory_saver,
         start_layer=self.layer_info.start_layer,
         end_layer=self.layer_info.end_layer,
-        enable_alt_stream=not _published(lambda: kvc_mod.get_disagg().enable_pdmux, False),
+        enable_alt_stream=not kvc_mod.get_disagg().enable_pdmux,
         setup=_sized_setup(self),
     )
 

@@ -138,9 +138,6 @@ def build_setup(cfg: OscarServeConfig, info: ModelInfo, *, tp_rank: int, num_lay
                                "(raise --max-running-requests)")
     plan = plan_rank(cfg, info, tp_rank)  # loads + validates the bundle against the model
     shape = capacity.ModelShape(num_layers, info.kv_heads, info.head_dim, info.tp_size)
-    if shape.kv_heads_per_rank != plan.kv_heads_local:
-        raise OscarOptionError(f"KV heads per rank disagree: capacity {shape.kv_heads_per_rank}, "
-                               f"rotation shard {plan.kv_heads_local}")
     if plan.k4_heads_max and num_layers != plan.bundle.num_layers:
         raise OscarOptionError(f"this rank holds {num_layers} of the model's {plan.bundle.num_layers} layers "
                                "(pipeline parallelism) and the rotation bundle stores INT4 keys on some heads: the "

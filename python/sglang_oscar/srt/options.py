@@ -1,10 +1,12 @@
 """Server options of the int2 KV-cache mode, from one flag and the seed's environment variables.
 
-SGLang's ServerArgs cannot grow new fields from a plugin (0.5.17: `ServerArgs.from_cli_args`
-copies only dataclass fields), so the one flag we add, --kv-cache-quant-group-size, is taken out
-of argv here and carried, like every other option, in an environment variable. Environment
-variables are inherited by the spawned scheduler processes, where the pool and the backend are
-built, so every process parses the same OscarServeConfig from the same source, once (current()).
+The one flag we add, --kv-cache-quant-group-size, is added to SGLang's own parser (hooks.py
+add_cli_args_after). SGLang's ServerArgs cannot grow new fields from a plugin (0.5.17:
+`ServerArgs.from_cli_args` copies only dataclass fields), so the launcher's from_cli_args hook
+exports its value in SGLANG_OSCAR_KV_QUANT_GROUP_SIZE, where every other option already is.
+Environment variables are inherited by the spawned scheduler processes, where the pool and the
+backend are built, so every process parses the same OscarServeConfig from the same source, once
+(current()).
 What the server decides from the model and the device (the decode kernels, the page size) is not
 an option: srt/startup_checks.py decode_path.
 
@@ -17,11 +19,18 @@ Accepted (seed names kept so seed launch scripts work unchanged):
     SGLANG_OSCAR_{K,V}_ROTATION_PATH   the seed's .pt rotations (both or neither)
     SGLANG_OSCAR_{K,V}_CLIP_RATIO      clip quantile in (0, 1]; 0 = the seed's "no clip" (= 1.0)
     SGLANG_OSCAR_ABSORB_V_ROTATION     fold T_V into qkv_proj / o_proj (default on)
-    SGLANG_MIXED_KV_PREFIX_TOKENS      BF16 sink size S (default 64)
-    SGLANG_MIXED_KV_RECENT_TOKENS      BF16 recent window W (default 256)
+    SGLANG_MIXED_KV_PREFIX_TOKENS      BF16 sink size S (default config.SERVED_SINK, 64)
+    SGLANG_MIXED_KV_RECENT_TOKENS      BF16 recent window W (default config.SERVED_RECENT, 256)
     SGLANG_ENABLE_MIXED_KV_WINDOWS     must not be off: the windows are part of the format
     SGLANG_MIXED_KV_HP_DTYPE           window dtype: bfloat16 (default), float16, float32
     SGLANG_MIXED_KV_SCALE_DTYPE        only float8_e4m3fn (what the kernels store)
+
+Two more variables are read where they are used, not parsed into OscarServeConfig (neither changes the cache format;
+both modules also serve outside a server):
+
+    SGLANG_OSCAR_ZOO                   zoo.ENV_ZOO: the zoo a server without a rotation source looks its model up in
+                                       (zoo.server_zoo), and the zoo CLI's default --zoo
+    SGLANG_OSCAR_CACHE                 kernels/cuda_build.py ENV_CACHE: where the nvcc-built CUDA libraries are cached
 """
 
 from __future__ import annotations
@@ -29,9 +38,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
-from ..config import SUPPORTED_GROUPS, default_group
+from ..config import (SERVED_RECENT, SERVED_SINK, SUPPORTED_GROUPS, QuantFormat, clip_ratio_misfit, default_group,
+                      group_misfit)
 
 GROUP_FLAG = "--kv-cache-quant-group-size"
 ENV_GROUP = "SGLANG_OSCAR_KV_QUANT_GROUP_SIZE"
@@ -49,13 +59,8 @@ ENV_SCALE_DTYPE = "SGLANG_MIXED_KV_SCALE_DTYPE"
 
 ALL_ENV = (ENV_GROUP, ENV_BUNDLE, ENV_K_PATH, ENV_V_PATH, ENV_K_CLIP, ENV_V_CLIP, ENV_ABSORB_V, ENV_PREFIX,
            ENV_RECENT, ENV_WINDOWS, ENV_HP_DTYPE, ENV_SCALE_DTYPE)
-# Variables earlier versions read; set, they get one warning at startup (removed_env_warning) instead of silence.
-REMOVED_ENV = ("SGLANG_OSCAR_HISTORY_KERNEL", "SGLANG_OSCAR_HISTORY_DEFINES", "SGLANG_OSCAR_DECODE_WAVES",
-               "SGLANG_OSCAR_EXTEND_ATTENTION", "SGLANG_OSCAR_POOL_ONLY", "SGLANG_MIXED_KV_HP_MAX_SPLITS")
 
 BUILTIN_BUNDLES = ("builtin:identity", "builtin:hadamard")
-DEFAULT_SINK = 64
-DEFAULT_RECENT = 256
 
 # Accepted spellings -> canonical torch dtype name (the seed accepted all of these).
 _DTYPE_ALIASES = {
@@ -84,8 +89,8 @@ class OscarServeConfig:
     """Everything the int2 mode needs besides the model; identical in every process."""
 
     group_size: Optional[int] = None  # None: the bundle's groups, or config.default_group(head_dim) for builtin / seed
-    sink: int = DEFAULT_SINK
-    recent: int = DEFAULT_RECENT
+    sink: int = SERVED_SINK
+    recent: int = SERVED_RECENT
     window_dtype: str = "bfloat16"
     scale_dtype: str = "float8_e4m3fn"
     bundle_path: Optional[str] = None
@@ -107,18 +112,6 @@ class OscarServeConfig:
         check_group(g, head_dim)
         return g
 
-    def to_env(self) -> dict:
-        """Environment that reproduces this config in a child process (from_env(to_env()) == self)."""
-        env = {
-            ENV_PREFIX: str(self.sink), ENV_RECENT: str(self.recent), ENV_WINDOWS: "1",
-            ENV_HP_DTYPE: self.window_dtype, ENV_SCALE_DTYPE: self.scale_dtype,
-            ENV_ABSORB_V: "1" if self.absorb_v_rotation else "0",
-        }
-        optional = {ENV_GROUP: self.group_size, ENV_BUNDLE: self.bundle_path, ENV_K_PATH: self.k_rotation_path,
-                    ENV_V_PATH: self.v_rotation_path, ENV_K_CLIP: self.k_clip, ENV_V_CLIP: self.v_clip}
-        env.update({k: repr(v) if isinstance(v, float) else str(v) for k, v in optional.items() if v is not None})
-        return env
-
     def summary(self) -> str:
         rot = self.bundle_path if self.bundle_path else f"seed K={self.k_rotation_path} V={self.v_rotation_path}"
         clip = "bundle" if self.k_clip is None and self.v_clip is None else f"K={self.k_clip} V={self.v_clip}"
@@ -129,31 +122,13 @@ class OscarServeConfig:
 
 def check_group(group: int, head_dim: Optional[int] = None) -> None:
     if group not in SUPPORTED_GROUPS:
+        bits = ", ".join(f"{g} -> {QuantFormat(2, g).bits_per_element:g}" for g in SUPPORTED_GROUPS)
         raise OscarOptionError(f"{GROUP_FLAG} {group} is not supported by the OSCAR kernels; use one of "
-                               f"{SUPPORTED_GROUPS} (bits/element: 32 -> 2.5, 64 -> 2.25, 128 -> 2.125, plus 0.5 on "
-                               "average for a calibrated bundle's INT4-key heads)")
-    if head_dim is not None and group > head_dim:
-        raise OscarOptionError(f"{GROUP_FLAG} {group} is larger than the model's head_dim {head_dim}; "
-                               f"use a group size <= {head_dim}")
-
-
-def pop_group_flag(argv: Sequence[str]) -> tuple[list, Optional[int]]:
-    """Remove --kv-cache-quant-group-size [=]N from argv (SGLang's parser would reject it)."""
-    rest, value, i = [], None, 0
-    argv = list(argv)
-    while i < len(argv):
-        a = argv[i]
-        if a == GROUP_FLAG:
-            if i + 1 >= len(argv):
-                raise OscarOptionError(f"{GROUP_FLAG} needs a value")
-            value, i = argv[i + 1], i + 2
-            continue
-        if a.startswith(GROUP_FLAG + "="):
-            value = a.split("=", 1)[1]
-        else:
-            rest.append(a)
-        i += 1
-    return rest, None if value is None else _int(value, GROUP_FLAG, minimum=1)
+                               f"{SUPPORTED_GROUPS} (bits/element: {bits}, plus 0.5 on average for a calibrated "
+                               "bundle's INT4-key heads)")
+    misfit = None if head_dim is None else group_misfit(head_dim, group, GROUP_FLAG)
+    if misfit is not None:
+        raise OscarOptionError(misfit)
 
 
 def _int(text: str, name: str, minimum: int) -> int:
@@ -182,9 +157,9 @@ def _clip(text: str, name: str) -> float:
         raise OscarOptionError(f"{name}={text!r} is not a number") from None
     if v == 0.0:
         return 1.0  # the seed's spelling of "no clipping"; our convention is rho = 1
-    if not 0.0 < v <= 1.0:
-        raise OscarOptionError(f"{name}={v} is outside (0, 1]: it is the quantile of |x| kept unclipped "
-                               "(1 = no clipping; the seed's 0 is also read as no clipping)")
+    msg = clip_ratio_misfit(v, f"{name}={v}")
+    if msg is not None:
+        raise OscarOptionError(f"{msg}; the seed's 0 is also read as no clipping")
     return v
 
 
@@ -213,25 +188,22 @@ def env_group(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     return group
 
 
-def from_env(env: Optional[Mapping[str, str]] = None, *, group_size: Optional[int] = None) -> OscarServeConfig:
-    """Parse the options; group_size (from the flag) wins over SGLANG_OSCAR_KV_QUANT_GROUP_SIZE."""
+def from_env(env: Optional[Mapping[str, str]] = None) -> OscarServeConfig:
+    """Parse the options (the flag's group arrives in SGLANG_OSCAR_KV_QUANT_GROUP_SIZE)."""
     env = os.environ if env is None else env
 
     def get(name):
         v = env.get(name)
         return None if v is None or str(v).strip() == "" else v
 
-    if group_size is None:
-        group_size = env_group(env)
-    if group_size is not None:
-        check_group(group_size)
+    group_size = env_group(env)
 
     if get(ENV_WINDOWS) is not None and not _bool(get(ENV_WINDOWS), ENV_WINDOWS):
         raise OscarOptionError(f"{ENV_WINDOWS}=0 asks for INT2 without BF16 windows, which --kv-cache-dtype int2 "
                                f"does not offer (the windows are part of the format); unset it, or set "
                                f"{ENV_PREFIX}=0 for no sink")
-    sink = _int(get(ENV_PREFIX), ENV_PREFIX, 0) if get(ENV_PREFIX) is not None else DEFAULT_SINK
-    recent = _int(get(ENV_RECENT), ENV_RECENT, 1) if get(ENV_RECENT) is not None else DEFAULT_RECENT
+    sink = _int(get(ENV_PREFIX), ENV_PREFIX, 0) if get(ENV_PREFIX) is not None else SERVED_SINK
+    recent = _int(get(ENV_RECENT), ENV_RECENT, 1) if get(ENV_RECENT) is not None else SERVED_RECENT
 
     window_dtype = _dtype(get(ENV_HP_DTYPE), ENV_HP_DTYPE) if get(ENV_HP_DTYPE) is not None else "bfloat16"
     scale_dtype = "float8_e4m3fn"
@@ -303,7 +275,7 @@ def ensure_rotation_source(model_path, group: Optional[int] = None) -> Optional[
         line = (f"rotations: data-free Hadamard (builtin:hadamard): no calibrated bundle for "
                 f"{zoo.model_key(str(model_path or '')) or 'this model'}"
                 f"{'' if group is None else f' at groups of {group}'} in "
-                f"{where or 'a zoo (none found: set SGLANG_OSCAR_ZOO)'}; for long contexts calibrate one "
+                f"{where or f'a zoo (none found: set {zoo.ENV_ZOO})'}; for long contexts calibrate one "
                 f"(python -m sglang_oscar.calibrate) and set {ENV_BUNDLE}")
     if current == value:
         return None
@@ -322,20 +294,3 @@ def current() -> OscarServeConfig:
     if not _CURRENT or _CURRENT[0][0] != key:
         _CURRENT[:] = [(key, from_env())]
     return _CURRENT[0][1]
-
-
-def removed_env_warning(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """A one-line warning naming the set variables that this version no longer reads (REMOVED_ENV), or None."""
-    env = os.environ if env is None else env
-    stale = [name for name in REMOVED_ENV if str(env.get(name, "")).strip()]
-    if not stale:
-        return None
-    return (f"{', '.join(stale)} {'is' if len(stale) == 1 else 'are'} no longer read and ignored: the server picks "
-            "the decode kernels and the page size itself (one log line says which, docs/serving.md); unset "
-            f"{'it' if len(stale) == 1 else 'them'}")
-
-
-def from_argv(argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> tuple[list, OscarServeConfig]:
-    """(argv without our flag, config). The launcher then exports config.to_env() for the children."""
-    rest, group = pop_group_flag(argv)
-    return rest, from_env(env, group_size=group)

@@ -48,6 +48,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from ..kernels.layout import SUPPORTED_PAGES, LayerCache
+from ..kernels.shapes import CUDA_HISTORY_PAGE
 from .int2_setup import Int2Setup
 from .options import OscarOptionError
 
@@ -77,8 +78,6 @@ class LayerRotation:
         self.v_transform = None if v_absorbed else squeeze(bundle.v_transform[layer]).float().contiguous().to(device)
         self.k_clip = float(bundle.k_clip[layer])
         self.v_clip = float(bundle.v_clip[layer])
-        self.k_level_a = float(bundle.k_level_a[layer])
-        self.v_level_a = float(bundle.v_level_a[layer])
 
     def q_transform_as(self, dtype: torch.dtype) -> torch.Tensor:
         """T_q in `dtype` (bf16 rounding of T_q: ~2e-3 relative per entry, below bf16 q's own)."""
@@ -130,7 +129,7 @@ class OscarKVPool(MHATokenToKVPool):
         page = self.page_size
         if page not in SUPPORTED_PAGES:
             raise OscarOptionError(f"--page-size {page} is not supported by the int2 KV pool (kernels/layout.py); "
-                                   f"use one of {SUPPORTED_PAGES} (64 for the CUDA history stage)")
+                                   f"use one of {SUPPORTED_PAGES} ({CUDA_HISTORY_PAGE} for the CUDA history stage)")
         if self.size % page:
             # SGLang 0.5.17 floors the token count to whole pages (DefaultPoolConfigurator.calculate_pool_sizes
             # and calculate_pool_sizes_from_max_tokens) before it builds the pool, so this means another path
@@ -324,8 +323,7 @@ class OscarKVPool(MHATokenToKVPool):
         r = self.rotations[layer_id - self.start_layer]
         oscar_write_kv(k, v, slots, sink_dst, ring_dst, self.layer_cache(layer_id), k_transform=r.k_transform,
                        k_mean=r.k_mean, v_transform=r.v_transform, k_clip=r.k_clip, v_clip=r.v_clip,
-                       k_level_a=r.k_level_a, v_level_a=r.v_level_a, validate=validate, pdl_trigger=pdl_trigger,
-                       kernel=kernel, **q_rotation)
+                       validate=validate, pdl_trigger=pdl_trigger, kernel=kernel, **q_rotation)
 
     # ---- paths that would move only part of a slot -------------------------------------------
     #

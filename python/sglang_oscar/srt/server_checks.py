@@ -68,11 +68,13 @@ def check_page_size(sa) -> None:
     which the kernels support for P in kernels/layout.py SUPPORTED_PAGES. At P > 1 SGLang's kv canary would
     count k_buffer's leading dimension (pages) as slots and hash page rows as token rows: refused."""
     from ..kernels.layout import SUPPORTED_PAGES
+    from ..kernels.shapes import CUDA_HISTORY_PAGE
 
     page = getattr(sa, "page_size", None) or 1
     if page not in SUPPORTED_PAGES:
         raise OscarOptionError(f"--kv-cache-dtype int2 supports --page-size {', '.join(map(str, SUPPORTED_PAGES))} "
-                               f"(got {page}); leave it out and the server picks one (64 for the CUDA history stage)")
+                               f"(got {page}); leave it out and the server picks one ({CUDA_HISTORY_PAGE} for the CUDA "
+                               "history stage)")
     canary = str(getattr(sa, "kv_canary", "none") or "none").strip().lower()
     if page > 1 and canary != "none":
         raise OscarOptionError(f"--kv-cache-dtype int2 with --page-size {page} does not support --kv-canary "

@@ -14,9 +14,10 @@ from typing import Optional
 
 import torch
 
-from ..config import MAX_GQA, default_group
+from ..config import MAX_GQA, check_supported_head_dim, default_group
 from ..kernels.layout import check_shape
 from ..kernels.shapes import CUDA_HISTORY_PAGE, CUDA_WRITE_MAX_TOKENS, cuda_history_refusal, cuda_write_refusal
+from ..models import shape_from_config
 from ..rotation.bundle import (ORTHO_TOL, BundleError, RotationBundle, check_expectations, data_free_bundle, load_bundle,
                                load_seed_pt, orthogonality_error)
 from .options import ENV_ABSORB_V, ENV_BUNDLE, GROUP_FLAG, OscarOptionError, OscarServeConfig
@@ -41,9 +42,8 @@ class ModelInfo:
     @classmethod
     def from_hf_config(cls, cfg, tp_size: int = 1) -> "ModelInfo":
         arch = (getattr(cfg, "architectures", None) or ["?"])[0]
-        heads = cfg.num_attention_heads
-        return cls(arch, cfg.num_hidden_layers, heads, getattr(cfg, "num_key_value_heads", None) or heads,
-                   getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, tp_size)
+        shape = shape_from_config(cfg)  # the fallbacks of models.py: no num_key_value_heads, no head_dim
+        return cls(arch, shape["num_layers"], shape["q_heads"], shape["kv_heads"], shape["head_dim"], tp_size)
 
 
 def kv_head_range(tp_rank: int, tp_size: int, kv_heads: int) -> tuple[int, int]:
@@ -63,7 +63,7 @@ def kv_head_range(tp_rank: int, tp_size: int, kv_heads: int) -> tuple[int, int]:
 
 def check_model(model: ModelInfo) -> None:
     try:
-        check_shape(model.head_dim, 32, "model: ")  # head_dim the kernels support (group checked later)
+        check_supported_head_dim(model.head_dim, "model: ")  # the group is checked against it later
     except ValueError as e:
         raise OscarOptionError(f"{model.architecture}: {e}") from None
     if model.num_heads % model.kv_heads:
@@ -181,7 +181,7 @@ class DecodePath:
         return f"decode: CUDA history stage and {write}, page size {self.page_size} ({self.why})"
 
 
-def decode_path(*, head_dim: int, q_heads: int, kv_heads: int, k_group: int, v_group: int, codebook: bool,
+def decode_path(*, head_dim: int, q_heads: int, kv_heads: int, k_group: int, v_group: int,
                 window_dtype: torch.dtype, x_dtype: torch.dtype, device, page_size: Optional[int],
                 page_refusal: Optional[str] = None, nvcc: Optional[bool] = None) -> DecodePath:
     """The fastest decode kernels this rank's attention (local query / KV heads) supports on `device`.
@@ -205,7 +205,7 @@ def decode_path(*, head_dim: int, q_heads: int, kv_heads: int, k_group: int, v_g
     if kv_heads < 1 or q_heads % kv_heads:
         raise OscarOptionError(f"{q_heads} query heads on this rank are not a multiple of its {kv_heads} KV heads")
     gqa = q_heads // kv_heads
-    why = cuda_history_refusal(head_dim, gqa, k_group, v_group, codebook, window_dtype)
+    why = cuda_history_refusal(head_dim, gqa, k_group, v_group, window_dtype)
     if why:
         return triton(why.replace("the CUDA history stage covers", "it covers"))
     if page_size is not None and page_size < CUDA_HISTORY_PAGE:

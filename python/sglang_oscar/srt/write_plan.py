@@ -1,6 +1,6 @@
 """Where one forward batch writes: INT2 slot, BF16 sink row, BF16 ring row of every new token.
 
-Host-side step of the (phase-2) oscar_int2 backend, run once per forward outside any CUDA graph
+Host-side step of the oscar_int2 backend, run once per forward outside any CUDA graph
 (init_forward_metadata_out_graph); the per-layer write kernel then only reads the result. It follows
 exactly the read rules of kernels/decode.py and kernels/gather.py:
 
@@ -21,6 +21,17 @@ import dataclasses
 from typing import Optional, Sequence
 
 import torch
+
+
+def in_sink(pos, sink: int):
+    """Position(s) `pos` (an int or a tensor) lie in the BF16 sink: p < S."""
+    return pos < sink
+
+
+def ring_row(rows: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:
+    """The ring row of position `pos` of request row `rows` (int64 tensors): r·W + p mod W. Pure tensor arithmetic, no
+    host sync: the backend's replay steps build it from device tensors."""
+    return rows * window + pos % window
 
 
 @dataclasses.dataclass
@@ -77,13 +88,14 @@ def plan_writes(pool, tracker: RingStartTracker, rows: Sequence[int], prefix_len
     end = torch.repeat_interleave(pre + ext, ext)
     r_tok = torch.repeat_interleave(req, ext)
 
-    ring_ok = (pos >= s) & (pos >= end - w)
-    ring_dst = torch.where(ring_ok, r_tok * w + pos % w, torch.full_like(pos, -1)).to(torch.int32)
+    sink = in_sink(pos, s)
+    ring_ok = ~sink & (pos >= end - w)
+    ring_dst = torch.where(ring_ok, ring_row(r_tok, pos, w), torch.full_like(pos, -1)).to(torch.int32)
     slots = out_cache_loc.to(torch.int64).to(dev)
     sink_dst = torch.full((n,), -1, dtype=torch.int32, device=dev)
-    in_sink = (pos < s).to(dev)
-    if bool(in_sink.any()):
-        sink_dst[in_sink] = pool.alloc_sink_rows(slots[in_sink])
+    sink = sink.to(dev)
+    if bool(sink.any()):
+        sink_dst[sink] = pool.alloc_sink_rows(slots[sink])
 
     starts, new = tracker.update(list(rows), list(prefix_lens), generations)
     ring_starts = torch.tensor(starts, dtype=torch.int32, device=dev)

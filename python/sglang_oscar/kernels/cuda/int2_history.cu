@@ -57,7 +57,7 @@
 //   Paired tiles (HC 4 at D 128, pair_tiles): a 32-token block's two tiles run one softmax between them, lanes t < 2
 //   on tile 0's scores and t >= 2 on tile 1's, instead of each tile's softmax on all lanes with columns 4..7 repeating
 //   0..3; O's columns 0..3 then hold tile 0's tokens and 4..7 tile 1's, merged after the loop.
-// test/test_probe_cuda_history.py emulates these register layouts, and the window CTAs' (window_cta), on the CPU.
+// test/test_cuda_history_layouts.py emulates these register layouts, and the window CTAs' (window_cta), on the CPU.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -251,7 +251,8 @@ struct Args {
   // Dormant: history_cuda.launch always passes win_last 1 (the window CTAs after the history CTAs) and fused_merge 0
   // (the Triton merge follows this kernel). Both are kept, with merge_column, only because deleting them changes
   // nvcc 13.0's register allocation of the shipped instances (D 128: a spill in the epilogue; D 64 with 64-token
-  // stages: 81-82 registers, 2 CTAs per SM instead of 3; test_cuda_history_sass.py). Delete them with a GPU A/B.
+  // stages: 81-82 registers, 2 CTAs per SM instead of 3). Delete them only with a GPU A/B that checks every
+  // instance's registers and spills (nvcc -Xptxas -v) and its time.
   int win_last;
   void* out;                // [B, Hq, 128], dtype code out_dtype (as q_dtype)
   int out_dtype;
@@ -726,7 +727,7 @@ __device__ __forceinline__ void k_dot_d128(const uint8_t* kcs, const uint8_t* kh
 // The V dot of one 16-token D-128 tile: O^T[128 dims, 8 cols] += V^T codes[128, 16] . B[16, 8], m-tiles 0..3 (V group
 // 0) against the B pair (b0, b1), 4..7 (group 1) against (c0, c1). vcs: the tile's V codes + 4g; the lane reads code
 // bytes 4g .. 4g + 3 of tokens t, t + 4, t + 8, t + 12 and pairs two tokens of one code byte per halfword pair
-// (V_SELECTORS in test_probe_cuda_history.py), one AND per two codes and plane (fp16 subnormals c 2^(2p - 24)).
+// (V_SELECTORS in test_cuda_history_layouts.py), one AND per two codes and plane (fp16 subnormals c 2^(2p - 24)).
 __device__ __forceinline__ void v_dot_d128(const uint8_t* vcs, int t, float (&o)[8][4], uint32_t b0, uint32_t b1,
                                            uint32_t c0, uint32_t c1) {
   const uint32_t wA = *reinterpret_cast<const uint32_t*>(vcs + t * 32);
@@ -755,8 +756,8 @@ __device__ __forceinline__ void v_dot_d128(const uint8_t* vcs, int t, float (&o)
 // The paired-tile instances are held to 2 CTAs of 8 warps per SM (<= 128 registers) by their launch bounds: without
 // them nvcc 13.0 gave the ones with runtime groups 149 registers (1 CTA per SM). The D-64 instances are held to 3
 // (<= 80 registers; without, nvcc 13.0 gave the 64-token ones 81-82: 2 CTAs per SM). The D-128 HC-8 instances keep no
-// minimum (0): they land at 128 on their own, and an explicit 1 gave 152-159 registers (test_cuda_history_sass.py
-// holds every instance to its budget).
+// minimum (0): they land at 128 on their own, and an explicit 1 gave 152-159 registers (a GPU A/B of a change here
+// must check every instance against its register budget, nvcc -Xptxas -v).
 // K4: the layer's keys are INT4 (Args.kh: their high planes, copied beside the low ones; int4_nibbles, plane_f); the
 // INT2 instances (K4 false) compile without any of it.
 template <int NSTAGE, int HC, bool TWO_G, int D, bool WIDE, bool K4>

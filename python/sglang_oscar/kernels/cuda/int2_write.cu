@@ -24,8 +24,7 @@
 // c[b+96] << 6 (quarter planes, quant/pack.py), for INT4 keys of c & 3 into k_codes and of c >> 2 into k_hi (the
 // head's row k4_index[h] of k_hi's heads). INT4 keys are chosen per (layer, KV head): a layer with INT4 heads runs the
 // kernel's kHasK4 instance (layers without run the INT2 code only), where a head's width is CTA-uniform: INT4 heads
-// are never clipped and have qmax 15; the INT2 heads of such a layer have uniform levels (k_level_a 1), so both count
-// thresholds k + 0.5 up to their qmax.
+// are never clipped and have qmax 15; INT2 and INT4 heads both count thresholds k + 0.5 up to their qmax.
 // q programs: fp32 products of q and T_q (bf16 x bf16 products are exact in fp32, so this is transform_query's GEMM up
 // to the order of its fp32 sums), rounded to q's dtype.
 #include <cuda_bf16.h>
@@ -36,7 +35,7 @@
 
 namespace {
 
-constexpr int kD = 128;       // head_dim (write_cuda.HEAD_DIM)
+constexpr int kD = 128;       // head_dim (shapes.CUDA_WRITE_HEAD_DIM)
 constexpr int kThreads = 128; // 4 warps; thread j owns column j of x'
 constexpr int kQHeads = 4;    // query heads per q program (write_cuda.Q_HEADS_PER_CTA)
 
@@ -55,7 +54,7 @@ struct Side {             // K (blockIdx.z 0) or V (1)
   __nv_bfloat16* sink;    // [rows, Hkv, D]
   __nv_bfloat16* ring;
   int group, clip_n;
-  float th0, th1, th2;    // decision thresholds of the levels (write.py level_thresholds)
+  float th0, th1, th2;    // INT2 decision thresholds (write_cuda.INT2_THRESHOLDS: 0.5, 1.5, 2.5)
 };
 
 struct Args {
