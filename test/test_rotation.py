@@ -357,12 +357,13 @@ def test_validation_errors(tmp_path):
     bad("ortho", tensors_={**tensors, "k_transform": nonortho}, match=r"max\|T·Tᵀ − I\| = 0.0201")
     bad("clip", tensors_={**tensors, "v_clip": torch.tensor([1.0, 1.2])}, match=r"v_clip\[1\] = 1.2")
     bad("clip0", tensors_={**tensors, "k_clip": torch.tensor([0.0, 1.0])}, match=r"outside \(0, 1\]")
-    # files of earlier versions carry the INT2 codebook parameters k_level_a / v_level_a: they load where all are 1
-    ones = torch.ones(2)
-    _write_raw(tmp_path / "legacy.safetensors", {**tensors, "k_level_a": ones, "v_level_a": ones.clone()},
-               json.dumps(meta))
+    # version-1 files carry the INT2 codebook parameters k_level_a / v_level_a: they load where all are 1; the files
+    # written now are version 2, without them
+    assert meta["version"] == 2 and not {"k_level_a", "v_level_a"} & set(tensors)
+    ones, meta1 = torch.ones(2), json.dumps({**meta, "version": 1})
+    _write_raw(tmp_path / "legacy.safetensors", {**tensors, "k_level_a": ones, "v_level_a": ones.clone()}, meta1)
     torch.testing.assert_close(load_bundle(tmp_path / "legacy.safetensors").k_clip, tensors["k_clip"])
-    bad("levela", tensors_={**tensors, "k_level_a": ones, "v_level_a": torch.tensor([1.0, 0.8])},
+    bad("levela", tensors_={**tensors, "k_level_a": ones, "v_level_a": torch.tensor([1.0, 0.8])}, meta_=meta1,
         match=r"v_level_a\[1\] = 0.8: INT2 codebook levels are not supported; refit with python -m sglang_oscar.calibrate$")
     bad("group", meta_=json.dumps({**meta, "k_group": 48}), match="does not divide head_dim")
     eye48 = torch.eye(48).expand(2, 1, 48, 48)

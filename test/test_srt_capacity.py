@@ -50,6 +50,16 @@ def test_issue_target_6_5x():
     assert c.capacity_report(55 * GIB, QWEN3_8B, lay, 256).ratio < 6.5
 
 
+@pytest.mark.parametrize("layout, ratios", [
+    (c.layout_for(64, 256, 128), (7.41, 7.29, 7.06, 6.60, 5.68)),
+    (SERVED, (6.30, 6.20, 6.00, 5.61, 4.82)),  # the served format never reaches 6.5x
+])
+def test_the_memory_table_of_the_integration_doc(layout, ratios):
+    """docs/sglang_integration.md section 4: int2 / BF16 tokens on Qwen3-8B at 55 GiB for R = 16 .. 256."""
+    got = tuple(round(c.capacity_report(55 * GIB, QWEN3_8B, layout, r).ratio, 2) for r in (16, 32, 64, 128, 256))
+    assert got == ratios
+
+
 def test_r_sized_from_the_budget_qwen3_8b():
     """No --max-running-requests: R = the most requests whose windows fit in 1/10 of the budget. Qwen3-8B at the
     served format with 100 GiB (about what 0.85 of an H200 leaves after the weights): 188 requests' windows, and the

@@ -86,7 +86,7 @@ def test_rotation_sources(files):
 
 def test_group_vs_head_dim():
     c = o.from_env(env(BUNDLE="builtin:identity", GROUP=128))
-    with pytest.raises(o.OscarOptionError, match="--kv-cache-quant-group-size 128 is larger than head_dim 64"):
+    with pytest.raises(o.OscarOptionError, match=r"--kv-cache-quant-group-size 128 is larger than head_dim 64; use one of \[32, 64\]$"):
         c.resolve_group(64)
 
 

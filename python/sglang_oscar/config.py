@@ -26,25 +26,27 @@ SERVED_SINK = 64  # BF16 sink: the first tokens of every request (SGLANG_MIXED_K
 SERVED_RECENT = 256  # BF16 recent window: each request's last tokens (SGLANG_MIXED_KV_RECENT_TOKENS)
 
 
-def group_misfit(head_dim: Optional[int], group: int, what: str = "group size") -> Optional[str]:
+def group_misfit(head_dim: Optional[int], group: int, what: str = "group size",
+                 supported: bool = False) -> Optional[str]:
     """Why rows of head_dim cannot be quantized in groups of `group` (None: they can). The one rule: head_dim is a
     power of two (the Hadamard transform and the kernels need one) and the group a power of two > 0 that divides it,
-    so <= head_dim (head_dim None: the group alone). `what` names what set the group (a flag, a bundle field); which
-    groups and head_dims the kernels support is a narrower check on top (SUPPORTED_GROUPS, SUPPORTED_HEAD_DIMS)."""
+    so <= head_dim (head_dim None: the group alone). `what` names what set the group (a flag, a bundle field). Which
+    groups and head_dims the kernels support is a narrower check on top (SUPPORTED_GROUPS, SUPPORTED_HEAD_DIMS):
+    `supported` makes the advice name the supported groups that fit instead of any power of two."""
     if head_dim is None:
         return None if group > 0 and not group & (group - 1) else f"{what} must be a power of two, got {group}"
     if head_dim <= 0 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two: the Hadamard transform and the kernels need one"
-    if group > head_dim:
-        return f"{what} {group} is larger than head_dim {head_dim}; use a power of two <= {head_dim}"
-    if group <= 0 or head_dim % group:
-        return f"{what} {group} does not divide head_dim {head_dim}; use a power of two <= {head_dim}"
-    return None
+    fit = "is larger than" if group > head_dim else "does not divide" if group <= 0 or head_dim % group else None
+    if fit is None:
+        return None
+    advice = f"one of {groups_for(head_dim)}" if supported else f"a power of two <= {head_dim}"
+    return f"{what} {group} {fit} head_dim {head_dim}; use {advice}"
 
 
-def check_group_fits(head_dim: Optional[int], group: int, what: str = "group size") -> None:
+def check_group_fits(head_dim: Optional[int], group: int, what: str = "group size", supported: bool = False) -> None:
     """group_misfit as a ValueError."""
-    msg = group_misfit(head_dim, group, what)
+    msg = group_misfit(head_dim, group, what, supported)
     if msg is not None:
         raise ValueError(msg)
 
@@ -103,9 +105,8 @@ def check_groups(head_dim: int, groups: dict) -> None:
     """Refuse quantization groups the server cannot serve at this head_dim: `groups` maps the option that set each
     group (e.g. "--group-k") to its value. Cheap, so CLIs call it before any model load or capture; the ValueError
     names the option and the values that fit."""
+    check_supported_head_dim(head_dim)
     fits = groups_for(head_dim)
-    if not fits:  # head_dim not a power of two, or below the smallest supported group
-        raise ValueError(group_misfit(head_dim, SUPPORTED_GROUPS[0], "the smallest supported group size"))
     for option, group in groups.items():
         if group not in fits:
             raise ValueError(f"{option} {group} does not fit head_dim {head_dim}: use one of {fits}")

@@ -42,7 +42,7 @@ def check_shape(head_dim: int, group: int, what: str = "") -> None:
     check_supported_head_dim(head_dim, what)
     if group not in SUPPORTED_GROUPS:
         raise ValueError(f"{what}group size {group} is not supported by the OSCAR kernels (use one of {SUPPORTED_GROUPS})")
-    check_group_fits(head_dim, group, f"{what}group size")
+    check_group_fits(head_dim, group, f"{what}group size", supported=True)
 
 
 def check_page(page: int, num_slots: Optional[int] = None) -> None:

@@ -7,7 +7,7 @@ File: safetensors, tensors
                                   (a per-layer transform may still subtract a per-head mean)
   k_clip, v_clip f32 [L]
   k_eigenvalues, v_eigenvalues f32 [L, Hk, D]  optional, descending (diagnostics only)
-  k_level_a, v_level_a f32 [L]   only in files of earlier versions (INT2 codebook parameters): loaded when all are 1
+  k_level_a, v_level_a f32 [L]   only in version-1 files (INT2 codebook parameters): loaded when all are 1
 and __metadata__ {"sglang_oscar": json} (format, version, model identity and shape, how it was
 fitted, calibration source). Every load is validated so a bundle for another model, a corrupted
 file or a non-orthogonal "rotation" fails loudly instead of silently degrading accuracy.
@@ -30,7 +30,8 @@ from ..quant.hadamard import hadamard_matrix
 from ..quant.kv import SideQuantizer
 
 FORMAT = "sglang-oscar-rotation"
-VERSION = 1
+VERSION = 2  # the version written; version 1 (with the level tensors) is still read
+READ_VERSIONS = (1, 2)
 META_KEY = "sglang_oscar"
 ORTHO_TOL = 1e-3
 RECOMPUTE = "recompute it with python -m sglang_oscar.calibrate --model <model> --out <file>"
@@ -269,7 +270,7 @@ def save_bundle(bundle: RotationBundle, path) -> Path:
 
 _REQUIRED_META = ("format", "version", "num_layers", "kv_heads", "head_dim", "k_group", "v_group", "bits")
 _REQUIRED_TENSORS = ("k_transform", "v_transform", "k_clip", "v_clip")
-# INT2 codebook parameters a (levels 0, a, 3−a, 3) that files of earlier versions carry: a = 1 is the uniform levels,
+# INT2 codebook parameters a (levels 0, a, 3−a, 3) that version-1 files carry: a = 1 is the uniform levels,
 # the only ones the kernels read
 _LEGACY_LEVEL_TENSORS = ("k_level_a", "v_level_a")
 
@@ -298,9 +299,9 @@ def load_bundle(path, *, expect_layers=None, expect_kv_heads=None, expect_head_d
         _fail(where, f"corrupted '{META_KEY}' metadata ({e}); {RECOMPUTE}")
     if meta.get("format") != FORMAT:
         _fail(where, f"format is {meta.get('format')!r}, expected {FORMAT!r}; {RECOMPUTE}")
-    if meta.get("version") != VERSION:
-        _fail(where, f"format version {meta.get('version')!r} is not supported (this tool reads version {VERSION}); "
-              f"{RECOMPUTE}")
+    if meta.get("version") not in READ_VERSIONS:
+        _fail(where, f"format version {meta.get('version')!r} is not supported (this tool reads versions "
+              f"{', '.join(map(str, READ_VERSIONS))}); {RECOMPUTE}")
     missing = [k for k in _REQUIRED_META if k not in meta] + [k for k in _REQUIRED_TENSORS if k not in tensors]
     if missing:
         _fail(where, f"missing entries {missing}; {RECOMPUTE}")

@@ -126,7 +126,7 @@ def check_group(group: int, head_dim: Optional[int] = None) -> None:
         raise OscarOptionError(f"{GROUP_FLAG} {group} is not supported by the OSCAR kernels; use one of "
                                f"{SUPPORTED_GROUPS} (bits/element: {bits}, plus 0.5 on average for a calibrated "
                                "bundle's INT4-key heads)")
-    misfit = None if head_dim is None else group_misfit(head_dim, group, GROUP_FLAG)
+    misfit = None if head_dim is None else group_misfit(head_dim, group, GROUP_FLAG, supported=True)
     if misfit is not None:
         raise OscarOptionError(misfit)
 
