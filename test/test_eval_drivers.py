@@ -140,9 +140,18 @@ def test_lcb_private_tests_decoding():
         def __reduce__(self):
             return (print, ("pwned",))
 
+    for proto in range(pickle.HIGHEST_PROTOCOL + 1):  # every protocol's string pickle is read
+        packed = base64.b64encode(zlib.compress(pickle.dumps(json.dumps(tests), protocol=proto))).decode()
+        assert decode_tests(packed) == tests
     bad = base64.b64encode(zlib.compress(pickle.dumps(Evil()))).decode()
-    with pytest.raises(DatasetError, match="refusing"):
+    with pytest.raises(DatasetError, match="refusing pickle opcode"):
         decode_tests(bad)
+    two = base64.b64encode(zlib.compress(pickle.dumps([json.dumps(tests), "x"]))).decode()  # a list: refused
+    with pytest.raises(DatasetError, match="refusing pickle opcode"):
+        decode_tests(two)
+    huge = base64.b64encode(zlib.compress(b"\0" * ((1 << 28) + 1))).decode()
+    with pytest.raises(DatasetError, match="inflates past 256 MiB"):
+        decode_tests(huge)
 
 
 def test_dataset_loading(tmp_path):

@@ -2,8 +2,9 @@
 
 Records follow livecodebench/code_generation_lite: public_test_cases is a JSON list of
 {input, output, testtype}; private_test_cases is the same list, either as JSON or as
-base64(zlib(pickle(json string))). The pickle is read with an unpickler that refuses every
-global, so only plain strings/containers can come out of it (no code runs). Functional problems
+base64(zlib(pickle(json string))). That pickle is not unpickled: its opcodes are parsed and only
+one string and the framing around it are accepted (anything else, e.g. a global, is refused), and
+the decompressed size is capped. Functional problems
 (testtype "functional") call Solution().<func_name>(*args) with one JSON argument per input line
 (func_name from the record's metadata). A problem passes if every test passes; the first failure
 stops it. --since / --until select a contest-date window (v6 of the paper: 2025-02-01..2025-05-01).
@@ -12,9 +13,8 @@ stops it. --since / --until select a contest-date window (v6 of the paper: 2025-
 from __future__ import annotations
 
 import base64
-import io
 import json
-import pickle
+import pickletools
 import zlib
 
 from ..datasets import DatasetError, field
@@ -46,9 +46,31 @@ if __name__ == "__main__":
 """
 
 
-class _NoGlobals(pickle.Unpickler):
-    def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from test data")
+MAX_TESTS_BYTES = 1 << 28  # decompressed private tests of one problem (the largest LCB records are ~100 MB)
+# the opcodes of a pickled str or bytes (protocols 0-5): framing, the string, the memo, nothing that calls or imports
+_STRING_OPS = {"UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "SHORT_BINBYTES", "BINBYTES", "BINBYTES8"}
+_FRAME_OPS = {"PROTO", "FRAME", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT", "STOP"}
+
+
+def _pickled_string(data: bytes):
+    """The one str / bytes a pickle of a string holds, read from its opcodes; any other opcode is refused."""
+    found = []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in _STRING_OPS:
+            found.append(arg)
+        elif op.name not in _FRAME_OPS:
+            raise ValueError(f"refusing pickle opcode {op.name} in test data (only a pickled string is read)")
+    if len(found) != 1:
+        raise ValueError(f"expected one pickled string in test data, found {len(found)}")
+    return found[0]
+
+
+def _inflate(data: bytes) -> bytes:
+    d = zlib.decompressobj()
+    out = d.decompress(data, MAX_TESTS_BYTES)
+    if d.unconsumed_tail:
+        raise ValueError(f"test data inflates past {MAX_TESTS_BYTES >> 20} MiB")
+    return out
 
 
 def decode_tests(raw) -> list[dict]:
@@ -61,8 +83,7 @@ def decode_tests(raw) -> list[dict]:
     except ValueError:
         pass
     try:
-        obj = _NoGlobals(io.BytesIO(zlib.decompress(base64.b64decode(raw)))).load()
-        return json.loads(obj) if isinstance(obj, (str, bytes)) else obj
+        return json.loads(_pickled_string(_inflate(base64.b64decode(raw))))
     except Exception as e:
         raise DatasetError(f"cannot decode test cases ({type(e).__name__}: {e})") from None
 
