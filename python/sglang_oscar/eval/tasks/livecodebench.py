@@ -46,7 +46,7 @@ if __name__ == "__main__":
 """
 
 
-MAX_TESTS_BYTES = 1 << 28  # decompressed private tests of one problem (the largest LCB records are ~100 MB)
+MAX_TESTS_BYTES = 1 << 28  # one problem's private tests, inflated: a cap against a decompression bomb
 # the opcodes of a pickled str or bytes (protocols 0-5): framing, the string, the memo, nothing that calls or imports
 _STRING_OPS = {"UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "SHORT_BINBYTES", "BINBYTES", "BINBYTES8"}
 _FRAME_OPS = {"PROTO", "FRAME", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT", "STOP"}
