@@ -20,6 +20,7 @@ Build: kernels/cuda_build.py (nvcc once per source, GPU arch and nvcc, cached on
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
 import threading
@@ -30,6 +31,9 @@ import torch
 from . import cuda_build
 from .cuda_build import CudaUnavailable
 from .shapes import cuda_write_refusal
+
+logger = logging.getLogger(__name__)
+_SCALAR_NOTED = set()  # the row layouts already logged as read with scalar loads
 
 SOURCE = os.path.join(cuda_build.CUDA_DIR, "int2_write.cu")
 Q_HEADS_PER_CTA = 4  # query heads per q program (int2_write.cu kQHeads)
@@ -117,6 +121,13 @@ def launch(k, v, slots, sink_dst, ring_dst, pool, *, kmat, s_kmh, kmean, s_kmean
             raise ValueError("the CUDA write reads q_transform in vector loads: pass one that starts 16-byte aligned")
         gqa = q.shape[1] // h
     vec = int(_rows_vec(k) and _rows_vec(v) and (q is None or _rows_vec(q)))
+    if not vec:  # correct, but slower: say so once per layout instead of falling back silently
+        layout = tuple((t.data_ptr() % 16, t.stride()) for t in (k, v, q) if t is not None)
+        if layout not in _SCALAR_NOTED:
+            _SCALAR_NOTED.add(layout)
+            logger.warning("sglang_oscar: the CUDA KV write reads k / v / q rows with scalar loads: a row does not "
+                           "start 16-byte aligned or a stride is not a multiple of 8 elements (strides %s)",
+                           [t.stride() for t in (k, v, q) if t is not None])
     slots, sink_dst, ring_dst = slots.contiguous(), sink_dst.contiguous(), ring_dst.contiguous()
     th0, th1, th2 = INT2_THRESHOLDS
 
