@@ -449,48 +449,89 @@ def main(argv=None) -> int:
             out.append((qk, qv))
         return out
 
-    methods = [
-        Method("bf16", None, "16", {}),
-        Method("int2_naive", "naive", "2.5", {}),
-        Method("int2_hadamard_clip", "hadamard_clip", "2.5", {}),
-        Method("int2_best", "best", "2.5", {}, diag=True),
-        Method("int2_best_noclip", "best_noclip", "2.5", {}),
-        Method("int2_best_kq_only", "best", "K 2.5 / V 16 (diagnostic)", dict(v_exact=True), diag=True),
-        Method("int2_best_vq_only", "best", "K 16 / V 2.5 (diagnostic)", dict(k_exact=True), diag=True),
-        Method("int2_best_k4", "best", "K 4.5 / V 2.5 = 3.5", dict(k_bits=4)),
-        Method("int2_best_kg32", "best_kg32", "K 3.0 / V 2.5 = 2.75", {}),
-        Method("int2_best_vc", "best", "2.5", dict(vc="scale"), diag=True),
-        Method("int2_best_vc_oracle", "best", "2.5 + per-row error (diagnostic)", dict(vc="oracle")),
-        Method("int2_hadamard_clip_vc", "hadamard_clip", "2.5", dict(vc="scale")),
-    ]
+    nkv = cfgm.num_key_value_heads
+
+    def side_bits(bits, group):
+        """Bits per element of one side with codes of `bits` in groups of `group`: float8 (scale, min) at the served
+        widths 2 and 4 (config.QuantFormat), bf16 ones at AnyBits' diagnostic widths 1 and 3 (b + 32 / group)."""
+        return QuantFormat(bits, group).bits_per_element if bits in (2, 4) else bits + 2 * 16 / group
+
+    def kv_bits(name, k_bits=None, v_bits=None, k4_heads=None):
+        """(K, V) bits per element of the quantized history as layers(name, k_bits, v_bits) stores it, K averaged over
+        the (layer, KV head) pairs: the bundle's INT4-key heads count unless k_bits gives every head its width (AnyBits
+        at 1, 3 or 4 bits) or the k4_heads knob ({layer: [KV heads]}) replaces them."""
+        if name == "k4_v2_8k":
+            return side_bits(4, bundles["int4_hadamard_8k"].k_group), side_bits(2, bundles["hadamard_clip_8k"].v_group)
+        b = bundles[name]
+        v = side_bits(2 if v_bits is None else v_bits, b.v_group)
+        if k_bits not in (None, 2):
+            return side_bits(k_bits, b.k_group), v
+        k4 = b.k4_count if k4_heads is None else sum(len(h) for h in k4_heads.values())
+        lay = CacheLayout(k=QuantFormat(2, b.k_group), v=QuantFormat(2, b.v_group), k4_heads=k4)
+        return 2 * lay.bits_per_element(L, nkv) - lay.v.bits_per_element, v
+
+    def num(x):  # 2.25, 2.739, 16
+        return f"{x:.3f}".rstrip("0").rstrip(".")
+
+    def avg(name, **kw):  # the method's bits per element over K and V, as a label
+        k, v = kv_bits(name, **kw)
+        return num((k + v) / 2)
+
+    def kv_label(k, v):  # "K x / V y = average"
+        return f"K {num(k)} / V {num(v)} = {num((k + v) / 2)}"
+
+    def kv(name, **kw):
+        return kv_label(*kv_bits(name, **kw))
+
+    if args.set == "methods":  # labels read the bundles, which only this set fits
+        methods = [
+            Method("bf16", None, "16", {}),
+            Method("int2_naive", "naive", avg("naive"), {}),
+            Method("int2_hadamard_clip", "hadamard_clip", avg("hadamard_clip"), {}),
+            Method("int2_best", "best", avg("best"), {}, diag=True),
+            Method("int2_best_noclip", "best_noclip", avg("best_noclip"), {}),
+            Method("int2_best_kq_only", "best", f"K {num(kv_bits('best')[0])} / V 16 (diagnostic)", dict(v_exact=True),
+                   diag=True),
+            Method("int2_best_vq_only", "best", f"K 16 / V {num(kv_bits('best')[1])} (diagnostic)", dict(k_exact=True),
+                   diag=True),
+            Method("int2_best_k4", "best", kv("best", k_bits=4), dict(k_bits=4)),
+            Method("int2_best_kg32", "best_kg32", kv("best_kg32"), {}),
+            Method("int2_best_vc", "best", avg("best"), dict(vc="scale"), diag=True),
+            Method("int2_best_vc_oracle", "best", f"{avg('best')} + per-row error (diagnostic)", dict(vc="oracle")),
+            Method("int2_hadamard_clip_vc", "hadamard_clip", avg("hadamard_clip"), dict(vc="scale")),
+        ]
 
     if args.set == "context":
         methods = [
             Method("bf16", None, "16", {}),
-            Method("int2_hadamard_clip", "hadamard_clip", "2.5", {}),
-            Method("int2_best", "best", "2.5", {}),
-            Method("int2_hadamard_clip_8k", "hadamard_clip_8k", "2.5", {}, diag=True),
-            Method("int2_best_8k", "best_8k", "2.5", {}, diag=True),
-            Method("int2_balanced_clip_8k", "balanced_clip_8k", "2.5", {}),
-            Method("int2_oscar_clip_8k", "oscar_clip_8k", "2.5", {}),
-            Method("int2_pca_clip_8k", "pca_clip_8k", "2.5", {}),
-            Method("k4_v2_8k", "k4_v2_8k", "K 4.5 / V 2.5 = 3.5 (diagnostic)", {}),
+            Method("int2_hadamard_clip", "hadamard_clip", avg("hadamard_clip"), {}),
+            Method("int2_best", "best", avg("best"), {}),
+            Method("int2_hadamard_clip_8k", "hadamard_clip_8k", avg("hadamard_clip_8k"), {}, diag=True),
+            Method("int2_best_8k", "best_8k", avg("best_8k"), {}, diag=True),
+            Method("int2_balanced_clip_8k", "balanced_clip_8k", avg("balanced_clip_8k"), {}),
+            Method("int2_oscar_clip_8k", "oscar_clip_8k", avg("oscar_clip_8k"), {}),
+            Method("int2_pca_clip_8k", "pca_clip_8k", avg("pca_clip_8k"), {}),
+            Method("k4_v2_8k", "k4_v2_8k", kv("k4_v2_8k") + " (diagnostic)", {}),
         ]
 
     if args.set == "offsets":
         # 2k windows spread over RoPE positions [0, 8k) against 8k windows (--bundle best_8k=...)
         methods = [Method("bf16", None, "16", {}),
-                   Method("int2_best_offsets", "best_offsets", "2.5", {}, diag=True)]
-        methods += [Method(f"int2_{n}", n, "2.5", {}) for n in bundles if n != "best_offsets"]
+                   Method("int2_best_offsets", "best_offsets", avg("best_offsets"), {}, diag=True)]
+        methods += [Method(f"int2_{n}", n, avg(n), {}) for n in bundles if n != "best_offsets"]
 
     if args.set == "bits":
-        # bits per element with groups of 64 and two bf16 parameters per group: b + 0.5
+        # bits per element = codes + two parameters per group (kv_bits): float8 at 2 and 4 bits (b + 0.25 at groups
+        # of 64), bf16 at AnyBits' 1 and 3 (b + 0.5); K counts the bundle's INT4-key heads only at 2 bits (k_bits 3 or
+        # 4 gives every head its width)
         methods = [Method("bf16", None, "16", {}),
-                   Method("int2_best", "served", "K 2.5 / V 2.5 = 2.5", {}, diag=True),
-                   Method("k3_v1", "served", "K 3.5 / V 1.5 = 2.5", dict(k_bits=3, v_bits=1), diag=True),
-                   Method("k2_v1", "served", "K 2.5 / V 1.5 = 2.0 (diagnostic: V at 1 bit alone)", dict(v_bits=1)),
-                   Method("k3_v2", "served", "K 3.5 / V 2.5 = 3.0 (diagnostic: K at 3 bits alone)", dict(k_bits=3)),
-                   Method("k4_v1", "served", "K 4.5 / V 1.5 = 3.0", dict(k_bits=4, v_bits=1))]
+                   Method("int2_best", "served", kv("served"), {}, diag=True),
+                   Method("k3_v1", "served", kv("served", k_bits=3, v_bits=1), dict(k_bits=3, v_bits=1), diag=True),
+                   Method("k2_v1", "served", kv("served", v_bits=1) + " (diagnostic: V at 1 bit alone)",
+                          dict(v_bits=1)),
+                   Method("k3_v2", "served", kv("served", k_bits=3) + " (diagnostic: K at 3 bits alone)",
+                          dict(k_bits=3)),
+                   Method("k4_v1", "served", kv("served", k_bits=4, v_bits=1), dict(k_bits=4, v_bits=1))]
 
     if args.set == "keep":
         # the history rows the prompt's end attends to most kept in BF16 (Observer), per layer and KV head, on the
@@ -508,23 +549,32 @@ def main(argv=None) -> int:
 
     if args.set == "channel":
         # keys grouped along tokens: per channel over blocks of 64 tokens (KIVI), or a per-channel block mean plus the
-        # per-token INT2 residual ("kbm"); bits = codes + float8 (scale, min) (0.25) + block mean (16 / block)
-        methods = [Method("bf16", None, "16", {}), Method("int2_best", "served", "2.5", {}, diag=True),
-                   Method("kchan_served", "served", "2.5 (K per channel over 64 tokens, served basis)",
+        # per-token INT2 residual ("kbm"); K bits: kbm = codes + float8 (scale, min) (0.25 at groups of 64, every
+        # head INT2) + bf16 block mean (16 / block); kchan = codes + bf16 (scale, min) per channel and block (32 /
+        # block); V the served quantizer's
+        k_served, v_served = kv_bits("served")
+        chan = lambda block: 2 + 2 * 16 / block  # noqa: E731
+        bm = lambda block: QuantFormat(2, bundles["served"].k_group).bits_per_element + 16 / block  # noqa: E731
+        methods = [Method("bf16", None, "16", {}), Method("int2_best", "served", avg("served"), {}, diag=True),
+                   Method("kchan_served", "served",
+                          f"{num((chan(64) + v_served) / 2)} (K per channel over 64 tokens, served basis)",
                           dict(k_channel=dict(block=64))),
-                   Method("kbm64_fp8", "served", "K 2.5 / V 2.25 = 2.375", dict(k_blockmean=dict(block=64)),
+                   Method("kbm64_fp8", "served", kv_label(bm(64), v_served), dict(k_blockmean=dict(block=64)),
                           diag=True),
-                   Method("kbm32_fp8_vfp8", "served", "K 2.75 / V 2.25 = 2.5", dict(k_blockmean=dict(block=32)),
+                   Method("kbm32_fp8_vfp8", "served", kv_label(bm(32), v_served), dict(k_blockmean=dict(block=32)),
                           diag=True),
-                   Method("k3_v2", "served", "K 3.5 / V 2.5 = 3.0 (reference: K at 3 bits)", dict(k_bits=3)),
-                   Method("kbm32_fp8_vfp8_keep64", "served", "2.5 + 0.125 (64 BF16 rows at 8k)",
+                   Method("k3_v2", "served", kv("served", k_bits=3) + " (reference: K at 3 bits)", dict(k_bits=3)),
+                   Method("kbm32_fp8_vfp8_keep64", "served",
+                          f"{num((bm(32) + v_served) / 2)} + {num(64 * 16 / 8192)} (64 BF16 rows at 8k)",
                           dict(k_blockmean=dict(block=32), keep=64)),
-                   Method("served_kq_only", "served", "K 2.5 / V 16 (diagnostic)", dict(v_exact=True)),
-                   Method("served_vq_only", "served", "K 16 / V 2.5 (diagnostic)", dict(k_exact=True))]
+                   Method("served_kq_only", "served", f"K {num(k_served)} / V 16 (diagnostic)", dict(v_exact=True)),
+                   Method("served_vq_only", "served", f"K 16 / V {num(v_served)} (diagnostic)", dict(k_exact=True))]
         if args.lengths == [2048]:  # keys per channel in their post-RoPE basis (no transform): lost at 2k
-            methods += [Method("kchan_raw", "served", "2.5 (K per channel over 64 tokens, post-RoPE basis)",
+            methods += [Method("kchan_raw", "served",
+                               f"{num((chan(64) + v_served) / 2)} (K per channel over 64 tokens, post-RoPE basis)",
                                dict(k_channel=dict(block=64), k_ident=True)),
-                        Method("kchan_raw_b32", "served", "3.0 (K per channel over 32 tokens, post-RoPE basis)",
+                        Method("kchan_raw_b32", "served",
+                               f"{num((chan(32) + v_served) / 2)} (K per channel over 32 tokens, post-RoPE basis)",
                                dict(k_channel=dict(block=32), k_ident=True))]
 
     if args.set == "headbits":
@@ -551,18 +601,17 @@ def main(argv=None) -> int:
         nkv = cfgm.num_key_value_heads
         top_layers = sorted(per_layer, key=per_layer.get, reverse=True)[: budget // nkv]
         layer_heads = {layer: list(range(nkv)) for layer in top_layers}
-        nl = len(top_layers) * nkv
         print(f"INT4 keys on {budget} of {nh} KV heads; most damaged: "
               + ", ".join(f"L{a}h{b} {kl:.3f}" for a, b, kl in ranked[:8]), flush=True)
-        bits = lambda n: f"K {2.25 + 2 * n / nh:.3f} / V 2.25 = {2.25 + n / nh:.3f}"  # noqa: E731
-        methods = [Method("bf16", None, "16", {}), Method("int2_best", "served", "2.5", {}),
-                   Method("int2_keys", "served", bits(0) + " (INT2 keys on every head)", dict(k4_heads={})),
-                   Method(f"k4_top{budget}_fp8", "served", bits(budget), dict(k4_heads=top)),
-                   Method(f"k4_rand{budget}_fp8", "served", bits(budget) + " (control: random heads)",
+        bits = lambda heads: kv("served", k4_heads=heads)  # noqa: E731
+        methods = [Method("bf16", None, "16", {}), Method("int2_best", "served", avg("served"), {}),
+                   Method("int2_keys", "served", bits({}) + " (INT2 keys on every head)", dict(k4_heads={})),
+                   Method(f"k4_top{budget}_fp8", "served", bits(top), dict(k4_heads=top)),
+                   Method(f"k4_rand{budget}_fp8", "served", bits(rand) + " (control: random heads)",
                           dict(k4_heads=rand)),
-                   Method(f"k4_layers{len(top_layers)}_fp8", "served", bits(nl) + " (one key width per layer)",
+                   Method(f"k4_layers{len(top_layers)}_fp8", "served", bits(layer_heads) + " (one key width per layer)",
                           dict(k4_heads=layer_heads)),
-                   Method("k4_all_fp8", "served", bits(nh) + " (reference: INT4 keys everywhere)",
+                   Method("k4_all_fp8", "served", bits(every) + " (reference: INT4 keys everywhere)",
                           dict(k4_heads=every))]
         extra_report = dict(heads_ranked=[list(r) for r in ranked], int4_heads=budget)
     else:
@@ -732,8 +781,8 @@ def top_heads_impl(args, report, L, Hq, cfgm, methods, run_cell, sim_of):
     for k in args.top_heads:
         heads = ranked[:k]
         name = f"int2_best_exactK_top{k}"
-        report["methods"][name] = dict(bits=f"2.5 + exact K on {k} of {L * cfgm.num_key_value_heads} KV heads "
-                                            "(diagnostic)", heads=heads)
+        report["methods"][name] = dict(bits=f"{best.bits_note} + exact K on {k} of {L * cfgm.num_key_value_heads} "
+                                            "KV heads (diagnostic)", heads=heads)
         for task in args.tasks:
             cell, _, _ = run_cell(int(Lmax), task, [], {name: sim_of(best, exact_k_heads=heads)})
             report["cells"][Lmax][task][name] = cell[name]
