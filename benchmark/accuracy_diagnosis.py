@@ -538,9 +538,7 @@ def main(argv=None) -> int:
         # served bundle's format (float8 (scale, min), INT4 keys on the bundle's INT4-key heads); bits at 8k: the
         # format's + k * 16 / 8192 (the sink and window are BF16 in every method)
         b = bundles["served"]
-        nkv = cfgm.num_key_value_heads
-        served_bits = CacheLayout(k=QuantFormat(2, b.k_group), v=QuantFormat(2, b.v_group),
-                                  k4_heads=b.k4_count).bits_per_element(L, nkv)
+        served_bits = sum(kv_bits("served")) / 2
         methods = [Method("bf16", None, "16", {}),
                    Method("int2_best", "served", f"{served_bits:.3f} (INT4 keys on {b.k4_count} of {L * nkv} KV heads)",
                           {})]
@@ -598,7 +596,6 @@ def main(argv=None) -> int:
         per_layer = {}
         for layer, _, kl in ranked:
             per_layer[layer] = per_layer.get(layer, 0.0) + kl
-        nkv = cfgm.num_key_value_heads
         top_layers = sorted(per_layer, key=per_layer.get, reverse=True)[: budget // nkv]
         layer_heads = {layer: list(range(nkv)) for layer in top_layers}
         print(f"INT4 keys on {budget} of {nh} KV heads; most damaged: "

@@ -4,7 +4,7 @@ A random GQA attention block is run twice: with the original weights, and with T
 v rows of qkv_proj and the input columns of o_proj (the attention itself unchanged, so it now works
 on v·T_V, which is what the int2 pool stores). The outputs must agree to fp32 rounding, and the
 absorbed v must equal v·T_V. Then the same at TP=2/4, sharding the weights the way SGLang's
-QKVParallelLinear / RowParallelLinear do (srt/startup_checks.py:kv_head_range), absorbing each
+QKVParallelLinear / RowParallelLinear do (srt/capacity.py:kv_head_range), absorbing each
 shard with its own KV heads' matrices, and summing the o_proj partial sums (the all-reduce).
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from sglang_oscar.srt import absorb_v as A
 from sglang_oscar.srt.options import OscarOptionError
-from sglang_oscar.srt.startup_checks import kv_head_range
+from sglang_oscar.srt.capacity import kv_head_range
 
 D = 16
 HIDDEN = 48

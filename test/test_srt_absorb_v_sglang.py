@@ -35,7 +35,7 @@ pytest.importorskip("sglang.srt.plugins.hook_registry")
 from sglang_oscar.rotation.bundle import RotationBundle, save_bundle  # noqa: E402
 from sglang_oscar.srt import hooks, options  # noqa: E402
 from sglang_oscar.srt.absorb_v import ABSORB_ATTR  # noqa: E402
-from sglang_oscar.srt.startup_checks import kv_head_range  # noqa: E402
+from sglang_oscar.srt.capacity import kv_head_range  # noqa: E402
 
 HIDDEN, D, LAYERS = 256, 64, 2
 

@@ -3,6 +3,7 @@
 import pytest
 
 from sglang_oscar.srt import capacity as c
+from sglang_oscar.srt.options import OscarOptionError
 
 QWEN3_8B = c.ModelShape(num_layers=36, kv_heads=8, head_dim=128)
 GIB = 2**30
@@ -17,6 +18,13 @@ def test_cells_qwen3_8b():
     assert c.int2_cell_bytes(QWEN3_8B, SERVED) == 36 * 8 * 2 * (32 + 4) + 72 * 32 + 4  # 2.5 bits per element
     assert c.bf16_cell_bytes(QWEN3_8B) == 147456
     assert c.bf16_cell_bytes(QWEN3_8B) / c.int2_cell_bytes(QWEN3_8B, c.layout_for(64, 256, 128)) > 7.1
+
+
+def test_kv_head_range_matches_qkv_parallel_linear():
+    assert [c.kv_head_range(r, 2, 8) for r in range(2)] == [(0, 4), (4, 8)]
+    assert [c.kv_head_range(r, 8, 2) for r in range(8)] == [(0, 1)] * 4 + [(1, 2)] * 4  # replicas
+    with pytest.raises(OscarOptionError):
+        c.kv_head_range(0, 3, 8)
 
 
 def test_tp_shards_kv_heads():

@@ -16,13 +16,6 @@ def cfg(**kw):
     return dataclasses.replace(o.OscarServeConfig(bundle_path="builtin:hadamard"), **kw)
 
 
-def test_kv_head_range_matches_qkv_parallel_linear():
-    assert [s.kv_head_range(r, 2, 8) for r in range(2)] == [(0, 4), (4, 8)]
-    assert [s.kv_head_range(r, 8, 2) for r in range(8)] == [(0, 1)] * 4 + [(1, 2)] * 4  # replicas
-    with pytest.raises(o.OscarOptionError):
-        s.kv_head_range(0, 3, 8)
-
-
 def test_plan_builtin_and_tp_shard():
     plan = s.plan_rank(cfg(k_clip=0.9), dataclasses.replace(QWEN3, tp_size=2), tp_rank=1)
     assert (plan.kv_start, plan.kv_end, plan.k_group, plan.v_group) == (4, 8, 64, 64)

@@ -88,7 +88,8 @@ class _Collector:
 
 @torch.no_grad()
 def attention_errors(model, windows: list[list[int]], methods: dict[str, Optional[Sequence]], *,
-                     sink: int = SERVED_SINK, recent: int = SERVED_RECENT, max_queries: Optional[int] = 256, progress: bool = True) -> dict:
+                     sink: int = SERVED_SINK, recent: int = SERVED_RECENT, max_queries: Optional[int] = 256,
+                     progress: bool = True) -> dict:
     """{name: dict(kl_per_layer, kl_mean, relmse_per_layer, relmse_mean)}; a method is a per-layer
     list of (K, V) SideQuantizer pairs / None, or None for the exact model (all zeros)."""
     n = model.config.num_hidden_layers

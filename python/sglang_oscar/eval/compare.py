@@ -33,6 +33,7 @@ from ..config import SERVED_RECENT, SERVED_SINK, CacheLayout, QuantFormat, defau
 from .niah import ALL_TASKS, ANSWER_RULES, UNSEEN_TASKS, make_samples, score_niah
 from .niah import TASKS as NIAH_TASKS
 
+
 def method_specs(head_dim: int) -> dict[str, dict]:
     """name -> dict(variant = fit_bundle kwargs (None: exact bf16), bits, desc, served_default)."""
     g = default_group(head_dim)  # the served group

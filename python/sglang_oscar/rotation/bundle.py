@@ -309,8 +309,8 @@ def load_bundle(path, *, expect_layers=None, expect_kv_heads=None, expect_head_d
         bad = (tensors[name].double() != 1.0).flatten().nonzero() if name in tensors else ()
         if len(bad):
             i = int(bad[0])
-            _fail(where, f"{name}[{i}] = {float(tensors[name].flatten()[i]):g}: INT2 codebook levels are not supported; "
-                  "refit with python -m sglang_oscar.calibrate")
+            _fail(where, f"{name}[{i}] = {float(tensors[name].flatten()[i]):g}: INT2 codebook levels are not "
+                  "supported; refit with python -m sglang_oscar.calibrate")
     b = RotationBundle(
         k_transform=tensors["k_transform"],
         v_transform=tensors["v_transform"],

@@ -154,7 +154,7 @@ def _check_float_linear(name: str, lin) -> None:
 def rank_kv_range(qkv_proj) -> tuple:
     """Global KV heads [start, end) whose v rows this QKVParallelLinear holds."""
     tp_rank, tp_size, total = int(qkv_proj.tp_rank), int(qkv_proj.tp_size), int(qkv_proj.total_num_kv_heads)
-    from .startup_checks import kv_head_range
+    from .capacity import kv_head_range
 
     start, end = kv_head_range(tp_rank, tp_size, total)
     if end - start != int(qkv_proj.num_kv_heads):

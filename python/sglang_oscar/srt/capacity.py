@@ -30,7 +30,7 @@ import dataclasses
 from typing import Optional
 
 from ..config import CacheLayout, QuantFormat
-from .startup_checks import kv_head_range
+from .options import OscarOptionError
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 SINK_TABLE_BYTES = 4  # int32 per slot
@@ -38,6 +38,21 @@ DEFAULT_SINK_ROW_FACTOR = 2  # sink rows for R live requests + as many cached pr
 WINDOW_SHARE = 10  # without --max-running-requests the BF16 windows get at most 1/10 of the KV budget
 MAX_AUTO_REQUESTS = 2048  # and R stays <= SGLang 0.5.17's smallest own default (resolve_max_num_reqs)
 LINE_LENGTHS = (4096, 32768, 100000)  # request lengths the startup line counts (plus the context length)
+
+
+def kv_head_range(tp_rank: int, tp_size: int, kv_heads: int) -> tuple[int, int]:
+    """Global KV heads [start, end) held by a rank, as QKVParallelLinear shards them (0.5.17)."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
+    if tp_size >= kv_heads:
+        if tp_size % kv_heads:
+            raise OscarOptionError(f"tp_size {tp_size} is not a multiple of the {kv_heads} KV heads")
+        h = tp_rank // (tp_size // kv_heads)  # replicated: num_kv_head_replicas ranks share a head
+        return h, h + 1
+    if kv_heads % tp_size:
+        raise OscarOptionError(f"{kv_heads} KV heads do not split evenly over tp_size {tp_size}")
+    per = kv_heads // tp_size
+    return tp_rank * per, (tp_rank + 1) * per
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +64,7 @@ class ModelShape:
 
     @property
     def kv_heads_per_rank(self) -> int:
-        """The KV heads of one rank (every rank holds as many: startup_checks.kv_head_range)."""
+        """The KV heads of one rank (every rank holds as many: kv_head_range)."""
         start, end = kv_head_range(0, self.tp_size, self.kv_heads)
         return end - start
 

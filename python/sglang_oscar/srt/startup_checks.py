@@ -20,6 +20,7 @@ from ..kernels.shapes import CUDA_HISTORY_PAGE, CUDA_WRITE_MAX_TOKENS, cuda_hist
 from ..models import shape_from_config
 from ..rotation.bundle import (ORTHO_TOL, BundleError, RotationBundle, check_expectations, data_free_bundle, load_bundle,
                                load_seed_pt, orthogonality_error)
+from .capacity import kv_head_range
 from .options import ENV_ABSORB_V, ENV_BUNDLE, GROUP_FLAG, OscarOptionError, OscarServeConfig
 
 logger = logging.getLogger(__name__)
@@ -44,21 +45,6 @@ class ModelInfo:
         arch = (getattr(cfg, "architectures", None) or ["?"])[0]
         shape = shape_from_config(cfg)  # the fallbacks of models.py: no num_key_value_heads, no head_dim
         return cls(arch, shape["num_layers"], shape["q_heads"], shape["kv_heads"], shape["head_dim"], tp_size)
-
-
-def kv_head_range(tp_rank: int, tp_size: int, kv_heads: int) -> tuple[int, int]:
-    """Global KV heads [start, end) held by a rank, as QKVParallelLinear shards them (0.5.17)."""
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
-    if tp_size >= kv_heads:
-        if tp_size % kv_heads:
-            raise OscarOptionError(f"tp_size {tp_size} is not a multiple of the {kv_heads} KV heads")
-        h = tp_rank // (tp_size // kv_heads)  # replicated: num_kv_head_replicas ranks share a head
-        return h, h + 1
-    if kv_heads % tp_size:
-        raise OscarOptionError(f"{kv_heads} KV heads do not split evenly over tp_size {tp_size}")
-    per = kv_heads // tp_size
-    return tp_rank * per, (tp_rank + 1) * per
 
 
 def check_model(model: ModelInfo) -> None:
@@ -254,4 +240,4 @@ def build_cuda_path(path: DecodePath, device) -> DecodePath:
 
 __all__ = ["BundleError", "CUDA_HISTORY_SM_MAJOR", "DecodePath", "MAX_GQA", "ModelInfo", "StartupPlan",
            "V_ABSORB_ARCHITECTURES", "build_cuda_path", "check_model", "check_v_absorption", "decode_path",
-           "kv_head_range", "load_rotation", "plan_rank"]
+           "load_rotation", "plan_rank"]
